@@ -1,0 +1,12 @@
+"""The data plane: plain Python building blocks of the tokenized SFT cache (no Prefect import).
+
+plan.py     resolve sources, validate them, fingerprint the run, cut byte-balanced slices
+shard.py    tokenize one slice and stream it into its own Arrow shard
+publish.py  turn the finished shards into a `datasets.load_from_disk` cache
+reader.py   open a published cache, memory-mapped, for a trainer
+FORMAT.md   the on-disk format of staging and of a published cache
+"""
+
+__version__ = "0.1.0"
+# Bumped whenever the bytes of a cache change for the same inputs; part of every fingerprint.
+CACHE_FORMAT_VERSION = 1

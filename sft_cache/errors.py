@@ -1,0 +1,25 @@
+"""Errors the user can act on. Their message is one line that names the file, the row and what is wrong."""
+
+
+class BadInput(ValueError):
+    """The input, the tokenizer or an option is wrong; nothing was published. The CLI exits 2."""
+
+
+class BadRow(ValueError):
+    """One row is wrong. It is raised as a BadInput naming the row, or, with `on_bad_row="skip"`, counted.
+
+    It does not know where it is: readers locate a row only when the error is raised, because finding a
+    JSONL line number means counting the lines before the slice.
+    """
+
+    def __init__(self, reason: str, detail: str):
+        self.reason = reason  # a short key the skips are counted by, e.g. "malformed_json"
+        self.detail = detail
+        super().__init__(detail)
+
+    def at(self, where: str) -> BadInput:
+        return BadInput(f"{where}: {self.detail}")
+
+
+class CacheError(RuntimeError):
+    """A published cache or a staged shard is missing, corrupt or does not match its manifest."""

@@ -1,0 +1,140 @@
+"""plan_slices: resolve and check every input up front, fingerprint the run, cut byte-balanced slices.
+
+Everything that can be wrong before tokenizing (a missing file, an unknown format, a missing column, a
+tokenizer without a chat template, a max_length below the template's own overhead) fails here, before
+any work is done.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import CACHE_FORMAT_VERSION
+from .chat import ChatEncoder, load_tokenizer, read_chat_template, resolve_tokenizer
+from .errors import BadInput
+from .fingerprint import fingerprint, hash_directory, hash_text
+from .formats import ColumnMap, resolve_columns
+from .options import TokenizeOptions, parse_size
+from .publish import is_published
+from .shard import Job
+from .sources import Slice, SourceFile, cut_slices, reader, resolve
+
+
+@dataclass(frozen=True)
+class Plan:
+    job: Job
+    slices: list[Slice]
+    name: str
+    cache_path: Path
+    inputs: dict  # what the fingerprint hashes; recorded in the manifest
+    cached: bool  # a valid cache with this fingerprint is already published
+
+    @property
+    def staging(self) -> Path:
+        return Path(self.job.staging)
+
+
+def default_name(spec: str) -> str:
+    base = os.path.basename(spec.removeprefix("hub:").rstrip("/*")) or "dataset"
+    stem = base.split(".")[0]
+    return "".join(c if c.isalnum() or c in "._-" else "-" for c in stem).strip(".-_") or "dataset"
+
+
+def cache_root(options: TokenizeOptions) -> Path:
+    root = options.cache_root
+    if root.exists() and not root.is_dir():
+        raise BadInput(f"cache dir {root} exists and is not a directory")
+    try:
+        (root / ".staging").mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise BadInput(f"cache dir {root}: cannot create it ({error.strerror})") from None
+    return root
+
+
+def _columns(files: list[SourceFile], options: TokenizeOptions) -> ColumnMap:
+    """One format and column mapping for all files; a file that does not fit is named."""
+    first: ColumnMap | None = None
+    for source in files:
+        found = resolve_columns(options.format if first is None else first.format, options.columns,
+                                reader(source, options.storage_options).columns(), source.url)
+        if first is None:
+            first = found
+        elif found != first:
+            raise BadInput(f"{source.url}: columns {found.columns} differ from {files[0].url}'s {first.columns}")
+    assert first is not None
+    return first
+
+
+def _check_tokenizer(tokenizer, columns: ColumnMap, options: TokenizeOptions) -> None:
+    if columns.format == "text":
+        if options.train_on != "all":
+            raise BadInput("text data trains on every token: use --train-on all")
+        return
+    if not tokenizer.chat_template:
+        raise BadInput(f"tokenizer {options.tokenizer} has no chat template, which {columns.format} data needs: "
+                       "pass --chat-template FILE")
+    if options.max_length is not None:
+        overhead = ChatEncoder(tokenizer).template_overhead()
+        if options.max_length <= overhead:
+            raise BadInput(f"--max-length {options.max_length} leaves no room for content: the chat template "
+                           f"alone takes {overhead} tokens for an empty exchange")
+
+
+def plan_slices(options: TokenizeOptions) -> Plan:
+    root = cache_root(options)
+    tokenizer_dir = resolve_tokenizer(options.tokenizer, options.tokenizer_revision)
+    tokenizer = load_tokenizer(tokenizer_dir, read_chat_template(options.chat_template), options.trust_remote_code)
+    files = resolve(options.sources, split=options.split, subset=options.subset, revision=options.revision,
+                    storage_options=options.storage_options)
+    columns = _columns(files, options)
+    _check_tokenizer(tokenizer, columns, options)
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
+    inputs = {
+        "cache_format_version": CACHE_FORMAT_VERSION,
+        "sources": [[f.url, f.kind, *f.identity] for f in files],
+        "format": columns.format,
+        "columns": columns.columns,
+        "tokenizer_files": hash_directory(tokenizer_dir),
+        "chat_template": hash_text(template),
+        "train_on": options.train_on,
+        "max_length": options.max_length,
+        "truncation": options.truncation if options.max_length else None,
+        "extra_columns": sorted(options.extra_columns),
+    }
+    digest = fingerprint(inputs)
+    name = options.name or default_name(options.sources[0])
+    cache_path = root / f"{name}-{digest}"
+    job = Job(
+        fingerprint=digest,
+        staging=str(root / ".staging" / digest),
+        tokenizer_dir=str(tokenizer_dir),
+        chat_template=template,
+        columns=columns,
+        train_on=options.train_on,
+        max_length=options.max_length,
+        truncation=options.truncation,
+        on_bad_row=options.on_bad_row,
+        extra_columns=tuple(sorted(options.extra_columns)),
+        writer_batch_rows=options.writer_batch_rows,
+        writer_batch_bytes=parse_size(options.writer_batch_bytes),
+        trust_remote_code=options.trust_remote_code,
+        storage_options=options.storage_options,
+    )
+    cached = is_published(cache_path)
+    slices = [] if cached else cut_slices(files, parse_size(options.shard_size), options.storage_options)
+    return Plan(job, slices, name, cache_path, inputs, cached)
+
+
+def run_locally(options: TokenizeOptions) -> Path:
+    """The whole pipeline in this process, one slice after another: the reference the flow must match."""
+    from .publish import publish_cache
+    from .shard import tokenize_slice
+
+    plan = plan_slices(options)
+    if plan.cached:
+        return plan.cache_path
+    for slice_ in plan.slices:
+        tokenize_slice(plan.job, slice_)
+    return publish_cache(plan.job, plan.slices, plan.cache_path, plan.inputs, plan.name)

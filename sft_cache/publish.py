@@ -1,0 +1,158 @@
+"""publish_cache: the finished shards become a `datasets.load_from_disk` directory, no row copied.
+
+The shards are hard-linked (renamed where links are not supported) into a fresh directory next to the
+staging one, the metadata is written beside them, and that directory is renamed to its final name in
+one step: a reader sees the whole cache or none of it. A run killed during publish leaves staging intact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import CACHE_FORMAT_VERSION, __version__
+from .errors import BadInput, CacheError
+from .reader import read_manifest
+from .shard import Job, features, finished_shard
+from .sources import Slice
+
+PERCENTILES = (50, 90, 99)
+
+
+@contextlib.contextmanager
+def locked(lock_file: Path) -> Iterator[None]:
+    """An exclusive advisory lock: one publisher per fingerprint at a time, across processes."""
+    lock_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_file, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def length_summary(histogram: Counter) -> dict[str, float]:
+    """min, mean, percentiles and max of the row lengths, exact, from a {length: rows} histogram."""
+    if not histogram:
+        return {}
+    values = np.array(sorted(histogram), dtype=np.int64)
+    counts = np.array([histogram[v] for v in values], dtype=np.int64)
+    cumulative = np.cumsum(counts)
+    mean = float((values * counts).sum() / cumulative[-1])
+    summary: dict[str, float] = {"min": int(values[0]), "mean": round(mean, 1)}
+    for p in PERCENTILES:
+        rank = int(np.ceil(p / 100 * cumulative[-1]))
+        summary[f"p{p}"] = int(values[np.searchsorted(cumulative, rank)])
+    summary["max"] = int(values[-1])
+    return summary
+
+
+def describe_drops(dropped: dict[str, int]) -> str:
+    return ", ".join(f"{reason}: {count}" for reason, count in sorted(dropped.items())) or "none"
+
+
+def build_manifest(job: Job, shards: list[dict], files: list[dict], inputs: dict, name: str) -> dict[str, Any]:
+    dropped: Counter = Counter()
+    lengths: Counter = Counter()
+    for shard in shards:
+        dropped.update(shard["dropped"])
+        lengths.update(dict(zip(shard["lengths"]["values"], shard["lengths"]["counts"], strict=True)))
+    return {
+        "format_version": CACHE_FORMAT_VERSION,
+        "tool_version": __version__,
+        "name": name,
+        "fingerprint": job.fingerprint,
+        "fingerprint_inputs": inputs,
+        "columns": list(features(job.extra_columns)),
+        "rows": sum(s["rows"] for s in shards),
+        "tokens": sum(s["tokens"] for s in shards),
+        "trained_tokens": sum(s["trained_tokens"] for s in shards),
+        "dropped": dict(sorted(dropped.items())),
+        "lengths": length_summary(lengths),
+        "files": files,
+        "shards": [{k: s[k] for k in ("slice", "rows", "tokens", "trained_tokens", "dropped", "seconds")}
+                   for s in shards],
+    }
+
+
+def is_published(path: Path) -> bool:
+    try:
+        read_manifest(path)
+        return True
+    except CacheError:
+        return False
+
+
+def publish_cache(job: Job, slices: list[Slice], cache_path: Path, inputs: dict, name: str,
+                  timings: dict | None = None) -> Path:
+    """Check every shard, then publish them as the cache at `cache_path`; returns that path."""
+    started = time.monotonic()
+    shards = []
+    for slice_ in slices:
+        meta = finished_shard(job, slice_)
+        if meta is None:
+            raise CacheError(f"slice {slice_.index} has no finished shard in {job.staging}")
+        shards.append(meta)
+    staging = Path(job.staging)
+    with locked(staging.with_name(f"{staging.name}.lock")):
+        if is_published(cache_path):  # another run with the same fingerprint got there first
+            shutil.rmtree(staging, ignore_errors=True)
+            return cache_path
+        if not any(s["rows"] for s in shards):
+            dropped = Counter()
+            for s in shards:
+                dropped.update(s["dropped"])
+            raise BadInput(f"no row has a trained token: {sum(dropped.values())} rows dropped "
+                           f"({describe_drops(dropped)}); nothing was published")
+        kept = [(s, slice_) for s, slice_ in zip(shards, slices, strict=True) if s["rows"]]
+        building = staging.with_name(f"{staging.name}.publish-{uuid.uuid4().hex[:8]}")
+        building.mkdir()
+        files = []
+        for k, (meta, slice_) in enumerate(kept):
+            target = building / f"data-{k:05d}-of-{len(kept):05d}.arrow"
+            source = job.shard_path(slice_.index)
+            try:
+                os.link(source, target)
+            except OSError:  # a filesystem without hard links: move the shard instead
+                os.replace(source, target)
+            files.append({"name": target.name, "bytes": meta["bytes"], "rows": meta["rows"], "tokens": meta["tokens"]})
+        state = {"_data_files": [{"filename": f["name"]} for f in files], "_fingerprint": job.fingerprint,
+                 "_format_columns": None, "_format_kwargs": {}, "_format_type": None,
+                 "_output_all_columns": False, "_split": None}
+        (building / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True))
+        from datasets import DatasetInfo
+
+        DatasetInfo(features=features(job.extra_columns)).write_to_directory(str(building))
+        manifest = build_manifest(job, shards, files, inputs, name)
+        manifest["timings"] = {**(timings or {}), "publish_seconds": round(time.monotonic() - started, 3)}
+        (building / "manifest.json").write_text(json.dumps(manifest, indent=2))
+        for path in building.iterdir():
+            _fsync(path)
+        _fsync(building)
+        if cache_path.exists():  # a corrupt cache (is_published said no) is replaced, never served
+            corrupt = staging.with_name(f"{staging.name}.corrupt-{uuid.uuid4().hex[:8]}")
+            os.rename(cache_path, corrupt)
+            shutil.rmtree(corrupt, ignore_errors=True)
+        os.rename(building, cache_path)
+        _fsync(cache_path.parent)
+        shutil.rmtree(staging, ignore_errors=True)
+    return cache_path

@@ -1,0 +1,94 @@
+"""The trainer's side: open a published cache memory-mapped, checked against its manifest.
+
+    cache = open_cache("/data/cache/ultrachat-3f2a9c1d0b7e4f65")
+    len(cache), cache[0]["input_ids"], cache.lengths   # lengths from the Arrow list offsets
+
+The cache pickles as its path, so every dataloader worker maps the same files instead of copying rows.
+See FORMAT.md for the layout.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from .errors import CacheError
+
+LENGTH_CHUNK_ROWS = 1 << 20
+
+
+def read_manifest(path: str | Path) -> dict[str, Any]:
+    """The manifest of a published cache, after checking every data file is there at its recorded size."""
+    path = Path(path)
+    try:
+        manifest = json.loads((path / "manifest.json").read_text())
+        state = json.loads((path / "state.json").read_text())
+    except FileNotFoundError as error:
+        raise CacheError(f"{path}: not a published cache ({Path(error.filename).name} is missing)") from None
+    except ValueError as error:
+        raise CacheError(f"{path}: unreadable cache metadata ({error})") from None
+    listed = [entry["filename"] for entry in state.get("_data_files", [])]
+    if listed != [f["name"] for f in manifest["files"]]:
+        raise CacheError(f"{path}: state.json and manifest.json list different data files")
+    for entry in manifest["files"]:
+        file = path / entry["name"]
+        size = file.stat().st_size if file.exists() else None
+        if size != entry["bytes"]:
+            found = "missing" if size is None else f"{size} bytes"
+            raise CacheError(f"{file}: {found}, the manifest says {entry['bytes']} bytes: the cache is corrupt; "
+                             "rebuild it with `sft-tokenize run ... --force`")
+    return manifest
+
+
+class TokenizedCache(Sequence):
+    """A map-style dataset over a published cache: rows are numpy views of memory-mapped Arrow buffers."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path).absolute()
+        self.manifest = read_manifest(self.path)
+        tables = []
+        for entry in self.manifest["files"]:
+            try:
+                tables.append(pa.ipc.open_stream(pa.memory_map(str(self.path / entry["name"]))).read_all())
+            except pa.ArrowInvalid as error:
+                raise CacheError(f"{self.path / entry['name']}: unreadable Arrow data ({error})") from None
+        self.table = pa.concat_tables(tables) if tables else None
+        if len(self) != self.manifest["rows"]:
+            raise CacheError(f"{self.path}: {len(self)} rows on disk, the manifest says {self.manifest['rows']}")
+        self.columns = self.table.column_names if self.table is not None else []
+
+    def __len__(self) -> int:
+        return 0 if self.table is None else self.table.num_rows
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"row {index} out of range for a cache of {len(self)} rows")
+        index %= len(self)
+        return {name: self.table.column(name)[index].values.to_numpy(zero_copy_only=False) for name in self.columns}
+
+    @cached_property
+    def lengths(self) -> np.ndarray:
+        """Tokens per row, from the list offsets only, a chunk at a time: no row is materialized."""
+        out = np.empty(len(self), dtype=np.int32)
+        column = self.table.column("input_ids") if self.table is not None else None
+        for start in range(0, len(self), LENGTH_CHUNK_ROWS):
+            chunk = column.slice(start, LENGTH_CHUNK_ROWS)
+            out[start:start + len(chunk)] = pc.list_value_length(chunk).to_numpy()
+        return out
+
+    def __reduce__(self):
+        return open_cache, (str(self.path),)
+
+    def __repr__(self) -> str:
+        return f"TokenizedCache({str(self.path)!r}, rows={len(self)})"
+
+
+def open_cache(path: str | Path) -> TokenizedCache:
+    return TokenizedCache(path)

@@ -1,0 +1,229 @@
+"""tokenize_slice: read one slice, tokenize it in batches, stream the rows into its own Arrow shard.
+
+Memory is bounded by the reader's batch and the writer's batch, never by the slice. The shard is written
+under a temporary name and renamed when complete; its JSON sidecar, written last, is the completion
+marker. A shard whose sidecar matches the slice and the fingerprint is reused without tokenizing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from .chat import ChatEncoder, Encoded, load_tokenizer
+from .errors import BadRow
+from .fingerprint import fingerprint
+from .formats import ColumnMap, to_example
+from .sources import Slice, read_slice
+
+
+@dataclass(frozen=True)
+class Job:
+    """What every slice's task needs besides its slice: small and picklable, the same for all slices."""
+
+    fingerprint: str
+    staging: str
+    tokenizer_dir: str
+    chat_template: str | None
+    columns: ColumnMap
+    train_on: str = "all_assistant"
+    max_length: int | None = None
+    truncation: str = "truncate"
+    on_bad_row: str = "raise"
+    extra_columns: tuple[str, ...] = ()
+    writer_batch_rows: int = 1000
+    writer_batch_bytes: int = 64_000_000
+    trust_remote_code: bool = False
+    storage_options: dict = field(default_factory=dict)
+
+    def shard_path(self, index: int) -> Path:
+        return Path(self.staging) / f"shard-{index:05d}.arrow"
+
+    def slice_key(self, slice_: Slice) -> str:
+        """The key of a slice's result: the same slice of the same fingerprint, whatever the flow run."""
+        return f"{self.fingerprint}-{slice_.index:05d}-{fingerprint({'slice': slice_.describe()})}"
+
+
+def features(extra_columns: tuple[str, ...] = ()):
+    """The cache's row schema as `datasets` Features: list<int32> ids, list<int8> 0/1 mask, extras on request."""
+    from datasets import Features, List, Value
+
+    columns = {"input_ids": List(Value("int32")), "loss_mask": List(Value("int8"))}
+    if "labels" in extra_columns:
+        columns["labels"] = List(Value("int32"))
+    if "attention_mask" in extra_columns:
+        columns["attention_mask"] = List(Value("int8"))
+    return Features(columns)
+
+
+def _list_array(arrays: list[np.ndarray], dtype) -> pa.ListArray:
+    offsets = np.zeros(len(arrays) + 1, dtype=np.int32)
+    np.cumsum([len(a) for a in arrays], out=offsets[1:])
+    values = np.concatenate(arrays) if arrays else np.zeros(0, dtype=dtype)
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values.astype(dtype, copy=False)))
+
+
+class ShardWriter:
+    """Streams rows into one Arrow IPC stream file through `datasets.ArrowWriter`.
+
+    Rows are buffered as numpy arrays and written as one record batch every `batch_rows` rows or
+    `batch_bytes` bytes, whichever comes first. `max_buffered_rows` records the largest buffer held.
+    """
+
+    def __init__(self, stream, extra_columns: tuple[str, ...], batch_rows: int, batch_bytes: int):
+        from datasets.arrow_writer import ArrowWriter
+
+        self.extra_columns = extra_columns
+        self.batch_rows, self.batch_bytes = batch_rows, batch_bytes
+        self._writer = ArrowWriter(stream=stream, features=features(extra_columns), writer_batch_size=batch_rows)
+        self._ids: list[np.ndarray] = []
+        self._masks: list[np.ndarray] = []
+        self._buffered_bytes = 0
+        self.max_buffered_rows = 0
+
+    def add(self, row: Encoded) -> None:
+        self._ids.append(row.input_ids)
+        self._masks.append(row.loss_mask)
+        self._buffered_bytes += row.input_ids.nbytes + row.loss_mask.nbytes
+        self.max_buffered_rows = max(self.max_buffered_rows, len(self._ids))
+        if len(self._ids) >= self.batch_rows or self._buffered_bytes >= self.batch_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._ids:
+            return
+        columns = {"input_ids": _list_array(self._ids, np.int32), "loss_mask": _list_array(self._masks, np.int8)}
+        if "labels" in self.extra_columns:
+            labels = [np.where(m == 1, ids, np.int32(-100)).astype(np.int32)
+                      for ids, m in zip(self._ids, self._masks, strict=True)]
+            columns["labels"] = _list_array(labels, np.int32)
+        if "attention_mask" in self.extra_columns:
+            columns["attention_mask"] = _list_array([np.ones(len(ids), np.int8) for ids in self._ids], np.int8)
+        self._writer.write_table(pa.table(columns))
+        self._ids, self._masks, self._buffered_bytes = [], [], 0
+
+    def close(self) -> None:
+        """Write what is buffered and the end of stream; an empty shard is still a valid Arrow file."""
+        self.flush()
+        self._writer.finalize(close_stream=False)
+
+
+@dataclass
+class ShardStats:
+    rows: int = 0
+    tokens: int = 0
+    trained_tokens: int = 0
+    rows_exact: int = 0  # rows whose mask took the exact (prefix-rendering) path
+    max_buffered_rows: int = 0
+    dropped: Counter = field(default_factory=Counter)
+    lengths: Counter = field(default_factory=Counter)
+
+    def add(self, row: Encoded) -> None:
+        self.rows += 1
+        self.tokens += len(row.input_ids)
+        self.trained_tokens += int(row.loss_mask.sum())
+        self.lengths[len(row.input_ids)] += 1
+
+    def as_json(self) -> dict:
+        values = sorted(self.lengths)
+        return {"rows": self.rows, "tokens": self.tokens, "trained_tokens": self.trained_tokens,
+                "rows_exact": self.rows_exact, "max_buffered_rows": self.max_buffered_rows,
+                "dropped": dict(sorted(self.dropped.items())),
+                "lengths": {"values": values, "counts": [self.lengths[v] for v in values]}}
+
+
+def sidecar_path(shard: Path) -> Path:
+    return shard.with_suffix(".json")
+
+
+def finished_shard(job: Job, slice_: Slice) -> dict | None:
+    """The sidecar of a complete shard for this slice and fingerprint, or None if it must be (re)written."""
+    shard = job.shard_path(slice_.index)
+    try:
+        meta = json.loads(sidecar_path(shard).read_text())
+        size = shard.stat().st_size
+    except (OSError, ValueError):
+        return None
+    valid = meta.get("fingerprint") == job.fingerprint and meta.get("slice") == slice_.describe()
+    return meta if valid and meta.get("bytes") == size else None
+
+
+@lru_cache(maxsize=4)
+def _tokenizer(tokenizer_dir: str, chat_template: str | None, trust_remote_code: bool):
+    """One tokenizer per worker process, shared by its threads (encoding does not mutate it)."""
+    return load_tokenizer(tokenizer_dir, chat_template, trust_remote_code)
+
+
+def encoder_for(job: Job) -> ChatEncoder:
+    tokenizer = _tokenizer(job.tokenizer_dir, job.chat_template, job.trust_remote_code)
+    return ChatEncoder(tokenizer, job.train_on, job.max_length, job.truncation)
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f"{path.name}.tmp-{uuid.uuid4().hex}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def tokenize_slice(job: Job, slice_: Slice) -> int:
+    """Tokenize one slice into `shard-NNNNN.arrow` (reusing a finished one) and return its row count."""
+    done = finished_shard(job, slice_)
+    if done is not None:
+        return done["rows"]
+    started = time.monotonic()
+    encoder = encoder_for(job)
+    stats = ShardStats()
+    shard = job.shard_path(slice_.index)
+    shard.parent.mkdir(parents=True, exist_ok=True)
+    tmp = shard.with_name(f"{shard.name}.tmp-{uuid.uuid4().hex}")
+
+    def reject(bad: BadRow, locate, i: int) -> None:
+        if job.on_bad_row == "raise":
+            raise bad.at(locate(i))
+        stats.dropped[bad.reason] += 1
+
+    try:
+        with open(tmp, "wb") as stream:
+            writer = ShardWriter(stream, job.extra_columns, job.writer_batch_rows, job.writer_batch_bytes)
+            for rows, locate in read_slice(slice_, job.columns.names, job.storage_options):
+                examples, positions = [], []
+                for i, row in enumerate(rows):
+                    try:
+                        if isinstance(row, BadRow):
+                            raise row
+                        examples.append(to_example(row, job.columns))
+                        positions.append(i)
+                    except BadRow as bad:
+                        reject(bad, locate, i)
+                for result, i in zip(encoder.encode_batch(examples), positions, strict=True):
+                    if isinstance(result, Encoded):
+                        writer.add(result)
+                        stats.add(result)
+                    elif isinstance(result, BadRow):
+                        reject(result, locate, i)
+                    else:
+                        stats.dropped[result] += 1
+            writer.close()
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(tmp, shard)
+    finally:
+        tmp.unlink(missing_ok=True)
+    stats.rows_exact = encoder.rows_exact
+    stats.max_buffered_rows = writer.max_buffered_rows
+    meta = {"fingerprint": job.fingerprint, "slice": slice_.describe(), "bytes": shard.stat().st_size,
+            **stats.as_json(), "seconds": round(time.monotonic() - started, 3)}
+    _write_atomically(sidecar_path(shard), json.dumps(meta).encode())
+    return stats.rows
