@@ -3,16 +3,18 @@
 A trained turn is what the template renders for an assistant message after the generation prompt: the
 content and the end-of-turn token (the first special token after the content), not the role header and
 not what follows the end-of-turn token. The definition, and the test oracle, is incremental prefix
-rendering: for assistant message i, the trained text is
+rendering: for assistant message i, with
 
-    render(messages[:i+1])[len(render(messages[:i], add_generation_prompt=True)):]
+    prompt = render(messages[:i], add_generation_prompt=True)
+    turn   = render(messages[:i+1])
 
-cut after its first special token. Rendering every prefix costs O(turns²) renders per row, so the fast
-path renders a row twice instead: once as is, and once with each trained content wrapped in private-use
-marker characters, which locate the contents in the text. The fast path is taken only when its checks
-hold (the marked render is the real render plus markers, the text around each content is the template's
-learned header and end-of-turn) and the first rows of every encoder are cross-checked against the exact
-path; anything else takes the exact path, so the result is the same either way.
+the trained text starts where `turn` stops agreeing with `prompt` (their common prefix; for most templates
+all of `prompt`) and ends after the first special token that follows. Rendering every prefix costs
+O(turns²) renders per row, so the fast path renders a row twice instead: once as is, and once with each
+trained content wrapped in private-use marker characters, which locate the contents in the text. The fast
+path is taken only when its checks hold (the marked render is the real render plus markers, the text
+around each content is the template's learned header and end-of-turn) and the first rows of every encoder
+are cross-checked against the exact path; anything else takes the exact path, so the result is the same.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +41,28 @@ TOKENIZER_FILE_PATTERNS = ("*.json", "*.jinja", "*.model", "*.txt", "*.tiktoken"
 class Encoded:
     input_ids: np.ndarray  # int32
     loss_mask: np.ndarray  # int8, same length, 0/1
+
+
+@dataclass(frozen=True)
+class EncodedBatch:
+    """The kept rows of a batch, concatenated (numpy, no per-row objects), and what became of each example."""
+
+    input_ids: np.ndarray  # int32, every kept row back to back
+    loss_mask: np.ndarray  # int8
+    offsets: np.ndarray  # int64, kept rows + 1: row k is [offsets[k], offsets[k+1])
+    outcomes: list  # per example: its kept row's number, a drop reason (str), or the BadRow it raised
+
+    @property
+    def rows(self) -> int:
+        return len(self.offsets) - 1
+
+    def row(self, k: int) -> Encoded:
+        a, b = self.offsets[k], self.offsets[k + 1]
+        return Encoded(self.input_ids[a:b], self.loss_mask[a:b])
+
+    def results(self) -> list[Encoded | str | BadRow]:
+        """Per example: an Encoded row, a drop reason, or a BadRow."""
+        return [self.row(o) if isinstance(o, int) else o for o in self.outcomes]
 
 
 def resolve_tokenizer(name_or_path: str, revision: str | None = None) -> Path:
@@ -114,6 +139,10 @@ class ChatEncoder:
         self.rows_fast = self.rows_exact = 0
         self._shape = self._learn_shape() if self.template else None
 
+    @property
+    def fast_path_enabled(self) -> bool:
+        return self._shape is not None
+
     # -- rendering -------------------------------------------------------------------------------------------
 
     def render(self, messages: Sequence[dict], tools: list | None = None, add_generation_prompt: bool = False) -> str:
@@ -134,11 +163,13 @@ class ChatEncoder:
             full = self.render([user, reply])
         except Exception:
             return None
-        if not (full.startswith(prompt) and prompt.startswith(bare)) or full.count("Hello") != 1:
+        start = len(os.path.commonprefix([prompt, full]))
+        if not full.startswith(bare) or start < len(bare) or full.count("Hello") != 1:
             return None
-        turn = full[len(prompt):]
-        before, _, after = turn.partition("Hello")
-        return prompt[len(bare):], before, after[:_first_special_end(after, self.special)]
+        before, found, after = full[start:].partition("Hello")
+        if not found:
+            return None
+        return full[len(bare):start], before, after[:_first_special_end(after, self.special)]
 
     def template_overhead(self) -> int:
         """Tokens the template adds around an empty exchange: max_length must leave room past it."""
@@ -170,16 +201,18 @@ class ChatEncoder:
         text = self.render(messages, tools)
         regions = []
         for i in targets:
-            prefix = self.render(messages[:i], tools, add_generation_prompt=True) if i else ""
-            upto = self.render(messages[: i + 1], tools)
-            if not (upto.startswith(prefix) and text.startswith(upto)):
-                raise ValueError(f"the chat template does not render messages[:{i + 1}] as a prefix of the "
-                                 "whole conversation, so its turns cannot be masked")
-            regions.append((len(prefix), len(prefix) + _first_special_end(upto[len(prefix):], self.special)))
+            prompt = self.render(messages[:i], tools, add_generation_prompt=True) if i else ""
+            turn = self.render(messages[: i + 1], tools)
+            start = len(os.path.commonprefix([prompt, turn]))
+            end = start + _first_special_end(turn[start:], self.special)
+            if not text.startswith(turn[:end]):
+                raise ValueError(f"the chat template renders messages[:{i + 1}] differently inside the whole "
+                                 "conversation, so its turns cannot be masked")
+            regions.append((start, end))
         if self.train_on == "completion":
-            start = self._completion_start(conv)
-            begin = len(self.render(messages[:start], tools, add_generation_prompt=True)) if start else 0
-            regions = [(begin, regions[-1][1])]
+            first = self._completion_start(conv)
+            prompt = self.render(messages[:first], tools, add_generation_prompt=True) if first else ""
+            regions = [(len(os.path.commonprefix([prompt, text])), regions[-1][1])]
         return text, regions
 
     def fast_regions(self, conv: Conversation, targets: list[int]) -> tuple[str, list[tuple[int, int]]] | None:
@@ -230,27 +263,6 @@ class ChatEncoder:
             position += 1
         return n_tokens
 
-    def _mask(self, enc, regions: list[tuple[int, int]], n_chars: int) -> np.ndarray:
-        n = len(enc.ids)
-        mask = np.zeros(n, dtype=np.int8)
-        for start, end in regions:
-            first = self._first_token_at_or_after(enc, start, n, n_chars)
-            stop = self._first_token_at_or_after(enc, end, n, n_chars)
-            mask[first:stop] = 1
-        return mask
-
-    def _finish(self, ids: np.ndarray, mask: np.ndarray) -> Encoded | str:
-        """Apply max_length and say why a row is dropped."""
-        if self.max_length is not None and len(ids) > self.max_length:
-            if self.truncation == "drop":
-                return "too_long"
-            ids, mask = ids[: self.max_length], mask[: self.max_length]
-            if not mask.any():
-                return "truncated_away"
-        if not mask.any():
-            return "no_trained_tokens"
-        return Encoded(ids, mask)
-
     def _regions(self, conv: Conversation, targets: list[int]) -> tuple[str, list[tuple[int, int]]]:
         found = self.fast_regions(conv, targets)
         if found is not None and self.verify_rows > 0:
@@ -264,16 +276,16 @@ class ChatEncoder:
         self.rows_fast += 1
         return found
 
-    def encode_batch(self, examples: Sequence[Conversation | str]) -> list[Encoded | str | BadRow]:
-        """One tokenizer call for the whole batch. Each result is an Encoded row, a drop reason, or a BadRow."""
-        results: list[Encoded | str | BadRow | None] = [None] * len(examples)
+    def encode_batch(self, examples: Sequence[Conversation | str]) -> EncodedBatch:
+        """Render and mask every example, then one tokenizer call for the whole batch."""
+        outcomes: list[int | str | BadRow | None] = [None] * len(examples)
         texts: list[str] = []
-        plans: list[tuple[int, list[tuple[int, int]] | None]] = []
+        plans: list[tuple[int, list[tuple[int, int]] | None]] = []  # (example, trained char spans or None)
         for index, example in enumerate(examples):
             if isinstance(example, str):
                 if self.train_on != "all":
-                    results[index] = BadRow("text_needs_train_on_all",
-                                            "text rows train on every token: use train_on='all'")
+                    outcomes[index] = BadRow("text_needs_train_on_all",
+                                             "text rows train on every token: use train_on='all'")
                     continue
                 texts.append(example)
                 plans.append((index, None))
@@ -282,30 +294,60 @@ class ChatEncoder:
                 raise BadInput("the tokenizer has no chat template: pass --chat-template FILE, or use text data")
             try:
                 if self.train_on == "all":
-                    text, regions = self.render(example.messages, example.tools), [(0, -1)]
+                    text = self.render(example.messages, example.tools)
+                    regions = [(0, len(text))]
                 else:
                     targets = self._targets(example)
                     if not targets:
-                        results[index] = "no_assistant_turn"
+                        outcomes[index] = "no_assistant_turn"
                         continue
                     text, regions = self._regions(example, targets)
             except Exception as error:  # the template raised (e.g. roles must alternate)
-                results[index] = BadRow("template_error", f"chat template failed: {error}")
+                outcomes[index] = BadRow("template_error", f"chat template failed: {error}")
                 continue
             texts.append(text)
-            plans.append((index, [(s, len(text) if e < 0 else e) for s, e in regions]))
-        is_text = [regions is None for _, regions in plans]
-        encodings = self._encode(texts, is_text)
-        for (index, regions), enc, text in zip(plans, encodings, texts, strict=True):
-            ids = np.asarray(enc.ids, dtype=np.int32)
-            if regions is None:  # plain text: BOS as the tokenizer adds it, then EOS
-                if self.eos_id is not None and (not len(ids) or ids[-1] != self.eos_id):
-                    ids = np.append(ids, np.int32(self.eos_id))
-                mask = np.ones(len(ids), dtype=np.int8)
+            plans.append((index, regions))
+        encodings = self._encode(texts, [regions is None for _, regions in plans])
+
+        ids_lists = [enc.ids for enc in encodings]
+        for (_, regions), ids in zip(plans, ids_lists, strict=True):
+            if regions is None and self.eos_id is not None and (not ids or ids[-1] != self.eos_id):
+                ids.append(self.eos_id)  # plain text: BOS as the tokenizer adds it, then EOS
+        lengths = np.fromiter(map(len, ids_lists), dtype=np.int64, count=len(ids_lists))
+        starts = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=starts[1:])
+        input_ids = np.fromiter(chain.from_iterable(ids_lists), dtype=np.int32, count=int(starts[-1]))
+        loss_mask = np.zeros(len(input_ids), dtype=np.int8)
+        for (_, regions), enc, text, offset, length in zip(plans, encodings, texts, starts[:-1], lengths, strict=True):
+            if regions is None:
+                loss_mask[offset:offset + length] = 1
+                continue
+            for begin, end in regions:
+                first = self._first_token_at_or_after(enc, begin, len(enc.ids), len(text))
+                stop = self._first_token_at_or_after(enc, end, len(enc.ids), len(text))
+                loss_mask[offset + first:offset + stop] = 1
+        return self._apply_max_length(outcomes, [index for index, _ in plans], input_ids, loss_mask, starts)
+
+    def _apply_max_length(self, outcomes, indices, input_ids, loss_mask, starts) -> EncodedBatch:
+        """Truncate or drop rows over max_length, drop rows left with no trained token."""
+        lengths = np.diff(starts)
+        keep = lengths if self.max_length is None else np.minimum(lengths, self.max_length)
+        trained_before = np.concatenate([[0], np.cumsum(loss_mask, dtype=np.int64)])
+        trained = trained_before[starts[:-1] + keep] - trained_before[starts[:-1]]
+        kept_offsets = [0]
+        selection = np.zeros(len(input_ids), dtype=bool)
+        for row, index in enumerate(indices):
+            if keep[row] < lengths[row] and self.truncation == "drop":
+                outcomes[index] = "too_long"
+            elif trained[row] == 0:
+                outcomes[index] = "truncated_away" if keep[row] < lengths[row] else "no_trained_tokens"
             else:
-                mask = self._mask(enc, regions, len(text))
-            results[index] = self._finish(ids, mask)
-        return results  # type: ignore[return-value]
+                outcomes[index] = len(kept_offsets) - 1
+                selection[starts[row]:starts[row] + keep[row]] = True
+                kept_offsets.append(kept_offsets[-1] + int(keep[row]))
+        if not selection.all():
+            input_ids, loss_mask = input_ids[selection], loss_mask[selection]
+        return EncodedBatch(input_ids, loss_mask, np.array(kept_offsets, dtype=np.int64), outcomes)
 
     def _encode(self, texts: list[str], is_text: list[bool]) -> list[Any]:
         if not texts:

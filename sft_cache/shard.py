@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from .chat import ChatEncoder, Encoded, load_tokenizer
+from .chat import ChatEncoder, EncodedBatch, load_tokenizer
 from .errors import BadRow
 from .fingerprint import fingerprint
 from .formats import ColumnMap, to_example
@@ -65,18 +65,18 @@ def features(extra_columns: tuple[str, ...] = ()):
     return Features(columns)
 
 
-def _list_array(arrays: list[np.ndarray], dtype) -> pa.ListArray:
-    offsets = np.zeros(len(arrays) + 1, dtype=np.int32)
-    np.cumsum([len(a) for a in arrays], out=offsets[1:])
-    values = np.concatenate(arrays) if arrays else np.zeros(0, dtype=dtype)
-    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values.astype(dtype, copy=False)))
+def _list_array(lengths: np.ndarray, values: np.ndarray) -> pa.ListArray:
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
 
 
 class ShardWriter:
     """Streams rows into one Arrow IPC stream file through `datasets.ArrowWriter`.
 
-    Rows are buffered as numpy arrays and written as one record batch every `batch_rows` rows or
-    `batch_bytes` bytes, whichever comes first. `max_buffered_rows` records the largest buffer held.
+    Rows are buffered as slices of encoded batches (numpy arrays, no per-row objects) and written as one
+    record batch every `batch_rows` rows or `batch_bytes` bytes, whichever comes first. The buffer never
+    holds more than `batch_rows` rows; `max_buffered_rows` records the most it held.
     """
 
     def __init__(self, stream, extra_columns: tuple[str, ...], batch_rows: int, batch_bytes: int):
@@ -85,31 +85,35 @@ class ShardWriter:
         self.extra_columns = extra_columns
         self.batch_rows, self.batch_bytes = batch_rows, batch_bytes
         self._writer = ArrowWriter(stream=stream, features=features(extra_columns), writer_batch_size=batch_rows)
-        self._ids: list[np.ndarray] = []
-        self._masks: list[np.ndarray] = []
-        self._buffered_bytes = 0
+        self._chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (ids, mask, lengths)
+        self._rows = self._bytes = 0
         self.max_buffered_rows = 0
 
-    def add(self, row: Encoded) -> None:
-        self._ids.append(row.input_ids)
-        self._masks.append(row.loss_mask)
-        self._buffered_bytes += row.input_ids.nbytes + row.loss_mask.nbytes
-        self.max_buffered_rows = max(self.max_buffered_rows, len(self._ids))
-        if len(self._ids) >= self.batch_rows or self._buffered_bytes >= self.batch_bytes:
-            self.flush()
+    def add(self, batch: EncodedBatch) -> None:
+        lengths = np.diff(batch.offsets)
+        start = 0
+        while start < batch.rows:
+            stop = min(batch.rows, start + self.batch_rows - self._rows)
+            a, b = batch.offsets[start], batch.offsets[stop]
+            self._chunks.append((batch.input_ids[a:b], batch.loss_mask[a:b], lengths[start:stop]))
+            self._rows += stop - start
+            self._bytes += int(b - a) * 5  # int32 id + int8 mask per token
+            self.max_buffered_rows = max(self.max_buffered_rows, self._rows)
+            if self._rows >= self.batch_rows or self._bytes >= self.batch_bytes:
+                self.flush()
+            start = stop
 
     def flush(self) -> None:
-        if not self._ids:
+        if not self._chunks:
             return
-        columns = {"input_ids": _list_array(self._ids, np.int32), "loss_mask": _list_array(self._masks, np.int8)}
+        ids, mask, lengths = (np.concatenate(parts) for parts in zip(*self._chunks, strict=True))
+        columns = {"input_ids": _list_array(lengths, ids), "loss_mask": _list_array(lengths, mask)}
         if "labels" in self.extra_columns:
-            labels = [np.where(m == 1, ids, np.int32(-100)).astype(np.int32)
-                      for ids, m in zip(self._ids, self._masks, strict=True)]
-            columns["labels"] = _list_array(labels, np.int32)
+            columns["labels"] = _list_array(lengths, np.where(mask == 1, ids, np.int32(-100)).astype(np.int32))
         if "attention_mask" in self.extra_columns:
-            columns["attention_mask"] = _list_array([np.ones(len(ids), np.int8) for ids in self._ids], np.int8)
+            columns["attention_mask"] = _list_array(lengths, np.ones(len(ids), dtype=np.int8))
         self._writer.write_table(pa.table(columns))
-        self._ids, self._masks, self._buffered_bytes = [], [], 0
+        self._chunks, self._rows, self._bytes = [], 0, 0
 
     def close(self) -> None:
         """Write what is buffered and the end of stream; an empty shard is still a valid Arrow file."""
@@ -127,11 +131,12 @@ class ShardStats:
     dropped: Counter = field(default_factory=Counter)
     lengths: Counter = field(default_factory=Counter)
 
-    def add(self, row: Encoded) -> None:
-        self.rows += 1
-        self.tokens += len(row.input_ids)
-        self.trained_tokens += int(row.loss_mask.sum())
-        self.lengths[len(row.input_ids)] += 1
+    def add(self, batch: EncodedBatch) -> None:
+        self.rows += batch.rows
+        self.tokens += len(batch.input_ids)
+        self.trained_tokens += int(batch.loss_mask.sum(dtype=np.int64))
+        values, counts = np.unique(np.diff(batch.offsets), return_counts=True)
+        self.lengths.update(dict(zip(values.tolist(), counts.tolist(), strict=True)))
 
     def as_json(self) -> dict:
         values = sorted(self.lengths)
@@ -207,14 +212,14 @@ def tokenize_slice(job: Job, slice_: Slice) -> int:
                         positions.append(i)
                     except BadRow as bad:
                         reject(bad, locate, i)
-                for result, i in zip(encoder.encode_batch(examples), positions, strict=True):
-                    if isinstance(result, Encoded):
-                        writer.add(result)
-                        stats.add(result)
-                    elif isinstance(result, BadRow):
-                        reject(result, locate, i)
-                    else:
-                        stats.dropped[result] += 1
+                batch = encoder.encode_batch(examples)
+                for outcome, i in zip(batch.outcomes, positions, strict=True):
+                    if isinstance(outcome, BadRow):
+                        reject(outcome, locate, i)
+                    elif isinstance(outcome, str):
+                        stats.dropped[outcome] += 1
+                writer.add(batch)
+                stats.add(batch)
             writer.close()
             stream.flush()
             os.fsync(stream.fileno())

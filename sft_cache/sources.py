@@ -178,8 +178,9 @@ class _Reader:
     def columns(self) -> list[str]:
         raise NotImplementedError
 
-    def pieces(self, size: int, target: int) -> list[tuple[int, int, int]]:
-        """(start, stop, bytes) in the format's unit, each at most about `target` bytes where it can be cut."""
+    def pieces(self, size: int, target: int, first: int) -> list[tuple[int, int, int]]:
+        """(start, stop, bytes) in the format's unit, cut (where the format can be cut) after `first` bytes,
+        which fill the slice under way, and then every `target` bytes."""
         raise NotImplementedError
 
     def read(self, part: Part, columns: list[str]) -> Iterator[RowBatch]:
@@ -198,16 +199,17 @@ class _JsonLines(_Reader):
                 return list(row)
         raise BadInput(f"{self.url}: the file has no rows")
 
-    def pieces(self, size: int, target: int) -> list[tuple[int, int, int]]:
+    def pieces(self, size: int, target: int, first: int) -> list[tuple[int, int, int]]:
         cuts = [0]
         with self.open() as f:
-            for offset in range(target, size, target):
-                if offset <= cuts[-1]:
-                    continue
+            offset = first
+            while offset < size:
                 f.seek(offset - 1)
                 f.readline()  # to the start of the next line (offset itself if a line starts there)
-                if f.tell() < size:
-                    cuts.append(f.tell())
+                if f.tell() >= size:
+                    break
+                cuts.append(f.tell())
+                offset = f.tell() + target  # from the actual cut, so no piece is under target
         cuts.append(size)
         return [(a, b, b - a) for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
 
@@ -295,7 +297,7 @@ class _JsonArray(_Reader):
             raise BadInput(f"{self.url}: the array holds no objects")
         return list(objects[0])
 
-    def pieces(self, size: int, target: int) -> list[tuple[int, int, int]]:
+    def pieces(self, size: int, target: int, first: int) -> list[tuple[int, int, int]]:
         return [(0, -1, size)]
 
     def read(self, part: Part, columns: list[str]) -> Iterator[RowBatch]:
@@ -318,7 +320,7 @@ class _Parquet(_Reader):
     def columns(self) -> list[str]:
         return self.file.schema_arrow.names
 
-    def pieces(self, size: int, target: int) -> list[tuple[int, int, int]]:
+    def pieces(self, size: int, target: int, first: int) -> list[tuple[int, int, int]]:
         meta = self.file.metadata
         return [(g, g + 1, meta.row_group(g).total_byte_size) for g in range(meta.num_row_groups)]
 
@@ -351,7 +353,7 @@ class _Arrow(_Reader):
     def columns(self) -> list[str]:
         return next(iter(self._batches())).schema.names
 
-    def pieces(self, size: int, target: int) -> list[tuple[int, int, int]]:
+    def pieces(self, size: int, target: int, first: int) -> list[tuple[int, int, int]]:
         pieces, row = [], 0
         for batch in self._batches():
             pieces.append((row, row + batch.num_rows, batch.nbytes))
@@ -373,22 +375,24 @@ class _Arrow(_Reader):
 
 
 class _Csv(_Reader):
-    def _reader(self):
+    def _reader(self, column_types: dict | None = None):
+        # Every column is text: "3" in an output column is the string "3", not a number.
         try:
-            return pa_csv.open_csv(self.open(), read_options=pa_csv.ReadOptions(block_size=READ_BATCH_BYTES))
+            return pa_csv.open_csv(self.open(), read_options=pa_csv.ReadOptions(block_size=READ_BATCH_BYTES),
+                                   convert_options=pa_csv.ConvertOptions(column_types=column_types))
         except pa.ArrowInvalid as error:
             raise BadInput(f"{self.url}: not a readable CSV file ({error})") from None
 
     def columns(self) -> list[str]:
         return self._reader().schema.names
 
-    def pieces(self, size: int, target: int) -> list[tuple[int, int, int]]:
+    def pieces(self, size: int, target: int, first: int) -> list[tuple[int, int, int]]:
         return [(0, -1, size)]
 
     def read(self, part: Part, columns: list[str]) -> Iterator[RowBatch]:
         row = 0
         try:
-            for batch in self._reader():
+            for batch in self._reader({name: pa.string() for name in self.columns()}):
                 table = batch.select(columns)
                 for start in range(0, table.num_rows, READ_BATCH_ROWS):
                     rows = table.slice(start, READ_BATCH_ROWS).to_pylist()
@@ -412,7 +416,7 @@ def cut_slices(files: list[SourceFile], target: int, storage_options: dict | Non
     parts: list[Part] = []
     nbytes = 0
     for source in files:
-        for start, stop, weight in reader(source, storage_options).pieces(source.size, target):
+        for start, stop, weight in reader(source, storage_options).pieces(source.size, target, target - nbytes):
             if parts and parts[-1].url == source.url and parts[-1].stop == start:
                 parts[-1] = Part(source.url, source.kind, parts[-1].start, stop)
             else:

@@ -1,0 +1,164 @@
+"""Loss masks equal the prefix-rendering oracle, row by row, on real chat templates and every mode."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import FAMILIES
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from mask_oracle import oracle
+
+from sft_cache.chat import ChatEncoder, Encoded, load_tokenizer
+from sft_cache.formats import Conversation
+
+MODES = ["all_assistant", "last_assistant", "completion", "all"]
+
+
+def msg(role, content):
+    return {"role": role, "content": content}
+
+
+CONVERSATIONS = [
+    [msg("user", "What is two plus two?"), msg("assistant", "Four.")],
+    [msg("system", "You are terse."), msg("user", "Name a color."), msg("assistant", "Blue."),
+     msg("user", "Another one?"), msg("assistant", "Red, or perhaps green.")],
+    [msg("user", "Say nothing."), msg("assistant", "")],
+    [msg("user", "日本語で答えて 🚀"), msg("assistant", "はい、もちろんです。Ωmega café naïve"),
+     msg("user", "Дата?"), msg("assistant", "中文字符 and emoji 🚀🚀")],
+    [msg("user", "First."), msg("assistant", "One."), msg("user", "Second."), msg("assistant", "Two."),
+     msg("user", "Third."), msg("assistant", "Three, and a much longer answer that runs on for a while.")],
+    # Content with surrounding whitespace: templates that trim it take the exact path.
+    [msg("user", "  padded question  "), msg("assistant", " leading space and trailing newline\n")],
+    # Ends with a user turn: nothing after the last user message to train in completion mode.
+    [msg("user", "Hello"), msg("assistant", "Hi there."), msg("user", "Bye")],
+]
+
+
+def check_against_oracle(tokenizer, conversations, mode, max_length=None, truncation="truncate"):
+    encoder = ChatEncoder(tokenizer, mode, max_length, truncation)
+    results = encoder.encode_batch(conversations).results()
+    for row, (conv, got) in enumerate(zip(conversations, results, strict=True)):
+        want = oracle(tokenizer, conv.messages, mode, conv.completion_start, max_length, truncation, conv.tools)
+        if isinstance(want, str):
+            assert got == want, f"row {row}: expected drop {want!r}, got {got!r}"
+        else:
+            assert isinstance(got, Encoded), f"row {row}: expected a row, got {got!r}"
+            assert got.input_ids.tolist() == want[0], f"row {row}: input_ids differ"
+            assert got.loss_mask.tolist() == want[1], f"row {row}: loss_mask differs"
+    return encoder
+
+
+@pytest.fixture(scope="module")
+def tokenizers(family_tokenizer):
+    return lambda family: load_tokenizer(family_tokenizer(family))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_masks_equal_prefix_rendering(tokenizers, family, mode):
+    tokenizer = tokenizers(family)
+    encoder = check_against_oracle(tokenizer, [Conversation(c) for c in CONVERSATIONS], mode)
+    if mode != "all":
+        # The fast path must be what produced these rows, not the exact fallback alone.
+        assert encoder.fast_path_enabled, f"{family}: the fast path was disabled by its own cross-check"
+        assert encoder.rows_fast >= 3
+
+
+@pytest.mark.parametrize("family", ["chatml", "llama-3-instruct", "mistral-instruct", "gemma-it", "phi-3"])
+@pytest.mark.parametrize(("max_length", "truncation"), [(24, "truncate"), (40, "truncate"), (40, "drop")])
+@pytest.mark.parametrize("mode", MODES)
+def test_max_length(tokenizers, family, max_length, truncation, mode):
+    check_against_oracle(tokenizers(family), [Conversation(c) for c in CONVERSATIONS], mode, max_length, truncation)
+
+
+def test_truncation_can_drop_every_trained_token(tokenizers):
+    tokenizer = tokenizers("chatml")
+    long_prompt = [msg("user", "word " * 200), msg("assistant", "short")]
+    [result] = ChatEncoder(tokenizer, "all_assistant", 50).encode_batch([Conversation(long_prompt)]).results()
+    assert result == "truncated_away"
+
+
+@pytest.mark.parametrize("family", ["chatml", "llama-3-instruct", "phi-3"])
+def test_prompt_completion_rows(tokenizers, family):
+    """A multi-message prompt and a completion: completion mode trains only the completion."""
+    messages = [msg("user", "Translate: chat"), msg("assistant", "cat"), msg("user", "Translate: chien"),
+                msg("assistant", "dog")]
+    rows = [Conversation(messages, completion_start=3), Conversation(messages[:2], completion_start=1)]
+    check_against_oracle(tokenizers(family), rows, "completion")
+    check_against_oracle(tokenizers(family), rows, "all_assistant")
+
+
+def test_tools_reach_the_template(tokenizers):
+    tool = {"type": "function", "function": {"name": "lookup", "description": "Find a word.",
+                                             "parameters": {"type": "object", "properties": {}}}}
+    row = Conversation([msg("user", "Look up cat."), msg("assistant", "A small feline.")], tools=[tool])
+    tokenizer = tokenizers("qwen2.5-instruct")
+    check_against_oracle(tokenizer, [row], "all_assistant")
+    [encoded] = ChatEncoder(tokenizer).encode_batch([row]).results()
+    assert "lookup" in tokenizer.decode(encoded.input_ids)
+
+
+def test_all_zero_mask_is_a_drop_not_a_row(tokenizers):
+    tokenizer = tokenizers("chatml")
+    rows = [Conversation([msg("user", "Only a question.")])]
+    for mode in ("all_assistant", "last_assistant", "completion"):
+        assert ChatEncoder(tokenizer, mode).encode_batch(rows).results() == ["no_assistant_turn"]
+
+
+def test_text_rows_train_every_token_and_end_with_eos():
+    tokenizer = load_tokenizer("examples/tokenizer")
+    [encoded] = ChatEncoder(tokenizer, "all").encode_batch(["Plain text for pretraining."]).results()
+    assert encoded.input_ids[-1] == tokenizer.eos_token_id
+    assert encoded.input_ids[:-1].tolist() == tokenizer("Plain text for pretraining.")["input_ids"]
+    assert encoded.loss_mask.tolist() == [1] * len(encoded.input_ids)
+
+
+# -- property test -----------------------------------------------------------------------------------------
+
+contents = st.text(st.characters(blacklist_categories=("Cs",)), max_size=40) | st.sampled_from(
+    ["", " ", "\n", "  spaced  ", "日本語 🚀", "tab\there"])
+
+
+@st.composite
+def conversations(draw):
+    messages = [msg("system", draw(contents))] if draw(st.booleans()) else []
+    for _ in range(draw(st.integers(1, 4))):
+        messages += [msg("user", draw(contents)), msg("assistant", draw(contents))]
+    if draw(st.booleans()):
+        messages.append(msg("user", draw(contents)))
+    return messages
+
+
+@pytest.mark.parametrize("family", ["chatml", "llama-3-instruct", "mistral-instruct", "gemma-it"])
+def test_random_conversations_keep_the_invariants(tokenizers, family):
+    tokenizer = tokenizers(family)
+
+    @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(conversation=conversations(), mode=st.sampled_from(MODES), max_length=st.none() | st.integers(20, 80))
+    def check(conversation, mode, max_length):
+        [got] = ChatEncoder(tokenizer, mode, max_length).encode_batch([Conversation(conversation)]).results()
+        want = oracle(tokenizer, conversation, mode, max_length=max_length)
+        if isinstance(want, str):
+            assert got == want
+            return
+        assert len(got.input_ids) == len(got.loss_mask) and set(got.loss_mask.tolist()) <= {0, 1}
+        assert got.loss_mask.any()
+        assert (got.input_ids.tolist(), got.loss_mask.tolist()) == want
+
+    check()
+
+
+def test_generation_prompt_that_differs_from_the_history(family_tokenizer, tmp_path):
+    """The ChatML file as laid out for reading: its generation prompt ends in an extra newline that the
+    history does not have. The trained text starts where the turn leaves the prompt (their common prefix)."""
+    from conftest import TEMPLATES
+
+    tokenizer = load_tokenizer(family_tokenizer("chatml"), chat_template=(TEMPLATES / "chatml.jinja").read_text())
+    prompt = tokenizer.apply_chat_template(CONVERSATIONS[0][:1], tokenize=False, add_generation_prompt=True)
+    turn = tokenizer.apply_chat_template(CONVERSATIONS[0], tokenize=False)
+    assert not turn.startswith(prompt)
+    for mode in ("all_assistant", "last_assistant", "completion"):
+        encoder = check_against_oracle(tokenizer, [Conversation(c) for c in CONVERSATIONS], mode)
+        assert encoder.fast_path_enabled
+    [row] = ChatEncoder(tokenizer).encode_batch([Conversation(CONVERSATIONS[0])]).results()
+    assert tokenizer.decode(row.input_ids[row.loss_mask == 1]) == "Four.<|im_end|>"

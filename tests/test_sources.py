@@ -1,0 +1,162 @@
+"""Sources: every format reads the same rows, slices cover the input exactly once, errors name the place."""
+
+from __future__ import annotations
+
+import json
+
+import datasets
+import pyarrow as pa
+import pyarrow.csv as pa_csv
+import pyarrow.parquet as pq
+import pytest
+from conftest import EXAMPLE_DATA, example_rows, write_jsonl
+
+from sft_cache.errors import BadInput, BadRow
+from sft_cache.formats import resolve_columns, to_example
+from sft_cache.sources import cut_slices, read_slice, resolve
+
+
+def rows_of(files, target=1 << 30, columns=("messages",)):
+    out = []
+    for slice_ in cut_slices(files, target):
+        for rows, _ in read_slice(slice_, list(columns)):
+            out += rows
+    return out
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return example_rows()
+
+
+@pytest.mark.parametrize("target", [1, 5_000, 37_000, 100_000, 1 << 30])
+def test_jsonl_slices_cover_every_line_once_in_order(rows, target):
+    files = resolve([str(EXAMPLE_DATA)])
+    slices = cut_slices(files, target)
+    got = rows_of(files, target)
+    assert got == rows
+    # Cut points fall on line starts, so every part of a JSONL file begins a line.
+    for slice_ in slices:
+        for part in slice_.parts:
+            if part.start:
+                with open(part.url, "rb") as f:
+                    f.seek(part.start - 1)
+                    assert f.read(1) == b"\n"
+
+
+def test_slices_are_balanced_by_bytes():
+    files = resolve([str(EXAMPLE_DATA)])
+    total = sum(f.size for f in files)
+    slices = cut_slices(files, total // 5)
+    assert 5 <= len(slices) <= 6
+    assert max(s.nbytes for s in slices[:-1]) < 1.2 * (total // 5)
+
+
+def test_a_jsonl_slice_reads_only_its_byte_range(tmp_path, rows):
+    """A broken first half does not stop a slice of the second half: the slice never decoded it."""
+    path = write_jsonl(tmp_path / "half.jsonl", ["{broken json"] * 50 + [json.dumps(r) for r in rows[:50]])
+    files = resolve([str(path)])
+    slices = cut_slices(files, files[0].size // 2)
+    last = slices[-1]
+    got = [r for batch, _ in read_slice(last, ["messages"]) for r in batch]
+    assert got and all(isinstance(r, dict) for r in got)
+    first = [r for batch, _ in read_slice(slices[0], ["messages"]) for r in batch]
+    assert any(isinstance(r, BadRow) for r in first)
+
+
+def test_every_format_reads_the_same_rows(tmp_path, rows):
+    table = pa.Table.from_pylist(rows)
+    pq.write_table(table, tmp_path / "rows.parquet", row_group_size=17)
+    (tmp_path / "rows.json").write_text(json.dumps(rows, ensure_ascii=False))
+    with pa.OSFile(str(tmp_path / "rows.arrow"), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        for batch in table.to_batches(max_chunksize=33):
+            writer.write_batch(batch)
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"), max_shard_size="50KB")
+    write_jsonl(tmp_path / "hubdir" / "train.jsonl", rows)
+    for spec in ["rows.parquet", "rows.json", "rows.arrow", "saved"]:
+        files = resolve([str(tmp_path / spec)])
+        for target in (1, 20_000, 1 << 30):
+            assert rows_of(files, target) == rows, (spec, target)
+    # A hub name goes through datasets.load_dataset; a local dataset directory stands in for the hub here.
+    files = resolve([f"hub:{tmp_path / 'hubdir'}"], split="train")
+    assert {f.kind for f in files} == {"arrow"} and rows_of(files, 20_000) == rows
+
+
+def test_parquet_slices_are_row_groups(tmp_path, rows):
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "rows.parquet", row_group_size=40)
+    files = resolve([str(tmp_path / "rows.parquet")])
+    slices = cut_slices(files, 1)
+    assert [(p.start, p.stop) for s in slices for p in s.parts] == [(g, g + 1) for g in range(6)]
+
+
+def test_csv_alpaca_rows(tmp_path):
+    path = tmp_path / "alpaca.csv"
+    pa_csv.write_csv(pa.table({"instruction": ["Add", "Sub"], "input": ["1 2", ""], "output": ["3", "0"]}), path)
+    files = resolve([str(path)])
+    columns = resolve_columns("auto", {}, ["instruction", "input", "output"], str(path))
+    assert columns.format == "alpaca"
+    got = [to_example(r, columns) for r in rows_of(files, columns=columns.names)]
+    assert got[0].messages == [{"role": "user", "content": "Add\n\n1 2"}, {"role": "assistant", "content": "3"}]
+    assert got[1].messages[0]["content"] == "Sub"
+
+
+def test_globs_and_directories_are_sorted(tmp_path, rows):
+    write_jsonl(tmp_path / "b.jsonl", rows[:3])
+    write_jsonl(tmp_path / "a.jsonl", rows[3:5])
+    (tmp_path / "notes.md").write_text("not data")
+    assert [f.url.rsplit("/", 1)[1] for f in resolve([str(tmp_path)])] == ["a.jsonl", "b.jsonl"]
+    assert [f.url.rsplit("/", 1)[1] for f in resolve([str(tmp_path / "*.jsonl")])] == ["a.jsonl", "b.jsonl"]
+
+
+@pytest.mark.parametrize(("setup", "message"), [
+    (lambda d: str(d / "missing.jsonl"), "no such file: {d}/missing.jsonl"),
+    (lambda d: str((d / "empty.jsonl").touch() or d / "empty.jsonl"), "{d}/empty.jsonl: the file is empty"),
+    (lambda d: str((d / "x.txt").write_text("hi") and d / "x.txt"), "{d}/x.txt: unknown file format '.txt'"),
+    (lambda d: str(d / "*.nothing"), "no files match {d}/*.nothing"),
+])
+def test_missing_and_unknown_files_are_named(tmp_path, setup, message):
+    with pytest.raises(BadInput) as error:
+        resolve([setup(tmp_path)])
+    assert str(error.value).startswith(message.format(d=tmp_path))
+
+
+def test_a_json_file_must_be_an_array(tmp_path):
+    (tmp_path / "obj.json").write_text('"just a string"')
+    [source] = resolve([str(tmp_path / "obj.json")])
+    with pytest.raises(BadInput, match="obj.json: a .json file must hold an array of objects"):
+        rows_of([source])
+
+
+def test_corrupt_parquet_is_named(tmp_path):
+    (tmp_path / "bad.parquet").write_bytes(b"PAR1" + b"\0" * 100)
+    [source] = resolve([str(tmp_path / "bad.parquet")])
+    with pytest.raises(BadInput, match="bad.parquet: not a readable Parquet file"):
+        rows_of([source])
+
+
+@pytest.mark.parametrize(("row", "reason", "detail"), [
+    ({"messages": "hi"}, "bad_messages", "'messages' must be a list of messages, got str"),
+    ({"messages": [{"content": "x"}]}, "bad_message", "messages[0] has no 'role'"),
+    ({"messages": [{"role": "user"}]}, "bad_message", "messages[0] has no 'content'"),
+    ({"messages": [{"role": "user", "content": 3}]}, "bad_message", "messages[0].content must be a string, got int"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "unknown_role", "messages[0] has unknown role 'wizard'"),
+    ({"messages": []}, "bad_messages", "'messages' is an empty list"),
+])
+def test_row_errors_say_what_is_wrong(row, reason, detail):
+    columns = resolve_columns("chat", {}, ["messages"], "f")
+    with pytest.raises(BadRow) as error:
+        to_example(row, columns)
+    assert error.value.reason == reason and str(error.value).startswith(detail)
+
+
+def test_sharegpt_conversations_are_understood():
+    columns = resolve_columns("auto", {}, ["conversations"], "f")
+    conv = to_example({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}, columns)
+    assert conv.messages == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+
+
+def test_format_detection_says_when_it_cannot():
+    with pytest.raises(BadInput, match="cannot tell the format from the columns"):
+        resolve_columns("auto", {}, ["foo", "bar"], "data.jsonl")
+    with pytest.raises(BadInput, match="missing column 'dialog' for format chat"):
+        resolve_columns("chat", {"messages": "dialog"}, ["messages"], "data.jsonl")
