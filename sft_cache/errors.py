@@ -23,3 +23,7 @@ class BadRow(ValueError):
 
 class CacheError(RuntimeError):
     """A published cache or a staged shard is missing, corrupt or does not match its manifest."""
+
+
+class OutOfSpace(RuntimeError):
+    """A shard could not be written for lack of disk space (or a file size limit); rerunning resumes."""

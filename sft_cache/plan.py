@@ -129,12 +129,15 @@ def plan_slices(options: TokenizeOptions) -> Plan:
 
 def run_locally(options: TokenizeOptions) -> Path:
     """The whole pipeline in this process, one slice after another: the reference the flow must match."""
-    from .publish import publish_cache
+    from .publish import building, publish_cache
     from .shard import tokenize_slice
 
     plan = plan_slices(options)
     if plan.cached:
         return plan.cache_path
-    for slice_ in plan.slices:
-        tokenize_slice(plan.job, slice_)
-    return publish_cache(plan.job, plan.slices, plan.cache_path, plan.inputs, plan.name)
+    with building(plan.job):
+        if is_published(plan.cache_path):  # another run published it while this one waited
+            return plan.cache_path
+        for slice_ in plan.slices:
+            tokenize_slice(plan.job, slice_)
+        return publish_cache(plan.job, plan.slices, plan.cache_path, plan.inputs, plan.name)

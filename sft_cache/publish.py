@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import shutil
 import time
@@ -28,18 +29,32 @@ from .shard import Job, features, finished_shard
 from .sources import Slice
 
 PERCENTILES = (50, 90, 99)
+logger = logging.getLogger("sft_cache")
 
 
 @contextlib.contextmanager
-def locked(lock_file: Path) -> Iterator[None]:
-    """An exclusive advisory lock: one publisher per fingerprint at a time, across processes."""
+def locked(lock_file: Path, waiting: str | None = None) -> Iterator[None]:
+    """An exclusive advisory lock (flock) across processes; says `waiting` if it has to wait."""
     lock_file.parent.mkdir(parents=True, exist_ok=True)
     with open(lock_file, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if waiting:
+                logger.warning(waiting)
+            fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def building(job: Job) -> contextlib.AbstractContextManager[None]:
+    """Held by a run from tokenizing to publishing: a second run of the same fingerprint waits for the
+    first, then finds its cache published, instead of tokenizing the same slices beside it."""
+    staging = Path(job.staging)
+    return locked(staging.with_name(f"{staging.name}.run.lock"),
+                  waiting=f"another run is building the cache {job.fingerprint}; waiting for it to finish")
 
 
 def _fsync(path: Path) -> None:

@@ -7,6 +7,7 @@ marker. A shard whose sidecar matches the slice and the fingerprint is reused wi
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import time
@@ -20,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 
 from .chat import ChatEncoder, EncodedBatch, load_tokenizer
-from .errors import BadRow
+from .errors import BadRow, OutOfSpace
 from .fingerprint import fingerprint
 from .formats import ColumnMap, to_example
 from .sources import Slice, read_slice
@@ -182,53 +183,65 @@ def _write_atomically(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def tokenize_slice(job: Job, slice_: Slice) -> int:
-    """Tokenize one slice into `shard-NNNNN.arrow` (reusing a finished one) and return its row count."""
-    done = finished_shard(job, slice_)
-    if done is not None:
-        return done["rows"]
-    started = time.monotonic()
+def _stream_rows(job: Job, slice_: Slice, stream) -> ShardStats:
+    """Read, tokenize and write the slice's rows batch by batch; bad rows raise or are counted."""
     encoder = encoder_for(job)
     stats = ShardStats()
-    shard = job.shard_path(slice_.index)
-    shard.parent.mkdir(parents=True, exist_ok=True)
-    tmp = shard.with_name(f"{shard.name}.tmp-{uuid.uuid4().hex}")
 
     def reject(bad: BadRow, locate, i: int) -> None:
         if job.on_bad_row == "raise":
             raise bad.at(locate(i))
         stats.dropped[bad.reason] += 1
 
+    writer = ShardWriter(stream, job.extra_columns, job.writer_batch_rows, job.writer_batch_bytes)
+    for rows, locate in read_slice(slice_, job.columns.names, job.storage_options):
+        examples, positions = [], []
+        for i, row in enumerate(rows):
+            try:
+                if isinstance(row, BadRow):
+                    raise row
+                examples.append(to_example(row, job.columns))
+                positions.append(i)
+            except BadRow as bad:
+                reject(bad, locate, i)
+        batch = encoder.encode_batch(examples)
+        for outcome, i in zip(batch.outcomes, positions, strict=True):
+            if isinstance(outcome, BadRow):
+                reject(outcome, locate, i)
+            elif isinstance(outcome, str):
+                stats.dropped[outcome] += 1
+        writer.add(batch)
+        stats.add(batch)
+    writer.close()
+    stats.rows_exact = encoder.rows_exact
+    stats.max_buffered_rows = writer.max_buffered_rows
+    return stats
+
+
+def tokenize_slice(job: Job, slice_: Slice) -> int:
+    """Tokenize one slice into `shard-NNNNN.arrow` (reusing a finished one) and return its row count."""
+    done = finished_shard(job, slice_)
+    if done is not None:
+        return done["rows"]
+    started = time.monotonic()
+    shard = job.shard_path(slice_.index)
+    tmp = shard.with_name(f"{shard.name}.tmp-{uuid.uuid4().hex}")
     try:
+        shard.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as stream:
-            writer = ShardWriter(stream, job.extra_columns, job.writer_batch_rows, job.writer_batch_bytes)
-            for rows, locate in read_slice(slice_, job.columns.names, job.storage_options):
-                examples, positions = [], []
-                for i, row in enumerate(rows):
-                    try:
-                        if isinstance(row, BadRow):
-                            raise row
-                        examples.append(to_example(row, job.columns))
-                        positions.append(i)
-                    except BadRow as bad:
-                        reject(bad, locate, i)
-                batch = encoder.encode_batch(examples)
-                for outcome, i in zip(batch.outcomes, positions, strict=True):
-                    if isinstance(outcome, BadRow):
-                        reject(outcome, locate, i)
-                    elif isinstance(outcome, str):
-                        stats.dropped[outcome] += 1
-                writer.add(batch)
-                stats.add(batch)
-            writer.close()
+            stats = _stream_rows(job, slice_, stream)
             stream.flush()
             os.fsync(stream.fileno())
         os.replace(tmp, shard)
+        meta = {"fingerprint": job.fingerprint, "slice": slice_.describe(), "bytes": shard.stat().st_size,
+                **stats.as_json(), "seconds": round(time.monotonic() - started, 3)}
+        _write_atomically(sidecar_path(shard), json.dumps(meta).encode())
+    except OSError as error:
+        if error.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+            raise OutOfSpace(f"{shard}: cannot write the shard ({error.strerror}); free space under "
+                             f"{shard.parent.parent.parent} and run the same command again: finished shards "
+                             "are kept") from None
+        raise
     finally:
         tmp.unlink(missing_ok=True)
-    stats.rows_exact = encoder.rows_exact
-    stats.max_buffered_rows = writer.max_buffered_rows
-    meta = {"fingerprint": job.fingerprint, "slice": slice_.describe(), "bytes": shard.stat().st_size,
-            **stats.as_json(), "seconds": round(time.monotonic() - started, 3)}
-    _write_atomically(sidecar_path(shard), json.dumps(meta).encode())
     return stats.rows

@@ -172,8 +172,9 @@ class _Reader:
         self.url = source.url
         self.fs, self.path = filesystem(source.url, storage_options)
 
-    def open(self):
-        return self.fs.open(self.path, "rb")
+    def open(self, unbuffered: bool = False):
+        # Unbuffered: every read is one range request of exactly its size (no read-ahead past a slice).
+        return self.fs.open(self.path, "rb", **({"cache_type": "none"} if unbuffered else {}))
 
     def columns(self) -> list[str]:
         raise NotImplementedError
@@ -213,24 +214,33 @@ class _JsonLines(_Reader):
         cuts.append(size)
         return [(a, b, b - a) for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
 
+    def _lines(self, start: int, stop: int) -> Iterator[bytes]:
+        """The lines of bytes [start, stop), which begin and end on line starts, read in bounded chunks.
+        Exactly that range is read: on object storage a slice fetches its own bytes and no others."""
+        with self.open(unbuffered=True) as f:
+            f.seek(start)
+            position, carry = start, b""
+            while position < stop:
+                chunk = f.read(min(stop - position, READ_BATCH_BYTES))
+                if not chunk:
+                    break
+                position += len(chunk)
+                lines = (carry + chunk).split(b"\n")
+                carry = lines.pop()
+                yield from lines
+            if carry:
+                yield carry
+
     def read(self, part: Part, columns: list[str]) -> Iterator[RowBatch]:
         first_line = _LazyLineNumber(self, part.start)
         rows: list[Any] = []
         lines: list[int] = []  # line index of each row, relative to the part's first line
         pending = 0
-        with self.open() as f:
-            f.seek(part.start)
-            position, index = part.start, 0
-            while position < part.stop:
-                line = f.readline()
-                if not line:
-                    break
-                position += len(line)
-                if line.strip():
-                    rows.append(_parse_line(line))
-                    lines.append(index)
-                    pending += len(line)
-                index += 1
+        for index, line in enumerate(self._lines(part.start, part.stop)):
+            if line.strip():
+                rows.append(_parse_line(line))
+                lines.append(index)
+                pending += len(line)
                 if len(rows) >= READ_BATCH_ROWS or pending >= READ_BATCH_BYTES:
                     yield rows, _line_locator(self.url, first_line, lines)
                     rows, lines, pending = [], [], 0

@@ -162,3 +162,14 @@ def test_generation_prompt_that_differs_from_the_history(family_tokenizer, tmp_p
         assert encoder.fast_path_enabled
     [row] = ChatEncoder(tokenizer).encode_batch([Conversation(CONVERSATIONS[0])]).results()
     assert tokenizer.decode(row.input_ids[row.loss_mask == 1]) == "Four.<|im_end|>"
+
+
+def test_chat_templates_render_in_a_sandbox():
+    """A template is code from the hub: it cannot reach Python internals."""
+    from sft_cache.errors import BadRow
+
+    hostile = "{{ ''.__class__.__mro__[1].__subclasses__() }}{% for m in messages %}{{ m.content }}{% endfor %}"
+    tokenizer = load_tokenizer("examples/tokenizer", chat_template=hostile)
+    [result] = ChatEncoder(tokenizer, "all").encode_batch([Conversation(CONVERSATIONS[0])]).results()
+    assert isinstance(result, BadRow) and result.reason == "template_error"
+    assert "unsafe" in result.detail
