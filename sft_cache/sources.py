@@ -172,9 +172,10 @@ class _Reader:
         self.url = source.url
         self.fs, self.path = filesystem(source.url, storage_options)
 
-    def open(self, unbuffered: bool = False):
-        # Unbuffered: every read is one range request of exactly its size (no read-ahead past a slice).
-        return self.fs.open(self.path, "rb", **({"cache_type": "none"} if unbuffered else {}))
+    def open(self, exact: bool = False):
+        # exact: every read is one range request of exactly its size, no read-ahead past a slice.
+        # Otherwise small blocks: finding a line start should not fetch megabytes of object storage.
+        return self.fs.open(self.path, "rb", **({"cache_type": "none"} if exact else {"block_size": 1 << 16}))
 
     def columns(self) -> list[str]:
         raise NotImplementedError
@@ -217,7 +218,7 @@ class _JsonLines(_Reader):
     def _lines(self, start: int, stop: int) -> Iterator[bytes]:
         """The lines of bytes [start, stop), which begin and end on line starts, read in bounded chunks.
         Exactly that range is read: on object storage a slice fetches its own bytes and no others."""
-        with self.open(unbuffered=True) as f:
+        with self.open(exact=True) as f:
             f.seek(start)
             position, carry = start, b""
             while position < stop:
@@ -323,7 +324,7 @@ class _Parquet(_Reader):
     @cached_property
     def file(self) -> pq.ParquetFile:
         try:
-            return pq.ParquetFile(self.path if _is_local(self.fs) else self.open())
+            return pq.ParquetFile(self.path if _is_local(self.fs) else self.open(exact=True))
         except Exception as error:
             raise BadInput(f"{self.url}: not a readable Parquet file ({error})") from None
 
