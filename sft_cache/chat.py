@@ -256,10 +256,11 @@ class ChatEncoder:
 
     @staticmethod
     def _first_token_at_or_after(enc, position: int, n_tokens: int, n_chars: int) -> int:
+        """Index of the first token starting at or after `position` (enc.offsets would build every offset)."""
         while position < n_chars:
             token = enc.char_to_token(position)
             if token is not None:
-                return token if enc.offsets[token][0] >= position else token + 1
+                return token if enc.token_to_chars(token)[0] >= position else token + 1
             position += 1
         return n_tokens
 
@@ -323,8 +324,8 @@ class ChatEncoder:
                 loss_mask[offset:offset + length] = 1
                 continue
             for begin, end in regions:
-                first = self._first_token_at_or_after(enc, begin, len(enc.ids), len(text))
-                stop = self._first_token_at_or_after(enc, end, len(enc.ids), len(text))
+                first = self._first_token_at_or_after(enc, begin, int(length), len(text))
+                stop = self._first_token_at_or_after(enc, end, int(length), len(text))
                 loss_mask[offset + first:offset + stop] = 1
         return self._apply_max_length(outcomes, [index for index, _ in plans], input_ids, loss_mask, starts)
 

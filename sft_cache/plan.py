@@ -82,22 +82,23 @@ def _check_tokenizer(tokenizer, columns: ColumnMap, options: TokenizeOptions) ->
                            f"alone takes {overhead} tokens for an empty exchange")
 
 
-def plan_slices(options: TokenizeOptions) -> Plan:
+def plan_slices(options: TokenizeOptions, min_slices: int = 1) -> Plan:
+    """Check the inputs, fingerprint them, and cut slices of about `shard_size` bytes (at least
+    `min_slices` of them, so every worker gets work). A published cache returns before any tokenizer load."""
     root = cache_root(options)
     tokenizer_dir = resolve_tokenizer(options.tokenizer, options.tokenizer_revision)
-    tokenizer = load_tokenizer(tokenizer_dir, read_chat_template(options.chat_template), options.trust_remote_code)
+    template_override = read_chat_template(options.chat_template)
     files = resolve(options.sources, split=options.split, subset=options.subset, revision=options.revision,
                     storage_options=options.storage_options)
     columns = _columns(files, options)
-    _check_tokenizer(tokenizer, columns, options)
-    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
     inputs = {
         "cache_format_version": CACHE_FORMAT_VERSION,
         "sources": [[f.url, f.kind, *f.identity] for f in files],
         "format": columns.format,
         "columns": columns.columns,
+        # The tokenizer's own chat template is one of its files; an override is hashed on its own.
         "tokenizer_files": hash_directory(tokenizer_dir),
-        "chat_template": hash_text(template),
+        "chat_template_override": hash_text(template_override),
         "train_on": options.train_on,
         "max_length": options.max_length,
         "truncation": options.truncation if options.max_length else None,
@@ -110,7 +111,7 @@ def plan_slices(options: TokenizeOptions) -> Plan:
         fingerprint=digest,
         staging=str(root / ".staging" / digest),
         tokenizer_dir=str(tokenizer_dir),
-        chat_template=template,
+        chat_template=template_override,
         columns=columns,
         train_on=options.train_on,
         max_length=options.max_length,
@@ -122,9 +123,13 @@ def plan_slices(options: TokenizeOptions) -> Plan:
         trust_remote_code=options.trust_remote_code,
         storage_options=options.storage_options,
     )
-    cached = is_published(cache_path)
-    slices = [] if cached else cut_slices(files, parse_size(options.shard_size), options.storage_options)
-    return Plan(job, slices, name, cache_path, inputs, cached)
+    if is_published(cache_path):
+        return Plan(job, [], name, cache_path, inputs, cached=True)
+    tokenizer = load_tokenizer(tokenizer_dir, template_override, options.trust_remote_code)
+    _check_tokenizer(tokenizer, columns, options)
+    total = sum(f.size for f in files)
+    target = max(1, min(parse_size(options.shard_size), -(-total // max(1, min_slices))))
+    return Plan(job, cut_slices(files, target, options.storage_options), name, cache_path, inputs, cached=False)
 
 
 def run_locally(options: TokenizeOptions) -> Path:

@@ -285,3 +285,8 @@ def test_memory_is_bounded_by_the_writer_batch(tmp_path, many_rows):
     materialized_floor = sidecar["tokens"] * 5
     assert materialized_floor > 8 << 20
     assert streaming_peak < materialized_floor / 4, (streaming_peak, materialized_floor)
+
+
+def test_small_inputs_still_give_every_worker_a_slice(tmp_path):
+    assert len(plan_slices(options(tmp_path)).slices) == 1  # 340 kB under the default 256MB slices
+    assert len(plan_slices(options(tmp_path), min_slices=4).slices) == 4
