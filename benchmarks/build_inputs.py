@@ -1,0 +1,195 @@
+"""Benchmark inputs, built offline and reproducibly: a multi-turn chat corpus and a 32k BPE tokenizer.
+
+The generator and the tokenizer trainer are the ones in examples/build_examples.py. Its word list is small,
+so a deterministic lexicon of pseudo-words (random syllable combinations, Zipf-distributed, English words
+first) replaces it while generating: the tokenizer trains on that text, so its vocabulary reaches 32k, and
+the corpus uses the same lexicon, so a conversation is a few thousand tokens, as in real SFT data.
+
+The corpus is cut into units: unit k is one JSONL file of `unit_rows × scale` conversations from seed
+`corpus_seed + k`, about 27M tokens (127 MB) at scale 1. Dataset size N (the sweep's 1x, 2x, 4x, 8x) is
+units 0..N-1, so the sizes share their files and 8x builds only what 4x did not. Everything lands in
+benchmarks/data/, keyed by its parameters: a file already there with the same parameters is not rebuilt.
+
+    python benchmarks/build_inputs.py --scale 0.02 --units 2      # build (or find) and print the paths
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+import json
+import os
+import random
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import ModuleType
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+DATA = HERE / "data"
+GENERATOR_VERSION = 1  # bump when the text generated for the same parameters changes
+
+# Pseudo-word syllables: onset + vowel + coda.
+ONSETS = ("", "b", "bl", "br", "c", "ch", "cl", "cr", "d", "dr", "f", "fl", "fr", "g", "gl", "gr", "h", "j", "k",
+          "kr", "l", "m", "n", "p", "ph", "pl", "pr", "qu", "r", "s", "sc", "sh", "sk", "sl", "sm", "sn", "sp",
+          "st", "str", "t", "th", "tr", "v", "w", "wh", "z")
+VOWELS = ("a", "e", "i", "o", "u", "y", "ai", "au", "ea", "ee", "ei", "ie", "io", "oa", "oi", "oo", "ou")
+CODAS = ("", "", "", "", "b", "ck", "d", "ff", "g", "l", "ll", "m", "n", "nd", "ng", "nt", "p", "r", "rk", "rn",
+         "s", "sh", "ss", "st", "t", "th", "x", "z")
+
+
+@dataclass(frozen=True)
+class CorpusSpec:
+    """Everything that decides the bytes of the corpus and of the tokenizer."""
+
+    scale: float = 1.0
+    unit_rows: int = 11_000  # conversations per unit at scale 1: about 2,450 tokens each, 27M tokens
+    turns: tuple[int, int] = (8, 32)  # user/assistant exchanges per conversation
+    sentences: tuple[int, int] = (1, 6)  # sentences per message
+    lexicon_words: int = 60_000  # distinct pseudo-words
+    zipf_s: float = 1.0
+    pool_size: int = 2_000_000  # lexicon entries repeated by frequency, for rng.choice
+    lexicon_seed: int = 7
+    corpus_seed: int = 1000
+    vocab_size: int = 32_768
+    tokenizer_rows: int = 3_000  # conversations of training text for the tokenizer
+    tokenizer_seed: int = 1
+    version: int = GENERATOR_VERSION
+
+    @property
+    def rows_per_unit(self) -> int:
+        return max(1, round(self.unit_rows * self.scale))
+
+    def key(self, *fields: str) -> str:
+        values = {name: value for name, value in asdict(self).items() if name in fields}
+        return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:12]
+
+    @property
+    def lexicon_key(self) -> str:
+        return self.key("turns", "sentences", "lexicon_words", "zipf_s", "pool_size", "lexicon_seed", "version")
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        fields = ("vocab_size", "tokenizer_rows", "tokenizer_seed")
+        return DATA / f"tokenizer-{self.lexicon_key}-{self.key(*fields)}"
+
+    @property
+    def corpus_dir(self) -> Path:
+        return DATA / f"corpus-{self.lexicon_key}-{self.key('corpus_seed')}-rows{self.rows_per_unit}"
+
+    def unit_path(self, unit: int) -> Path:
+        return self.corpus_dir / f"chat-{unit:05d}.jsonl"
+
+
+def examples_module() -> ModuleType:
+    """examples/build_examples.py, imported by path (examples/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("build_examples", ROOT / "examples" / "build_examples.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def lexicon(spec: CorpusSpec, english: list[str]) -> list[str]:
+    """English words first, then distinct pseudo-words, shorter ones tending to rank (and so occur) higher."""
+    rng = random.Random(spec.lexicon_seed)
+    syllables = [o + v + c for o in ONSETS for v in VOWELS for c in CODAS]
+    seen, words = set(english), []
+    while len(words) < spec.lexicon_words:
+        word = "".join(rng.choice(syllables) for _ in range(rng.choices((1, 2, 3, 4), (3, 5, 3, 1))[0]))
+        if word not in seen:
+            seen.add(word)
+            words.append(word)
+    words.sort(key=lambda w: len(w) + 6 * rng.random())
+    return list(english) + words
+
+
+def zipf_pool(spec: CorpusSpec, words: list[str]) -> list[str]:
+    """Each word repeated in proportion to 1/rank^s (at least once): rng.choice over it samples Zipf."""
+    weights = [1.0 / (rank + 1) ** spec.zipf_s for rank in range(len(words))]
+    total = sum(weights)
+    pool: list[str] = []
+    for word, weight in zip(words, weights, strict=True):
+        pool.extend([word] * max(1, round(spec.pool_size * weight / total)))
+    return pool
+
+
+def generator(spec: CorpusSpec) -> ModuleType:
+    """The examples' generator, drawing its words from the Zipf-distributed lexicon."""
+    module = examples_module()
+    module._WORDS = zipf_pool(spec, lexicon(spec, list(module._WORDS)))
+    return module
+
+
+def _write_atomically(target: Path, write) -> None:
+    """`write(tmp)` then rename tmp to target: a file or directory under its final name is always complete."""
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    write(tmp)
+    os.replace(tmp, target)
+
+
+def write_unit(spec: CorpusSpec, unit: int) -> Path:
+    """One JSONL file of the corpus (a no-op when it is already there)."""
+    path = spec.unit_path(unit)
+    if path.exists():
+        return path
+    gen = generator(spec)
+    rows = gen.conversations(spec.corpus_seed + unit, spec.rows_per_unit, turns=spec.turns, sentences=spec.sentences)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _write_atomically(path, lambda tmp: gen.write_jsonl(tmp, rows))
+    return path
+
+
+def build_tokenizer(spec: CorpusSpec) -> Path:
+    """A byte-level BPE of `vocab_size` tokens with a ChatML template, trained on the lexicon's text."""
+    out = spec.tokenizer_dir
+    if (out / "tokenizer.json").exists():
+        return out
+    gen = generator(spec)
+    rows = gen.conversations(spec.tokenizer_seed, spec.tokenizer_rows, turns=spec.turns, sentences=spec.sentences)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def train(tmp: Path) -> None:
+        gen.train_tokenizer(gen.corpus_text(rows), spec.vocab_size, tmp)
+        vocab = json.loads((tmp / "tokenizer.json").read_text())["model"]["vocab"]
+        if len(vocab) < 32_000:
+            raise RuntimeError(f"the tokenizer learned only {len(vocab)} tokens: it needs more varied training text")
+
+    _write_atomically(out, train)
+    return out
+
+
+def build(spec: CorpusSpec, units: int, jobs: int | None = None) -> tuple[Path, list[Path]]:
+    """The tokenizer and units 0..units-1 of the corpus, built in parallel where missing."""
+    paths = [spec.unit_path(u) for u in range(units)]
+    missing = [u for u, path in enumerate(paths) if not path.exists()]
+    need_tokenizer = not (spec.tokenizer_dir / "tokenizer.json").exists()
+    if not missing and not need_tokenizer:
+        return spec.tokenizer_dir, paths
+    started = time.monotonic()
+    with ProcessPoolExecutor(max(1, min(jobs or os.cpu_count() or 1, len(missing) + need_tokenizer))) as pool:
+        tokenizer = pool.submit(build_tokenizer, spec) if need_tokenizer else None
+        list(pool.map(write_unit, [spec] * len(missing), missing))
+        if tokenizer is not None:
+            tokenizer.result()
+    print(f"built inputs in {time.monotonic() - started:.1f} s: "
+          f"{'a tokenizer and ' if need_tokenizer else ''}{len(missing)} corpus unit(s) of "
+          f"{spec.rows_per_unit} conversations, under {DATA}", flush=True)
+    return spec.tokenizer_dir, paths
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--scale", type=float, default=1.0, help="rows per unit multiplier (1 = about 25M tokens)")
+    parser.add_argument("--units", type=int, default=1, help="corpus units to build (the sweep's largest size)")
+    args = parser.parse_args()
+    tokenizer, paths = build(CorpusSpec(scale=args.scale), args.units)
+    print(tokenizer)
+    print("\n".join(map(str, paths)))
+
+
+if __name__ == "__main__":
+    main()

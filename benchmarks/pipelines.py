@@ -1,0 +1,219 @@
+"""The pipelines under comparison (except this project's, which is its own CLI), and the output checksum.
+
+Each runs as its own subprocess, started by run.py, and prints one JSON line on stdout:
+
+    python benchmarks/pipelines.py ceiling --tokenizer DIR --workers 2 --out DIR FILE...
+    python benchmarks/pipelines.py hf      ...     # load_dataset("json") + map(num_proc=W) + save_to_disk
+    python benchmarks/pipelines.py spawn   ...     # the SkyRL PR #1971 design: spawn pool, ArrowWriter shards
+
+All of them tokenize with the project's own `ChatEncoder` (the ceiling with the plain template render and
+one batch-encode call), so their input_ids and loss_mask must be identical to this project's cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Iterator
+from itertools import chain
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # sft_cache, when run from anywhere
+
+from sft_cache.chat import ChatEncoder, EncodedBatch, load_tokenizer  # noqa: E402
+from sft_cache.formats import Conversation  # noqa: E402
+from sft_cache.shard import features  # noqa: E402
+
+ENCODE_BATCH_ROWS = 256  # rows per encode call: what the project's reader hands its encoder
+WRITER_BATCH_ROWS = 1000  # SkyRL's _TOKENIZE_WRITER_BATCH_ROWS
+
+
+# -- checksum ----------------------------------------------------------------------------------------------------
+
+
+class ColumnDigest:
+    """An exact checksum of a list column: its row lengths (int64) and its values, hashed in row order, so
+    the result does not depend on how the rows are chunked."""
+
+    def __init__(self, dtype: type):
+        self.dtype = dtype
+        self.lengths, self.values = hashlib.blake2b(digest_size=16), hashlib.blake2b(digest_size=16)
+        self.rows = self.tokens = 0
+
+    def update(self, lengths: np.ndarray, values: np.ndarray) -> None:
+        self.lengths.update(np.ascontiguousarray(lengths, dtype=np.int64).tobytes())
+        self.values.update(np.ascontiguousarray(values, dtype=self.dtype).tobytes())
+        self.rows += len(lengths)
+        self.tokens += len(values)
+
+    def update_arrow(self, chunk: pa.ListArray) -> None:
+        self.update(pc.list_value_length(chunk).to_numpy(zero_copy_only=False), chunk.flatten().to_numpy())
+
+    def hexdigest(self) -> str:
+        return f"{self.lengths.hexdigest()}:{self.values.hexdigest()}"
+
+
+def cache_digest(path: Path) -> dict:
+    """Rows, tokens and the checksums of input_ids and loss_mask of a `save_to_disk` directory (memory-mapped)."""
+    from datasets import load_from_disk
+
+    table = load_from_disk(str(path)).data.table
+    digests = {"input_ids": ColumnDigest(np.int32), "loss_mask": ColumnDigest(np.int8)}
+    for name, digest in digests.items():
+        for chunk in table.column(name).chunks:
+            digest.update_arrow(chunk)
+    return {"rows": table.num_rows, "tokens": digests["input_ids"].tokens,
+            **{name: digest.hexdigest() for name, digest in digests.items()}}
+
+
+# -- shared pieces ---------------------------------------------------------------------------------------------
+
+
+def list_array(offsets: np.ndarray, values: np.ndarray) -> pa.ListArray:
+    return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values))
+
+
+def as_table(batch: EncodedBatch) -> pa.Table:
+    """The encoded rows as the cache's columns, built from the flat arrays (no per-row Python objects)."""
+    bad = [outcome for outcome in batch.outcomes if not isinstance(outcome, int | str)]
+    if bad:
+        raise bad[0]
+    return pa.table({"input_ids": list_array(batch.offsets, batch.input_ids),
+                     "loss_mask": list_array(batch.offsets, batch.loss_mask)})
+
+
+_encoders: dict[str, ChatEncoder] = {}
+
+
+def encoder(tokenizer_dir: str) -> ChatEncoder:
+    """One encoder per process, made on first use (in the worker, never inherited through fork)."""
+    if tokenizer_dir not in _encoders:
+        _encoders[tokenizer_dir] = ChatEncoder(load_tokenizer(tokenizer_dir))
+    return _encoders[tokenizer_dir]
+
+
+def jsonl_batches(files: list[str], rows: int) -> Iterator[list[dict]]:
+    batch: list[dict] = []
+    for name in files:
+        with open(name, "rb") as lines:
+            for line in lines:
+                batch.append(json.loads(line))
+                if len(batch) == rows:
+                    yield batch
+                    batch = []
+    if batch:
+        yield batch
+
+
+# -- ceiling ---------------------------------------------------------------------------------------------------
+
+
+def ceiling(files: list[str], tokenizer_dir: str, checksum: bool = True) -> dict:
+    """Render every row's chat template and batch-encode it, in this one process; write nothing."""
+    tokenizer = load_tokenizer(tokenizer_dir)
+    backend = tokenizer.backend_tokenizer
+    digest = ColumnDigest(np.int32)
+    rows = tokens = 0
+    for batch in jsonl_batches(files, ENCODE_BATCH_ROWS):
+        texts = tokenizer.apply_chat_template([row["messages"] for row in batch], tokenize=False)
+        encodings = backend.encode_batch(texts, add_special_tokens=False)
+        rows += len(encodings)
+        if checksum:
+            ids = [encoding.ids for encoding in encodings]
+            lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+            digest.update(lengths, np.fromiter(chain.from_iterable(ids), dtype=np.int32, count=int(lengths.sum())))
+        else:
+            tokens += sum(map(len, encodings))
+    if checksum:
+        return {"rows": rows, "tokens": digest.tokens, "input_ids": digest.hexdigest()}
+    return {"rows": rows, "tokens": tokens}
+
+
+# -- HF datasets: load_dataset + map(num_proc) + save_to_disk ----------------------------------------------------
+
+
+def encode_for_map(batch: dict, tokenizer_dir: str) -> pa.Table:
+    examples = [Conversation(messages) for messages in batch["messages"]]
+    return as_table(encoder(tokenizer_dir).encode_batch(examples))
+
+
+def hf_datasets(files: list[str], tokenizer_dir: str, workers: int, out: Path) -> dict:
+    from datasets import load_dataset
+
+    source = load_dataset("json", data_files=files, split="train", cache_dir=str(out.parent / "hf-cache"))
+    tokenized = source.map(encode_for_map, batched=True, num_proc=workers, remove_columns=source.column_names,
+                           features=features(), fn_kwargs={"tokenizer_dir": tokenizer_dir})
+    tokenized.save_to_disk(str(out))
+    return {"rows": len(tokenized)}
+
+
+# -- spawn pool: the reference design (SkyRL PR #1971) -----------------------------------------------------------
+
+
+def spawn_worker(files: list[str], cache_dir: str, tokenizer_dir: str, start: int, stop: int, shard: str) -> int:
+    """As SkyRL's worker: load the whole dataset again, select this worker's rows, stream them to a shard."""
+    from datasets import load_dataset
+    from datasets.arrow_writer import ArrowWriter
+
+    rows = load_dataset("json", data_files=files, split="train", cache_dir=cache_dir).select(range(start, stop))
+    chat = encoder(tokenizer_dir)
+    writer = ArrowWriter(path=shard, features=features(), writer_batch_size=WRITER_BATCH_ROWS)
+    written = 0
+    for batch in rows.iter(batch_size=ENCODE_BATCH_ROWS):
+        table = as_table(chat.encode_batch([Conversation(messages) for messages in batch["messages"]]))
+        writer.write_table(table)
+        written += table.num_rows
+    writer.finalize()
+    return written
+
+
+def spawn_pool(files: list[str], tokenizer_dir: str, workers: int, out: Path) -> dict:
+    import multiprocessing
+
+    from datasets import Dataset, concatenate_datasets, load_dataset
+
+    cache_dir = str(out.parent / "hf-cache")
+    total = len(load_dataset("json", data_files=files, split="train", cache_dir=cache_dir))  # the controller's load
+    shards = out.parent / "shards"
+    shards.mkdir(parents=True, exist_ok=True)
+    jobs = [(files, cache_dir, tokenizer_dir, total * k // workers, total * (k + 1) // workers,
+             str(shards / f"shard-{k:05d}.arrow")) for k in range(workers)]
+    with multiprocessing.get_context("spawn").Pool(workers) as pool:
+        counts = pool.starmap(spawn_worker, jobs)
+    merged = concatenate_datasets([Dataset.from_file(job[-1]) for job in jobs])
+    merged.save_to_disk(str(out))  # copies the shards into the cache
+    shutil.rmtree(shards)
+    return {"rows": sum(counts)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("pipeline", choices=["ceiling", "hf", "spawn"])
+    parser.add_argument("files", nargs="+")
+    parser.add_argument("--tokenizer", required=True)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--out", type=Path, help="the cache directory to write (hf, spawn)")
+    parser.add_argument("--no-checksum", action="store_true", help="ceiling: count tokens only")
+    args = parser.parse_args()
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    started = time.perf_counter()
+    if args.pipeline == "ceiling":
+        result = ceiling(args.files, args.tokenizer, checksum=not args.no_checksum)
+    elif args.pipeline == "hf":
+        result = hf_datasets(args.files, args.tokenizer, args.workers, args.out)
+    else:
+        result = spawn_pool(args.files, args.tokenizer, args.workers, args.out)
+    print(json.dumps({**result, "inner_seconds": round(time.perf_counter() - started, 3)}))
+
+
+if __name__ == "__main__":
+    main()

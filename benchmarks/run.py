@@ -1,0 +1,386 @@
+"""Throughput and memory benchmark: this project against the tokenizer ceiling, HF datasets and the SkyRL design.
+
+    python benchmarks/run.py                          # the full sweep: 1x, 2x, 4x, 8x of ~27M tokens, 2 workers
+    python benchmarks/run.py --scale 0.02 --sizes 1,2 --out /tmp/bench   # a dry run of a few seconds a pipeline
+
+Inputs are built (or found) under benchmarks/data/ first: see build_inputs.py. Then, for each size, every
+pipeline runs in its own subprocess on the same files, while a thread samples the peak anonymous RAM of
+that subprocess's whole process tree (see measure.py):
+
+    ceiling  one process renders the chat template and batch-encodes every row, writing nothing
+    hf       load_dataset("json") + map(batched=True, num_proc=W) + save_to_disk
+    spawn    the reference design (SkyRL PR #1971): a spawn pool of W workers, each loading the dataset
+             again and streaming its slice through ArrowWriter to a shard; concatenate_datasets + save_to_disk
+    project  `sft-tokenize run ... --workers W` (ad-hoc flow run, embedded Prefect server), cold, and then
+             the same command again (a cache hit)
+
+Every output is checked against the others with an exact checksum of input_ids and loss_mask (the ceiling
+has no mask: its input_ids only). Results go to --out: results.json, results.md and chart.png; the last
+lines printed say which targets pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+from build_inputs import CorpusSpec, build  # noqa: E402
+from measure import measure  # noqa: E402
+
+PIPELINES = ("ceiling", "hf", "spawn", "project")
+LABELS = {"ceiling": "ceiling (render + encode, 1 process)", "hf": "HF datasets map",
+          "spawn": "spawn pool (SkyRL #1971)", "project": "sft-tokenize (cold)"}
+VERDICTS = {True: "PASS", False: "MISS", None: "n/a"}
+ENV = {
+    "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+    "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "DO_NOT_TRACK": "1",
+}
+
+
+@dataclass
+class Run:
+    pipeline: str
+    size: int
+    seconds: float
+    peak_anon_mib: float
+    rows: int
+    tokens: int
+    checksums: dict = field(default_factory=dict)
+    identical: bool | None = None  # input_ids and loss_mask equal to the reference run's (None: nothing to compare)
+    tokens_per_second: float = 0.0
+    vs_ceiling: float | None = None  # throughput / the ceiling's
+    inner_seconds: float | None = None  # as timed inside the subprocess (no interpreter start)
+    publish_seconds: float | None = None  # project: from the manifest's timings
+    project_timings: dict | None = None  # project: the manifest's timings (runner, workers, tokenize_seconds, ...)
+    project_slices: int | None = None  # project: slices (tasks, shards) the plan cut
+    cache_hit_seconds: float | None = None  # project: the same command again
+    cache_hit_peak_anon_mib: float | None = None
+    peak_processes: list = field(default_factory=list)  # [command, MiB] of each process at the peak
+
+
+# -- running the pipelines ----------------------------------------------------------------------------------------
+
+
+def project_command(files: list[Path], tokenizer: Path, cache_dir: Path, workers: int, extra: list[str]) -> list[str]:
+    script = Path(sys.executable).with_name("sft-tokenize")
+    base = [str(script)] if script.exists() else [sys.executable, "-m", "flows.cli"]
+    return [*base, "run", *map(str, files), "--tokenizer", str(tokenizer), "--cache-dir", str(cache_dir),
+            "--workers", str(workers), *extra]
+
+
+def warm_up_prefect(env: dict[str, str], work: Path) -> None:
+    """Create the Prefect database once, untimed, as on any machine where Prefect is already in use."""
+    home = Path(env["PREFECT_HOME"])
+    if (home / "prefect.db").exists():
+        return
+    home.mkdir(parents=True, exist_ok=True)  # SQLite cannot create the database under a missing directory
+    print("creating the Prefect database (once, untimed) ...", flush=True)
+    command = project_command([ROOT / "examples" / "data"], ROOT / "examples" / "tokenizer", work / "warm-up", 1, [])
+    measure(command, env=env, cwd=ROOT, log=work / "logs" / "prefect-warm-up.log")
+    shutil.rmtree(work / "warm-up", ignore_errors=True)
+
+
+def mib(processes: list[tuple[str, int]]) -> list:
+    return [[command, round(size / 2**20, 1)] for command, size in processes]
+
+
+def run_pipeline(name: str, size: int, files: list[Path], tokenizer: Path, workers: int, work: Path,
+                 env: dict[str, str], project_args: list[str]) -> Run:
+    from pipelines import cache_digest
+
+    scratch = work / f"{size}x-{name}"
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir(parents=True)
+    log = work / "logs" / f"{size}x-{name}.log"
+    try:
+        if name == "project":
+            command = project_command(files, tokenizer, scratch / "cache", workers, project_args)
+            cold = measure(command, env=env, cwd=ROOT, log=log)
+            cache = Path(cold.stdout.strip().splitlines()[-1])
+            manifest = json.loads((cache / "manifest.json").read_text())
+            hit = measure(command, env=env, cwd=ROOT, log=log.with_suffix(".hit.log"))
+            if hit.stdout.strip().splitlines()[-1] != str(cache):
+                raise RuntimeError(f"the second run printed {hit.stdout.strip()!r}, not the cache {cache}")
+            digest = cache_digest(cache)
+            return Run(name, size, cold.seconds, cold.peak_anon_mib, digest["rows"], digest["tokens"],
+                       {k: digest[k] for k in ("input_ids", "loss_mask")},
+                       publish_seconds=manifest.get("timings", {}).get("publish_seconds"),
+                       project_timings=manifest.get("timings"), project_slices=len(manifest.get("shards", [])),
+                       cache_hit_seconds=hit.seconds, cache_hit_peak_anon_mib=hit.peak_anon_mib,
+                       peak_processes=mib(cold.peak_processes))
+        out = scratch / "cache"
+        command = [sys.executable, str(HERE / "pipelines.py"), name, *map(str, files), "--tokenizer", str(tokenizer),
+                   "--workers", str(workers), "--out", str(out)]
+        measured = measure(command, env={**env, "HF_DATASETS_CACHE": str(scratch / "hf-cache")}, cwd=ROOT, log=log)
+        reported = json.loads(measured.stdout.strip().splitlines()[-1])
+        digest = reported if name == "ceiling" else cache_digest(out)
+        return Run(name, size, measured.seconds, measured.peak_anon_mib, digest["rows"], digest["tokens"],
+                   {k: digest[k] for k in ("input_ids", "loss_mask") if k in digest},
+                   inner_seconds=reported.get("inner_seconds"), peak_processes=mib(measured.peak_processes))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def compare(runs: dict[str, Run]) -> str | None:
+    """Mark every other run identical or not to the reference (HF datasets, else the first run with a mask);
+    return the reference's name."""
+    with_mask = [r for r in runs.values() if "loss_mask" in r.checksums]
+    reference = runs["hf"] if "hf" in runs else (with_mask[0] if with_mask else None)
+    if reference is None:
+        return None
+    for run in runs.values():
+        if run is not reference:
+            keys = [k for k in ("input_ids", "loss_mask") if k in run.checksums]
+            run.identical = run.rows == reference.rows and all(run.checksums[k] == reference.checksums[k]
+                                                               for k in keys)
+    return reference.pipeline
+
+
+# -- report ------------------------------------------------------------------------------------------------------
+
+
+def installed(name: str) -> str:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def machine() -> dict:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    mem_kib = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
+                   if line.startswith("MemTotal:"))
+    return {
+        "cpu": cpu, "cores": len(os.sched_getaffinity(0)), "ram_gib": round(mem_kib / 2**20, 1),
+        "kernel": platform.release(), "python": platform.python_version(),
+        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
+        "libraries": {name: installed(name) for name in ("sft-tokenize", "prefect", "datasets", "transformers",
+                                                          "tokenizers", "pyarrow", "numpy")},
+    }
+
+
+@dataclass
+class Target:
+    name: str
+    ok: bool | None  # None: not measured in this invocation
+    detail: str
+
+
+def targets(results: list[dict]) -> list[Target]:
+    """The issue's targets, at the smallest size (the default size in a full run) and across the sweep."""
+    if not results:
+        return []
+    first, last = results[0]["runs"], results[-1]["runs"]
+    project = first.get("project")
+
+    def faster(other: str, factor: float) -> Target:
+        name = f"project throughput >= {factor}x {other} ({results[0]['size']}x)"
+        if project is None or other not in first:
+            return Target(name, None, "not run")
+        ratio = project["tokens_per_second"] / first[other]["tokens_per_second"]
+        return Target(name, ratio >= factor, f"{ratio:.2f}x")
+
+    found = [faster("ceiling", 1.0), faster("hf", 1.2), faster("spawn", 1.2)]
+    name = f"project peak anon RAM <= spawn's ({results[0]['size']}x)"
+    if project and "spawn" in first:
+        found.append(Target(name, project["peak_anon_mib"] <= first["spawn"]["peak_anon_mib"],
+                            f"{project['peak_anon_mib']:.0f} vs {first['spawn']['peak_anon_mib']:.0f} MiB"))
+    else:
+        found.append(Target(name, None, "not run"))
+    sweep = f"{results[0]['size']}x -> {results[-1]['size']}x"
+    if project and "project" in last and len(results) > 1:
+        growth = last["project"]["peak_anon_mib"] / project["peak_anon_mib"] - 1
+        found.append(Target(f"project peak anon RAM growth <= 5 % ({sweep})", growth <= 0.05, f"{growth:+.1%}"))
+        a, b = project["publish_seconds"], last["project"]["publish_seconds"]
+        found.append(Target(f"publish time flat ({sweep}: grows by <= max(0.5 s, 25 %))",
+                            b - a <= max(0.5, 0.25 * a), f"{a:.2f} s -> {b:.2f} s"))
+    else:
+        found.append(Target("project peak anon RAM growth <= 5 %", None, "needs the project at two sizes"))
+        found.append(Target("publish time flat", None, "needs the project at two sizes"))
+    name = f"cache hit <= 0.1x cold run ({results[0]['size']}x)"
+    if project:
+        ratio = project["cache_hit_seconds"] / project["seconds"]
+        found.append(Target(name, ratio <= 0.1, f"{project['cache_hit_seconds']:.1f} s / {project['seconds']:.1f} s "
+                                                f"= {ratio:.2f}x"))
+    else:
+        found.append(Target(name, None, "not run"))
+    checks = [r.get("identical") for size in results for r in size["runs"].values()]
+    found.append(Target("identical input_ids and loss_mask in every run", all(c is not False for c in checks)
+                        if any(c is not None for c in checks) else None,
+                        f"{sum(c is True for c in checks)} checked equal, {sum(c is False for c in checks)} differ"))
+    return found
+
+
+def markdown(report: dict) -> str:
+    m = report["machine"]
+    libraries = ", ".join(f"{k} {v}" for k, v in m["libraries"].items())
+    lines = [
+        "# Tokenization benchmark", "",
+        "| machine | |", "|---|---|",
+        f"| CPU | {m['cpu']} |", f"| cores | {m['cores']} |", f"| RAM | {m['ram_gib']} GiB |",
+        f"| OS | Linux {m['kernel']} (load average at start {', '.join(map(str, m['load_average_at_start']))}) |",
+        f"| Python | {m['python']} |", f"| libraries | {libraries} |", "",
+        f"Workers: {report['workers']}. Scale {report['scale']}: a unit is {report['rows_per_unit']:,} conversations; "
+        f"sizes {', '.join(f'{s}x' for s in report['sizes'])} units. Command: `{report['command']}`", "",
+        "| size | pipeline | wall s | rows | tokens | tokens/s | x ceiling | peak anon MiB | identical |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for result in report["results"]:
+        for run in result["runs"].values():
+            ratio = "" if run["vs_ceiling"] is None else f"{run['vs_ceiling']:.2f}"
+            same = "reference" if run["pipeline"] == result["reference"] else \
+                {True: "yes", False: "**NO**", None: "-"}[run["identical"]]
+            if run["identical"] is not None and "loss_mask" not in run["checksums"]:
+                same += " (input_ids)"
+            lines.append(f"| {run['size']}x | {LABELS[run['pipeline']]} | {run['seconds']:.1f} | {run['rows']:,} | "
+                         f"{run['tokens']:,} | {run['tokens_per_second']:,.0f} | {ratio} | "
+                         f"{run['peak_anon_mib']:,.0f} | {same} |")
+    projects = [r["runs"]["project"] for r in report["results"] if "project" in r["runs"]]
+    if projects:
+        lines += ["", "| size | project cold s | slices | publish s | cache hit s | hit / cold | "
+                      "cache hit peak anon MiB |", "|---|---:|---:|---:|---:|---:|---:|"]
+        for run in projects:
+            lines.append(f"| {run['size']}x | {run['seconds']:.1f} | {run['project_slices']} | "
+                         f"{run['publish_seconds']:.3f} | "
+                         f"{run['cache_hit_seconds']:.1f} | {run['cache_hit_seconds'] / run['seconds']:.2f} | "
+                         f"{run['cache_hit_peak_anon_mib']:,.0f} |")
+    lines += ["", "## Targets", ""]
+    for target in report["targets"]:
+        lines.append(f"- {VERDICTS[target['ok']]}: {target['name']}: {target['detail']}")
+    return "\n".join(lines) + "\n"
+
+
+def chart(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (speed, memory) = plt.subplots(1, 2, figsize=(12, 4.5))
+    styles = {"ceiling": dict(color="0.4", linestyle="--"), "hf": dict(color="tab:orange"),
+              "spawn": dict(color="tab:purple"), "project": dict(color="tab:green", linewidth=2.5)}
+    for name in PIPELINES:
+        points = [(r["size"], r["runs"][name]) for r in report["results"] if name in r["runs"]]
+        if not points:
+            continue
+        sizes = [size for size, _ in points]
+        speed.plot(sizes, [run["tokens_per_second"] / 1e6 for _, run in points], marker="o", label=LABELS[name],
+                   **styles[name])
+        memory.plot(sizes, [run["peak_anon_mib"] for _, run in points], marker="o", label=LABELS[name],
+                    **styles[name])
+    ticks = [r["size"] for r in report["results"]]
+    tokens = {r["size"]: max(run["tokens"] for run in r["runs"].values()) for r in report["results"]}
+    for axis, title, unit in ((speed, "Throughput", "M tokens / s"), (memory, "Peak anonymous RAM, whole tree", "MiB")):
+        axis.set_xscale("log", base=2)
+        axis.set_xticks(ticks, [f"{s}x\n{tokens[s] / 1e6:.1f}M tok" for s in ticks])
+        axis.minorticks_off()
+        axis.set_title(title)
+        axis.set_ylabel(unit)
+        axis.set_ylim(bottom=0)
+        axis.grid(alpha=0.3)
+    speed.legend(fontsize=8)
+    m = report["machine"]
+    figure.suptitle(f"{report['workers']} workers on {m['cores']} cores ({m['cpu']}), "
+                    f"{report['scale']}x scale", fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+# -- main --------------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--scale", type=float, default=1.0,
+                        help="data size multiplier: 1 = one unit of ~27M tokens (11,000 conversations) (default 1)")
+    parser.add_argument("--sizes", default="1,2,4,8",
+                        help="dataset sizes of the sweep, in units; targets are judged at the smallest "
+                             "(default 1,2,4,8)")
+    parser.add_argument("--workers", type=int, default=2, help="workers of every parallel pipeline (default 2)")
+    parser.add_argument("--only", default=",".join(PIPELINES),
+                        help=f"comma-separated subset of {','.join(PIPELINES)} (default all)")
+    parser.add_argument("--out", type=Path, default=HERE / "results",
+                        help="where results.json, results.md and chart.png go (default benchmarks/results)")
+    parser.add_argument("--work", type=Path, default=HERE / "work",
+                        help="scratch space for outputs (deleted after each check), logs and Prefect's home "
+                             "(default benchmarks/work)")
+    parser.add_argument("--project-args", default="", metavar="ARGS",
+                        help="extra flags for `sft-tokenize run`, e.g. '--shard-size 64MB' (default none)")
+    args = parser.parse_args(argv)
+    args.sizes = sorted({int(s) for s in args.sizes.split(",")})
+    args.only = [p.strip() for p in args.only.split(",") if p.strip()]
+    unknown = set(args.only) - set(PIPELINES)
+    if unknown or not args.only:
+        parser.error(f"--only: unknown pipeline(s) {sorted(unknown)}; choose from {', '.join(PIPELINES)}")
+    if args.sizes[0] < 1 or args.workers < 1 or args.scale <= 0:
+        parser.error("--sizes, --workers and --scale must be positive")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    os.environ.update(ENV)
+    os.environ.pop("PREFECT_API_URL", None)  # an ad-hoc run on the embedded server, whatever the shell points at
+    work, out = args.work.absolute(), args.out.absolute()
+    env = {**ENV, "PREFECT_HOME": str(work / "prefect-home")}
+    spec = CorpusSpec(scale=args.scale)
+    tokenizer, units = build(spec, max(args.sizes))
+    if "project" in args.only:
+        warm_up_prefect(env, work)
+
+    report = {"command": shlex.join(["python", "benchmarks/run.py", *(sys.argv[1:] if argv is None else argv)]),
+              "machine": machine(), "scale": args.scale, "workers": args.workers, "sizes": args.sizes,
+              "rows_per_unit": spec.rows_per_unit, "tokenizer": str(tokenizer), "results": []}
+    order = [p for p in PIPELINES if p in args.only]
+    for size in args.sizes:
+        runs: dict[str, Run] = {}
+        for name in order:
+            print(f"{size}x {name} ...", end=" ", flush=True)
+            started = time.monotonic()
+            run = run_pipeline(name, size, units[:size], tokenizer, args.workers, work, env,
+                               shlex.split(args.project_args))
+            run.tokens_per_second = run.tokens / run.seconds
+            runs[name] = run
+            extra = f", cache hit {run.cache_hit_seconds:.1f} s" if run.cache_hit_seconds is not None else ""
+            print(f"{run.seconds:.1f} s, {run.tokens_per_second:,.0f} tok/s, peak anon {run.peak_anon_mib:,.0f} MiB"
+                  f"{extra} ({time.monotonic() - started:.0f} s with checks)", flush=True)
+        reference = compare(runs)
+        if "ceiling" in runs:
+            for run in runs.values():
+                run.vs_ceiling = run.tokens_per_second / runs["ceiling"].tokens_per_second
+        report["results"].append({"size": size, "reference": reference,
+                                  "runs": {name: asdict(run) for name, run in runs.items()}})
+
+    report["targets"] = [asdict(t) for t in targets(report["results"])]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "results.md").write_text(markdown(report))
+    chart(report, out / "chart.png")
+    print()
+    print(markdown(report))
+    print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'chart.png'}")
+    for target in report["targets"]:
+        print(f"{VERDICTS[target['ok']]:<4}  {target['name']}: {target['detail']}")
+
+
+if __name__ == "__main__":
+    main()
