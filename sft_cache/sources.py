@@ -30,6 +30,7 @@ EXTENSIONS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet"
               ".arrow": "arrow"}
 READ_BATCH_ROWS = 256  # rows handed to the tokenizer at a time
 READ_BATCH_BYTES = 8 << 20
+READ_CHUNK_BYTES = 1 << 20  # one read (one range request remotely) of a JSONL slice
 
 
 @dataclass(frozen=True)
@@ -222,7 +223,7 @@ class _JsonLines(_Reader):
             f.seek(start)
             position, carry = start, b""
             while position < stop:
-                chunk = f.read(min(stop - position, READ_BATCH_BYTES))
+                chunk = f.read(min(stop - position, READ_CHUNK_BYTES))
                 if not chunk:
                     break
                 position += len(chunk)

@@ -1,0 +1,1 @@
+"""The Prefect flow that builds a tokenized SFT cache, and the `sft-tokenize` command line."""

@@ -1,0 +1,207 @@
+"""`sft-tokenize`: run the tokenize_dataset flow on Prefect's embedded server, or inspect a published cache.
+
+    sft-tokenize run data/*.jsonl --tokenizer Qwen/Qwen2.5-0.5B-Instruct --cache-dir /data/cache
+    sft-tokenize inspect /data/cache/data-3f2a9c1d0b7e4f65 [--json]
+
+stdout carries only the result (the cache path as its last line, or the inspect table), so scripts can
+read it; the progress bar and Prefect's run logs go to stderr. Exit codes: 0 success, 2 bad usage or bad
+input (one line saying what and where), 1 any other failure (run the same command again to resume).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from flows.console import CONSOLE_ENV, configure_console
+from sft_cache.errors import BadInput, CacheError
+
+PROG = "sft-tokenize"
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+
+
+def _column(spec: str) -> tuple[str, str]:
+    role, sep, name = spec.partition("=")
+    if not sep or not role or not name:
+        raise argparse.ArgumentTypeError(f"expected ROLE=NAME (e.g. completion=response), got {spec!r}")
+    return role, name
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description="Tokenize SFT datasets into a memory-mapped Arrow cache.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = commands.add_parser("run", help="tokenize sources into a cache (resumes a failed or interrupted run)",
+                              description="Tokenize sources into a cache; prints the cache path as the last line.")
+    run.add_argument("sources", nargs="+", metavar="SOURCE",
+                     help="files, globs, directories, fsspec URLs, or hub:NAME for a Hugging Face hub dataset")
+    run.add_argument("--tokenizer", required=True, metavar="PATH_OR_NAME",
+                     help="a local tokenizer directory or a Hugging Face hub model name")
+    run.add_argument("--cache-dir", required=True, metavar="DIR", help="the cache root (caches and staging)")
+    run.add_argument("--name", help="cache name (default: the first source's stem)")
+    run.add_argument("--format", default="auto", choices=["auto", "chat", "alpaca", "prompt-completion", "text"])
+    run.add_argument("--messages-column", metavar="COL", help="the column holding the conversations")
+    run.add_argument("--column", action="append", type=_column, default=[], metavar="ROLE=NAME",
+                     help="the column of a role (messages, system, tools, instruction, input, output, prompt, "
+                          "completion, text); repeatable")
+    run.add_argument("--train-on", default="all_assistant",
+                     choices=["all_assistant", "last_assistant", "completion", "all"],
+                     help="which tokens the loss mask trains on (default all_assistant)")
+    run.add_argument("--max-length", type=_positive, metavar="N", help="longest row in tokens")
+    run.add_argument("--truncation", default="truncate", choices=["truncate", "drop"],
+                     help="what happens to a row longer than --max-length (default truncate)")
+    run.add_argument("--chat-template", metavar="FILE", help="a .jinja file overriding the tokenizer's template")
+    run.add_argument("--extra-column", action="append", default=[], choices=["labels", "attention_mask"],
+                     help="also store this column; repeatable")
+    run.add_argument("--split", default="train", help="split of a hub dataset or of a saved DatasetDict")
+    run.add_argument("--subset", help="config (subset) of a hub dataset")
+    run.add_argument("--on-bad-row", default="raise", choices=["raise", "skip"],
+                     help="stop at the first malformed row (default), or skip and count it")
+    run.add_argument("--shard-size", default="256MB", metavar="SIZE", help="input bytes per slice (default 256MB)")
+    run.add_argument("--runner", default="threads", choices=["threads", "processes"])
+    run.add_argument("--workers", type=_positive, metavar="N", help="slices tokenized at once (default: cores)")
+    run.add_argument("--retries", type=int, default=None, metavar="N", help="retries of a failed slice (default 2)")
+    run.add_argument("--force", action="store_true", help="rebuild: delete the cache and the staged shards first")
+    noise = run.add_mutually_exclusive_group()
+    noise.add_argument("-q", "--quiet", action="store_true", help="no Prefect run logs on stderr")
+    noise.add_argument("-v", "--verbose", action="store_true", help="Prefect run logs with tracebacks")
+
+    inspect = commands.add_parser("inspect", help="summarize a published cache",
+                                  description="Summarize a published cache from its manifest.")
+    inspect.add_argument("cache", metavar="CACHE")
+    inspect.add_argument("--json", action="store_true", help="print the whole manifest as JSON")
+    return parser
+
+
+def options_from(args: argparse.Namespace) -> dict[str, Any]:
+    columns = dict(args.column)
+    if args.messages_column:
+        columns["messages"] = args.messages_column
+    options = {
+        "sources": args.sources, "tokenizer": args.tokenizer, "cache_dir": args.cache_dir, "name": args.name,
+        "format": args.format, "columns": columns, "train_on": args.train_on, "max_length": args.max_length,
+        "truncation": args.truncation, "chat_template": args.chat_template, "extra_columns": args.extra_column,
+        "split": args.split, "subset": args.subset, "on_bad_row": args.on_bad_row, "shard_size": args.shard_size,
+        "runner": args.runner, "workers": args.workers, "force": args.force,
+    }
+    if args.retries is not None:
+        options["retries"] = args.retries
+    return options
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return code
+
+
+def _as_option_error(error: dict) -> str:
+    """A pydantic error as the option the user typed: `--shard-size: not a size: 'lots' ...`."""
+    option = "--" + str(error["loc"][0]).replace("_", "-") if error["loc"] else "options"
+    return f"{option}: {error['msg'].removeprefix('Value error, ')}"
+
+
+def progress_console():
+    """Prefect's console, so log lines print above the progress bar instead of through it."""
+    from rich.console import Console
+    from rich.theme import Theme
+
+    console = configure_console()
+    if console is None:
+        return Console(stderr=True)
+    console.push_theme(Theme())  # Prefect's console theme lacks rich's default styles, which the bar needs
+    return console
+
+
+class ProgressBar:
+    """Slices finished and rows so far, drawn on stderr once the flow has planned its slices."""
+
+    def __init__(self, console):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.progress = Progress(TextColumn("tokenizing"), BarColumn(), MofNCompleteColumn(), TextColumn("slices"),
+                                 TextColumn("{task.fields[rows]:,} rows"), TimeElapsedColumn(), console=console)
+        self.task_id = None
+
+    def update(self, finished: int, total: int, rows: int) -> None:
+        if self.task_id is None:
+            self.progress.start()
+            self.task_id = self.progress.add_task("tokenizing", total=total, rows=0)
+        self.progress.update(self.task_id, total=total, completed=finished, rows=rows)
+
+    def __enter__(self) -> ProgressBar:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        if self.task_id is not None:
+            self.progress.stop()
+
+
+def run(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from flows.tokenize_dataset import TokenizeRun, first_line, on_progress, tokenize_dataset
+    from sft_cache.plan import plan_slices
+
+    try:
+        options = TokenizeRun(**options_from(args))
+    except ValidationError as error:
+        return _fail("; ".join(map(_as_option_error, error.errors())), EXIT_BAD_INPUT)
+    try:
+        # Checked before Prefect starts (seconds): bad input fails at once, and a cache hit needs no flow.
+        plan = plan_slices(options)
+    except BadInput as error:
+        return _fail(str(error), EXIT_BAD_INPUT)
+    if plan.cached and not options.force:
+        print(plan.cache_path)
+        return EXIT_OK
+    try:
+        # The bar closes, showing its last state, before an error is reported below it.
+        with ProgressBar(progress_console()) as bar, on_progress(bar.update):
+            cache_path = tokenize_dataset(options)
+    except BadInput as error:
+        return _fail(str(error), EXIT_BAD_INPUT)
+    except KeyboardInterrupt:
+        return _fail("interrupted; run the same command again to resume", 130)
+    except Exception as error:  # noqa: BLE001 - any other failure: one line here, details in the Prefect logs
+        return _fail(f"{type(error).__name__}: {first_line(error)}", EXIT_FAILED)
+    print(cache_path)
+    return EXIT_OK
+
+
+def inspect(args: argparse.Namespace) -> int:
+    from flows.report import fingerprint_inputs, summary, text_table
+    from sft_cache.reader import read_manifest
+
+    try:
+        manifest = read_manifest(args.cache)
+    except CacheError as error:
+        return _fail(str(error), EXIT_BAD_INPUT)
+    if args.json:
+        print(json.dumps(manifest, indent=2))
+    else:
+        print(text_table(summary(manifest, os.path.abspath(args.cache)) + fingerprint_inputs(manifest)))
+    return EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    # Before transformers and prefect are imported: no "PyTorch was not found" advisory, no telemetry noise.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    if args.command == "run":  # inherited by process-pool workers, which print their own logs
+        os.environ[CONSOLE_ENV] = "quiet" if args.quiet else "verbose" if args.verbose else "plain"
+    return run(args) if args.command == "run" else inspect(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""Prefect's console logging under the CLI, in the CLI's process and in its process-pool workers.
+
+The CLI picks a mode and exports it in SFT_TOKENIZE_CONSOLE, so spawned workers (which print their own
+task-run logs) follow it too. Without the variable (a deployment run, a test) nothing changes.
+
+    plain    run logs on stderr, one line each: tracebacks stay in the Prefect API, where the UI shows them
+    verbose  run logs with tracebacks
+    quiet    no run logs on the console
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+CONSOLE_ENV = "SFT_TOKENIZE_CONSOLE"
+
+
+class _CliConsoleFilter(logging.Filter):
+    def __init__(self, mode: str):
+        super().__init__()
+        self.mode = mode
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name == "prefect" and record.levelno < logging.WARNING:
+            return False  # the embedded server's "Starting temporary server ..." notices
+        if self.mode != "verbose":
+            # The console handler sits on the root logger, so the API handler has already sent the traceback.
+            record.exc_info, record.exc_text, record.stack_info = None, None, None
+        return True
+
+
+def prefect_console_handler():
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    return next((h for h in logging.getLogger().handlers if isinstance(h, PrefectConsoleHandler)), None)
+
+
+def configure_console(worker: bool = False):
+    """Apply the CLI's console mode to Prefect's console handler; returns that handler's rich console
+    (or None). A worker stays quiet unless verbose: the CLI's own process reports every slice."""
+    mode = os.environ.get(CONSOLE_ENV)
+    handler = prefect_console_handler()
+    if not mode or handler is None:
+        return None
+    if any(isinstance(f, _CliConsoleFilter) for f in handler.filters):
+        return handler.console
+    handler.addFilter(_CliConsoleFilter(mode))
+    if mode == "quiet" or (worker and mode != "verbose"):
+        handler.setLevel(logging.CRITICAL + 1)
+    return handler.console

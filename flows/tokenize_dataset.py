@@ -1,0 +1,221 @@
+"""The tokenize_dataset flow: plan the slices, tokenize them in parallel into shards, publish the cache.
+
+The runner is a parameter, not a decorator argument: the flow opens a task runner built from its
+parameters and maps the slices inside it, so a deployment run that only passes parameters picks its
+runner the same way the CLI does.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Literal
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
+from prefect.context import get_run_context
+from prefect.futures import as_completed
+from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
+from prefect.task_runners import ProcessPoolTaskRunner, TaskRunner, ThreadPoolTaskRunner
+from pydantic import Field
+
+from flows.console import configure_console
+from flows.report import markdown_table, summary
+from sft_cache.errors import BadInput
+from sft_cache.options import TokenizeOptions
+from sft_cache.plan import Plan
+from sft_cache.publish import building, is_published
+from sft_cache.reader import read_manifest
+from sft_cache.shard import finished_shard
+from tasks.plan_slices import plan_slices
+from tasks.publish_cache import publish_cache
+from tasks.tokenize_slice import RETRIES, tokenize_slice
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+class TokenizeRun(TokenizeOptions):
+    """What to tokenize (TokenizeOptions) and how to run it: the flow's one parameter, a typed form in the UI."""
+
+    runner: Literal["threads", "processes"] = Field(
+        "threads", description="threads: one process, the tokenizer releases the GIL; processes: one per worker."
+    )
+    workers: int | None = Field(None, ge=1, description="Slices tokenized at once; default: the number of cores.")
+    retries: int = Field(RETRIES, ge=0, description="Retries of a failed slice, with exponential backoff.")
+    force: bool = Field(False, description="Rebuild: delete the published cache and the staged shards first.")
+
+    @property
+    def worker_count(self) -> int:
+        return self.workers or available_cores()
+
+
+class SlicesFailed(RuntimeError):
+    """Slices that failed after their retries; the shards that finished stay staged for the next run."""
+
+
+# (finished slices, all slices, rows in the finished slices): how the CLI draws its progress bar.
+ProgressCallback = Callable[[int, int, int], None]
+_progress_callbacks: list[ProgressCallback] = []
+
+
+@contextmanager
+def on_progress(callback: ProgressCallback) -> Iterator[None]:
+    """Call `callback` once the slices are planned and again each time a slice finishes, in this process."""
+    _progress_callbacks.append(callback)
+    try:
+        yield
+    finally:
+        _progress_callbacks.remove(callback)
+
+
+def _notify(finished: int, total: int, rows: int) -> None:
+    for callback in list(_progress_callbacks):
+        callback(finished, total, rows)
+
+
+def prepare_worker(tokenizer_threads: int) -> None:
+    """Run in each process-pool worker before its first task."""
+    # HF tokenizers size their Rust (rayon) thread pool from these at first use; by default every
+    # worker process would take all the cores.
+    os.environ["RAYON_NUM_THREADS"] = str(tokenizer_threads)
+    os.environ["TOKENIZERS_PARALLELISM"] = "true" if tokenizer_threads > 1 else "false"
+    configure_console(worker=True)
+
+
+@contextmanager
+def workers_share_this_api() -> Iterator[None]:
+    """Without a configured API URL, each spawned worker would start its own embedded Prefect server
+    (seconds each, one more client of the same database): point them at this flow run's server."""
+    if get_current_settings().api.url:
+        yield
+        return
+    with temporary_settings(updates={PREFECT_API_URL: str(get_run_context().client.api_url)}):
+        yield
+
+
+@contextmanager
+def started_task_runner(runner: str, workers: int) -> Iterator[TaskRunner]:
+    if runner == "processes":
+        tokenizer_threads = max(1, available_cores() // workers)  # workers × tokenizer threads ≤ cores
+        pool = ProcessPoolTaskRunner(max_workers=workers, initializer=prepare_worker, initargs=(tokenizer_threads,))
+        with workers_share_this_api(), pool:
+            yield pool
+    else:
+        # Threads share the process's one tokenizer thread pool, so they cannot oversubscribe the cores.
+        with ThreadPoolTaskRunner(max_workers=workers) as pool:
+            yield pool
+
+
+def result_storage(options: TokenizeOptions) -> dict:
+    """Prefect's result records live beside the cache they describe, unless the operator set a storage block."""
+    if get_current_settings().results.default_storage_block:
+        return {}
+    return {"result_storage": options.cache_root / ".prefect-results"}
+
+
+def discard_previous_output(plan: Plan, options: TokenizeRun) -> Plan:
+    """`force`: delete the published cache and the staged shards, then plan again if the cache was there."""
+    if plan.cache_path.exists():
+        doomed = plan.cache_path.with_name(f".{plan.cache_path.name}.deleting-{uuid.uuid4().hex[:8]}")
+        os.rename(plan.cache_path, doomed)  # readers see the whole cache or none of it, never a half-deleted one
+        shutil.rmtree(doomed)
+        get_run_logger().info("force: deleted the published cache %s", plan.cache_path)
+    if plan.staging.exists():
+        shutil.rmtree(plan.staging)
+        get_run_logger().info("force: deleted the staged shards in %s", plan.staging)
+    return plan_slices(options, min_slices=options.worker_count) if plan.cached else plan
+
+
+def tokenize_all(plan: Plan, options: TokenizeRun) -> dict:
+    """Tokenize every slice on the chosen runner; raise naming the slices that failed after their retries."""
+    logger = get_run_logger()
+    total = len(plan.slices)
+    workers = max(1, min(options.worker_count, total))
+    staged = {s.index for s in plan.slices if finished_shard(plan.job, s) is not None}
+    cached_task = tokenize_slice.with_options(retries=options.retries, **result_storage(options))
+    # A slice without a finished shard on disk runs even if Prefect remembers a result for its key.
+    fresh_task = cached_task.with_options(refresh_cache=True)
+    logger.info("tokenizing %d slices (%d already staged) on %d %s", total, len(staged), workers,
+                options.runner)
+    progress = create_progress_artifact(0.0, description=f"{plan.name}: 0 of {total} slices")
+    _notify(0, total, 0)
+    started = time.monotonic()
+    rows, finished, failures = 0, 0, {}
+    with started_task_runner(options.runner, workers) as runner:
+        futures = {runner.submit(cached_task if s.index in staged else fresh_task, {"job": plan.job, "slice_": s}): s
+                   for s in plan.slices}
+        for future in as_completed(list(futures)):
+            slice_ = futures[future]
+            try:
+                slice_rows = future.result()
+            except Exception as error:  # noqa: BLE001 - every failure is reported below, by slice
+                failures[slice_.index] = error
+                logger.warning("tokenize-%05d failed: %s: %s", slice_.index, type(error).__name__, first_line(error))
+            else:
+                rows, finished = rows + slice_rows, finished + 1
+                logger.info("tokenize-%05d: %d rows (%d of %d slices done)", slice_.index, slice_rows, finished, total)
+            update_progress_artifact(progress, 100 * (finished + len(failures)) / total,
+                                     description=f"{plan.name}: {finished} of {total} slices, {rows:,} rows"
+                                     + (f", {len(failures)} failed" if failures else ""))
+            _notify(finished, total, rows)
+    seconds = time.monotonic() - started
+    if failures:
+        raise_failures(failures, total, plan)
+    tokenized = [finished_shard(plan.job, s) for s in plan.slices if s.index not in staged]
+    return {"runner": options.runner, "workers": workers, "tokenize_seconds": round(seconds, 3),
+            "slices_tokenized": len(tokenized), "slices_reused": len(staged),
+            "tokens_tokenized": sum(meta["tokens"] for meta in tokenized if meta)}
+
+
+def first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [""])[0]
+
+
+def raise_failures(failures: dict[int, BaseException], total: int, plan: Plan) -> None:
+    bad_input = [failures[i] for i in sorted(failures) if isinstance(failures[i], BadInput)]
+    if bad_input:  # the data itself is wrong: say where, as the data plane does
+        raise BadInput(str(bad_input[0]))
+    named = "; ".join(f"tokenize-{i:05d}: {type(e).__name__}: {first_line(e)}" for i, e in sorted(failures.items()))
+    raise SlicesFailed(
+        f"{len(failures)} of {total} slices failed after their retries ({named}); the {total - len(failures)} "
+        f"finished shards stay in {plan.staging}: run again to tokenize only the failed slices"
+    )
+
+
+def report(cache_path: Path) -> None:
+    manifest = read_manifest(cache_path)
+    key = "sft-cache-" + "".join(c if c.isascii() and c.isalnum() else "-" for c in manifest["name"].lower())
+    create_markdown_artifact(markdown_table(f"Tokenized cache {manifest['name']}", summary(manifest, cache_path)),
+                             key=key, description=f"{manifest['rows']:,} rows, {manifest['tokens']:,} tokens")
+
+
+@flow(name="tokenize-dataset", description="Tokenize an SFT dataset into a memory-mapped Arrow cache.")
+def tokenize_dataset(options: TokenizeRun) -> str:
+    """Plan, tokenize every slice into its own shard, publish the shards as the cache; return its path."""
+    logger = get_run_logger()
+    plan = plan_slices(options, min_slices=options.worker_count)  # small inputs still give every worker a slice
+    if plan.cached and not options.force:
+        logger.info("cache hit, nothing to tokenize: %s", plan.cache_path)
+    else:
+        # One run per fingerprint at a time: a second one waits here, then finds the cache published.
+        with building(plan.job):
+            if options.force:
+                plan = discard_previous_output(plan, options)
+            if is_published(plan.cache_path):
+                logger.info("another run published the cache while this one waited: %s", plan.cache_path)
+            else:
+                timings = tokenize_all(plan, options)
+                publish_cache(plan.job, plan.slices, plan.cache_path, plan.inputs, plan.name, timings)
+                logger.info("published %s", plan.cache_path)
+    report(plan.cache_path)
+    return str(plan.cache_path)

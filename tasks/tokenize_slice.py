@@ -1,0 +1,71 @@
+"""tokenize_slice: tokenize one slice into its own Arrow shard and return only its row count.
+
+Re-running is cheap and safe at two levels. On disk (the ground truth), `sft_cache.shard.tokenize_slice`
+reuses a finished shard of the same slice and fingerprint. In Prefect, the result (an int, persisted as
+JSON) is cached under `job.slice_key(slice)`, which holds no flow-run id, so a retried or re-run flow
+skips the slices it already finished. The flow bypasses that cache (`refresh_cache`) for a slice whose
+shard is not on disk, so a stale Prefect record can never stand in for a missing shard.
+
+Fault injection, for tests only: when the environment variable SFT_TOKENIZE_FAULT_FILE names a file
+that exists, every attempt at a slice whose index is listed in it (whitespace-separated integers) raises
+a RuntimeError before touching the data. Delete the file and the next attempt succeeds.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from prefect import task
+from prefect.tasks import exponential_backoff
+
+from sft_cache import shard
+from sft_cache.errors import BadInput, OutOfSpace
+from sft_cache.shard import Job
+from sft_cache.sources import Slice
+
+TAG = "sft-tokenize"  # cap parallel slices across runs with `prefect concurrency-limit create sft-tokenize N`
+RETRIES = 2
+FAULT_FILE_ENV = "SFT_TOKENIZE_FAULT_FILE"
+
+
+def slice_cache_key(context: Any, parameters: dict[str, Any]) -> str:
+    """The fingerprint of the run and the slice's own description: the same for every flow run."""
+    return parameters["job"].slice_key(parameters["slice_"])
+
+
+def worth_retrying(task: Any, task_run: Any, state: Any) -> bool:
+    """A bad row fails the same way every time, and a full disk does not empty itself in seconds:
+    retrying those only delays the error."""
+    return not isinstance(state.result(raise_on_failure=False), (BadInput, OutOfSpace))
+
+
+def raise_injected_fault(index: int) -> None:
+    fault_file = os.environ.get(FAULT_FILE_ENV)
+    if not fault_file:
+        return
+    try:
+        listed = {int(word) for word in Path(fault_file).read_text().split()}
+    except FileNotFoundError:
+        return
+    if index in listed:
+        raise RuntimeError(f"injected fault in slice {index} ({FAULT_FILE_ENV}={fault_file})")
+
+
+@task(
+    name="tokenize_slice",
+    task_run_name="tokenize-{slice_.index:05d}",
+    tags=[TAG],
+    retries=RETRIES,
+    retry_delay_seconds=exponential_backoff(backoff_factor=2),
+    retry_jitter_factor=0.5,
+    retry_condition_fn=worth_retrying,
+    cache_key_fn=slice_cache_key,
+    persist_result=True,
+    result_serializer="json",
+)
+def tokenize_slice(job: Job, slice_: Slice) -> int:
+    """Tokenize one slice into `shard-NNNNN.arrow` in staging (reusing a finished one); return its rows."""
+    raise_injected_fault(slice_.index)
+    return shard.tokenize_slice(job, slice_)

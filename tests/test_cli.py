@@ -1,0 +1,152 @@
+"""`sft-tokenize` in a subprocess, as a user runs it: each run on its own embedded Prefect server and
+PREFECT_HOME. stdout carries only the result; exit 0 success, 2 bad usage or input, 1 other failures."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import EXAMPLE_DATA, EXAMPLE_TOKENIZER, example_rows, write_jsonl
+
+from tasks.tokenize_slice import FAULT_FILE_ENV
+
+BIN = Path(sys.executable).parent
+NOISE = ("Traceback", "PyTorch was not found", "Starting temporary server")
+# A test marked slow starts Prefect's embedded server in its subprocess: about ten seconds on two cores.
+
+
+def environment(home: Path, **extra: str) -> dict[str, str]:
+    """This process's environment with no Prefect server configured: the CLI starts its embedded one."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_") and k != FAULT_FILE_ENV}
+    # A busy 2-core machine can take longer than Prefect's default 20 s to start the embedded server.
+    return {**environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90", **extra}
+
+
+def cli(*args: str, home: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "sft-tokenize"), *args], capture_output=True, text=True,
+                          env=environment(home, **(env or {})), timeout=300)
+
+
+@pytest.fixture(scope="module")
+def migrated_prefect_home(tmp_path_factory) -> Path:
+    """A PREFECT_HOME whose database is already migrated, copied for each test: migrating a new database
+    takes several seconds of every first run."""
+    home = tmp_path_factory.mktemp("prefect-home-template")
+    subprocess.run([str(BIN / "prefect"), "server", "database", "upgrade", "-y"], env=environment(home),
+                   check=True, capture_output=True, timeout=300)
+    return home
+
+
+@pytest.fixture
+def prefect_home(tmp_path, migrated_prefect_home) -> Path:
+    return Path(shutil.copytree(migrated_prefect_home, tmp_path / "prefect-home"))
+
+
+def run_example(tmp_path: Path, home: Path, *extra: str, sources: list[str] | None = None,
+                env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`sft-tokenize run` on the bundled example (two files, four slices) into tmp_path/cache."""
+    return cli("run", *(sources or [str(EXAMPLE_DATA)]), "--tokenizer", str(EXAMPLE_TOKENIZER),
+               "--cache-dir", str(tmp_path / "cache"), "--shard-size", "100KB", "--workers", "2", *extra,
+               home=home, env=env)
+
+
+def assert_clean_error(result: subprocess.CompletedProcess, code: int, *expected: str) -> str:
+    """The exit code, nothing on stdout, no traceback or startup noise; returns the last stderr line."""
+    assert result.returncode == code, result.stderr
+    assert result.stdout == ""
+    assert not [noise for noise in NOISE if noise in result.stderr], result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("sft-tokenize: error: ")
+    for text in expected:
+        assert text in last
+    return last
+
+
+def staged_shards(cache_root: Path) -> dict[str, tuple[int, int]]:
+    """The finished shards in staging, by name: (inode, mtime) tells whether a rerun rewrote one."""
+    return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in (cache_root / ".staging").glob("*/shard-*.arrow")}
+
+
+@pytest.mark.slow
+def test_run_prints_the_cache_path_last_and_inspect_summarizes_it(tmp_path, prefect_home):
+    result = run_example(tmp_path, prefect_home)
+    assert result.returncode == 0, result.stderr
+    assert not [noise for noise in NOISE if noise in result.stderr], result.stderr
+    assert "4/4 slices" in result.stderr and "240 rows" in result.stderr  # the progress bar's final state
+    cache_path = Path(result.stdout.splitlines()[-1])
+    assert result.stdout == f"{cache_path}\n"
+    assert cache_path.parent == tmp_path / "cache" and (cache_path / "manifest.json").is_file()
+
+    table = cli("inspect", str(cache_path), home=prefect_home)
+    assert table.returncode == 0, table.stderr
+    summary = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in table.stdout.splitlines())
+    assert summary["rows"] == "240" and summary["dropped rows"] == "none" and "p90" in summary["lengths"]
+    assert str(EXAMPLE_DATA / "chat-00001.jsonl") in table.stdout
+
+    manifest = json.loads(cli("inspect", str(cache_path), "--json", home=prefect_home).stdout)
+    assert manifest["rows"] == 240 and manifest["name"] == "data"
+
+    flow_runs = (prefect_home / "prefect.db").stat().st_mtime_ns
+    again = run_example(tmp_path, prefect_home)  # a cache hit is found before Prefect starts
+    assert again.returncode == 0 and again.stdout == result.stdout, again.stderr
+    assert "tokenizing" not in again.stderr and (prefect_home / "prefect.db").stat().st_mtime_ns == flow_runs
+
+
+@pytest.mark.slow
+def test_malformed_jsonl_line_exits_2_naming_the_file_and_line(tmp_path, prefect_home):
+    rows = [json.dumps(row) for row in example_rows()[:5]]
+    bad = write_jsonl(tmp_path / "bad.jsonl", rows[:3] + ['{"messages": [{"role": "user", "content": "hi"'] + rows[3:])
+    result = run_example(tmp_path, prefect_home, sources=[str(bad)])
+    assert_clean_error(result, 2, f"{bad}:4:", "not valid JSON")
+    assert "Retry" not in result.stderr  # bad data fails the same way every time: no retries
+
+
+@pytest.mark.slow
+def test_missing_file_exits_2_naming_it(tmp_path, prefect_home):
+    missing = tmp_path / "nowhere.jsonl"
+    database = (prefect_home / "prefect.db").stat().st_mtime_ns
+    assert_clean_error(run_example(tmp_path, prefect_home, sources=[str(missing)]), 2, str(missing))
+    assert (prefect_home / "prefect.db").stat().st_mtime_ns == database  # rejected before Prefect started
+
+
+@pytest.mark.parametrize("args", [
+    ["run", str(EXAMPLE_DATA), "--cache-dir", "x"],  # no --tokenizer
+    ["run", str(EXAMPLE_DATA), "--tokenizer", "t", "--cache-dir", "x", "--runner", "gpus"],
+    ["run", str(EXAMPLE_DATA), "--tokenizer", "t", "--cache-dir", "x", "--workers", "0"],
+    ["run", str(EXAMPLE_DATA), "--tokenizer", "t", "--cache-dir", "x", "--shard-size", "lots"],
+    ["run", str(EXAMPLE_DATA), "--tokenizer", "t", "--cache-dir", "x", "--column", "messages"],
+    ["inspect"],
+    ["tokenize"],
+])
+def test_bad_usage_exits_2(tmp_path, args):
+    home = tmp_path / "prefect-home"
+    result = cli(*args, home=home)
+    assert result.returncode == 2, result.stderr
+    assert result.stdout == "" and "Traceback" not in result.stderr
+    assert not (home / "prefect.db").exists()  # rejected before any Prefect server started
+
+
+@pytest.mark.slow
+def test_failed_slice_exits_1_and_the_same_command_resumes(tmp_path, prefect_home):
+    fault_file = tmp_path / "faults"
+    fault_file.write_text("1")
+    failed = run_example(tmp_path, prefect_home, "--retries", "0", env={FAULT_FILE_ENV: str(fault_file)})
+    assert_clean_error(failed, 1, "SlicesFailed", "1 of 4 slices failed", "tokenize-00001", "injected fault")
+    staged = staged_shards(tmp_path / "cache")
+    assert sorted(staged) == ["shard-00000.arrow", "shard-00002.arrow", "shard-00003.arrow"]
+
+    fault_file.unlink()
+    resumed = run_example(tmp_path, prefect_home, env={FAULT_FILE_ENV: str(fault_file)})
+    assert resumed.returncode == 0, resumed.stderr
+    assert "tokenizing 4 slices (3 already staged)" in resumed.stderr
+    published = sorted(Path(resumed.stdout.splitlines()[-1]).glob("data-*.arrow"))
+    for index in (0, 2, 3):  # the published files are the staged shards (hard links), untouched by the rerun
+        stat = published[index].stat()
+        assert (stat.st_ino, stat.st_mtime_ns) == staged[f"shard-{index:05d}.arrow"]

@@ -1,0 +1,164 @@
+"""The tokenize_dataset flow on Prefect's test server: same cache as the plain pipeline, cache hits that
+tokenize nothing, a failed slice that is the only one redone, and the same bytes on threads and processes."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from conftest import EXAMPLE_DATA, EXAMPLE_TOKENIZER
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter, FlowRunFilterId
+
+from flows.tokenize_dataset import TokenizeRun, tokenize_dataset
+from sft_cache.options import TokenizeOptions
+from sft_cache.plan import run_locally
+from sft_cache.reader import open_cache, read_manifest
+from tasks.tokenize_slice import FAULT_FILE_ENV
+
+pytestmark = pytest.mark.usefixtures("prefect_harness")
+
+# Two input files cut into four slices, one of them spanning both files.
+SOURCES = {"sources": [str(EXAMPLE_DATA)], "tokenizer": str(EXAMPLE_TOKENIZER), "shard_size": "100KB"}
+
+
+def run_options(cache_dir: Path, **overrides) -> TokenizeRun:
+    return TokenizeRun(**SOURCES, cache_dir=str(cache_dir), workers=2, **overrides)
+
+
+def run_flow(options: TokenizeRun | dict):
+    """The flow's final state and its task runs by name."""
+    state = tokenize_dataset(options, return_state=True)
+    flow_run_id = state.state_details.flow_run_id
+    with get_client(sync_client=True) as client:
+        task_runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    return state, {run.name: run for run in task_runs}
+
+
+def tokenize_runs(task_runs: dict) -> dict:
+    return {name: run for name, run in task_runs.items() if name.startswith("tokenize-")}
+
+
+def data_files(cache_path: str | Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted(Path(cache_path).glob("data-*.arrow"))}
+
+
+def assert_same_cache(actual: str | Path, expected: str | Path) -> None:
+    assert data_files(actual) == data_files(expected)
+    actual_rows, expected_rows = open_cache(actual), open_cache(expected)
+    assert len(actual_rows) == len(expected_rows) == 240
+    for i in (0, 71, 239):
+        assert (actual_rows[i]["input_ids"] == expected_rows[i]["input_ids"]).all()
+        assert (actual_rows[i]["loss_mask"] == expected_rows[i]["loss_mask"]).all()
+
+
+def staged_shards(cache_root: Path) -> dict[str, tuple[int, int]]:
+    """The finished shards in staging, by name: (inode, mtime) tells whether a rerun rewrote one."""
+    return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in (cache_root / ".staging").glob("*/shard-*.arrow")}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """The cache the plain pipeline builds, without Prefect."""
+    return run_locally(TokenizeOptions(**SOURCES, cache_dir=str(tmp_path_factory.mktemp("reference"))))
+
+
+@pytest.fixture(scope="module")
+def threads_run(tmp_path_factory, prefect_harness):
+    """One flow run on the default runner: its options, final state and task runs."""
+    options = run_options(tmp_path_factory.mktemp("threads"))
+    state, task_runs = run_flow(options)
+    return options, state, task_runs
+
+
+def test_flow_builds_the_same_cache_as_the_plain_pipeline(threads_run, reference):
+    options, state, task_runs = threads_run
+    assert state.is_completed()
+    cache_path = state.result()
+    assert Path(cache_path).parent == options.cache_root and Path(cache_path).name == reference.name
+    assert_same_cache(cache_path, reference)
+    assert sorted(tokenize_runs(task_runs)) == [f"tokenize-{i:05d}" for i in range(4)]
+    assert {"plan-slices", "publish-cache"} <= set(task_runs)
+    # Results are persisted as JSON next to the cache, not in ~/.prefect.
+    records = [json.loads(p.read_text()) for p in sorted((options.cache_root / ".prefect-results").iterdir())]
+    assert [r["metadata"]["serializer"]["type"] for r in records] == ["json"] * 4
+    rows_by_file = [f["rows"] for f in read_manifest(cache_path)["files"]]
+    assert sorted(json.loads(r["result"]) for r in records) == sorted(rows_by_file)
+
+
+def test_flow_reports_progress_and_a_summary(threads_run):
+    _, state, _ = threads_run
+    artifact_filter = ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id]))
+    with get_client(sync_client=True) as client:
+        artifacts = {a.type: a for a in client.read_artifacts(artifact_filter=artifact_filter)}
+    assert artifacts["progress"].data == 100
+    summary = artifacts["markdown"].data
+    for expected in ("| rows | 240 |", "| tokens |", "| dropped rows | none |", "p90", "tokens/s", state.result()):
+        assert expected in summary
+
+
+def test_second_run_is_a_cache_hit_that_tokenizes_nothing(threads_run):
+    options, first, _ = threads_run
+    mtimes = {p.name: p.stat().st_mtime_ns for p in Path(first.result()).iterdir()}
+    state, task_runs = run_flow(options)
+    assert state.is_completed() and state.result() == first.result()
+    assert tokenize_runs(task_runs) == {} and "publish-cache" not in task_runs
+    assert {p.name: p.stat().st_mtime_ns for p in Path(first.result()).iterdir()} == mtimes
+
+
+def test_force_rebuilds_a_published_cache(tmp_path, reference):
+    published = run_locally(TokenizeOptions(**SOURCES, cache_dir=str(tmp_path)))
+    state, task_runs = run_flow(run_options(tmp_path, force=True))
+    assert state.is_completed() and state.result() == str(published)
+    assert sorted(run.state.name for run in tokenize_runs(task_runs).values()) == ["Completed"] * 4
+    assert_same_cache(published, reference)
+
+
+def test_failed_slice_fails_the_flow_and_a_rerun_redoes_only_that_slice(tmp_path, monkeypatch, reference):
+    fault_file = tmp_path / "faults"
+    fault_file.write_text("1\n")
+    monkeypatch.setenv(FAULT_FILE_ENV, str(fault_file))
+    options = run_options(tmp_path / "cache", retries=1)
+
+    state, task_runs = run_flow(options)
+    assert state.is_failed()
+    assert "tokenize-00001" in state.message and "1 of 4 slices failed" in state.message
+    assert not [name for name in ("tokenize-00000", "tokenize-00002", "tokenize-00003") if name in state.message]
+    failed = task_runs["tokenize-00001"]
+    assert failed.state.is_failed() and failed.run_count == 2  # the first attempt and its one retry
+    staged = staged_shards(options.cache_root)
+    assert sorted(staged) == ["shard-00000.arrow", "shard-00002.arrow", "shard-00003.arrow"]
+
+    fault_file.unlink()
+    state, task_runs = run_flow(options)
+    assert state.is_completed()
+    states = {name: run.state.name for name, run in tokenize_runs(task_runs).items()}
+    assert states == {"tokenize-00000": "Cached", "tokenize-00001": "Completed", "tokenize-00002": "Cached",
+                      "tokenize-00003": "Cached"}
+    # The published data files are the staged shards themselves (hard links): untouched by the rerun.
+    published = sorted(Path(state.result()).glob("data-*.arrow"))
+    for index in (0, 2, 3):
+        stat = published[index].stat()
+        assert (stat.st_ino, stat.st_mtime_ns) == staged[f"shard-{index:05d}.arrow"]
+    assert_same_cache(state.result(), reference)
+
+
+@pytest.mark.slow  # spawning worker processes costs seconds
+def test_threads_and_processes_write_the_same_bytes(threads_run, tmp_path):
+    _, threads_state, _ = threads_run
+    # Parameters as a deployment run passes them, JSON: the runner comes from the parameters alone.
+    state, task_runs = run_flow(run_options(tmp_path, runner="processes").model_dump(mode="json"))
+    assert state.is_completed()
+    assert sorted(tokenize_runs(task_runs)) == [f"tokenize-{i:05d}" for i in range(4)]
+    assert data_files(state.result()) == data_files(threads_state.result())
+    assert "RAYON_NUM_THREADS" not in os.environ  # set in the worker processes only
+
+
+def test_the_flow_parameters_are_one_typed_model():
+    schema = tokenize_dataset.parameters
+    assert list(schema.properties) == ["options"]
+    form = schema.definitions["TokenizeRun"]["properties"]
+    assert form["runner"]["enum"] == ["threads", "processes"]
+    assert {"sources", "tokenizer", "cache_dir", "train_on", "workers", "force"} <= set(form)
