@@ -1,6 +1,7 @@
 """`sft-tokenize`: run the tokenize_dataset flow on Prefect's embedded server, or inspect a published cache.
 
     sft-tokenize run data/*.jsonl --tokenizer Qwen/Qwen2.5-0.5B-Instruct --cache-dir /data/cache
+    sft-tokenize run s3://bucket/sft/ --tokenizer /nfs/tok --cache-dir /nfs/c --runner dask --dask-address tcp://h:8786
     sft-tokenize inspect /data/cache/data-3f2a9c1d0b7e4f65 [--json]
 
 stdout carries only the result (the cache path as its last line, or the inspect table), so scripts can
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from typing import Any
@@ -34,6 +36,16 @@ def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({error.msg} at character {error.pos}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"anon\": true}}', got {text!r}")
     return value
 
 
@@ -68,8 +80,17 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--on-bad-row", default="raise", choices=["raise", "skip"],
                      help="stop at the first malformed row (default), or skip and count it")
     run.add_argument("--shard-size", default="256MB", metavar="SIZE", help="input bytes per slice (default 256MB)")
-    run.add_argument("--runner", default="threads", choices=["threads", "processes"])
-    run.add_argument("--workers", type=_positive, metavar="N", help="slices tokenized at once (default: cores)")
+    run.add_argument("--storage-options", type=_json_object, default={}, metavar="JSON",
+                     help='fsspec options for remote sources, a JSON object (e.g. \'{"anon": true}\'); prefer '
+                          "credentials from the environment: these are stored with the run's parameters")
+    run.add_argument("--runner", default="threads", choices=["threads", "processes", "dask", "ray"],
+                     help="threads (default), processes, or a Dask or Ray cluster whose workers share the cache dir")
+    run.add_argument("--dask-address", metavar="tcp://HOST:PORT",
+                     help="--runner dask: a running scheduler (default: a temporary cluster on this machine)")
+    run.add_argument("--ray-address", metavar="HOST:PORT",
+                     help="--runner ray: a running cluster (default: a temporary local instance)")
+    run.add_argument("--workers", type=_positive, metavar="N",
+                     help="slices tokenized at once (default: cores); on a cluster, at least as many slices are cut")
     run.add_argument("--retries", type=int, default=None, metavar="N", help="retries of a failed slice (default 2)")
     run.add_argument("--force", action="store_true", help="rebuild: delete the cache and the staged shards first")
     noise = run.add_mutually_exclusive_group()
@@ -92,7 +113,8 @@ def options_from(args: argparse.Namespace) -> dict[str, Any]:
         "format": args.format, "columns": columns, "train_on": args.train_on, "max_length": args.max_length,
         "truncation": args.truncation, "chat_template": args.chat_template, "extra_columns": args.extra_column,
         "split": args.split, "subset": args.subset, "on_bad_row": args.on_bad_row, "shard_size": args.shard_size,
-        "runner": args.runner, "workers": args.workers, "force": args.force,
+        "storage_options": args.storage_options, "runner": args.runner, "dask_address": args.dask_address,
+        "ray_address": args.ray_address, "workers": args.workers, "force": args.force,
     }
     if args.retries is not None:
         options["retries"] = args.retries
@@ -149,6 +171,7 @@ class ProgressBar:
 def run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
+    from flows.cluster import require_extra
     from flows.tokenize_dataset import TokenizeRun, first_line, on_progress, tokenize_dataset
     from sft_cache.plan import plan_slices
 
@@ -158,12 +181,16 @@ def run(args: argparse.Namespace) -> int:
         return _fail("; ".join(map(_as_option_error, error.errors())), EXIT_BAD_INPUT)
     try:
         # Checked before Prefect starts (seconds): bad input fails at once, and a cache hit needs no flow.
+        require_extra(options.runner)
         plan = plan_slices(options)
     except BadInput as error:
         return _fail(str(error), EXIT_BAD_INPUT)
     if plan.cached and not options.force:
         print(plan.cache_path)
         return EXIT_OK
+    if options.runner == "dask" and not args.verbose:
+        # A temporary cluster's scheduler runs in this process: a notice per worker and connection is noise here.
+        logging.getLogger("distributed").setLevel(logging.WARNING)
     try:
         # The bar closes, showing its last state, before an error is reported below it.
         with ProgressBar(progress_console()) as bar, on_progress(bar.update):

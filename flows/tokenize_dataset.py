@@ -22,8 +22,9 @@ from prefect.context import get_run_context
 from prefect.futures import as_completed
 from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
 from prefect.task_runners import ProcessPoolTaskRunner, TaskRunner, ThreadPoolTaskRunner
-from pydantic import Field
+from pydantic import Field, ValidationInfo, field_validator
 
+from flows.cluster import check_workers, dask_runner, ray_runner, tokenizer_env
 from flows.console import configure_console
 from flows.report import markdown_table, summary
 from sft_cache.errors import BadInput
@@ -47,16 +48,36 @@ def available_cores() -> int:
 class TokenizeRun(TokenizeOptions):
     """What to tokenize (TokenizeOptions) and how to run it: the flow's one parameter, a typed form in the UI."""
 
-    runner: Literal["threads", "processes"] = Field(
-        "threads", description="threads: one process, the tokenizer releases the GIL; processes: one per worker."
+    runner: Literal["threads", "processes", "dask", "ray"] = Field(
+        "threads", description="threads: one process, the tokenizer releases the GIL; processes: one per worker; "
+        "dask, ray: a cluster's workers (they must share the cache root's filesystem)."
     )
-    workers: int | None = Field(None, ge=1, description="Slices tokenized at once; default: the number of cores.")
+    dask_address: str | None = Field(
+        None, description="Runner dask: the scheduler, tcp://HOST:PORT; none: a temporary cluster on this machine."
+    )
+    ray_address: str | None = Field(
+        None, description="Runner ray: the cluster, HOST:PORT or ray://HOST:PORT; none: a temporary local instance."
+    )
+    workers: int | None = Field(None, ge=1, description="Slices tokenized at once; default: the number of cores. "
+                                "On a cluster at an address the cluster decides, and this is the fewest slices cut.")
     retries: int = Field(RETRIES, ge=0, description="Retries of a failed slice, with exponential backoff.")
     force: bool = Field(False, description="Rebuild: delete the published cache and the staged shards first.")
+
+    @field_validator("dask_address", "ray_address")
+    @classmethod
+    def _address_matches_the_runner(cls, address: str | None, info: ValidationInfo) -> str | None:
+        runner = info.field_name.removesuffix("_address")
+        if address and info.data.get("runner") != runner:
+            raise ValueError(f"an address for {runner} needs runner {runner} (--runner {runner})")
+        return address or None
 
     @property
     def worker_count(self) -> int:
         return self.workers or available_cores()
+
+    @property
+    def cluster_address(self) -> str | None:
+        return {"dask": self.dask_address, "ray": self.ray_address}.get(self.runner)
 
 
 class SlicesFailed(RuntimeError):
@@ -85,10 +106,7 @@ def _notify(finished: int, total: int, rows: int) -> None:
 
 def prepare_worker(tokenizer_threads: int) -> None:
     """Run in each process-pool worker before its first task."""
-    # HF tokenizers size their Rust (rayon) thread pool from these at first use; by default every
-    # worker process would take all the cores.
-    os.environ["RAYON_NUM_THREADS"] = str(tokenizer_threads)
-    os.environ["TOKENIZERS_PARALLELISM"] = "true" if tokenizer_threads > 1 else "false"
+    os.environ.update(tokenizer_env(tokenizer_threads))
     configure_console(worker=True)
 
 
@@ -104,16 +122,29 @@ def workers_share_this_api() -> Iterator[None]:
 
 
 @contextmanager
-def started_task_runner(runner: str, workers: int) -> Iterator[TaskRunner]:
-    if runner == "processes":
-        tokenizer_threads = max(1, available_cores() // workers)  # workers × tokenizer threads ≤ cores
-        pool = ProcessPoolTaskRunner(max_workers=workers, initializer=prepare_worker, initargs=(tokenizer_threads,))
-        with workers_share_this_api(), pool:
-            yield pool
-    else:
+def started_task_runner(runner: str, workers: int, address: str | None = None) -> Iterator[TaskRunner]:
+    if runner == "threads":
         # Threads share the process's one tokenizer thread pool, so they cannot oversubscribe the cores.
         with ThreadPoolTaskRunner(max_workers=workers) as pool:
             yield pool
+        return
+    tokenizer_threads = max(1, available_cores() // workers)  # local workers × tokenizer threads ≤ cores
+    if runner == "processes":
+        pool = ProcessPoolTaskRunner(max_workers=workers, initializer=prepare_worker, initargs=(tokenizer_threads,))
+    elif runner == "dask":
+        pool = dask_runner(address, workers, tokenizer_threads)
+    else:
+        pool = ray_runner(address, workers, tokenizer_threads)
+    with workers_share_this_api(), pool:
+        yield pool
+
+
+def where(options: TokenizeRun, workers: int) -> str:
+    if options.cluster_address:
+        return f"the {options.runner} cluster at {options.cluster_address}"
+    if options.runner in ("dask", "ray"):
+        return f"a temporary {options.runner} cluster of {workers} workers"
+    return f"{workers} {options.runner}"
 
 
 def result_storage(options: TokenizeOptions) -> dict:
@@ -145,13 +176,15 @@ def tokenize_all(plan: Plan, options: TokenizeRun) -> dict:
     cached_task = tokenize_slice.with_options(retries=options.retries, **result_storage(options))
     # A slice without a finished shard on disk runs even if Prefect remembers a result for its key.
     fresh_task = cached_task.with_options(refresh_cache=True)
-    logger.info("tokenizing %d slices (%d already staged) on %d %s", total, len(staged), workers,
-                options.runner)
+    logger.info("tokenizing %d slices (%d already staged) on %s", total, len(staged), where(options, workers))
     progress = create_progress_artifact(0.0, description=f"{plan.name}: 0 of {total} slices")
     _notify(0, total, 0)
     started = time.monotonic()
     rows, finished, failures = 0, 0, {}
-    with started_task_runner(options.runner, workers) as runner:
+    with started_task_runner(options.runner, workers, options.cluster_address) as runner:
+        if options.runner in ("dask", "ray"):
+            checked = check_workers(options.runner, runner, plan)
+            logger.info("checked %s: they read the inputs and write to %s", checked, plan.staging)
         futures = {runner.submit(cached_task if s.index in staged else fresh_task, {"job": plan.job, "slice_": s}): s
                    for s in plan.slices}
         for future in as_completed(list(futures)):

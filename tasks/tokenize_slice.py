@@ -8,7 +8,10 @@ shard is not on disk, so a stale Prefect record can never stand in for a missing
 
 Fault injection, for tests only: when the environment variable SFT_TOKENIZE_FAULT_FILE names a file
 that exists, every attempt at a slice whose index is listed in it (whitespace-separated integers) raises
-a RuntimeError before touching the data. Delete the file and the next attempt succeeds.
+a RuntimeError before touching the data. Delete the file and the next attempt succeeds. A word `exit:N`
+instead kills the worker process (`os._exit(1)`, no exception, no cleanup) on the first attempt at slice
+N only, leaving a partial temporary shard as a worker dying mid-shard does; the marker file
+`<fault file>.exited-N`, created atomically, makes it once across processes and machines.
 """
 
 from __future__ import annotations
@@ -41,15 +44,24 @@ def worth_retrying(task: Any, task_run: Any, state: Any) -> bool:
     return not isinstance(state.result(raise_on_failure=False), (BadInput, OutOfSpace))
 
 
-def raise_injected_fault(index: int) -> None:
+def raise_injected_fault(job: Job, index: int) -> None:
     fault_file = os.environ.get(FAULT_FILE_ENV)
     if not fault_file:
         return
     try:
-        listed = {int(word) for word in Path(fault_file).read_text().split()}
+        words = Path(fault_file).read_text().split()
     except FileNotFoundError:
         return
-    if index in listed:
+    if f"exit:{index}" in words:
+        try:
+            os.close(os.open(f"{fault_file}.exited-{index}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return  # this slice's worker already died once
+        shard_file = job.shard_path(index)
+        shard_file.parent.mkdir(parents=True, exist_ok=True)
+        shard_file.with_name(f"{shard_file.name}.tmp-{os.getpid()}").write_bytes(b"partial shard")
+        os._exit(1)
+    if str(index) in words:
         raise RuntimeError(f"injected fault in slice {index} ({FAULT_FILE_ENV}={fault_file})")
 
 
@@ -67,5 +79,5 @@ def raise_injected_fault(index: int) -> None:
 )
 def tokenize_slice(job: Job, slice_: Slice) -> int:
     """Tokenize one slice into `shard-NNNNN.arrow` in staging (reusing a finished one); return its rows."""
-    raise_injected_fault(slice_.index)
+    raise_injected_fault(job, slice_.index)
     return shard.tokenize_slice(job, slice_)

@@ -160,5 +160,5 @@ def test_the_flow_parameters_are_one_typed_model():
     schema = tokenize_dataset.parameters
     assert list(schema.properties) == ["options"]
     form = schema.definitions["TokenizeRun"]["properties"]
-    assert form["runner"]["enum"] == ["threads", "processes"]
+    assert form["runner"]["enum"] == ["threads", "processes", "dask", "ray"]
     assert {"sources", "tokenizer", "cache_dir", "train_on", "workers", "force"} <= set(form)

@@ -1,0 +1,344 @@
+"""The flow on real clusters: a Dask scheduler and two worker processes started with the `dask` CLI on
+127.0.0.1, a temporary Dask cluster, and a Ray head started with `ray start`. Each writes the same bytes as
+the threads runner; a Dask worker that dies mid-shard is replaced and its slice rescheduled; workers that
+cannot reach the cache root fail the run before any slice is tokenized. Every process a test starts is
+stopped by process group, and the test checks that none is left."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import EXAMPLE_DATA, EXAMPLE_TOKENIZER
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterFlowRunId
+
+from flows.cli import build_parser, main, options_from
+from flows.console import CONSOLE_ENV
+from flows.tokenize_dataset import TokenizeRun, tokenize_dataset
+from sft_cache.shard import _tokenizer
+from tasks.tokenize_slice import FAULT_FILE_ENV
+
+BIN = Path(sys.executable).parent
+# Two input files cut into four slices, one of them spanning both files.
+SOURCES = {"sources": [str(EXAMPLE_DATA)], "tokenizer": str(EXAMPLE_TOKENIZER), "shard_size": "100KB"}
+SLICES = [f"tokenize-{i:05d}" for i in range(4)]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def cluster_env(home: Path, **extra: str) -> dict[str, str]:
+    """The cluster processes' environment: no Prefect settings of this test session (a task gets the flow's
+    settings with the task), their own PREFECT_HOME, no network for Hugging Face or Ray's usage stats."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_") and k != FAULT_FILE_ENV}
+    return {**environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0", **extra}
+
+
+@contextmanager
+def started(*commands: list[str], env: dict[str, str], logs: Path, grace: float = 10) -> Iterator[None]:
+    """Run each command in its own process group; on exit stop every group (SIGTERM, then SIGKILL after
+    `grace` seconds) and check that no process they started is left running."""
+    logs.mkdir(parents=True, exist_ok=True)
+    processes = []
+    try:
+        for i, command in enumerate(commands):
+            with open(logs / f"{Path(command[0]).name}-{i}.log", "wb") as log:
+                processes.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                                  start_new_session=True))
+        yield
+    finally:
+        # Ray's workers start sessions of their own: collect every descendant before the groups go.
+        tree = [psutil.Process(p.pid) for p in processes if p.poll() is None]
+        tree += [child for parent in list(tree) for child in safe_children(parent)]
+        for process in processes:
+            with_group(process.pid, signal.SIGTERM)
+        gone, alive = psutil.wait_procs(tree, timeout=grace)
+        for process in alive:
+            with_group(process.pid, signal.SIGKILL)
+            process.kill()
+        psutil.wait_procs(alive, timeout=10)
+        left = [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert not left, f"still running after stop: {[p.cmdline() for p in left]}"
+        for process in processes:
+            process.wait(timeout=10)
+
+
+def safe_children(process: psutil.Process) -> list[psutil.Process]:
+    try:
+        return process.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def with_group(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, sig)  # each command leads its own group
+
+
+def wait_for_port(port: int, what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+    pytest.fail(f"{what} did not listen on 127.0.0.1:{port} within {timeout} s")
+
+
+def dask_client(address: str):
+    import distributed
+
+    return distributed.Client(address, timeout=30, set_as_default=False)
+
+
+def dask_workers(address: str, count: int) -> dict[str, int]:
+    """Worker address → pid, once `count` workers are connected."""
+    with dask_client(address) as client:
+        client.wait_for_workers(count, timeout=90)
+        return client.run(os.getpid)
+
+
+def run_flow(options: TokenizeRun | dict):
+    """The flow's final state and its task runs by name."""
+    state = tokenize_dataset(options, return_state=True)
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
+    return state, {run.name: run for run in runs}
+
+
+def flow_log(state) -> str:
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[state.state_details.flow_run_id])))
+    return "\n".join(log.message for log in logs)
+
+
+def data_files(cache_path: str | Path) -> dict[str, bytes]:
+    files = {path.name: path.read_bytes() for path in sorted(Path(cache_path).glob("data-*.arrow"))}
+    assert len(files) == 4
+    return files
+
+
+def run_options(cache_dir: Path, **overrides) -> dict:
+    """The flow's parameters as a deployment run passes them: JSON."""
+    return TokenizeRun(**{**SOURCES, "cache_dir": str(cache_dir), "workers": 2, **overrides}).model_dump(mode="json")
+
+
+@pytest.fixture(scope="module")
+def threads_cache(tmp_path_factory, prefect_harness) -> dict[str, bytes]:
+    """The data files the threads runner writes: what every cluster must match byte for byte."""
+    state, _ = run_flow(run_options(tmp_path_factory.mktemp("threads")))
+    assert state.is_completed()
+    return data_files(state.result())
+
+
+@pytest.fixture(scope="module")
+def dask_cluster(tmp_path_factory) -> Iterator[tuple[str, Path]]:
+    """A Dask scheduler and two single-threaded worker processes (each under a nanny that restarts it),
+    started with the `dask` CLI; yields the scheduler address and the fault file the workers read at once,
+    while they start (a test waits for them with `dask_workers`)."""
+    base = tmp_path_factory.mktemp("dask")
+    fault_file = base / "faults"
+    port = free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    env = cluster_env(base / "prefect-home", **{FAULT_FILE_ENV: str(fault_file)})
+    with started([str(BIN / "dask"), "scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard"],
+                 [str(BIN / "dask"), "worker", address, "--nworkers", "2", "--nthreads", "1", "--no-dashboard"],
+                 env=env, logs=base / "logs"):
+        yield address, fault_file
+
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_dask_cluster_writes_the_same_bytes_and_loads_the_tokenizer_once_per_worker(dask_cluster, threads_cache,
+                                                                                     tmp_path):
+    address, _ = dask_cluster
+    dask_workers(address, 2)
+    with dask_client(address) as client:
+        before = client.run(_tokenizer.cache_info)
+    state, task_runs = run_flow(run_options(tmp_path, runner="dask", dask_address=address))
+    assert state.is_completed(), state.message
+    assert sorted(name for name in task_runs if name.startswith("tokenize-")) == SLICES
+    assert data_files(state.result()) == threads_cache
+    assert "checked 2 Dask workers: they read the inputs and write to" in flow_log(state)
+    with dask_client(address) as client:
+        after = client.run(_tokenizer.cache_info)
+    assert after.keys() == before.keys()
+    # Four slice tasks called for the tokenizer; each worker process loaded it at most once.
+    calls = {w: (after[w].hits + after[w].misses) - (before[w].hits + before[w].misses) for w in after}
+    loads = {w: after[w].misses - before[w].misses for w in after}
+    assert sum(calls.values()) == 4 and max(loads.values()) <= 1, (calls, loads)
+
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_a_dask_worker_that_dies_mid_shard_is_replaced_and_its_slice_rescheduled(dask_cluster, threads_cache,
+                                                                                 tmp_path):
+    address, fault_file = dask_cluster
+    pids = dask_workers(address, 2)
+    fault_file.write_text("exit:1")  # the worker that first takes slice 1 exits mid-shard, without a word
+    try:
+        state, task_runs = run_flow(run_options(tmp_path, runner="dask", dask_address=address))
+    finally:
+        fault_file.unlink()
+    assert Path(f"{fault_file}.exited-1").exists()  # a worker did die
+    assert state.is_completed(), state.message
+    assert task_runs["tokenize-00001"].state.is_completed()
+    assert data_files(state.result()) == threads_cache
+    assert not list(tmp_path.rglob("*.tmp-*"))  # the dead worker's partial shard went with the staging directory
+    # The nanny replaced the dead worker process: one pid changed, and the cluster is whole again.
+    new_pids = dask_workers(address, 2)
+    assert len(set(new_pids.values()) - set(pids.values())) == 1
+
+
+def own_mount_namespace_works() -> str | None:
+    """None if this user can give a process its own mount namespace, else why not."""
+    if not shutil.which("unshare"):
+        return "unshare is not installed"
+    result = subprocess.run(["unshare", "--mount", "true"], capture_output=True, text=True)
+    return None if result.returncode == 0 else f"unshare --mount fails here: {result.stderr.strip()}"
+
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_workers_that_cannot_write_to_the_cache_root_fail_the_run_before_any_slice(tmp_path):
+    """One worker has its own empty disk mounted at the cache root's path (a node without the shared
+    mount, so without the tokenizer kept there either), the other sees the shared directory read-only: the
+    run fails at plan time naming both."""
+    if why_not := own_mount_namespace_works():
+        pytest.skip(f"needs a worker in its own mount namespace (root, unshare --mount): {why_not}")
+    cache = tmp_path / "cache"
+    (cache / ".staging").mkdir(parents=True)
+    tokenizer = shutil.copytree(EXAMPLE_TOKENIZER, cache / "tokenizer")
+    port = free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    worker = [str(BIN / "dask"), "worker", address, "--nthreads", "1", "--no-dashboard"]
+
+    def in_own_mounts(mount: str) -> list[str]:
+        return ["unshare", "--mount", "--propagation", "private", "sh", "-c", f'{mount} && exec "$@"', "sh", *worker]
+
+    with started([str(BIN / "dask"), "scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard"],
+                 in_own_mounts(f"mount -t tmpfs tmpfs {cache}"),
+                 in_own_mounts(f"mount --bind {cache} {cache} && mount -o remount,bind,ro {cache}"),
+                 env=cluster_env(tmp_path / "prefect-home"), logs=tmp_path / "logs"):
+        wait_for_port(port, "the Dask scheduler")
+        dask_workers(address, 2)
+        state, task_runs = run_flow(run_options(cache, runner="dask", dask_address=address, tokenizer=str(tokenizer)))
+    assert state.is_failed()
+    staging = next(path for path in (cache / ".staging").iterdir() if path.is_dir())
+    assert f"cannot tokenize into {staging}" in state.message
+    assert f"does not see the staging directory {staging}" in state.message
+    assert f"cannot write to the staging directory {staging} (Read-only file system)" in state.message
+    assert f"cannot find {tokenizer}: the tokenizer and local inputs must be at the same paths" in state.message
+    assert not [name for name in task_runs if name.startswith("tokenize-")]
+    assert not [p.name for p in staging.iterdir()]  # the probe's files are gone, no shard was started
+
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_a_temporary_dask_cluster_writes_the_same_bytes_and_leaves_no_process(threads_cache, tmp_path):
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    state, _ = run_flow(run_options(tmp_path, runner="dask", workers=1))  # one worker process: the same bytes
+    assert state.is_completed(), state.message
+    assert data_files(state.result()) == threads_cache
+
+    def left() -> list[psutil.Process]:
+        # multiprocessing's resource tracker, started once per process, stays until this process exits.
+        return [p for p in psutil.Process().children(recursive=True) if p.pid not in before
+                and p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(p.cmdline())]
+
+    deadline = time.monotonic() + 30
+    while left() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left(), [p.cmdline() for p in left()]
+
+
+@pytest.mark.slow  # a Ray head takes about 15 s to start on two cores
+@pytest.mark.usefixtures("prefect_harness")
+def test_ray_cluster_writes_the_same_bytes(threads_cache, tmp_path, monkeypatch):
+    pytest.importorskip("prefect_ray", reason="the ray extra is not installed: pip install 'sft-tokenize[ray]'")
+    # Ray clusters check a token; the driver (this process) and the head share this one, not ~/.ray's.
+    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": os.urandom(16).hex()}
+    for name, value in auth.items():
+        monkeypatch.setenv(name, value)
+    port, dashboard, client = free_port(), free_port(), free_port()
+    # Ray's sockets live under its temp dir, whose path must stay short: not under tmp_path.
+    temp_dir = tempfile.mkdtemp(prefix="ray-")
+    head = [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(port),
+            "--num-cpus", "2", "--include-dashboard", "false", "--dashboard-port", str(dashboard),
+            "--ray-client-server-port", str(client), "--disable-usage-stats", "--temp-dir", temp_dir]
+    # Ray drains for up to 30 s on SIGTERM; nothing is left to drain once the flow is done.
+    try:
+        with started(head, env=cluster_env(tmp_path / "prefect-home", **auth), logs=tmp_path / "logs", grace=3):
+            wait_for_port(port, "the Ray head")
+            state, task_runs = run_flow(run_options(tmp_path / "cache", runner="ray",
+                                                    ray_address=f"127.0.0.1:{port}"))
+    finally:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+    assert state.is_completed(), state.message
+    assert sorted(name for name in task_runs if name.startswith("tokenize-")) == SLICES
+    assert data_files(state.result()) == threads_cache
+    assert "checked 1 Ray node: they read the inputs and write to" in flow_log(state)
+
+
+# The CLI's new options, rejected before Prefect starts.
+
+@pytest.fixture
+def cli_env(monkeypatch):
+    """`main` sets these in its process's environment: restore them after the test."""
+    for name in ("TRANSFORMERS_NO_ADVISORY_WARNINGS", "PREFECT_SERVER_ANALYTICS_ENABLED", CONSOLE_ENV):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_storage_options_are_parsed_into_the_run_options():
+    args = build_parser().parse_args(["run", "s3://bucket/data", "--tokenizer", "t", "--cache-dir", "c",
+                                      "--storage-options", '{"anon": true, "client_kwargs": {"region_name": "x"}}'])
+    options = TokenizeRun(**options_from(args))
+    assert options.storage_options == {"anon": True, "client_kwargs": {"region_name": "x"}}
+
+
+@pytest.mark.parametrize("text, expected", [("{anon: true}", "not valid JSON"), ('["anon"]', "expected a JSON object")])
+def test_storage_options_that_are_not_a_json_object_exit_2(text, expected, capsys, cli_env):
+    with pytest.raises(SystemExit) as exit_:
+        main(["run", "s3://bucket/data", "--tokenizer", "t", "--cache-dir", "c", "--storage-options", text])
+    assert exit_.value.code == 2
+    assert f"argument --storage-options: {expected}" in capsys.readouterr().err
+
+
+def test_an_address_without_its_runner_exits_2(tmp_path, capsys, cli_env):
+    code = main(["run", str(EXAMPLE_DATA), "--tokenizer", str(EXAMPLE_TOKENIZER), "--cache-dir", str(tmp_path),
+                 "--dask-address", "tcp://127.0.0.1:8786"])
+    assert code == 2
+    assert "--dask-address: Value error, " not in (err := capsys.readouterr().err)
+    assert "sft-tokenize: error: --dask-address: an address for dask needs runner dask (--runner dask)" in err
+
+
+def test_a_runner_whose_extra_is_missing_exits_2_with_the_install_command(tmp_path, capsys, monkeypatch, cli_env):
+    monkeypatch.setitem(sys.modules, "prefect_ray", None)  # what an install without the extra sees: no module
+    code = main(["run", str(EXAMPLE_DATA), "--tokenizer", str(EXAMPLE_TOKENIZER), "--cache-dir", str(tmp_path),
+                 "--runner", "ray"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "runner 'ray' needs the ray extra" in err and "pip install 'sft-tokenize[ray]'" in err
+    assert not (tmp_path / ".staging").exists()  # nothing was planned
+
+
+def test_the_flow_form_offers_the_cluster_runners():
+    form = tokenize_dataset.parameters.definitions["TokenizeRun"]["properties"]
+    assert form["runner"]["enum"] == ["threads", "processes", "dask", "ray"]
+    assert {"dask_address", "ray_address"} <= set(form)
+    assert json.loads(TokenizeRun(**SOURCES, cache_dir="c").model_dump_json())["dask_address"] is None
