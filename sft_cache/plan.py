@@ -76,7 +76,16 @@ def _check_tokenizer(tokenizer, columns: ColumnMap, options: TokenizeOptions) ->
         raise BadInput(f"tokenizer {options.tokenizer} has no chat template, which {columns.format} data needs: "
                        "pass --chat-template FILE")
     if options.max_length is not None:
-        overhead = ChatEncoder(tokenizer).template_overhead()
+        try:
+            overhead = ChatEncoder(tokenizer).template_overhead()
+        except Exception as error:  # the template raised, or the sandbox refused what it tried to do
+            if options.chat_template is None:
+                where = f"tokenizer {options.tokenizer}"
+            else:  # a .jinja file, or the template's text itself
+                where = "--chat-template" if "{" in options.chat_template else options.chat_template
+            detail = (str(error).strip().splitlines() or [""])[0]
+            raise BadInput(f"{where}: the chat template fails on an empty exchange, so --max-length cannot be "
+                           f"checked ({type(error).__name__}: {detail})") from None
         if options.max_length <= overhead:
             raise BadInput(f"--max-length {options.max_length} leaves no room for content: the chat template "
                            f"alone takes {overhead} tokens for an empty exchange")

@@ -129,6 +129,10 @@ def publish_cache(job: Job, slices: list[Slice], cache_path: Path, inputs: dict,
         shards.append(meta)
     staging = Path(job.staging)
     with locked(staging.with_name(f"{staging.name}.lock")):
+        # Left by a run killed while publishing; under the lock no other run is building them.
+        for leftover in [*staging.parent.glob(f"{staging.name}.publish-*"),
+                         *staging.parent.glob(f"{staging.name}.corrupt-*")]:
+            shutil.rmtree(leftover, ignore_errors=True)
         if is_published(cache_path):  # another run with the same fingerprint got there first
             shutil.rmtree(staging, ignore_errors=True)
             return cache_path
@@ -136,7 +140,9 @@ def publish_cache(job: Job, slices: list[Slice], cache_path: Path, inputs: dict,
             dropped = Counter()
             for s in shards:
                 dropped.update(s["dropped"])
-            raise BadInput(f"no row has a trained token: {sum(dropped.values())} rows dropped "
+            sources = list(dict.fromkeys(part[0] for s in shards for part in s["slice"]))
+            where = sources[0] if len(sources) == 1 else f"{sources[0]} and {len(sources) - 1} more files"
+            raise BadInput(f"{where}: no row has a trained token: {sum(dropped.values())} rows dropped "
                            f"({describe_drops(dropped)}); nothing was published")
         kept = [(s, slice_) for s, slice_ in zip(shards, slices, strict=True) if s["rows"]]
         building = staging.with_name(f"{staging.name}.publish-{uuid.uuid4().hex[:8]}")

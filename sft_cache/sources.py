@@ -90,11 +90,22 @@ def _kind(url: str, fs: fsspec.AbstractFileSystem, path: str) -> str:
     if kind is None:
         raise BadInput(f"{url}: unknown file format {ext or '(no extension)'!r}; "
                        f"supported: {', '.join(sorted(EXTENSIONS))}")
-    if kind == "json":  # many .json files are JSON lines; the first byte tells
+    if kind == "json":  # many .json files are JSON lines: an object on the first line tells
         with fs.open(path, "rb") as f:
             head = f.read(4096).lstrip()
-        kind = "jsonl" if head.startswith(b"{") else "json"
+        # A first line that is not a whole object is a pretty-printed document: read as one, it is named
+        # as "not an array" (or a syntax error at its line) instead of a broken first line.
+        line, newline, _ = head.partition(b"\n")
+        kind = "jsonl" if head.startswith(b"{") and (not newline or _is_json(line)) else "json"
     return kind
+
+
+def _is_json(text: bytes) -> bool:
+    try:
+        json.loads(text)
+        return True
+    except ValueError:
+        return False
 
 
 def _source(fs: fsspec.AbstractFileSystem, path: str, info: dict | None = None) -> SourceFile:
