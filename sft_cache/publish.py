@@ -85,11 +85,18 @@ def describe_drops(dropped: dict[str, int]) -> str:
     return ", ".join(f"{reason}: {count}" for reason, count in sorted(dropped.items())) or "none"
 
 
-def build_manifest(job: Job, shards: list[dict], files: list[dict], inputs: dict, name: str) -> dict[str, Any]:
+def total_drops(shards: list[dict]) -> Counter:
+    """Rows dropped by reason, over the shards' sidecars."""
     dropped: Counter = Counter()
-    lengths: Counter = Counter()
     for shard in shards:
         dropped.update(shard["dropped"])
+    return dropped
+
+
+def build_manifest(job: Job, shards: list[dict], files: list[dict], inputs: dict, name: str) -> dict[str, Any]:
+    dropped = total_drops(shards)
+    lengths: Counter = Counter()
+    for shard in shards:
         lengths.update(dict(zip(shard["lengths"]["values"], shard["lengths"]["counts"], strict=True)))
     return {
         "format_version": CACHE_FORMAT_VERSION,
@@ -137,9 +144,7 @@ def publish_cache(job: Job, slices: list[Slice], cache_path: Path, inputs: dict,
             shutil.rmtree(staging, ignore_errors=True)
             return cache_path
         if not any(s["rows"] for s in shards):
-            dropped = Counter()
-            for s in shards:
-                dropped.update(s["dropped"])
+            dropped = total_drops(shards)
             sources = list(dict.fromkeys(part[0] for s in shards for part in s["slice"]))
             where = sources[0] if len(sources) == 1 else f"{sources[0]} and {len(sources) - 1} more files"
             raise BadInput(f"{where}: no row has a trained token: {sum(dropped.values())} rows dropped "
