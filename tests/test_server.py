@@ -259,6 +259,11 @@ def test_prefect_deploy_registers_both_deployments_on_a_process_pool(server, tmp
                                                base_job_template=ProcessWorker.get_default_base_job_template()))
     head = git("rev-parse", "HEAD").stdout.strip()
     origin = git("remote", "get-url", "origin")
+    repository = origin.stdout.strip() if origin.returncode == 0 else str(ROOT)
+    if os.path.isdir(repository):
+        repository = os.path.realpath(repository)
+    if git("ls-remote", repository, "HEAD").returncode != 0:
+        repository = str(ROOT)
     result = subprocess.run([str(BIN / "prefect"), "--no-prompt", "deploy", "--all",
                              "--prefect-file", "deployments/prefect.yaml"], cwd=ROOT,
                             env=client_env(server, tmp_path / "home"), capture_output=True, text=True, timeout=120)
@@ -278,7 +283,7 @@ def test_prefect_deploy_registers_both_deployments_on_a_process_pool(server, tmp
             # The pull steps clone the deployed commit of this checkout's origin (or of the checkout itself,
             # which has none here); the clone holds the entrypoint the worker loads.
             assert nightly.pull_steps == on_demand.pull_steps == [{"prefect.deployments.steps.git_clone": {
-                "repository": origin.stdout.strip() if origin.returncode == 0 else str(ROOT), "commit_sha": head}}]
+                "repository": repository, "commit_sha": head}}]
             monkeypatch.chdir(tmp_path)
             with temporary_settings(updates={PREFECT_API_URL: server}):
                 clone = tmp_path / run_coro_as_sync(run_steps(nightly.pull_steps))["directory"]
