@@ -33,6 +33,7 @@ from .errors import BadInput, BadRow
 from .formats import Conversation
 
 MARK_OPEN, MARK_CLOSE = "\ue000", "\ue001"
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # transformers copies each into the others
 # Files that make up a tokenizer; hashed into the fingerprint and fetched from the hub.
 TOKENIZER_FILE_PATTERNS = ("*.json", "*.jinja", "*.model", "*.txt", "*.tiktoken", "*.py")
 
@@ -146,9 +147,20 @@ class ChatEncoder:
     # -- rendering -------------------------------------------------------------------------------------------
 
     def render(self, messages: Sequence[dict], tools: list | None = None, add_generation_prompt: bool = False) -> str:
-        """The template rendered as `apply_chat_template` renders it, in transformers' sandbox."""
-        from transformers.utils.chat_template_utils import render_jinja_template
+        """The template rendered as `apply_chat_template` renders it, in transformers' immutable sandbox.
 
+        Rows decoded from JSON or Arrow hold plain data, so the compiled template is called directly: transformers'
+        `render_jinja_template` would first deep-copy every message to strip rich objects, which costs twice the
+        render itself. Messages with reasoning fields (which transformers aliases) and tools given as anything but
+        JSON objects take transformers' own path."""
+        from transformers.utils.chat_template_utils import _compile_jinja_template, render_jinja_template
+
+        plain = (tools is None or all(type(tool) is dict for tool in tools)) and not any(
+            key in message for message in messages for key in REASONING_FIELDS)
+        if plain:
+            return _compile_jinja_template(self.template).render(
+                messages=messages, tools=tools, documents=None, add_generation_prompt=add_generation_prompt,
+                **self.template_kwargs)
         rendered, _ = render_jinja_template([list(messages)], tools=tools, chat_template=self.template,
                                             add_generation_prompt=add_generation_prompt, **self.template_kwargs)
         return rendered[0]

@@ -98,6 +98,24 @@ def test_tools_reach_the_template(tokenizers):
     assert "lookup" in tokenizer.decode(encoded.input_ids)
 
 
+REASONING_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message.role }}\n"
+    "{% if message.reasoning_content %}<think>{{ message.reasoning_content }}</think>{% endif %}"
+    "{{ message.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.mark.parametrize("field", ["reasoning_content", "reasoning", "thinking"])
+def test_reasoning_under_any_of_its_names_renders_as_apply_chat_template(family_tokenizer, field):
+    tokenizer = load_tokenizer(family_tokenizer("chatml"), chat_template=REASONING_TEMPLATE)
+    row = Conversation([msg("user", "Why?"), {"role": "assistant", "content": "Because.", field: "Think first."},
+                        msg("user", "And?"), msg("assistant", "Done.")])
+    check_against_oracle(tokenizer, [row], "all_assistant")
+    [encoded] = ChatEncoder(tokenizer).encode_batch([row]).results()
+    assert "<think>Think first.</think>" in tokenizer.decode(encoded.input_ids)
+
+
 def test_all_zero_mask_is_a_drop_not_a_row(tokenizers):
     tokenizer = tokenizers("chatml")
     rows = [Conversation([msg("user", "Only a question.")])]
