@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import sys
+from contextlib import nullcontext
 from typing import Any
 
 from flows.console import CONSOLE_ENV, configure_console
@@ -172,6 +173,7 @@ def run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from flows.cluster import require_extra
+    from flows.embedded_server import EmbeddedServer
     from flows.tokenize_dataset import TokenizeRun, first_line, on_progress, tokenize_dataset
     from sft_cache.plan import plan_slices
 
@@ -179,10 +181,12 @@ def run(args: argparse.Namespace) -> int:
         options = TokenizeRun(**options_from(args))
     except ValidationError as error:
         return _fail("; ".join(map(_as_option_error, error.errors())), EXIT_BAD_INPUT)
+    server = EmbeddedServer() if EmbeddedServer.needed() else None
     try:
-        # Checked before Prefect starts (seconds): bad input fails at once, and a cache hit needs no flow.
+        # Checked before the flow starts: bad input fails at once, and a cache hit needs no flow. When there is
+        # work, Prefect's server is started first and boots in its own process (seconds) while this one plans.
         require_extra(options.runner)
-        plan = plan_slices(options)
+        plan = plan_slices(options, on_work=server.start if server else None)
     except BadInput as error:
         return _fail(str(error), EXIT_BAD_INPUT)
     if plan.cached and not options.force:
@@ -193,7 +197,8 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger("distributed").setLevel(logging.WARNING)
     try:
         # The bar closes, showing its last state, before an error is reported below it.
-        with ProgressBar(progress_console()) as bar, on_progress(bar.update):
+        with server.serving() if server else nullcontext(), ProgressBar(progress_console()) as bar, \
+                on_progress(bar.update):
             cache_path = tokenize_dataset(options)
     except BadInput as error:
         return _fail(str(error), EXIT_BAD_INPUT)

@@ -8,6 +8,7 @@ any work is done.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,9 +92,11 @@ def _check_tokenizer(tokenizer, columns: ColumnMap, options: TokenizeOptions) ->
                            f"alone takes {overhead} tokens for an empty exchange")
 
 
-def plan_slices(options: TokenizeOptions, min_slices: int = 1) -> Plan:
+def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable[[], object] | None = None) -> Plan:
     """Check the inputs, fingerprint them, and cut slices of about `shard_size` bytes (at least
-    `min_slices` of them, so every worker gets work). A published cache returns before any tokenizer load."""
+    `min_slices` of them, so every worker gets work). A published cache returns before any tokenizer load;
+    otherwise `on_work` is called first, so whatever it starts runs while the tokenizer loads and the
+    inputs are cut."""
     root = cache_root(options)
     tokenizer_dir = resolve_tokenizer(options.tokenizer, options.tokenizer_revision)
     template_override = read_chat_template(options.chat_template)
@@ -134,6 +137,8 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1) -> Plan:
     )
     if is_published(cache_path):
         return Plan(job, [], name, cache_path, inputs, cached=True)
+    if on_work is not None:
+        on_work()
     tokenizer = load_tokenizer(tokenizer_dir, template_override, options.trust_remote_code)
     _check_tokenizer(tokenizer, columns, options)
     total = sum(f.size for f in files)

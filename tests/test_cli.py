@@ -7,10 +7,13 @@ import json
 import os
 import re
 import shutil
+import sqlite3
 import subprocess
 import sys
+from contextlib import closing
 from pathlib import Path
 
+import psutil
 import pytest
 from conftest import EXAMPLE_DATA, EXAMPLE_TOKENIZER, example_rows, write_jsonl
 
@@ -69,6 +72,25 @@ def assert_clean_error(result: subprocess.CompletedProcess, code: int, *expected
     return last
 
 
+def flow_run_states(home: Path) -> list[str]:
+    """The state of every flow run in the database of this PREFECT_HOME."""
+    with closing(sqlite3.connect(home / "prefect.db")) as db:
+        return [state for (state,) in db.execute("SELECT state_type FROM flow_run")]
+
+
+def servers_of(home: Path) -> list[int]:
+    """Processes still running a Prefect server with this PREFECT_HOME."""
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        try:
+            if "prefect.server.api.server:create_app" in " ".join(process.info["cmdline"] or []) \
+                    and process.environ().get("PREFECT_HOME") == str(home):
+                found.append(process.pid)
+        except psutil.Error:
+            continue
+    return found
+
+
 def staged_shards(cache_root: Path) -> dict[str, tuple[int, int]]:
     """The finished shards in staging, by name: (inode, mtime) tells whether a rerun rewrote one."""
     return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in (cache_root / ".staging").glob("*/shard-*.arrow")}
@@ -82,6 +104,9 @@ def test_run_prints_the_cache_path_last_and_inspect_summarizes_it(tmp_path, pref
     assert "4/4 slices" in result.stderr and "240 rows" in result.stderr  # the progress bar's final state
     cache_path = Path(result.stdout.splitlines()[-1])
     assert result.stdout == f"{cache_path}\n"
+    # The run went through the embedded server, on this PREFECT_HOME's database, and the server left with the CLI.
+    assert flow_run_states(prefect_home) == ["COMPLETED"]
+    assert servers_of(prefect_home) == []
     assert cache_path.parent == tmp_path / "cache" and (cache_path / "manifest.json").is_file()
 
     table = cli("inspect", str(cache_path), home=prefect_home)
