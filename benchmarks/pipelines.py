@@ -32,9 +32,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # sft_cache, wh
 from sft_cache.chat import ChatEncoder, EncodedBatch, load_tokenizer  # noqa: E402
 from sft_cache.formats import Conversation  # noqa: E402
 from sft_cache.shard import features  # noqa: E402
+from sft_cache.sources import READ_BATCH_BYTES, READ_BATCH_ROWS  # noqa: E402
 
-ENCODE_BATCH_ROWS = 256  # rows per encode call: what the project's reader hands its encoder
 WRITER_BATCH_ROWS = 1000  # SkyRL's _TOKENIZE_WRITER_BATCH_ROWS
+
+
+def encode_batch_rows(files: list[str]) -> int:
+    """Rows per encode call: as many as the project's reader hands its encoder on these files (at most
+    READ_BATCH_ROWS rows and READ_BATCH_BYTES of input), so the pipelines differ in design, not batch size."""
+    size = sum(os.path.getsize(name) for name in files)
+    lines = 0
+    for name in files:
+        with open(name, "rb") as f:
+            lines += sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 24), b""))
+    return max(1, min(READ_BATCH_ROWS, READ_BATCH_BYTES * lines // max(1, size)))
 
 
 # -- checksum ----------------------------------------------------------------------------------------------------
@@ -123,7 +134,7 @@ def ceiling(files: list[str], tokenizer_dir: str, checksum: bool = True) -> dict
     backend = tokenizer.backend_tokenizer
     digest = ColumnDigest(np.int32)
     rows = tokens = 0
-    for batch in jsonl_batches(files, ENCODE_BATCH_ROWS):
+    for batch in jsonl_batches(files, encode_batch_rows(files)):
         texts = tokenizer.apply_chat_template([row["messages"] for row in batch], tokenize=False)
         encodings = backend.encode_batch(texts, add_special_tokens=False)
         rows += len(encodings)
@@ -159,7 +170,8 @@ def hf_datasets(files: list[str], tokenizer_dir: str, workers: int, out: Path) -
 # -- spawn pool: the reference design (SkyRL PR #1971) -----------------------------------------------------------
 
 
-def spawn_worker(files: list[str], cache_dir: str, tokenizer_dir: str, start: int, stop: int, shard: str) -> int:
+def spawn_worker(files: list[str], cache_dir: str, tokenizer_dir: str, start: int, stop: int, shard: str,
+                 batch_rows: int) -> int:
     """As SkyRL's worker: load the whole dataset again, select this worker's rows, stream them to a shard."""
     from datasets import load_dataset
     from datasets.arrow_writer import ArrowWriter
@@ -168,7 +180,7 @@ def spawn_worker(files: list[str], cache_dir: str, tokenizer_dir: str, start: in
     chat = encoder(tokenizer_dir)
     writer = ArrowWriter(path=shard, features=features(), writer_batch_size=WRITER_BATCH_ROWS)
     written = 0
-    for batch in rows.iter(batch_size=ENCODE_BATCH_ROWS):
+    for batch in rows.iter(batch_size=batch_rows):
         table = as_table(chat.encode_batch([Conversation(messages) for messages in batch["messages"]]))
         writer.write_table(table)
         written += table.num_rows
@@ -185,11 +197,13 @@ def spawn_pool(files: list[str], tokenizer_dir: str, workers: int, out: Path) ->
     total = len(load_dataset("json", data_files=files, split="train", cache_dir=cache_dir))  # the controller's load
     shards = out.parent / "shards"
     shards.mkdir(parents=True, exist_ok=True)
-    jobs = [(files, cache_dir, tokenizer_dir, total * k // workers, total * (k + 1) // workers,
-             str(shards / f"shard-{k:05d}.arrow")) for k in range(workers)]
+    batch_rows = encode_batch_rows(files)
+    paths = [str(shards / f"shard-{k:05d}.arrow") for k in range(workers)]
+    jobs = [(files, cache_dir, tokenizer_dir, total * k // workers, total * (k + 1) // workers, paths[k], batch_rows)
+            for k in range(workers)]
     with multiprocessing.get_context("spawn").Pool(workers) as pool:
         counts = pool.starmap(spawn_worker, jobs)
-    merged = concatenate_datasets([Dataset.from_file(job[-1]) for job in jobs])
+    merged = concatenate_datasets([Dataset.from_file(path) for path in paths])
     merged.save_to_disk(str(out))  # copies the shards into the cache
     shutil.rmtree(shards)
     return {"rows": sum(counts)}

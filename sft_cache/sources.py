@@ -28,8 +28,10 @@ from .errors import BadInput, BadRow
 
 EXTENSIONS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv",
               ".arrow": "arrow"}
-READ_BATCH_ROWS = 256  # rows handed to the tokenizer at a time
-READ_BATCH_BYTES = 8 << 20
+# Rows handed to the tokenizer at a time: at most this many, and (JSONL) at most this much input. A batch's
+# tokenizer output (~100 bytes a token until it is packed into numpy) is what sets a worker's peak memory.
+READ_BATCH_ROWS = 256
+READ_BATCH_BYTES = 1 << 20
 READ_CHUNK_BYTES = 1 << 20  # one read (one range request remotely) of a JSONL slice
 
 
