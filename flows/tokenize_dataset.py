@@ -28,6 +28,7 @@ from flows.cluster import check_workers, dask_runner, ray_runner, tokenizer_env
 from flows.console import configure_console
 from flows.report import markdown_table, summary
 from sft_cache.errors import BadInput
+from sft_cache.memory import limit_malloc_arenas
 from sft_cache.options import TokenizeOptions
 from sft_cache.plan import Plan
 from sft_cache.publish import building, is_published
@@ -107,6 +108,7 @@ def _notify(finished: int, total: int, rows: int) -> None:
 def prepare_worker(tokenizer_threads: int) -> None:
     """Run in each process-pool worker before its first task."""
     os.environ.update(tokenizer_env(tokenizer_threads))
+    limit_malloc_arenas()
     configure_console(worker=True)
 
 
@@ -125,6 +127,7 @@ def workers_share_this_api() -> Iterator[None]:
 def started_task_runner(runner: str, workers: int, address: str | None = None) -> Iterator[TaskRunner]:
     if runner == "threads":
         # Threads share the process's one tokenizer thread pool, so they cannot oversubscribe the cores.
+        limit_malloc_arenas()
         with ThreadPoolTaskRunner(max_workers=workers) as pool:
             yield pool
         return
