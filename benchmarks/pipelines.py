@@ -5,6 +5,7 @@ Each runs as its own subprocess, started by run.py, and prints one JSON line on 
     python benchmarks/pipelines.py ceiling --tokenizer DIR --workers 2 --out DIR FILE...
     python benchmarks/pipelines.py hf      ...     # load_dataset("json") + map(num_proc=W) + save_to_disk
     python benchmarks/pipelines.py spawn   ...     # the SkyRL PR #1971 design: spawn pool, ArrowWriter shards
+    python benchmarks/pipelines.py floor   ...     # encode_batch alone on pre-rendered rows: the tokenizer's cost
 
 All of them tokenize with the project's own `ChatEncoder` (the ceiling with the plain template render and
 one batch-encode call), so their input_ids and loss_mask must be identical to this project's cache.
@@ -149,6 +150,20 @@ def ceiling(files: list[str], tokenizer_dir: str, checksum: bool = True) -> dict
     return {"rows": rows, "tokens": tokens}
 
 
+def encode_floor(files: list[str], tokenizer_dir: str) -> dict:
+    """The tokenizer's own cost, which bounds every pipeline: all rows are rendered first (untimed), then
+    only `encode_batch` is timed, over the same batches the other pipelines encode."""
+    tokenizer = load_tokenizer(tokenizer_dir)
+    backend = tokenizer.backend_tokenizer
+    batches = [tokenizer.apply_chat_template([row["messages"] for row in batch], tokenize=False)
+               for batch in jsonl_batches(files, encode_batch_rows(files))]
+    started = time.perf_counter()
+    tokens = sum(len(encoded) for texts in batches for encoded in backend.encode_batch(texts, add_special_tokens=False))
+    seconds = time.perf_counter() - started
+    return {"rows": sum(map(len, batches)), "tokens": tokens, "encode_seconds": round(seconds, 3),
+            "encode_tokens_per_second": round(tokens / seconds)}
+
+
 # -- HF datasets: load_dataset + map(num_proc) + save_to_disk ----------------------------------------------------
 
 
@@ -211,7 +226,7 @@ def spawn_pool(files: list[str], tokenizer_dir: str, workers: int, out: Path) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("pipeline", choices=["ceiling", "hf", "spawn"])
+    parser.add_argument("pipeline", choices=["ceiling", "hf", "spawn", "floor"])
     parser.add_argument("files", nargs="+")
     parser.add_argument("--tokenizer", required=True)
     parser.add_argument("--workers", type=int, default=2)
@@ -222,6 +237,8 @@ def main() -> None:
     started = time.perf_counter()
     if args.pipeline == "ceiling":
         result = ceiling(args.files, args.tokenizer, checksum=not args.no_checksum)
+    elif args.pipeline == "floor":
+        result = encode_floor(args.files, args.tokenizer)
     elif args.pipeline == "hf":
         result = hf_datasets(args.files, args.tokenizer, args.workers, args.out)
     else:
