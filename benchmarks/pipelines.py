@@ -38,15 +38,17 @@ from sft_cache.sources import READ_BATCH_BYTES, READ_BATCH_ROWS  # noqa: E402
 WRITER_BATCH_ROWS = 1000  # SkyRL's _TOKENIZE_WRITER_BATCH_ROWS
 
 
-def encode_batch_rows(files: list[str]) -> int:
+def encode_batch_rows(files: list[str], rows: int | None = None) -> int:
     """Rows per encode call: as many as the project's reader hands its encoder on these files (at most
-    READ_BATCH_ROWS rows and READ_BATCH_BYTES of input), so the pipelines differ in design, not batch size."""
+    READ_BATCH_ROWS rows and READ_BATCH_BYTES of input), so the pipelines differ in design, not batch size.
+    `rows`: the files' row count when known; otherwise every file is read to count it."""
     size = sum(os.path.getsize(name) for name in files)
-    lines = 0
-    for name in files:
-        with open(name, "rb") as f:
-            lines += sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 24), b""))
-    return max(1, min(READ_BATCH_ROWS, READ_BATCH_BYTES * lines // max(1, size)))
+    if rows is None:
+        rows = 0
+        for name in files:
+            with open(name, "rb") as f:
+                rows += sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 24), b""))
+    return max(1, min(READ_BATCH_ROWS, READ_BATCH_BYTES * rows // max(1, size)))
 
 
 # -- checksum ----------------------------------------------------------------------------------------------------
@@ -129,13 +131,13 @@ def jsonl_batches(files: list[str], rows: int) -> Iterator[list[dict]]:
 # -- ceiling ---------------------------------------------------------------------------------------------------
 
 
-def ceiling(files: list[str], tokenizer_dir: str, checksum: bool = True) -> dict:
+def ceiling(files: list[str], tokenizer_dir: str, batch_rows: int, checksum: bool = True) -> dict:
     """Render every row's chat template and batch-encode it, in this one process; write nothing."""
     tokenizer = load_tokenizer(tokenizer_dir)
     backend = tokenizer.backend_tokenizer
     digest = ColumnDigest(np.int32)
     rows = tokens = 0
-    for batch in jsonl_batches(files, encode_batch_rows(files)):
+    for batch in jsonl_batches(files, batch_rows):
         texts = tokenizer.apply_chat_template([row["messages"] for row in batch], tokenize=False)
         encodings = backend.encode_batch(texts, add_special_tokens=False)
         rows += len(encodings)
@@ -150,13 +152,13 @@ def ceiling(files: list[str], tokenizer_dir: str, checksum: bool = True) -> dict
     return {"rows": rows, "tokens": tokens}
 
 
-def encode_floor(files: list[str], tokenizer_dir: str) -> dict:
+def encode_floor(files: list[str], tokenizer_dir: str, batch_rows: int) -> dict:
     """The tokenizer's own cost, which bounds every pipeline: all rows are rendered first (untimed), then
     only `encode_batch` is timed, over the same batches the other pipelines encode."""
     tokenizer = load_tokenizer(tokenizer_dir)
     backend = tokenizer.backend_tokenizer
     batches = [tokenizer.apply_chat_template([row["messages"] for row in batch], tokenize=False)
-               for batch in jsonl_batches(files, encode_batch_rows(files))]
+               for batch in jsonl_batches(files, batch_rows)]
     started = time.perf_counter()
     tokens = sum(len(encoded) for texts in batches for encoded in backend.encode_batch(texts, add_special_tokens=False))
     seconds = time.perf_counter() - started
@@ -203,7 +205,7 @@ def spawn_worker(files: list[str], cache_dir: str, tokenizer_dir: str, start: in
     return written
 
 
-def spawn_pool(files: list[str], tokenizer_dir: str, workers: int, out: Path) -> dict:
+def spawn_pool(files: list[str], tokenizer_dir: str, workers: int, out: Path, batch_rows: int) -> dict:
     import multiprocessing
 
     from datasets import Dataset, concatenate_datasets, load_dataset
@@ -212,7 +214,6 @@ def spawn_pool(files: list[str], tokenizer_dir: str, workers: int, out: Path) ->
     total = len(load_dataset("json", data_files=files, split="train", cache_dir=cache_dir))  # the controller's load
     shards = out.parent / "shards"
     shards.mkdir(parents=True, exist_ok=True)
-    batch_rows = encode_batch_rows(files)
     paths = [str(shards / f"shard-{k:05d}.arrow") for k in range(workers)]
     jobs = [(files, cache_dir, tokenizer_dir, total * k // workers, total * (k + 1) // workers, paths[k], batch_rows)
             for k in range(workers)]
@@ -232,17 +233,19 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--out", type=Path, help="the cache directory to write (hf, spawn)")
     parser.add_argument("--no-checksum", action="store_true", help="ceiling: count tokens only")
+    parser.add_argument("--rows", type=int, help="the files' row count, if known (else they are read to count it)")
     args = parser.parse_args()
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    batch_rows = encode_batch_rows(args.files, args.rows)
     started = time.perf_counter()
     if args.pipeline == "ceiling":
-        result = ceiling(args.files, args.tokenizer, checksum=not args.no_checksum)
+        result = ceiling(args.files, args.tokenizer, batch_rows, checksum=not args.no_checksum)
     elif args.pipeline == "floor":
-        result = encode_floor(args.files, args.tokenizer)
+        result = encode_floor(args.files, args.tokenizer, batch_rows)
     elif args.pipeline == "hf":
         result = hf_datasets(args.files, args.tokenizer, args.workers, args.out)
     else:
-        result = spawn_pool(args.files, args.tokenizer, args.workers, args.out)
+        result = spawn_pool(args.files, args.tokenizer, args.workers, args.out, batch_rows)
     print(json.dumps({**result, "inner_seconds": round(time.perf_counter() - started, 3)}))
 
 

@@ -101,7 +101,7 @@ def mib(processes: list[tuple[str, int]]) -> list:
     return [[command, round(size / 2**20, 1)] for command, size in processes]
 
 
-def run_pipeline(name: str, size: int, files: list[Path], tokenizer: Path, workers: int, work: Path,
+def run_pipeline(name: str, size: int, files: list[Path], rows: int, tokenizer: Path, workers: int, work: Path,
                  env: dict[str, str], project_args: list[str]) -> Run:
     from pipelines import cache_digest
 
@@ -127,7 +127,7 @@ def run_pipeline(name: str, size: int, files: list[Path], tokenizer: Path, worke
                        peak_processes=mib(cold.peak_processes))
         out = scratch / "cache"
         command = [sys.executable, str(HERE / "pipelines.py"), name, *map(str, files), "--tokenizer", str(tokenizer),
-                   "--workers", str(workers), "--out", str(out)]
+                   "--workers", str(workers), "--out", str(out), "--rows", str(rows)]
         measured = measure(command, env={**env, "HF_DATASETS_CACHE": str(scratch / "hf-cache")}, cwd=ROOT, log=log)
         reported = json.loads(measured.stdout.strip().splitlines()[-1])
         digest = reported if name == "ceiling" else cache_digest(out)
@@ -356,8 +356,8 @@ def main(argv: list[str] | None = None) -> None:
         for name in order:
             print(f"{size}x {name} ...", end=" ", flush=True)
             started = time.monotonic()
-            run = run_pipeline(name, size, units[:size], tokenizer, args.workers, work, env,
-                               shlex.split(args.project_args))
+            run = run_pipeline(name, size, units[:size], size * spec.rows_per_unit, tokenizer, args.workers, work,
+                               env, shlex.split(args.project_args))
             run.tokens_per_second = run.tokens / run.seconds
             runs[name] = run
             extra = f", cache hit {run.cache_hit_seconds:.1f} s" if run.cache_hit_seconds is not None else ""
