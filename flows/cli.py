@@ -74,6 +74,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--truncation", default="truncate", choices=["truncate", "drop"],
                      help="what happens to a row longer than --max-length (default truncate)")
     run.add_argument("--chat-template", metavar="FILE", help="a .jinja file overriding the tokenizer's template")
+    run.add_argument("--template-kwargs", type=_json_object, default={}, metavar="JSON",
+                     help='variables for the chat template, a JSON object (e.g. \'{"enable_thinking": false}\')')
+    run.add_argument("--reasoning-turns", default="as-rendered", choices=["as-rendered", "expand"],
+                     help="expand: one more row per assistant turn whose reasoning the template drops in history, "
+                          "so every turn's reasoning is trained (default as-rendered)")
+    run.add_argument("--special-text", default="literal", choices=["literal", "error", "keep"],
+                     help="a control token's text inside a message: encode it as plain text (default), reject "
+                          "the row, or keep it as the control token")
     run.add_argument("--extra-column", action="append", default=[], choices=["labels", "attention_mask"],
                      help="also store this column; repeatable")
     run.add_argument("--split", default="train", help="split of a hub dataset or of a saved DatasetDict")
@@ -102,6 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
                                   description="Summarize a published cache from its manifest.")
     inspect.add_argument("cache", metavar="CACHE")
     inspect.add_argument("--json", action="store_true", help="print the whole manifest as JSON")
+    inspect.add_argument("--row", type=int, action="append", default=[], metavar="N",
+                         help="print row N decoded, its trained tokens highlighted (green, or [[…]] when piped); "
+                              "repeatable; rows count from 0")
+    inspect.add_argument("--sample", type=_positive, metavar="K", help="print K rows drawn at random (seed 0)")
+    inspect.add_argument("--tokenizer", metavar="DIR",
+                         help="the tokenizer to decode rows with (default: the one the cache was built with)")
     return parser
 
 
@@ -113,6 +127,8 @@ def options_from(args: argparse.Namespace) -> dict[str, Any]:
         "sources": args.sources, "tokenizer": args.tokenizer, "cache_dir": args.cache_dir, "name": args.name,
         "format": args.format, "columns": columns, "train_on": args.train_on, "max_length": args.max_length,
         "truncation": args.truncation, "chat_template": args.chat_template, "extra_columns": args.extra_column,
+        "template_kwargs": args.template_kwargs, "reasoning_turns": args.reasoning_turns,
+        "special_text": args.special_text,
         "split": args.split, "subset": args.subset, "on_bad_row": args.on_bad_row, "shard_size": args.shard_size,
         "storage_options": args.storage_options, "runner": args.runner, "dask_address": args.dask_address,
         "ray_address": args.ray_address, "workers": args.workers, "force": args.force,
@@ -218,10 +234,46 @@ def inspect(args: argparse.Namespace) -> int:
         manifest = read_manifest(args.cache)
     except CacheError as error:
         return _fail(str(error), EXIT_BAD_INPUT)
+    if args.row or args.sample:
+        return show_rows(args, manifest)
     if args.json:
         print(json.dumps(manifest, indent=2))
     else:
         print(text_table(summary(manifest, os.path.abspath(args.cache)) + fingerprint_inputs(manifest)))
+    return EXIT_OK
+
+
+def show_rows(args: argparse.Namespace, manifest: dict) -> int:
+    """`inspect --row N` / `--sample K`: rows decoded with their trained tokens highlighted."""
+    import random
+
+    from flows.report import show_row
+    from sft_cache.chat import load_tokenizer
+    from sft_cache.reader import open_cache
+
+    cache = open_cache(args.cache)
+    bad = [n for n in args.row if not 0 <= n < len(cache)]
+    if bad:
+        return _fail(f"{args.cache}: no row {bad[0]}: the cache has {len(cache):,} rows (0 to {len(cache) - 1})",
+                     EXIT_BAD_INPUT)
+    tokenizer_dir = args.tokenizer or manifest.get("tokenizer")
+    if not tokenizer_dir or not os.path.isdir(tokenizer_dir):
+        return _fail(f"{args.cache}: the tokenizer it was built with ({tokenizer_dir or 'not recorded'}) is not "
+                     "here: pass --tokenizer DIR", EXIT_BAD_INPUT)
+    try:
+        tokenizer = load_tokenizer(tokenizer_dir)
+    except BadInput as error:
+        return _fail(str(error), EXIT_BAD_INPUT)
+    rows = list(args.row)
+    if args.sample:
+        rows += sorted(random.Random(0).sample(range(len(cache)), min(args.sample, len(cache))))
+    colour = sys.stdout.isatty()
+    for n in rows:
+        row = cache[n]
+        trained = int(row["loss_mask"].sum())
+        print(f"── row {n}: {len(row['input_ids']):,} tokens, {trained:,} trained "
+              f"({'green' if colour else '[[…]]'}) ──")
+        print(show_row(tokenizer, row["input_ids"], row["loss_mask"], colour))
     return EXIT_OK
 
 

@@ -6,6 +6,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from sft_cache.publish import describe_drops
 
 
@@ -27,6 +29,7 @@ def summary(manifest: dict[str, Any], cache_path: str | Path) -> list[tuple[str,
         ("tokens", _count(manifest["tokens"])),
         ("trained tokens", _count(trained) + share),
         ("dropped rows", describe_drops(manifest["dropped"])),
+        *mask_rows(manifest),
         ("lengths", describe_lengths(manifest["lengths"])),
         ("data files", f"{len(manifest['files'])} ({_count(sum(f['bytes'] for f in manifest['files']))} bytes)"),
     ]
@@ -40,6 +43,22 @@ def summary(manifest: dict[str, Any], cache_path: str | Path) -> list[tuple[str,
         if timings.get("slices_reused"):
             rows.append(("resumed", f"{timings['slices_reused']} of {len(manifest['shards'])} slices were already "
                                     "tokenized"))
+    return rows
+
+
+def mask_rows(manifest: dict[str, Any]) -> list[tuple[str, str]]:
+    """How the masks came out: rows trained on every token (almost always a broken chat template), extra
+    rows from --reasoning-turns expand, control-token text encoded as plain text."""
+    masks = manifest.get("masks") or {}
+    rows = []
+    if masks.get("rows_all_trained"):
+        rows.append(("rows trained whole", f"{_count(masks['rows_all_trained'])} rows have every token trained: "
+                                           "check the chat template (sft-tokenize inspect CACHE --sample 3)"))
+    if masks.get("rows_expanded"):
+        rows.append(("expanded rows", f"{_count(masks['rows_expanded'])} rows added by --reasoning-turns expand"))
+    if masks.get("rows_special_text"):
+        rows.append(("control-token text", f"{_count(masks['rows_special_text'])} rows held a control token's text "
+                                           "in a message, encoded as plain text"))
     return rows
 
 
@@ -66,6 +85,20 @@ def fingerprint_inputs(manifest: dict[str, Any]) -> list[tuple[str, str]]:
         else:
             rows.append((key.replace("_", " "), _describe_input(value)))
     return rows
+
+
+def show_row(tokenizer, input_ids: np.ndarray, loss_mask: np.ndarray, colour: bool) -> str:
+    """A row's text with its trained tokens highlighted: black on green on a terminal, in [[…]] otherwise."""
+    cuts = np.flatnonzero(np.diff(loss_mask)) + 1
+    pieces = []
+    for ids, mask in zip(np.split(input_ids, cuts), np.split(loss_mask, cuts), strict=True):
+        if not len(ids):
+            continue
+        text = tokenizer.decode(ids.tolist(), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        if mask[0]:
+            text = f"\x1b[30;42m{text}\x1b[0m" if colour else f"[[{text}]]"
+        pieces.append(text)
+    return "".join(pieces)
 
 
 def markdown_table(title: str, rows: list[tuple[str, str]]) -> str:

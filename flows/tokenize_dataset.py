@@ -230,6 +230,11 @@ def raise_failures(failures: dict[int, BaseException], total: int, plan: Plan) -
 
 def report(cache_path: Path) -> None:
     manifest = read_manifest(cache_path)
+    whole = (manifest.get("masks") or {}).get("rows_all_trained", 0)
+    if whole:
+        get_run_logger().warning("%d of %d rows have every token trained, which is almost always a broken chat "
+                                 "template: look at a few with `sft-tokenize inspect %s --sample 3`", whole,
+                                 manifest["rows"], cache_path)
     key = "sft-cache-" + "".join(c if c.isascii() and c.isalnum() else "-" for c in manifest["name"].lower())
     create_markdown_artifact(markdown_table(f"Tokenized cache {manifest['name']}", summary(manifest, cache_path)),
                              key=key, description=f"{manifest['rows']:,} rows, {manifest['tokens']:,} tokens")

@@ -2,6 +2,9 @@
 
 plan.py     resolve sources, validate them, fingerprint the run, cut byte-balanced slices
 shard.py    tokenize one slice and stream it into its own Arrow shard
+template.py a chat template: rendered as apply_chat_template does, probed once for its turn shapes
+turns.py    where each trained assistant turn lies in the rendered text
+chat.py     tokenizer loading and encoding: text, trained spans and max_length become ids and masks
 publish.py  turn the finished shards into a `datasets.load_from_disk` cache
 reader.py   open a published cache, memory-mapped, for a trainer
 FORMAT.md   the on-disk format of staging and of a published cache
@@ -9,4 +12,4 @@ FORMAT.md   the on-disk format of staging and of a published cache
 
 __version__ = "0.1.0"
 # Bumped whenever the bytes of a cache change for the same inputs; part of every fingerprint.
-CACHE_FORMAT_VERSION = 1
+CACHE_FORMAT_VERSION = 2  # 2: masks by the two-render turn finder (turns.py)

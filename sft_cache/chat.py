@@ -1,27 +1,14 @@
-"""Chat tokenization with loss masks, for any chat template.
+"""Encoding: conversations (or plain text) become input_ids and a loss mask, a batch at a time.
 
-A trained turn is what the template renders for an assistant message after the generation prompt: the
-content and the end-of-turn token (the first special token after the content), not the role header and
-not what follows the end-of-turn token. The definition, and the test oracle, is incremental prefix
-rendering: for assistant message i, with
-
-    prompt = render(messages[:i], add_generation_prompt=True)
-    turn   = render(messages[:i+1])
-
-the trained text starts where `turn` stops agreeing with `prompt` (their common prefix; for most templates
-all of `prompt`) and ends after the first special token that follows. Rendering every prefix costs
-O(turns²) renders per row, so the fast path renders a row twice instead: once as is, and once with each
-trained content wrapped in private-use marker characters, which locate the contents in the text. The fast
-path is taken only when its checks hold (the marked render is the real render plus markers, the text
-around each content is the template's learned header and end-of-turn) and the first rows of every encoder
-are cross-checked against the exact path; anything else takes the exact path, so the result is the same.
+Rendering and probing a template live in `template.py`, finding the trained turns in `turns.py`; this
+module loads the tokenizer, tokenizes each batch with one call, turns trained character spans into trained
+tokens, and applies max_length.
 """
 
 from __future__ import annotations
 
 import os
-import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
@@ -30,10 +17,10 @@ from typing import Any
 import numpy as np
 
 from .errors import BadInput, BadRow
-from .formats import Conversation
+from .formats import REASONING_FIELDS, Conversation
+from .template import ChatTemplate, special_pattern
+from .turns import Rendered, TurnFinder
 
-MARK_OPEN, MARK_CLOSE = "\ue000", "\ue001"
-REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # transformers copies each into the others
 # Files that make up a tokenizer; hashed into the fingerprint and fetched from the hub.
 TOKENIZER_FILE_PATTERNS = ("*.json", "*.jinja", "*.model", "*.txt", "*.tiktoken", "*.py")
 
@@ -46,12 +33,14 @@ class Encoded:
 
 @dataclass(frozen=True)
 class EncodedBatch:
-    """The kept rows of a batch, concatenated (numpy, no per-row objects), and what became of each example."""
+    """The kept rows of a batch, concatenated (numpy, no per-row objects), and what became of each candidate
+    row. An example is one candidate row, or several with --reasoning-turns expand; `origins` says whose."""
 
     input_ids: np.ndarray  # int32, every kept row back to back
     loss_mask: np.ndarray  # int8
     offsets: np.ndarray  # int64, kept rows + 1: row k is [offsets[k], offsets[k+1])
-    outcomes: list  # per example: its kept row's number, a drop reason (str), or the BadRow it raised
+    outcomes: list  # per candidate: its kept row's number, a drop reason (str), or the BadRow it raised
+    origins: list[int]  # per candidate: the index of the example it came from
 
     @property
     def rows(self) -> int:
@@ -62,7 +51,7 @@ class EncodedBatch:
         return Encoded(self.input_ids[a:b], self.loss_mask[a:b])
 
     def results(self) -> list[Encoded | str | BadRow]:
-        """Per example: an Encoded row, a drop reason, or a BadRow."""
+        """Per candidate: an Encoded row, a drop reason, or a BadRow."""
         return [self.row(o) if isinstance(o, int) else o for o in self.outcomes]
 
 
@@ -114,234 +103,174 @@ def load_tokenizer(tokenizer_dir: str | Path, chat_template: str | None = None, 
     return tokenizer
 
 
-def _first_special_end(text: str, special: re.Pattern | None) -> int:
-    """End of the first special token in `text`, or len(text) if it has none."""
-    match = special.search(text) if special else None
-    return match.end() if match else len(text)
+def _first_token_at_or_after(enc, position: int, n_tokens: int, n_chars: int) -> int:
+    """Index of the first token starting at or after `position` (enc.offsets would build every offset)."""
+    while position < n_chars:
+        token = enc.char_to_token(position)
+        if token is not None:
+            return token if enc.token_to_chars(token)[0] >= position else token + 1
+        position += 1
+    return n_tokens
+
+
+class _Segments:
+    """A row encoded piece by piece (control-token text inside messages encoded as plain text): ids and
+    token offsets, with the same interface the mask code uses on a tokenizers Encoding."""
+
+    def __init__(self, ids: list[int], offsets: list[tuple[int, int]]):
+        self.ids, self.offsets = ids, offsets
+        self._starts = np.array([start for start, _ in offsets], dtype=np.int64)
+
+    def first_at_or_after(self, position: int) -> int:
+        return int(np.searchsorted(self._starts, position, side="left"))
 
 
 class ChatEncoder:
-    """Turns conversations (or plain text) into input_ids and a loss mask, a batch at a time."""
+    """Turns conversations (or plain text) into input_ids and a loss mask, a batch at a time.
+
+    special_text: what a control token's text inside a message becomes: "literal", ordinary text (never the
+    control token); "error", a row error; "keep", the control token, as apply_chat_template does."""
 
     def __init__(self, tokenizer, train_on: str = "all_assistant", max_length: int | None = None,
-                 truncation: str = "truncate", verify_rows: int = 2):
+                 truncation: str = "truncate", template_kwargs: Mapping[str, Any] | None = None,
+                 reasoning_turns: str = "as-rendered", special_text: str = "literal"):
         self.tokenizer = tokenizer
         self.backend = tokenizer.backend_tokenizer
-        self.template: str | None = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
-        self.template_kwargs = dict(tokenizer.special_tokens_map)
+        source = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
+        self.template = ChatTemplate(source, tokenizer, template_kwargs) if source else None
+        self.turns = TurnFinder(self.template, train_on, reasoning_turns) if self.template else None
         self.train_on = train_on
         self.max_length = max_length
         self.truncation = truncation
+        self.special_text = special_text
         self.eos_id: int | None = tokenizer.eos_token_id
-        specials = sorted({t.content for t in tokenizer.added_tokens_decoder.values() if t.special}, key=len,
-                          reverse=True)
-        self.special = re.compile("|".join(map(re.escape, specials))) if specials else None
-        self.verify_rows = verify_rows  # rows still to cross-check between the fast and the exact path
-        self.rows_fast = self.rows_exact = 0
-        self._shape = self._learn_shape() if self.template else None
-
-    @property
-    def fast_path_enabled(self) -> bool:
-        return self._shape is not None
-
-    # -- rendering -------------------------------------------------------------------------------------------
+        self.special = special_pattern(tokenizer)
+        self._literal = None  # a copy of the tokenizer that encodes control-token text as plain text
+        self.rows_exact = self.rows_expanded = self.rows_special_text = 0
 
     def render(self, messages: Sequence[dict], tools: list | None = None, add_generation_prompt: bool = False) -> str:
-        """The template rendered as `apply_chat_template` renders it, in transformers' immutable sandbox.
-
-        Rows decoded from JSON or Arrow hold plain data, so the compiled template is called directly: transformers'
-        `render_jinja_template` would first deep-copy every message to strip rich objects, which costs twice the
-        render itself. Messages with reasoning fields (which transformers aliases) and tools given as anything but
-        JSON objects take transformers' own path."""
-        from transformers.utils.chat_template_utils import _compile_jinja_template, render_jinja_template
-
-        plain = (tools is None or all(type(tool) is dict for tool in tools)) and not any(
-            key in message for message in messages for key in REASONING_FIELDS)
-        if plain:
-            return _compile_jinja_template(self.template).render(
-                messages=messages, tools=tools, documents=None, add_generation_prompt=add_generation_prompt,
-                **self.template_kwargs)
-        rendered, _ = render_jinja_template([list(messages)], tools=tools, chat_template=self.template,
-                                            add_generation_prompt=add_generation_prompt, **self.template_kwargs)
-        return rendered[0]
-
-    def _learn_shape(self) -> tuple[str, str, str] | None:
-        """(generation prompt, text between it and the content, trained text after the content), or None
-        when the template cannot be probed and every row takes the exact path."""
-        user, reply = {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}
-        try:
-            prompt = self.render([user], add_generation_prompt=True)
-            bare = self.render([user])
-            full = self.render([user, reply])
-        except Exception:
-            return None
-        start = len(os.path.commonprefix([prompt, full]))
-        if not full.startswith(bare) or start < len(bare) or full.count("Hello") != 1:
-            return None
-        before, found, after = full[start:].partition("Hello")
-        if not found:
-            return None
-        return full[len(bare):start], before, after[:_first_special_end(after, self.special)]
+        if self.template is None:
+            raise BadInput("the tokenizer has no chat template: pass --chat-template FILE, or use text data")
+        return self.template.render(messages, tools, add_generation_prompt)
 
     def template_overhead(self) -> int:
         """Tokens the template adds around an empty exchange: max_length must leave room past it."""
-        empty = [{"role": "user", "content": ""}, {"role": "assistant", "content": ""}]
-        return len(self.backend.encode(self.render(empty), add_special_tokens=False).ids)
+        if self.template is None:
+            raise BadInput("the tokenizer has no chat template: pass --chat-template FILE, or use text data")
+        return self.template.overhead()
 
-    # -- trained character regions ---------------------------------------------------------------------------
+    # -- rows to render --------------------------------------------------------------------------------------
 
-    def _targets(self, conv: Conversation) -> list[int]:
-        """Indices of the assistant messages whose turns are trained."""
-        assistant = [i for i, m in enumerate(conv.messages) if m["role"] == "assistant"]
-        if self.train_on == "last_assistant":
-            return assistant[-1:]
-        if self.train_on == "completion":
-            return [i for i in assistant if i >= self._completion_start(conv)]
-        return assistant
+    def _render_rows(self, example: Conversation | str, literal: bool) -> list[Rendered | str | BadRow]:
+        """What one example becomes before tokenizing: rows to encode, or a drop reason, or a BadRow."""
+        if isinstance(example, str):
+            if self.train_on != "all":
+                return [BadRow("text_needs_train_on_all", "text rows train on every token: use train_on='all'")]
+            return [Rendered(example, [(0, len(example))], token_rule="text")]
+        if self.template is None:
+            raise BadInput("the tokenizer has no chat template: pass --chat-template FILE, or use text data")
+        try:
+            if self.train_on == "all":
+                return [self.turns.whole(example, with_fields=literal)]
+            targets = self.turns.targets(example)
+            if not targets:
+                return ["no_assistant_turn"]
+            return self.turns.find(example, targets)
+        except BadRow as bad:
+            return [bad]
+        except Exception as error:  # the template raised (e.g. roles must alternate)
+            detail = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            return [BadRow("template_error", f"chat template failed: {detail}")]
 
-    @staticmethod
-    def _completion_start(conv: Conversation) -> int:
-        """Index of the completion's first message; for chat data, what follows the last user turn."""
-        if conv.completion_start is not None:
-            return conv.completion_start
-        users = [i for i, m in enumerate(conv.messages) if m["role"] == "user"]
-        return users[-1] + 1 if users else 0
-
-    def exact_regions(self, conv: Conversation, targets: list[int]) -> tuple[str, list[tuple[int, int]]]:
-        """The definition itself: one prefix render per trained turn."""
-        messages, tools = conv.messages, conv.tools
-        text = self.render(messages, tools)
-        regions = []
-        for i in targets:
-            prompt = self.render(messages[:i], tools, add_generation_prompt=True) if i else ""
-            turn = self.render(messages[: i + 1], tools)
-            start = len(os.path.commonprefix([prompt, turn]))
-            end = start + _first_special_end(turn[start:], self.special)
-            if not text.startswith(turn[:end]):
-                raise ValueError(f"the chat template renders messages[:{i + 1}] differently inside the whole "
-                                 "conversation, so its turns cannot be masked")
-            regions.append((start, end))
-        if self.train_on == "completion":
-            first = self._completion_start(conv)
-            prompt = self.render(messages[:first], tools, add_generation_prompt=True) if first else ""
-            regions = [(len(os.path.commonprefix([prompt, text])), regions[-1][1])]
-        return text, regions
-
-    def fast_regions(self, conv: Conversation, targets: list[int]) -> tuple[str, list[tuple[int, int]]] | None:
-        """Two renders and string checks; None when any check fails."""
-        if self._shape is None:
+    def _control_text(self, example: Conversation | str) -> tuple[str, str] | None:
+        """(where, token) of the first control token's text inside the example's own text, if any."""
+        special = self.special
+        if special is None:
             return None
-        gen_prompt, before, trained_after = self._shape
-        marked = list(conv.messages)
-        for i in targets:
-            content = marked[i].get("content")
-            if not isinstance(content, str) or MARK_OPEN in content or MARK_CLOSE in content or (
-                    self.special and self.special.search(content)):
-                return None
-            marked[i] = {**marked[i], "content": MARK_OPEN + content + MARK_CLOSE}
-        marked_text = self.render(marked, conv.tools)
-        pieces = re.split(f"([{MARK_OPEN}{MARK_CLOSE}])", marked_text)
-        if pieces[1::2] != [MARK_OPEN, MARK_CLOSE] * len(targets):
-            return None
-        spans, position = [], 0
-        for k, piece in enumerate(pieces[0::2]):
-            if k % 2 == 1:
-                spans.append((position, position + len(piece)))
-            position += len(piece)
-        text = "".join(pieces[0::2])
-        if text != self.render(conv.messages, conv.tools):
-            return None
-        regions = []
-        for start, end in spans:
-            head = start - len(before)
-            if not (text[:head].endswith(gen_prompt) and text[head:start] == before
-                    and text.startswith(trained_after, end)):
-                return None
-            regions.append((head, end + len(trained_after)))
-        if self.train_on == "completion":
-            if self._completion_start(conv) != targets[0]:
-                return None  # the completion opens with a non-assistant message
-            regions = [(regions[0][0], regions[-1][1])]
-        return text, regions
+        if isinstance(example, str):
+            found = special.search(example)
+            return ("text", found.group()) if found else None
+        for i, message in enumerate(example.messages):
+            for key in ("content", *REASONING_FIELDS):
+                value = message.get(key)
+                found = special.search(value) if isinstance(value, str) else None
+                if found:
+                    return f"messages[{i}].{key}", found.group()
+        return None
 
     # -- tokens ----------------------------------------------------------------------------------------------
 
-    @staticmethod
-    def _first_token_at_or_after(enc, position: int, n_tokens: int, n_chars: int) -> int:
-        """Index of the first token starting at or after `position` (enc.offsets would build every offset)."""
-        while position < n_chars:
-            token = enc.char_to_token(position)
-            if token is not None:
-                return token if enc.token_to_chars(token)[0] >= position else token + 1
-            position += 1
-        return n_tokens
-
-    def _regions(self, conv: Conversation, targets: list[int]) -> tuple[str, list[tuple[int, int]]]:
-        found = self.fast_regions(conv, targets)
-        if found is not None and self.verify_rows > 0:
-            self.verify_rows -= 1
-            if found != self.exact_regions(conv, targets):
-                self._shape = None  # the template is not what the fast path assumes: stay exact
-                found = None
-        if found is None:
-            self.rows_exact += 1
-            return self.exact_regions(conv, targets)
-        self.rows_fast += 1
-        return found
-
     def encode_batch(self, examples: Sequence[Conversation | str]) -> EncodedBatch:
-        """Render and mask every example, then one tokenizer call for the whole batch."""
-        outcomes: list[int | str | BadRow | None] = [None] * len(examples)
-        texts: list[str] = []
-        plans: list[tuple[int, list[tuple[int, int]] | None]] = []  # (example, trained char spans or None)
+        """Render and mask every example, then one tokenizer call for the batch's ordinary rows."""
+        outcomes: list[int | str | BadRow | None] = []
+        origins: list[int] = []
+        rows: list[tuple[int, Rendered, bool]] = []  # (candidate, row, encode control-token text literally)
         for index, example in enumerate(examples):
-            if isinstance(example, str):
-                if self.train_on != "all":
-                    outcomes[index] = BadRow("text_needs_train_on_all",
-                                             "text rows train on every token: use train_on='all'")
+            literal = False
+            if self.special_text != "keep":
+                control = self._control_text(example)
+                if control and self.special_text == "error":
+                    where, token = control
+                    outcomes.append(BadRow("control_token_in_text",
+                                           f"{where} holds the control token {token!r} as text (--special-text "
+                                           "error); use --special-text literal to encode it as plain text"))
+                    origins.append(index)
                     continue
-                texts.append(example)
-                plans.append((index, None))
-                continue
-            if self.template is None:
-                raise BadInput("the tokenizer has no chat template: pass --chat-template FILE, or use text data")
-            try:
-                if self.train_on == "all":
-                    text = self.render(example.messages, example.tools)
-                    regions = [(0, len(text))]
+                literal = control is not None
+            for result in self._render_rows(example, literal):
+                origins.append(index)
+                outcomes.append(None)
+                if isinstance(result, Rendered):
+                    rows.append((len(outcomes) - 1, result, literal))
+                    self.rows_exact += result.exact
+                    self.rows_expanded += result.expanded
+                    self.rows_special_text += literal
                 else:
-                    targets = self._targets(example)
-                    if not targets:
-                        outcomes[index] = "no_assistant_turn"
-                        continue
-                    text, regions = self._regions(example, targets)
-            except Exception as error:  # the template raised (e.g. roles must alternate)
-                outcomes[index] = BadRow("template_error", f"chat template failed: {error}")
-                continue
-            texts.append(text)
-            plans.append((index, regions))
-        encodings = self._encode(texts, [regions is None for _, regions in plans])
-
-        ids_lists = [enc.ids for enc in encodings]
-        for (_, regions), ids in zip(plans, ids_lists, strict=True):
-            if regions is None and self.eos_id is not None and (not ids or ids[-1] != self.eos_id):
+                    outcomes[-1] = result
+        encodings = self._encode(rows)
+        ids_lists = []
+        for (_, rendered, _), enc in zip(rows, encodings, strict=True):
+            ids = list(enc.ids)
+            if rendered.token_rule == "text" and self.eos_id is not None and (not ids or ids[-1] != self.eos_id):
                 ids.append(self.eos_id)  # plain text: BOS as the tokenizer adds it, then EOS
+            elif rendered.append_eos and self.eos_id is not None:
+                ids.append(self.eos_id)  # the template wrote no end-of-turn token after the last turn
+            ids_lists.append(ids)
         lengths = np.fromiter(map(len, ids_lists), dtype=np.int64, count=len(ids_lists))
         starts = np.zeros(len(lengths) + 1, dtype=np.int64)
         np.cumsum(lengths, out=starts[1:])
         input_ids = np.fromiter(chain.from_iterable(ids_lists), dtype=np.int32, count=int(starts[-1]))
         loss_mask = np.zeros(len(input_ids), dtype=np.int8)
-        for (_, regions), enc, text, offset, length in zip(plans, encodings, texts, starts[:-1], lengths, strict=True):
-            if regions is None:
-                loss_mask[offset:offset + length] = 1
-                continue
-            for begin, end in regions:
-                first = self._first_token_at_or_after(enc, begin, int(length), len(text))
-                stop = self._first_token_at_or_after(enc, end, int(length), len(text))
+        for (_, rendered, _), enc, offset, length in zip(rows, encodings, starts[:-1], lengths, strict=True):
+            for first, stop in self._token_spans(rendered, enc, int(length)):
                 loss_mask[offset + first:offset + stop] = 1
-        return self._apply_max_length(outcomes, [index for index, _ in plans], input_ids, loss_mask, starts)
+        return self._apply_max_length(outcomes, origins, [c for c, _, _ in rows], input_ids, loss_mask, starts)
 
-    def _apply_max_length(self, outcomes, indices, input_ids, loss_mask, starts) -> EncodedBatch:
+    def _token_spans(self, rendered: Rendered, enc, length: int) -> list[tuple[int, int]]:
+        """Token index ranges [first, stop) trained for a row's character regions."""
+        if rendered.token_rule == "text":
+            return [(0, length)]
+        n_tokens, n_chars = len(enc.ids), len(rendered.text)
+        spans = []
+        if rendered.token_rule == "overlap":  # transformers' return_assistant_tokens_mask
+            offsets = enc.offsets
+            for begin, end in rendered.regions:
+                chosen = [k for k, (a, b) in enumerate(offsets) if b > begin and a < end]
+                if chosen:
+                    spans.append((chosen[0], chosen[-1] + 1))
+            return spans
+        for begin, end in rendered.regions:
+            if isinstance(enc, _Segments):
+                first, stop = enc.first_at_or_after(begin), enc.first_at_or_after(end)
+            else:
+                first = _first_token_at_or_after(enc, begin, n_tokens, n_chars)
+                stop = _first_token_at_or_after(enc, end, n_tokens, n_chars)
+            spans.append((first, stop))
+        if rendered.append_eos and self.eos_id is not None:
+            spans.append((n_tokens, n_tokens + 1))
+        return spans
+
+    def _apply_max_length(self, outcomes, origins, candidates, input_ids, loss_mask, starts) -> EncodedBatch:
         """Truncate or drop rows over max_length, drop rows left with no trained token."""
         lengths = np.diff(starts)
         keep = lengths if self.max_length is None else np.minimum(lengths, self.max_length)
@@ -349,24 +278,63 @@ class ChatEncoder:
         trained = trained_before[starts[:-1] + keep] - trained_before[starts[:-1]]
         kept_offsets = [0]
         selection = np.zeros(len(input_ids), dtype=bool)
-        for row, index in enumerate(indices):
+        for row, candidate in enumerate(candidates):
             if keep[row] < lengths[row] and self.truncation == "drop":
-                outcomes[index] = "too_long"
+                outcomes[candidate] = "too_long"
             elif trained[row] == 0:
-                outcomes[index] = "truncated_away" if keep[row] < lengths[row] else "no_trained_tokens"
+                outcomes[candidate] = "truncated_away" if keep[row] < lengths[row] else "no_trained_tokens"
             else:
-                outcomes[index] = len(kept_offsets) - 1
+                outcomes[candidate] = len(kept_offsets) - 1
                 selection[starts[row]:starts[row] + keep[row]] = True
                 kept_offsets.append(kept_offsets[-1] + int(keep[row]))
         if not selection.all():
             input_ids, loss_mask = input_ids[selection], loss_mask[selection]
-        return EncodedBatch(input_ids, loss_mask, np.array(kept_offsets, dtype=np.int64), outcomes)
+        return EncodedBatch(input_ids, loss_mask, np.array(kept_offsets, dtype=np.int64), outcomes, origins)
 
-    def _encode(self, texts: list[str], is_text: list[bool]) -> list[Any]:
-        if not texts:
-            return []
-        if all(is_text):
-            return self.backend.encode_batch(texts, add_special_tokens=True)
-        if not any(is_text):  # rendered chats carry their own special tokens, as in apply_chat_template
-            return self.backend.encode_batch(texts, add_special_tokens=False)
-        return [self.backend.encode(t, add_special_tokens=flag) for t, flag in zip(texts, is_text, strict=True)]
+    def _encode(self, rows: list[tuple[int, Rendered, bool]]) -> list[Any]:
+        """One batch call for ordinary rows; rows with control-token text in them are encoded in pieces."""
+        encodings: list[Any] = [None] * len(rows)
+        for add_special in (False, True):  # rendered chats carry their own special tokens; text rows do not
+            chosen = [k for k, (_, rendered, literal) in enumerate(rows)
+                      if not literal and (rendered.token_rule == "text") == add_special]
+            if chosen:
+                batch = self.backend.encode_batch([rows[k][1].text for k in chosen], add_special_tokens=add_special)
+                for k, enc in zip(chosen, batch, strict=True):
+                    encodings[k] = enc
+        for k, (_, rendered, literal) in enumerate(rows):
+            if literal:
+                encodings[k] = self._encode_literally(rendered)
+        return encodings
+
+    def _literal_tokenizer(self):
+        if self._literal is None:
+            from tokenizers import Tokenizer
+
+            self._literal = Tokenizer.from_str(self.backend.to_str())
+            self._literal.encode_special_tokens = True
+        return self._literal
+
+    def _encode_literally(self, rendered: Rendered) -> _Segments:
+        """The template's own text as usual, and each message field holding control-token text as plain text."""
+        literal = self._literal_tokenizer()
+        if rendered.token_rule == "text":
+            enc = literal.encode(rendered.text, add_special_tokens=True)
+            return _Segments(list(enc.ids), list(enc.offsets))
+        if not rendered.fields:
+            raise BadRow("control_token_in_text", "a message holds a control token's text and this chat template's "
+                                                  "turns could not be located field by field; use --special-text "
+                                                  "keep or error")
+        ids, offsets, pieces, position = [], [], [], 0
+        for _, start, end in sorted(rendered.fields, key=lambda field: field[1]):
+            if start >= position:
+                pieces.append((position, start, self.backend))
+                pieces.append((start, end, literal))
+                position = end
+        pieces.append((position, len(rendered.text), self.backend))
+        for start, end, tokenizer in pieces:
+            if end <= start:
+                continue
+            enc = tokenizer.encode(rendered.text[start:end], add_special_tokens=False)
+            ids += enc.ids
+            offsets += [(a + start, b + start) for a, b in enc.offsets]
+        return _Segments(ids, offsets)

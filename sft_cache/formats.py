@@ -15,6 +15,8 @@ from typing import Any
 from .errors import BadInput, BadRow
 
 ROLES = ("system", "user", "assistant", "tool")
+# Names a message's reasoning comes under; chat templates read one or another.
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 # ShareGPT-style data (`conversations` of {from, value}) uses other names for the same roles.
 ROLE_ALIASES = {"human": "user", "gpt": "assistant", "bot": "assistant", "function_call": "assistant",
                 "observation": "tool"}
@@ -61,8 +63,12 @@ class Conversation:
     completion_start: int | None = None
 
 
-def resolve_columns(fmt: str, user_columns: Mapping[str, str], available: Iterable[str], where: str) -> ColumnMap:
-    """Pick the format (for `auto`) and the column of every role, or say clearly why not."""
+def resolve_columns(fmt: str, user_columns: Mapping[str, str], available: Iterable[str], where: str,
+                    schemaless: bool = False) -> ColumnMap:
+    """Pick the format (for `auto`) and the column of every role, or say clearly why not.
+
+    `available` are the columns of a file with a schema, or of the first row of one without (JSON lines):
+    there an optional column (system, tools) is read on every row that has it, whatever the first row holds."""
     available = list(available)
     unknown = set(user_columns) - set(DEFAULT_COLUMNS)
     if unknown:
@@ -85,12 +91,59 @@ def resolve_columns(fmt: str, user_columns: Mapping[str, str], available: Iterab
     if missing:
         wanted = ", ".join(repr(user_columns.get(r, DEFAULT_COLUMNS[r][0])) for r in missing)
         raise BadInput(f"{where}: missing column {wanted} for format {fmt} (columns: {', '.join(available)})")
-    roles = REQUIRED[fmt] + OPTIONAL[fmt]
-    return ColumnMap(fmt, {role: column_for(role) for role in roles if column_for(role)})
+    columns = {role: column_for(role) for role in REQUIRED[fmt]}
+    for role in OPTIONAL[fmt]:
+        name = column_for(role) or (user_columns.get(role, DEFAULT_COLUMNS[role][0]) if schemaless else None)
+        if name:
+            columns[role] = name
+    return ColumnMap(fmt, columns)
 
 
 def _type_name(value: Any) -> str:
     return "null" if value is None else type(value).__name__
+
+
+def _text(value: Any, where: str) -> str:
+    """Message text: a string, or OpenAI-style parts whose text parts are joined with newlines."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        texts = []
+        for k, part in enumerate(value):
+            kind = part.get("type") if isinstance(part, Mapping) else None
+            if kind != "text" or not isinstance(part.get("text"), str):
+                got = f"a part of type {kind!r}" if kind else _type_name(part)
+                raise BadRow("bad_message", f"{where}[{k}] is {got}: only text parts "
+                                            "({'type': 'text', 'text': ...}) are tokenized")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise BadRow("bad_message", f"{where} must be a string or a list of text parts, got {_type_name(value)}")
+
+
+def _tool_calls(raw: Any, where: str) -> list[dict[str, Any]]:
+    """OpenAI-style tool calls: [{id?, type: function, function: {name, arguments}}]; a flat {name, arguments}
+    is accepted too. Arguments stay an object or a JSON string: the chat template decides which it needs."""
+    if not isinstance(raw, list):
+        raise BadRow("bad_tool_call", f"{where} must be a list, got {_type_name(raw)}")
+    calls = []
+    for k, call in enumerate(raw):
+        if not isinstance(call, Mapping):
+            raise BadRow("bad_tool_call", f"{where}[{k}] must be an object, got {_type_name(call)}")
+        function = call.get("function", call if "name" in call else None)
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+            raise BadRow("bad_tool_call", f"{where}[{k}] needs function.name as a string")
+        arguments = function.get("arguments", {})
+        if arguments is None:
+            arguments = {}
+        if not isinstance(arguments, Mapping | str):
+            raise BadRow("bad_tool_call", f"{where}[{k}].function.arguments must be an object or a JSON string, "
+                                          f"got {_type_name(arguments)}")
+        out = {key: value for key, value in call.items() if value is not None and key not in ("name", "arguments")}
+        out["type"] = call.get("type") or "function"
+        out["function"] = {**{key: value for key, value in function.items() if value is not None},
+                           "arguments": dict(arguments) if isinstance(arguments, Mapping) else arguments}
+        calls.append(out)
+    return calls
 
 
 def _message(raw: Any, index: int) -> dict[str, Any]:
@@ -109,17 +162,21 @@ def _message(raw: Any, index: int) -> dict[str, Any]:
     role = ROLE_ALIASES.get(role, role)
     if role not in ROLES:
         raise BadRow("unknown_role", f"messages[{index}] has unknown role {role!r} (known: {', '.join(ROLES)})")
+    # A key whose value is null is not passed on (Arrow and Parquet rows carry every column of the schema).
+    message = {key: value for key, value in message.items() if value is not None}
     message["role"] = role
-    content = message.get("content")
-    if "content" not in message and not message.get("tool_calls"):
-        raise BadRow("bad_message", f"messages[{index}] has no 'content'")
-    if content is not None and not isinstance(content, str):
-        raise BadRow("bad_message",
-                     f"messages[{index}].content must be a string, got {_type_name(content)}")
-    if content is None and not message.get("tool_calls"):
-        raise BadRow("bad_message", f"messages[{index}].content is null and it has no tool_calls")
-    # A key whose value is null is not rendered at all, as apply_chat_template does.
-    return {key: value for key, value in message.items() if value is not None}
+    if message.get("tool_calls") is not None:
+        message["tool_calls"] = _tool_calls(message["tool_calls"], f"messages[{index}].tool_calls")
+    if "content" in message:
+        message["content"] = _text(message["content"], f"messages[{index}].content")
+    elif message.get("tool_calls"):
+        message["content"] = None  # a tool-call turn without text; the chat template's probe decides its form
+    else:
+        raise BadRow("bad_message", f"messages[{index}] has no 'content' (and no tool_calls)")
+    for key in REASONING_FIELDS:
+        if key in message and not isinstance(message[key], str):
+            raise BadRow("bad_message", f"messages[{index}].{key} must be a string, got {_type_name(message[key])}")
+    return message
 
 
 def _messages(raw: Any, column: str) -> list[dict[str, Any]]:

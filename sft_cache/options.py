@@ -13,6 +13,8 @@ TrainOn = Literal["all_assistant", "last_assistant", "completion", "all"]
 Truncation = Literal["truncate", "drop"]
 OnBadRow = Literal["raise", "skip"]
 ExtraColumn = Literal["labels", "attention_mask"]
+ReasoningTurns = Literal["as-rendered", "expand"]
+SpecialText = Literal["literal", "error", "keep"]
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
@@ -52,6 +54,19 @@ class TokenizeOptions(BaseModel):
     max_length: int | None = Field(None, gt=0)
     truncation: Truncation = "truncate"
     chat_template: str | None = Field(None, description="A .jinja file or template text overriding the tokenizer's.")
+    template_kwargs: dict = Field(
+        default_factory=dict,
+        description="Extra variables for the chat template, e.g. {'enable_thinking': false} or a fixed date_string.",
+    )
+    reasoning_turns: ReasoningTurns = Field(
+        "as-rendered",
+        description="'expand': one more row per assistant turn whose reasoning the template drops in history.",
+    )
+    special_text: SpecialText = Field(
+        "literal",
+        description="A control token's text inside a message: 'literal' encodes it as plain text, 'error' rejects "
+                    "the row, 'keep' encodes it as the control token (as apply_chat_template does).",
+    )
     tokenizer_revision: str | None = None
     split: str = Field("train", description="Split of a hub dataset or of a saved DatasetDict.")
     subset: str | None = Field(None, description="Config (subset) of a hub dataset.")

@@ -58,8 +58,9 @@ def _columns(files: list[SourceFile], options: TokenizeOptions) -> ColumnMap:
     """One format and column mapping for all files; a file that does not fit is named."""
     first: ColumnMap | None = None
     for source in files:
+        source_reader = reader(source, options.storage_options)
         found = resolve_columns(options.format if first is None else first.format, options.columns,
-                                reader(source, options.storage_options).columns(), source.url)
+                                source_reader.columns(), source.url, source_reader.schemaless)
         if first is None:
             first = found
         elif found != first:
@@ -78,7 +79,7 @@ def _check_tokenizer(tokenizer, columns: ColumnMap, options: TokenizeOptions) ->
                        "pass --chat-template FILE")
     if options.max_length is not None:
         try:
-            overhead = ChatEncoder(tokenizer).template_overhead()
+            overhead = ChatEncoder(tokenizer, template_kwargs=options.template_kwargs).template_overhead()
         except Exception as error:  # the template raised, or the sandbox refused what it tried to do
             if options.chat_template is None:
                 where = f"tokenizer {options.tokenizer}"
@@ -111,6 +112,9 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable
         # The tokenizer's own chat template is one of its files; an override is hashed on its own.
         "tokenizer_files": hash_directory(tokenizer_dir),
         "chat_template_override": hash_text(template_override),
+        "template_kwargs": options.template_kwargs,
+        "reasoning_turns": options.reasoning_turns,
+        "special_text": options.special_text,
         "train_on": options.train_on,
         "max_length": options.max_length,
         "truncation": options.truncation if options.max_length else None,
@@ -126,6 +130,9 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable
         chat_template=template_override,
         columns=columns,
         train_on=options.train_on,
+        template_kwargs=options.template_kwargs,
+        reasoning_turns=options.reasoning_turns,
+        special_text=options.special_text,
         max_length=options.max_length,
         truncation=options.truncation,
         on_bad_row=options.on_bad_row,

@@ -81,6 +81,10 @@ def length_summary(histogram: Counter) -> dict[str, float]:
     return summary
 
 
+# Per-shard counts about how masks were made, summed into the manifest's "masks".
+MASK_COUNTS = ("rows_all_trained", "rows_exact", "rows_expanded", "rows_special_text")
+
+
 def describe_drops(dropped: dict[str, int]) -> str:
     return ", ".join(f"{reason}: {count}" for reason, count in sorted(dropped.items())) or "none"
 
@@ -104,11 +108,13 @@ def build_manifest(job: Job, shards: list[dict], files: list[dict], inputs: dict
         "name": name,
         "fingerprint": job.fingerprint,
         "fingerprint_inputs": inputs,
+        "tokenizer": job.tokenizer_dir,  # where it was loaded from, for `inspect --row` (not fingerprinted)
         "columns": list(features(job.extra_columns)),
         "rows": sum(s["rows"] for s in shards),
         "tokens": sum(s["tokens"] for s in shards),
         "trained_tokens": sum(s["trained_tokens"] for s in shards),
         "dropped": dict(sorted(dropped.items())),
+        "masks": {key: sum(s[key] for s in shards) for key in MASK_COUNTS},
         "lengths": length_summary(lengths),
         "files": files,
         "shards": [{k: s[k] for k in ("slice", "rows", "tokens", "trained_tokens", "dropped", "seconds")}

@@ -37,6 +37,9 @@ class Job:
     chat_template: str | None
     columns: ColumnMap
     train_on: str = "all_assistant"
+    template_kwargs: dict = field(default_factory=dict)
+    reasoning_turns: str = "as-rendered"
+    special_text: str = "literal"
     max_length: int | None = None
     truncation: str = "truncate"
     on_bad_row: str = "raise"
@@ -124,10 +127,14 @@ class ShardWriter:
 
 @dataclass
 class ShardStats:
+    trains_every_token: bool = False  # train_on all: a wholly trained row is the point, not a warning sign
     rows: int = 0
     tokens: int = 0
     trained_tokens: int = 0
     rows_exact: int = 0  # rows whose mask took the exact (prefix-rendering) path
+    rows_expanded: int = 0  # extra rows made by --reasoning-turns expand
+    rows_special_text: int = 0  # rows with a control token's text inside a message, encoded as plain text
+    rows_all_trained: int = 0  # rows whose every token is trained: almost always a broken template
     max_buffered_rows: int = 0
     dropped: Counter = field(default_factory=Counter)
     lengths: Counter = field(default_factory=Counter)
@@ -136,13 +143,18 @@ class ShardStats:
         self.rows += batch.rows
         self.tokens += len(batch.input_ids)
         self.trained_tokens += int(batch.loss_mask.sum(dtype=np.int64))
+        if batch.rows and not self.trains_every_token:  # every kept row has a token
+            trained = np.add.reduceat(batch.loss_mask, batch.offsets[:-1], dtype=np.int64)
+            self.rows_all_trained += int(np.count_nonzero(trained == np.diff(batch.offsets)))
         values, counts = np.unique(np.diff(batch.offsets), return_counts=True)
         self.lengths.update(dict(zip(values.tolist(), counts.tolist(), strict=True)))
 
     def as_json(self) -> dict:
         values = sorted(self.lengths)
         return {"rows": self.rows, "tokens": self.tokens, "trained_tokens": self.trained_tokens,
-                "rows_exact": self.rows_exact, "max_buffered_rows": self.max_buffered_rows,
+                "rows_exact": self.rows_exact, "rows_expanded": self.rows_expanded,
+                "rows_special_text": self.rows_special_text, "rows_all_trained": self.rows_all_trained,
+                "max_buffered_rows": self.max_buffered_rows,
                 "dropped": dict(sorted(self.dropped.items())),
                 "lengths": {"values": values, "counts": [self.lengths[v] for v in values]}}
 
@@ -171,7 +183,8 @@ def _tokenizer(tokenizer_dir: str, chat_template: str | None, trust_remote_code:
 
 def encoder_for(job: Job) -> ChatEncoder:
     tokenizer = _tokenizer(job.tokenizer_dir, job.chat_template, job.trust_remote_code)
-    return ChatEncoder(tokenizer, job.train_on, job.max_length, job.truncation)
+    return ChatEncoder(tokenizer, job.train_on, job.max_length, job.truncation, job.template_kwargs,
+                       job.reasoning_turns, job.special_text)
 
 
 def _write_atomically(path: Path, data: bytes) -> None:
@@ -186,7 +199,7 @@ def _write_atomically(path: Path, data: bytes) -> None:
 def _stream_rows(job: Job, slice_: Slice, stream) -> ShardStats:
     """Read, tokenize and write the slice's rows batch by batch; bad rows raise or are counted."""
     encoder = encoder_for(job)
-    stats = ShardStats()
+    stats = ShardStats(trains_every_token=job.train_on == "all")
 
     def reject(bad: BadRow, locate, i: int) -> None:
         if job.on_bad_row == "raise":
@@ -205,15 +218,17 @@ def _stream_rows(job: Job, slice_: Slice, stream) -> ShardStats:
             except BadRow as bad:
                 reject(bad, locate, i)
         batch = encoder.encode_batch(examples)
-        for outcome, i in zip(batch.outcomes, positions, strict=True):
+        for outcome, origin in zip(batch.outcomes, batch.origins, strict=True):
             if isinstance(outcome, BadRow):
-                reject(outcome, locate, i)
+                reject(outcome, locate, positions[origin])
             elif isinstance(outcome, str):
                 stats.dropped[outcome] += 1
         writer.add(batch)
         stats.add(batch)
     writer.close()
     stats.rows_exact = encoder.rows_exact
+    stats.rows_expanded = encoder.rows_expanded
+    stats.rows_special_text = encoder.rows_special_text
     stats.max_buffered_rows = writer.max_buffered_rows
     return stats
 

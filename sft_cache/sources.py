@@ -182,6 +182,8 @@ def resolve(specs: list[str], *, split: str = "train", subset: str | None = None
 class _Reader:
     """One file format: its columns, its pieces (cut points with byte weights) and how to read a part."""
 
+    schemaless = False  # rows are JSON objects whose keys may differ from row to row
+
     def __init__(self, source: SourceFile | Part, storage_options: dict | None):
         self.url = source.url
         self.fs, self.path = filesystem(source.url, storage_options)
@@ -204,6 +206,8 @@ class _Reader:
 
 
 class _JsonLines(_Reader):
+    schemaless = True
+
     def columns(self) -> list[str]:
         with self.open() as f:
             for number, line in enumerate(f, start=1):
@@ -301,6 +305,8 @@ def _parse_line(line: bytes) -> dict | BadRow:
 
 
 class _JsonArray(_Reader):
+    schemaless = True
+
     @cached_property
     def items(self) -> list:
         with self.open() as f:

@@ -423,9 +423,9 @@ ROW_ERRORS = {  # a row that is wrong, and how the error says so
                 "messages[0] has no 'role'"),
     "no-content": ('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant"}]}',
                    "messages[1] has no 'content'"),
-    "content-not-a-string": ('{"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}, '
-                             '{"role": "assistant", "content": "yo"}]}',
-                             "messages[0].content must be a string, got list"),
+    "content-not-text": ('{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": '
+                         '{"url": "x.png"}}]}, {"role": "assistant", "content": "yo"}]}',
+                         "messages[0].content[0] is a part of type 'image_url': only text parts"),
     "unknown-role": ('{"messages": [{"role": "narrator", "content": "hi"}, {"role": "assistant", "content": "yo"}]}',
                      "messages[0] has unknown role 'narrator' (known: system, user, assistant, tool)"),
 }

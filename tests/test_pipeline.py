@@ -194,7 +194,7 @@ def test_bad_rows_are_named_or_counted(tmp_path):
     opts = options(tmp_path, sources=[str(data)], shard_size="4KB")
     with pytest.raises(BadInput) as error:
         run_locally(opts)
-    assert str(error.value) == f"{data}:13: messages[1].content must be a string, got int"
+    assert str(error.value) == f"{data}:13: messages[1].content must be a string or a list of text parts, got int"
     assert not list(Path(opts.cache_dir).glob("bad-*"))
     rows[12] = rows[0]
     write_jsonl(data, rows)

@@ -1,0 +1,259 @@
+"""Trained turns: where each trained assistant turn lies in the rendered conversation.
+
+The definition (README "Loss masks", FORMAT.md): a trained assistant turn is what the template renders for
+that message inside the whole conversation, from the end of the generation prompt through the end-of-turn
+token: its content, its reasoning block where the template renders one, and its tool calls. Role headers,
+other messages and what follows the end-of-turn token are not trained. A turn the template rewrites in
+history is trained as rendered there.
+
+How it is found, in two renders per row whatever the number of turns:
+1. the conversation is rendered as it is (the row's text), and once more with every field that probing
+   showed safe (content, reasoning, tool-call names, ids, string arguments) wrapped in private-use marker
+   characters. With the markers removed the second render must equal the first; it then tells where every
+   message's fields are, even when the template moves, trims or drops them.
+2. A turn starts after the generation prompt's header that precedes its first field (matched by whole
+   tokens of the generation prompt, so a start never falls inside a token), or, for templates without a
+   generation prompt, after the text a prompt ends with after the previous message's role.
+3. It ends after the first end-of-turn token that follows its last field; failing that, after the first
+   special token before the next message (templates whose next role token ends a turn); failing that, at
+   the end of the text, with the tokenizer's EOS appended and trained.
+
+A row whose render changes when marked (a template that inspects the text itself) takes the exact path:
+one prefix render per trained turn, with the same start and end rules. `{% generation %}` templates use
+transformers' own generation spans.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+from .errors import BadRow
+from .formats import REASONING_FIELDS, Conversation
+from .template import MARK_BASE, MARKS, ChatTemplate, mark, token_boundaries
+
+# How trained character spans become trained tokens: "start", a token is trained when it starts inside a
+# span (the definition); "overlap", when it overlaps one (transformers' return_assistant_tokens_mask).
+TokenRule = str
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """One row to encode: its text, trained character spans, and whether EOS is appended and trained."""
+
+    text: str
+    regions: list[tuple[int, int]]
+    append_eos: bool = False
+    token_rule: TokenRule = "start"
+    exact: bool = False  # found by the exact path
+    expanded: bool = False  # an extra row made by --reasoning-turns expand
+    fields: tuple[tuple[int, int, int], ...] = ()  # (message, start, end) of each marked field in `text`
+
+
+class TurnFinder:
+    """Finds the trained character spans of a conversation for one template and one training mode."""
+
+    def __init__(self, template: ChatTemplate, train_on: str = "all_assistant", reasoning_turns: str = "as-rendered"):
+        self.template = template
+        self.train_on = train_on
+        self.reasoning_turns = reasoning_turns
+        self._tail_ends = {role: token_boundaries(template.backend, tail)
+                           for role, tail in template.prompt_tails.items()}
+
+    def targets(self, conv: Conversation) -> list[int]:
+        """Indices of the assistant messages whose turns are trained."""
+        assistant = [i for i, m in enumerate(conv.messages) if m["role"] == "assistant"]
+        if self.train_on == "last_assistant":
+            return assistant[-1:]
+        if self.train_on == "completion":
+            return [i for i in assistant if i >= completion_start(conv)]
+        return assistant
+
+    def find(self, conv: Conversation, targets: list[int]) -> list[Rendered]:
+        """The rows this conversation becomes: one, or with --reasoning-turns expand one more per turn whose
+        reasoning the template drops in history."""
+        conv = self.template.prepare(conv)
+        if self.template.has_generation_blocks:
+            return [self._generation_spans(conv, targets)]
+        located = self._by_markers(conv, targets)
+        if located is None:
+            return [self._by_prefixes(conv, targets)]
+        main, stripped = located
+        if self.reasoning_turns != "expand" or not stripped:
+            return [main]
+        rows, expanded = [], set()
+        for i in stripped:
+            found = self._by_markers(Conversation(conv.messages[: i + 1], conv.tools, conv.completion_start), [i])
+            if found is None or found[1]:  # the template drops this turn's reasoning even when it is last
+                continue
+            rows.append(replace(found[0], expanded=True))
+            expanded.add(i)
+        kept = [i for i in targets if i not in expanded]
+        if kept:
+            rows.append(main if kept == targets else self._by_markers(conv, kept)[0])
+        return rows
+
+    def whole(self, conv: Conversation, with_fields: bool = False) -> Rendered:
+        """The conversation trained on every token (train_on all), with its fields located on request."""
+        conv = self.template.prepare(conv)
+        text = self.template.render(conv.messages, conv.tools)
+        located = self._by_markers(conv, []) if with_fields else None
+        return Rendered(text, [(0, len(text))], fields=located[0].fields if located else ())
+
+    # -- the two-render path ---------------------------------------------------------------------------------
+
+    def _by_markers(self, conv: Conversation, targets: list[int]) -> tuple[Rendered, list[int]] | None:
+        """(the row, targets whose reasoning the template dropped), or None when marking changes the render."""
+        template = self.template
+        text = template.render(conv.messages, conv.tools)
+        blank = any(not _has_text(conv.messages[i]) for i in targets)
+        marked = mark(conv.messages, template.markable, empty=blank)
+        if marked is None or not marked.owners:
+            return None
+        marked_text = template.render(marked.messages, conv.tools)
+        # Each field's first rendering locates it: a template may copy a field into a later message (gpt-oss
+        # repeats a tool call's name in the tool reply's header), and that copy belongs to the later message.
+        first_seen: dict[int, list[int]] = {}  # field -> [open position, close position]
+        for removed, found in enumerate(MARKS.finditer(marked_text)):
+            fid, closing = divmod(ord(found.group()) - MARK_BASE, 2)
+            if fid >= len(marked.owners):
+                return None  # the data itself holds marker characters
+            ends = first_seen.setdefault(fid, [-1, -1])
+            if ends[closing] < 0 and (closing == 0 or ends[0] < 0 or found.start() - removed >= ends[0]):
+                ends[closing] = found.start() - removed
+        anchors = sorted((position, marked.owners[fid]) for fid, ends in first_seen.items()
+                         for position in ends if position >= 0)
+        seen = set(first_seen)
+        if MARKS.sub("", marked_text) != text:
+            return None
+        fields = tuple(sorted((marked.owners[fid], min(p for p in ends if p >= 0), max(ends))
+                              for fid, ends in first_seen.items()))
+        stripped, regions, append_eos = [], [], False
+        for i in targets:
+            kinds = {marked.kinds[fid] for fid in seen if marked.owners[fid] == i}
+            owned = {marked.kinds[fid] for fid in range(len(marked.owners)) if marked.owners[fid] == i}
+            self._check_rendered(conv.messages[i], i, owned, kinds)
+            if "reasoning" in owned and "reasoning" not in kinds:
+                stripped.append(i)
+            if not kinds:
+                continue  # a blank message the template does not render: nothing of it to train
+            start, end, eos = self._turn(text, anchors, conv, i)
+            regions.append((start, end))
+            append_eos = append_eos or eos
+        if self.train_on == "completion" and regions:
+            if completion_start(conv) != targets[0]:
+                return None  # the completion opens with a non-assistant message: prefix rendering decides
+            regions = [(regions[0][0], regions[-1][1])]
+        return Rendered(text, regions, append_eos, fields=fields), stripped
+
+    @staticmethod
+    def _check_rendered(message: dict, i: int, owned: set[str], rendered: set[str]) -> None:
+        """A template that drops an assistant field would train a bare end-of-turn token: say so instead."""
+        if message.get("tool_calls") and not rendered & {"tool_name", "tool_arguments", "tool_id"}:
+            raise BadRow("template_dropped_field", f"the chat template does not render messages[{i}].tool_calls")
+        if "content" in owned and "content" not in rendered and (message.get("content") or "").strip():
+            raise BadRow("template_dropped_field", f"the chat template does not render messages[{i}].content")
+
+    def _turn(self, text: str, anchors: list[tuple[int, int]], conv: Conversation, i: int) -> tuple[int, int, bool]:
+        own = [position for position, owner in anchors if owner == i]
+        others = [(position, owner) for position, owner in anchors if owner != i]
+        first, last = min(own), max(own)
+        before = [(p, o) for p, o in others if p <= first]
+        gap_start, previous = max(before) if before else (0, None)
+        start = gap_start + self._header_end(text[gap_start:first], conv, previous)
+        following = [p for p, _ in others if p >= last]
+        end, eos = self._turn_end(text, last, min(following) if following else len(text))
+        return start, max(end, start), eos
+
+    def _header_end(self, gap: str, conv: Conversation, previous: int | None) -> int:
+        """Where the header before a turn's first field ends, within the text between it and the field before."""
+        template = self.template
+        if template.generation_prompt:  # the longest run of its first tokens
+            header = template.generation_prompt
+            for end in reversed(template.generation_prompt_ends):
+                found = gap.rfind(header[:end])
+                if found >= 0:
+                    return found + end
+            return len(gap)
+        # No generation prompt: the longest run of the last tokens of what a prompt ends with after that role.
+        role = conv.messages[previous]["role"] if previous is not None else "user"
+        role = role if template.prompt_tails.get(role) else "user"
+        tail = template.prompt_tails[role]
+        for start in [0, *self._tail_ends[role][:-1]]:
+            found = gap.rfind(tail[start:])
+            if found >= 0:
+                return found + len(tail) - start
+        return len(gap)
+
+    def _turn_end(self, text: str, last: int, bound: int) -> tuple[int, bool]:
+        """(end of the turn, whether EOS must be appended): see the module docstring, step 3."""
+        template = self.template
+        if template.end_of_turn_pattern:
+            found = template.end_of_turn_pattern.search(text, last, bound)
+            if found:
+                return found.end(), False
+        if template.special:
+            found = template.special.search(text, last, bound)
+            if found:
+                return found.end(), False
+        if bound == len(text):
+            return len(text), True
+        return last, False
+
+    # -- the exact path and generation blocks ------------------------------------------------------------------
+
+    def _by_prefixes(self, conv: Conversation, targets: list[int]) -> Rendered:
+        """One prefix render per trained turn: start where the prompt before it stops agreeing with the
+        text (never inside a token of the generation prompt), end as the two-render path does."""
+        template = self.template
+        messages, tools = conv.messages, conv.tools
+        text = template.render(messages, tools)
+        generation, ends = template.generation_prompt, template.generation_prompt_ends
+        regions, append_eos = [], False
+        for i in targets:
+            prompt = template.render(messages[:i], tools, add_generation_prompt=True) if i else ""
+            start = len(os.path.commonprefix([prompt, text]))
+            header_at = len(prompt) - len(generation)
+            if generation and start > header_at and prompt.endswith(generation):
+                start = header_at + max([0] + [e for e in ends if e <= start - header_at])
+            # The turn's own render, where it agrees with the text, bounds the search for its end.
+            agreed = len(os.path.commonprefix([template.render(messages[: i + 1], tools), text]))
+            end, eos = self._turn_end(text, start, agreed if agreed > start else len(text))
+            if end <= start and not eos:
+                end = agreed  # no end-of-turn token before the next message: the turn is what it rendered
+            regions.append((start, end))
+            append_eos = append_eos or eos
+        if self.train_on == "completion" and regions:
+            first = completion_start(conv)
+            prompt = template.render(messages[:first], tools, add_generation_prompt=True) if first else ""
+            regions = [(len(os.path.commonprefix([prompt, text])), regions[-1][1])]
+        return Rendered(text, regions, append_eos, exact=True)
+
+    def _generation_spans(self, conv: Conversation, targets: list[int]) -> Rendered:
+        text, spans = self.template.render_generation(conv.messages, conv.tools)
+        assistant = [i for i, m in enumerate(conv.messages) if m["role"] == "assistant"]
+        if len(spans) == len(assistant):
+            spans = [span for span, i in zip(spans, assistant, strict=True) if i in targets]
+        elif self.train_on == "last_assistant":
+            spans = spans[-1:]
+        return Rendered(text, [tuple(s) for s in spans], token_rule="overlap")
+
+
+def _has_text(message: dict) -> bool:
+    """Whether a message has a non-blank field to locate it by."""
+    return bool(message.get("tool_calls")) or any(
+        isinstance(message.get(key), str) and message[key].strip() for key in ("content", *REASONING_FIELDS))
+
+
+def completion_start(conv: Conversation) -> int:
+    """Index of the completion's first message; for chat data, what follows the last user turn."""
+    if conv.completion_start is not None:
+        return conv.completion_start
+    users = [i for i, m in enumerate(conv.messages) if m["role"] == "user"]
+    return users[-1] + 1 if users else 0
+
+
+def trained_text(rendered: Rendered) -> list[str]:
+    """The trained spans as text (for inspection)."""
+    return [rendered.text[a:b] for a, b in rendered.regions]
+
