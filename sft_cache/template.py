@@ -21,10 +21,11 @@ from .errors import BadInput, BadRow
 from .formats import REASONING_FIELDS, Conversation
 
 # Markers are characters of Unicode's plane-15 private use area: field k opens with MARK_BASE + 2k and closes
-# with MARK_BASE + 2k + 1. Real text never holds them (a row that does takes the exact path).
-MARK_BASE = 0xF0000
+# with MARK_BASE + 2k + 1 (above U+F0000-F0001, which transformers' sanitize_control_tokens uses). Real text
+# never holds them; a row that does takes the exact path.
+MARK_BASE = 0xF1000
 MARK_LIMIT = 0xFFFFE
-MARKS = re.compile("[\U000f0000-\U000ffffd]")
+MARKS = re.compile("[\U000f1000-\U000ffffd]")
 GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 # What marking can wrap. Each kind is used only where probing showed the template renders it unchanged.
 FIELD_KINDS = ("content", "reasoning", "tool_name", "tool_arguments", "tool_id")

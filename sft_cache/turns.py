@@ -160,20 +160,24 @@ class TurnFinder:
         first, last = min(own), max(own)
         before = [(p, o) for p, o in others if p <= first]
         gap_start, previous = max(before) if before else (0, None)
-        start = gap_start + self._header_end(text[gap_start:first], conv, previous)
+        start = gap_start + self._header_end(text, gap_start, first, conv, previous)
         following = [p for p, _ in others if p >= last]
         end, eos = self._turn_end(text, last, min(following) if following else len(text))
         return start, max(end, start), eos
 
-    def _header_end(self, gap: str, conv: Conversation, previous: int | None) -> int:
-        """Where the header before a turn's first field ends, within the text between it and the field before."""
+    def _header_end(self, text: str, gap_start: int, gap_end: int, conv: Conversation, previous: int | None) -> int:
+        """Where the header before a turn's first field ends, as an offset from `gap_start`: the header lies
+        in the text between the field before (at gap_start) and the turn's first field (at gap_end)."""
         template = self.template
-        if template.generation_prompt:  # the longest run of its first tokens
-            header = template.generation_prompt
-            for end in reversed(template.generation_prompt_ends):
+        gap = text[gap_start:gap_end]
+        if template.generation_prompt:  # the longest run of its first tokens, which may reach into the field
+            header, ends = template.generation_prompt, template.generation_prompt_ends
+            for end in reversed(ends):
                 found = gap.rfind(header[:end])
                 if found >= 0:
-                    return found + end
+                    at = gap_start + found
+                    agreed = len(os.path.commonprefix([header, text[at:at + len(header)]]))
+                    return found + max(e for e in ends if e <= agreed)
             return len(gap)
         # No generation prompt: the longest run of the last tokens of what a prompt ends with after that role.
         role = conv.messages[previous]["role"] if previous is not None else "user"

@@ -67,3 +67,95 @@ def oracle(tokenizer, messages, train_on="all_assistant", completion_start=None,
     if not any(mask):
         return "no_trained_tokens"
     return ids, mask
+
+
+def turn_oracle(tokenizer, messages, tools, end_of_turn: list[str]):
+    """The trained-turn definition for any template, computed without the encoder's markers, as
+    (input_ids, loss_mask), for train_on all_assistant:
+
+    - where an assistant message's fields render: the first and last character that change when each of its
+      texts is wrapped in a snowman (a diff of two renders);
+    - the turn starts where apply_chat_template(messages[:i], add_generation_prompt=True) stops agreeing with
+      the whole conversation, moved back to a token boundary of the generation prompt; for a template without
+      a generation prompt, after the longest end of that prompt found before the turn's fields;
+    - it ends after the first of the family's end-of-turn tokens (from its documentation) after the fields
+      and before the next message's; with none there, at its last field, or, after the conversation's last
+      message, at the end of the text with EOS appended and trained.
+
+    Texts are rendered by transformers' renderer as given: apply_chat_template would drop `content: None`,
+    which DeepSeek-V3's template needs to render a tool call.
+    """
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    def chat_text(tokenizer, messages, add_generation_prompt=False, tools=None):
+        if not messages:
+            return ""
+        rendered, _ = render_jinja_template([messages], tools=tools, chat_template=tokenizer.chat_template,
+                                            add_generation_prompt=add_generation_prompt, **tokenizer.special_tokens_map)
+        return rendered[0]
+
+    text = chat_text(tokenizer, messages, tools=tools)
+    generation = chat_text(tokenizer, [{"role": "user", "content": "x"}], add_generation_prompt=True)[
+        len(chat_text(tokenizer, [{"role": "user", "content": "x"}])):]
+    generation_ends = sorted({end for _, end in tokenizer(generation, add_special_tokens=False,
+                                                           return_offsets_mapping=True)["offset_mapping"]})
+    eot = re.compile("|".join(map(re.escape, end_of_turn)))
+    def fields(i):
+        """(first, last) character of message i's rendered texts, or None if nothing of it renders."""
+        changed = [dict(m) for m in messages]
+        changed[i] = _snowman(messages[i])
+        other = chat_text(tokenizer, changed, tools=tools)
+        first = len(os.path.commonprefix([text, other]))
+        return None if first == len(text) else (first, len(text) - len(os.path.commonprefix([text[::-1], other[::-1]])))
+
+    spans, append_eos = [], False
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant" or fields(i) is None:
+            continue
+        first, last = fields(i)
+        following = fields(i + 1) if i + 1 < len(messages) else None
+        prompt = chat_text(tokenizer, messages[:i], add_generation_prompt=True, tools=tools)
+        if generation:
+            start = len(os.path.commonprefix([prompt, text]))
+            header_at = len(prompt) - len(generation)
+            if start > header_at:
+                start = header_at + max([0] + [e for e in generation_ends if e <= start - header_at])
+        else:  # the template may have moved earlier messages (a system message into the last user turn)
+            k = next(k for k in range(len(prompt), -1, -1) if text.rfind(prompt[len(prompt) - k:], 0, first) >= 0)
+            start = text.rfind(prompt[len(prompt) - k:], 0, first) + k
+        found = eot.search(text, last, following[0] if following else len(text))
+        if found:
+            spans.append((start, found.end()))
+        elif following:
+            spans.append((start, last))
+        else:
+            spans.append((start, len(text)))
+            append_eos = True
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = list(encoded["input_ids"])
+    mask = [int(any(a <= s < b for a, b in spans)) for s, _ in encoded["offset_mapping"]]
+    if append_eos:
+        ids.append(tokenizer.eos_token_id)
+        mask.append(1)
+    return ids, mask
+
+
+def _snowman(message: dict) -> dict:
+    """The message with each of its texts wrapped in snowmen (tool-call arguments' string values included)."""
+    def wrap(value):
+        return f"☃{value}☃" if isinstance(value, str) and value.strip() else value
+
+    changed = {key: wrap(value) if key in ("content", "reasoning_content", "thinking", "reasoning") else value
+               for key, value in message.items()}
+    if message.get("tool_calls"):
+        calls = []
+        for call in message["tool_calls"]:
+            function = dict(call["function"])
+            arguments = function.get("arguments")
+            if isinstance(arguments, dict):
+                function["arguments"] = {key: wrap(value) for key, value in arguments.items()}
+            elif isinstance(arguments, str):
+                function["arguments"] = wrap(arguments)
+            calls.append({**call, "function": function})
+        changed["tool_calls"] = calls
+    return changed

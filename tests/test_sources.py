@@ -138,7 +138,8 @@ def test_corrupt_parquet_is_named(tmp_path):
     ({"messages": "hi"}, "bad_messages", "'messages' must be a list of messages, got str"),
     ({"messages": [{"content": "x"}]}, "bad_message", "messages[0] has no 'role'"),
     ({"messages": [{"role": "user"}]}, "bad_message", "messages[0] has no 'content'"),
-    ({"messages": [{"role": "user", "content": 3}]}, "bad_message", "messages[0].content must be a string or a list of text parts, got int"),
+    ({"messages": [{"role": "user", "content": 3}]}, "bad_message", 
+     "messages[0].content must be a string or a list of text parts, got int"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "unknown_role", "messages[0] has unknown role 'wizard'"),
     ({"messages": []}, "bad_messages", "'messages' is an empty list"),
 ])
