@@ -118,6 +118,16 @@ def test_run_prints_the_cache_path_last_and_inspect_summarizes_it(tmp_path, pref
     manifest = json.loads(cli("inspect", str(cache_path), "--json", home=prefect_home).stdout)
     assert manifest["rows"] == 240 and manifest["name"] == "data"
 
+    # A row decoded, its trained tokens in [[…]] when the output is not a terminal: exactly the assistant turns.
+    shown = cli("inspect", str(cache_path), "--row", "0", home=prefect_home)
+    assert shown.returncode == 0, shown.stderr
+    header, text = shown.stdout.rstrip("\n").split("\n", 1)
+    first = example_rows()[0]["messages"]
+    assert header.startswith("── row 0: ") and "trained" in header
+    trained = re.findall(r"\[\[(.*?)\]\]", text, flags=re.S)
+    assert trained == [m["content"] + "<|im_end|>" for m in first if m["role"] == "assistant"]
+    assert cli("inspect", str(cache_path), "--row", "240", home=prefect_home).returncode == 2
+
     flow_runs = (prefect_home / "prefect.db").stat().st_mtime_ns
     again = run_example(tmp_path, prefect_home)  # a cache hit is found before Prefect starts
     assert again.returncode == 0 and again.stdout == result.stdout, again.stderr

@@ -189,3 +189,44 @@ def test_chat_templates_render_in_a_sandbox():
     [result] = ChatEncoder(tokenizer, "all").encode_batch([Conversation(CONVERSATIONS[0])]).results()
     assert isinstance(result, BadRow) and result.reason == "template_error"
     assert "unsafe" in result.detail
+
+
+# -- control tokens' text inside messages (--special-text) ----------------------------------------------------
+
+INJECTED = [msg("user", "Repeat after me: <|im_end|>"), msg("assistant", "Sure: <|im_end|> and then the rest.")]
+
+
+def test_control_token_text_is_encoded_as_plain_text_by_default(tokenizers):
+    tokenizer = tokenizers("chatml")
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    encoder = ChatEncoder(tokenizer)
+    [row] = encoder.encode_batch([Conversation(INJECTED)]).results()
+    ids = row.input_ids.tolist()
+    assert ids.count(end) == 2  # the two turns' own ends: the text inside the messages is not the control token
+    trained = row.input_ids[row.loss_mask == 1].tolist()
+    assert tokenizer.decode(trained) == "Sure: <|im_end|> and then the rest.<|im_end|>"
+    assert trained[-1] == end and trained.count(end) == 1
+    assert encoder.rows_special_text == 1
+    # The rest of the row is tokenized as usual: the template's text is the same tokens as without injection.
+    clean = Conversation([msg("user", "Repeat after me: x"), msg("assistant", "Sure: x and then the rest.")])
+    [plain] = ChatEncoder(tokenizer).encode_batch([clean]).results()
+    assert ids[:3] == plain.input_ids.tolist()[:3]
+
+
+def test_control_token_text_kept_is_what_apply_chat_template_does(tokenizers):
+    tokenizer = tokenizers("chatml")
+    [row] = ChatEncoder(tokenizer, special_text="keep").encode_batch([Conversation(INJECTED)]).results()
+    assert row.input_ids.tolist() == tokenizer.apply_chat_template(INJECTED, tokenize=True)["input_ids"]
+
+
+def test_control_token_text_can_be_refused(tokenizers):
+    [row] = ChatEncoder(tokenizers("chatml"), special_text="error").encode_batch([Conversation(INJECTED)]).results()
+    assert row.reason == "control_token_in_text"
+    assert str(row).startswith("messages[0].content holds the control token '<|im_end|>' as text")
+
+
+def test_control_token_text_in_plain_text_rows(tokenizers):
+    tokenizer = tokenizers("chatml")
+    [row] = ChatEncoder(tokenizer, "all").encode_batch(["A document that mentions <|im_end|> once."]).results()
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert row.input_ids.tolist().count(end) == 1 and row.input_ids[-1] == tokenizer.eos_token_id

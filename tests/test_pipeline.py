@@ -290,3 +290,30 @@ def test_memory_is_bounded_by_the_writer_batch(tmp_path, many_rows):
 def test_small_inputs_still_give_every_worker_a_slice(tmp_path):
     assert len(plan_slices(options(tmp_path)).slices) == 1  # 340 kB under the default 256MB slices
     assert len(plan_slices(options(tmp_path), min_slices=4).slices) == 4
+
+
+def test_a_column_missing_from_the_first_jsonl_row_is_read_on_later_rows(tmp_path, family_tokenizer):
+    """JSON lines have no schema: `tools` absent on row 1 and present on row 2 still reaches the template."""
+    tool = {"type": "function", "function": {"name": "lookup_word", "description": "Look a word up.",
+                                             "parameters": {"type": "object", "properties": {}}}}
+    chat = [{"role": "user", "content": "Define cat."}, {"role": "assistant", "content": "A small feline."}]
+    data = write_jsonl(tmp_path / "in" / "chat.jsonl", [{"messages": chat}, {"messages": chat, "tools": [tool]}])
+    path = run_locally(options(tmp_path, sources=[str(data)], tokenizer=str(family_tokenizer("qwen2.5-instruct"))))
+    tokenizer = load_tokenizer(family_tokenizer("qwen2.5-instruct"))
+    first, second = (tokenizer.decode(ids) for ids, _ in cache_rows(path))
+    assert "lookup_word" not in first and "lookup_word" in second
+
+
+def test_the_manifest_counts_how_masks_were_made(tmp_path, family_tokenizer):
+    rows = [{"messages": [{"role": "user", "content": "Echo <|im_end|>"},
+                          {"role": "assistant", "content": "<|im_end|>"}]},
+            {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}]
+    data = write_jsonl(tmp_path / "in" / "chat.jsonl", rows)
+    # A broken template: only the replies, no roles, no turn ends, so every token of a row is trained.
+    whole = "{% for m in messages %}{% if m.role == 'assistant' %}{{ m.content }}{% endif %}{% endfor %}"
+    path = run_locally(options(tmp_path, sources=[str(data)], tokenizer=str(family_tokenizer("chatml"))))
+    masks = json.loads((path / "manifest.json").read_text())["masks"]
+    assert masks == {"rows_all_trained": 0, "rows_exact": 0, "rows_expanded": 0, "rows_special_text": 1}
+    broken = run_locally(options(tmp_path, sources=[str(data)], tokenizer=str(family_tokenizer("chatml")),
+                                 chat_template=whole, special_text="keep"))
+    assert json.loads((broken / "manifest.json").read_text())["masks"]["rows_all_trained"] == 2
