@@ -25,6 +25,7 @@ transformers' own generation spans.
 
 from __future__ import annotations
 
+import bisect
 import os
 from dataclasses import dataclass, replace
 
@@ -113,38 +114,49 @@ class TurnFinder:
         marked_text = template.render(marked.messages, conv.tools)
         # Each field's first rendering locates it: a template may copy a field into a later message (gpt-oss
         # repeats a tool call's name in the tool reply's header), and that copy belongs to the later message.
-        first_seen: dict[int, list[int]] = {}  # field -> [open position, close position]
+        opened: dict[int, int] = {}
+        closed: dict[int, int] = {}
         for removed, found in enumerate(MARKS.finditer(marked_text)):
             fid, closing = divmod(ord(found.group()) - MARK_BASE, 2)
             if fid >= len(marked.owners):
                 return None  # the data itself holds marker characters
-            ends = first_seen.setdefault(fid, [-1, -1])
-            if ends[closing] < 0 and (closing == 0 or ends[0] < 0 or found.start() - removed >= ends[0]):
-                ends[closing] = found.start() - removed
-        anchors = sorted((position, marked.owners[fid]) for fid, ends in first_seen.items()
-                         for position in ends if position >= 0)
-        seen = set(first_seen)
+            position = found.start() - removed
+            if not closing:
+                opened.setdefault(fid, position)
+            elif fid not in closed and position >= opened.get(fid, -1):
+                closed[fid] = position
         if MARKS.sub("", marked_text) != text:
             return None
-        fields = tuple(sorted((marked.owners[fid], min(p for p in ends if p >= 0), max(ends))
-                              for fid, ends in first_seen.items()))
+        fields = []  # (message, start, end) of every rendered field
+        for fid in sorted(opened.keys() | closed.keys()):
+            start, end = opened.get(fid, closed.get(fid)), closed.get(fid, opened.get(fid))
+            fields.append((marked.owners[fid], start, end))
+        owned: dict[int, set[str]] = {}
+        for owner, kind in zip(marked.owners, marked.kinds, strict=True):
+            owned.setdefault(owner, set()).add(kind)
+        rendered: dict[int, set[str]] = {}
+        for fid in opened.keys() | closed.keys():
+            rendered.setdefault(marked.owners[fid], set()).add(marked.kinds[fid])
+        anchors = _Anchors(fields)
         stripped, regions, append_eos = [], [], False
         for i in targets:
-            kinds = {marked.kinds[fid] for fid in seen if marked.owners[fid] == i}
-            owned = {marked.kinds[fid] for fid in range(len(marked.owners)) if marked.owners[fid] == i}
-            self._check_rendered(conv.messages[i], i, owned, kinds)
-            if "reasoning" in owned and "reasoning" not in kinds:
+            kinds = rendered.get(i, set())
+            self._check_rendered(conv.messages[i], i, owned.get(i, set()), kinds)
+            if "reasoning" in owned.get(i, ()) and "reasoning" not in kinds:
                 stripped.append(i)
             if not kinds:
                 continue  # a blank message the template does not render: nothing of it to train
-            start, end, eos = self._turn(text, anchors, conv, i)
-            regions.append((start, end))
+            first, last = anchors.extent(i)
+            gap_start, previous = anchors.before(first, i)
+            start = gap_start + self._header_end(text, gap_start, first, conv, previous)
+            end, eos = self._turn_end(text, last, anchors.after(last, i, len(text)))
+            regions.append((start, max(end, start)))
             append_eos = append_eos or eos
         if self.train_on == "completion" and regions:
             if completion_start(conv) != targets[0]:
                 return None  # the completion opens with a non-assistant message: prefix rendering decides
             regions = [(regions[0][0], regions[-1][1])]
-        return Rendered(text, regions, append_eos, fields=fields), stripped
+        return Rendered(text, regions, append_eos, fields=tuple(fields)), stripped
 
     @staticmethod
     def _check_rendered(message: dict, i: int, owned: set[str], rendered: set[str]) -> None:
@@ -153,17 +165,6 @@ class TurnFinder:
             raise BadRow("template_dropped_field", f"the chat template does not render messages[{i}].tool_calls")
         if "content" in owned and "content" not in rendered and (message.get("content") or "").strip():
             raise BadRow("template_dropped_field", f"the chat template does not render messages[{i}].content")
-
-    def _turn(self, text: str, anchors: list[tuple[int, int]], conv: Conversation, i: int) -> tuple[int, int, bool]:
-        own = [position for position, owner in anchors if owner == i]
-        others = [(position, owner) for position, owner in anchors if owner != i]
-        first, last = min(own), max(own)
-        before = [(p, o) for p, o in others if p <= first]
-        gap_start, previous = max(before) if before else (0, None)
-        start = gap_start + self._header_end(text, gap_start, first, conv, previous)
-        following = [p for p, _ in others if p >= last]
-        end, eos = self._turn_end(text, last, min(following) if following else len(text))
-        return start, max(end, start), eos
 
     def _header_end(self, text: str, gap_start: int, gap_end: int, conv: Conversation, previous: int | None) -> int:
         """Where the header before a turn's first field ends, as an offset from `gap_start`: the header lies
@@ -241,6 +242,37 @@ class TurnFinder:
         elif self.train_on == "last_assistant":
             spans = spans[-1:]
         return Rendered(text, [tuple(s) for s in spans], token_rule="overlap")
+
+
+class _Anchors:
+    """The rendered fields' start and end positions in the text, sorted, with the message each belongs to."""
+
+    def __init__(self, fields: list[tuple[int, int, int]]):
+        points = sorted((position, owner) for owner, start, end in fields for position in (start, end))
+        self.positions = [position for position, _ in points]
+        self.owners = [owner for _, owner in points]
+        self.extents: dict[int, tuple[int, int]] = {}
+        for owner, start, end in fields:
+            low, high = self.extents.get(owner, (start, end))
+            self.extents[owner] = (min(low, start), max(high, end))
+
+    def extent(self, message: int) -> tuple[int, int]:
+        """(first, last) position of the message's fields."""
+        return self.extents[message]
+
+    def before(self, position: int, message: int) -> tuple[int, int | None]:
+        """(position, message) of the last anchor of another message at or before `position`, or (0, None)."""
+        k = bisect.bisect_right(self.positions, position) - 1
+        while k >= 0 and self.owners[k] == message:
+            k -= 1
+        return (self.positions[k], self.owners[k]) if k >= 0 else (0, None)
+
+    def after(self, position: int, message: int, default: int) -> int:
+        """The first anchor of another message at or after `position`, or `default`."""
+        k = bisect.bisect_left(self.positions, position)
+        while k < len(self.positions) and self.owners[k] == message:
+            k += 1
+        return self.positions[k] if k < len(self.positions) else default
 
 
 def _has_text(message: dict) -> bool:
