@@ -114,6 +114,32 @@ def token_boundaries(backend, text: str) -> list[int]:
     return sorted({end for _, end in encoding.offsets if end > 0} | {len(text)})
 
 
+_DICT_ATTRIBUTES = frozenset(dir(dict))
+
+
+def _fast_sandbox(environment):
+    """transformers' sandboxed environment, with two exact shortcuts for what a chat template does most:
+    reading a message's keys, and asking whether an attribute is safe, which depends only on the object's
+    type and the attribute's name. The same templates render the same text, in about half the time."""
+    overlay = environment.overlay()
+    checked: dict[tuple[type, str], bool] = {}
+    base_getattr, base_is_safe = overlay.getattr, overlay.is_safe_attribute
+
+    def getattr_(obj, attribute):
+        if type(obj) is dict and attribute in obj and attribute not in _DICT_ATTRIBUTES:
+            return obj[attribute]  # where the sandbox ends up after getattr() fails: a message's own key
+        return base_getattr(obj, attribute)
+
+    def is_safe_attribute(obj, attribute, value):
+        key = (type(obj), attribute)
+        if key not in checked:
+            checked[key] = base_is_safe(obj, attribute, value)
+        return checked[key]
+
+    overlay.getattr, overlay.is_safe_attribute = getattr_, is_safe_attribute
+    return overlay
+
+
 class ChatTemplate:
     """One chat template with its render arguments, compiled once; see the module docstring."""
 
@@ -122,7 +148,7 @@ class ChatTemplate:
 
         self.source = source
         try:
-            self.compiled = _compile_jinja_template(source)
+            self.compiled = _fast_sandbox(_compile_jinja_template(source).environment).from_string(source)
         except Exception as error:  # jinja2.TemplateSyntaxError and friends
             line = getattr(error, "lineno", None)
             raise BadInput(f"the chat template does not compile{f' (line {line})' if line else ''}: "
