@@ -198,23 +198,27 @@ def _deal_longest_first(lengths: np.ndarray, rows: np.ndarray, bins: int, capaci
 
 
 def _split_for_ranks(lengths: np.ndarray, rows: np.ndarray, bin_of: np.ndarray, tokens: np.ndarray,
-                     ranks: int) -> np.ndarray:
-    """Split bins until their count is a multiple of `ranks`: each time the bin with the most rows (then the
-    most tokens, then the first) in two, its rows dealt longest first to the lighter half. Returns the
-    tokens per bin; `bin_of` is updated in place. Stops early when every bin holds one row."""
+                     longest: np.ndarray, ranks: int) -> np.ndarray:
+    """Split bins until their count is a multiple of `ranks`: each time the bin whose rows other than its
+    longest hold the most tokens (so both halves are as large as they can be; ties: the first bin), its
+    rows dealt longest first to the lighter half. Returns the tokens per bin; `bin_of` is updated in place.
+    Stops early when every bin holds one row."""
     while len(tokens) % ranks:
-        counts = np.bincount(bin_of, minlength=len(tokens))
-        if not len(counts) or counts.max() < 2:
+        rest = tokens - longest
+        if not len(rest) or rest.max() <= 0:
             break
-        victim = int(np.lexsort((np.arange(len(tokens)), -tokens, -counts))[0])
-        loads, new_bin = [0, 0], len(tokens)
+        victim = int(np.argmax(rest))
+        loads, new_bin, new_longest = [0, 0], len(tokens), 0
         for position in np.flatnonzero(bin_of == victim).tolist():  # longest first
             lighter = int(loads[1] < loads[0])
-            loads[lighter] += int(lengths[rows[position]])
+            length = int(lengths[rows[position]])
             if lighter:
                 bin_of[position] = new_bin
+                new_longest = new_longest or length
+            loads[lighter] += length
         tokens[victim] = loads[0]
         tokens = np.append(tokens, loads[1])
+        longest = np.append(longest, new_longest)
     return tokens
 
 
@@ -233,7 +237,8 @@ def arrange_for_ranks(lengths: np.ndarray, rows: np.ndarray, offsets: np.ndarray
     lengths = np.asarray(lengths, dtype=np.int64)
     bin_of = np.repeat(np.arange(len(offsets) - 1), np.diff(offsets))  # the bin of each position of `rows`
     tokens = np.bincount(bin_of, weights=lengths[rows], minlength=len(offsets) - 1).astype(np.int64)
-    tokens = _split_for_ranks(lengths, rows, bin_of, tokens, ranks)
+    longest = lengths[rows[offsets[:-1]]] if len(rows) else np.zeros(0, dtype=np.int64)
+    tokens = _split_for_ranks(lengths, rows, bin_of, tokens, longest, ranks)
     tokens = np.append(tokens, np.zeros(-len(tokens) % ranks, dtype=np.int64))
     order = np.argsort(-tokens, kind="stable")
     rank_of = np.empty(len(order), dtype=np.int64)

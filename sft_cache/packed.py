@@ -85,12 +85,51 @@ class PackedSequences(Sequence):
         steps = self.step_order(epoch, seed, shuffle)
         return (steps[:, None] * self.ranks + np.arange(self.ranks)).ravel().tolist()
 
+    def ordered(self, epochs: int = 1, seed: int = 0, shuffle: bool = True) -> OrderedSequences:
+        """`epochs` epochs of `global_order` as one map-style dataset, for a trainer that reads its dataset in
+        order and deals it out to its ranks (transformers/TRL with `train_sampling_strategy="sequential"`)."""
+        order = [i for epoch in range(epochs) for i in self.global_order(epoch, seed, shuffle)]
+        return OrderedSequences(self, order)
+
+    def iterable_dataset(self, epochs: int = 1, seed: int = 0, columns: tuple[str, ...] = ("input_ids", "labels",
+                         "seq_lengths")):
+        """`ordered(epochs, seed)` as a `datasets.IterableDataset` of `columns`, for trainers that accept only
+        datasets' types (TRL's SFTTrainer). Rows stream from the mapped cache; nothing is copied to disk."""
+        import datasets
+
+        return datasets.IterableDataset.from_generator(
+            # a tuple: datasets would read a list in gen_kwargs as shards, one per element
+            _stream, gen_kwargs={"ordered": self.ordered(epochs, seed), "columns": tuple(columns)})
+
+    @property
+    def column_names(self) -> list[str]:
+        """The keys of every item, as `datasets.Dataset.column_names` (trainers look for them)."""
+        return [*self.cache.columns, *(["labels"] if "labels" not in self.cache.columns else []),
+                "position_ids", "seq_lengths", "cu_seqlens", "row_ids"]
+
     def __reduce__(self):
         return packed_sequences, (str(self.cache.path), self.options.model_dump())
 
     def __repr__(self) -> str:
         return (f"PackedSequences({str(self.cache.path)!r}, {self.options.key}, sequences={len(self)}, "
                 f"efficiency={self.index.meta['efficiency']:.2%})")
+
+
+class OrderedSequences(Sequence):
+    """Packed sequences in a given order of bins (see `PackedSequences.ordered`)."""
+
+    def __init__(self, packed: PackedSequences, order: list[int]):
+        self.packed, self.order = packed, order
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        return self.packed[self.order[i]]
+
+    @property
+    def column_names(self) -> list[str]:
+        return self.packed.column_names
 
 
 class PackedSampler:
@@ -111,6 +150,11 @@ class PackedSampler:
 
     def __len__(self) -> int:
         return self.packed.steps
+
+
+def _stream(ordered: OrderedSequences, columns: tuple[str, ...]) -> Iterator[dict[str, np.ndarray]]:
+    for item in ordered:
+        yield {name: item[name] for name in columns}
 
 
 def packed_sequences(cache: str | TokenizedCache, options: PackOptions | dict) -> PackedSequences:

@@ -84,6 +84,24 @@ def _balance(tokens: np.ndarray, ranks: int) -> dict[str, float]:
     }
 
 
+def lower_bound_bins(lengths: np.ndarray, capacity: int) -> int:
+    """Martello and Toth's L2 bound: no packing of these lengths (each ≤ capacity) into bins of `capacity`
+    uses fewer bins. For each a ≤ capacity/2, rows longer than capacity - a, and those longer than capacity/2,
+    need a bin each, and the rows of a..capacity/2 fill at best the space those bins leave."""
+    half = capacity // 2
+    counts = np.bincount(lengths, minlength=capacity + 1).astype(np.int64)
+    rows_to = np.cumsum(counts)  # rows of length ≤ v
+    tokens_to = np.cumsum(counts * np.arange(capacity + 1))  # their tokens
+    a = np.arange(half + 1)
+    big = len(lengths) - rows_to[capacity - a]  # longer than capacity - a
+    middle = rows_to[capacity - a] - rows_to[half]  # in (capacity/2, capacity - a]
+    middle_tokens = tokens_to[capacity - a] - tokens_to[half]
+    small_tokens = tokens_to[half] - np.where(a > 0, tokens_to[np.maximum(a - 1, 0)], 0)  # in [a, capacity/2]
+    spill = -(-(small_tokens - (middle * capacity - middle_tokens)) // capacity)
+    bound = big + middle + np.maximum(spill, 0)
+    return int(max(bound.max(initial=0), -(-int(lengths.sum()) // capacity)))
+
+
 def plan(lengths: np.ndarray, options: PackOptions) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
     """(rows, bins, stats) for these row lengths: bin b holds rows[bins[b]:bins[b + 1]], step-major for ranks."""
     lengths = np.asarray(lengths, dtype=np.int64)
@@ -105,8 +123,7 @@ def plan(lengths: np.ndarray, options: PackOptions) -> tuple[np.ndarray, np.ndar
         "rows": int(len(rows)),
         "tokens": total,
         "efficiency": round(total / (len(counts) * n), 6) if len(counts) else 0.0,
-        # No packing needs fewer bins than the tokens fill, nor fewer than the rows longer than N/2.
-        "lower_bound_bins": max(-(-total // n), int((effective > n // 2).sum())),
+        "lower_bound_bins": lower_bound_bins(effective, n),
         "rows_per_bin": _summary(counts),
         "tokens_per_bin": _summary(tokens),
         "long_rows": {"policy": "truncate", "rows": int(long_rows.sum()),

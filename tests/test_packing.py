@@ -21,7 +21,7 @@ from sft_cache.binpack import best_fit_decreasing, first_fit_decreasing
 from sft_cache.errors import BadInput
 from sft_cache.options import TokenizeOptions
 from sft_cache.packed import PackedSampler
-from sft_cache.packing import PackOptions, index_path, pack_cache, plan
+from sft_cache.packing import PackOptions, index_path, lower_bound_bins, pack_cache, plan
 from sft_cache.plan import run_locally
 from sft_cache.reader import open_cache
 
@@ -70,6 +70,22 @@ def test_bfd_gives_trls_bins_on_one_batch():
     packed = data_utils._pack_bfd(table, 300)
     trl_bins = [list(dict.fromkeys(seq)) for seq in packed["input_ids"].to_pylist()]
     assert as_lists(*best_fit_decreasing(lengths, 300)) == trl_bins
+
+
+def test_the_lower_bound_is_martello_and_toths_l2_and_below_every_packing():
+    rng = np.random.default_rng(2)
+    for _ in range(100):
+        capacity = int(rng.integers(2, 60))
+        lengths = rng.integers(1, capacity + 1, int(rng.integers(1, 60)))
+        bounds = [-(-lengths.sum() // capacity)]
+        for a in range(capacity // 2 + 1):
+            big = lengths > capacity - a
+            middle = (lengths > capacity / 2) & ~big
+            small = (lengths >= a) & (lengths <= capacity / 2)
+            room = middle.sum() * capacity - lengths[middle].sum()
+            bounds.append(big.sum() + middle.sum() + max(0, -(-(lengths[small].sum() - room) // capacity)))
+        assert lower_bound_bins(lengths, capacity) == max(bounds)
+        assert max(bounds) <= len(best_fit_decreasing(lengths, capacity)[1]) - 1
 
 
 @pytest.fixture(scope="module")
@@ -183,6 +199,23 @@ def test_the_sampler_gives_each_rank_one_bin_per_step(cache_path, tmp_path):
     assert [list(s) for s in samplers] != epoch0
     with pytest.raises(ValueError, match="rank 4 out of range"):
         PackedSampler(packed, rank=4)
+
+
+def test_trls_padding_free_collator_reads_the_packed_sequences(cache_path, tmp_path):
+    sft_trainer = pytest.importorskip("trl.trainer.sft_trainer")
+    packed = open_cache(cache_path).packed(512, data_parallel=2, index_dir=str(tmp_path))
+    stream = packed.iterable_dataset(epochs=1, seed=3)
+    collate = sft_trainer.DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)
+    expected = packed.ordered(epochs=1, seed=3)
+    for i, example in zip(range(4), stream, strict=False):
+        batch = collate([example])
+        ours = expected[i]
+        assert batch["input_ids"][0].tolist() == ours["input_ids"].tolist()
+        assert batch["position_ids"][0].tolist() == ours["position_ids"].tolist()
+        assert batch["cu_seq_lens_q"].tolist() == ours["cu_seqlens"].tolist()
+        trained = ours["labels"].copy()
+        trained[ours["position_ids"] == 0] = -100  # TRL never trains a row's first token
+        assert batch["labels"][0].tolist() == trained.tolist()
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
