@@ -311,3 +311,5 @@ def test_the_flow_packs_after_publishing_and_reports_the_index(tmp_path):
         tables = [a.data for a in client.read_artifacts(artifact_filter=artifact_filter) if a.type == "markdown"]
     packing = next(table for table in tables if "Packing index n512-r2-bfd" in table)
     assert f"| efficiency | {meta['efficiency']:.2%}" in packing and str(path) in packing
+    form = tokenize_dataset.parameters.definitions  # a typed form in the UI, with the packing options
+    assert {"length", "data_parallel", "algorithm", "index_dir"} == set(form["PackOptions"]["properties"])
