@@ -228,11 +228,11 @@ def run(args: argparse.Namespace) -> int:
 def inspect(args: argparse.Namespace) -> int:
     from flows.report import fingerprint_inputs, packing_summary, summary, text_table
     from sft_cache.packing import list_indexes
-    from sft_cache.reader import open_cache, read_manifest
+    from sft_cache.reader import read_manifest
 
     try:
         manifest = read_manifest(args.cache)
-        indexes = list_indexes(open_cache(args.cache), args.index_dir)
+        indexes = list_indexes(args.cache, args.index_dir)
     except CacheError as error:
         return _fail(str(error), EXIT_BAD_INPUT)
     if args.json:

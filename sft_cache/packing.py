@@ -262,15 +262,20 @@ def pack_cache(cache: str | Path | TokenizedCache, options: PackOptions) -> Pack
     return index
 
 
-def list_indexes(cache: TokenizedCache, index_dir: str | None = None) -> list[PackingIndex]:
-    """Every valid index of this cache under its index root (or `index_dir`), by key."""
-    probe = PackOptions(length=1, index_dir=index_dir)
-    parent = index_path(cache.path, probe).parent
+def list_indexes(cache: str | Path | TokenizedCache, index_dir: str | None = None) -> list[PackingIndex]:
+    """Every valid index of this cache under its index root (or `index_dir`), by key; the cache is opened
+    only if there is an index directory to check."""
+    path = cache.path if isinstance(cache, TokenizedCache) else Path(cache).absolute()
+    parent = index_path(path, PackOptions(length=1, index_dir=index_dir)).parent
+    candidates = [p for p in sorted(parent.iterdir()) if p.is_dir() and not p.name.startswith(".")] \
+        if parent.is_dir() else []
+    if not candidates:
+        return []
+    cache = cache if isinstance(cache, TokenizedCache) else open_cache(cache)
     found = []
-    for path in sorted(parent.iterdir()) if parent.is_dir() else []:
-        if path.is_dir() and not path.name.startswith("."):
-            try:
-                found.append(load_index(path, cache))
-            except CacheError:
-                continue
+    for candidate in candidates:
+        try:
+            found.append(load_index(candidate, cache))
+        except CacheError:
+            continue
     return found
