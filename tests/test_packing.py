@@ -61,6 +61,7 @@ def test_bin_packing_equals_the_row_by_row_loop(best):
         assert as_lists(*pack(lengths, capacity)) == row_by_row(lengths.tolist(), capacity, best)
 
 
+@pytest.mark.slow
 def test_bfd_gives_trls_bins_on_one_batch():
     pa = pytest.importorskip("pyarrow")
     data_utils = pytest.importorskip("trl.data_utils")
@@ -201,6 +202,7 @@ def test_the_sampler_gives_each_rank_one_bin_per_step(cache_path, tmp_path):
         PackedSampler(packed, rank=4)
 
 
+@pytest.mark.slow
 def test_trls_padding_free_collator_reads_the_packed_sequences(cache_path, tmp_path):
     sft_trainer = pytest.importorskip("trl.trainer.sft_trainer")
     packed = open_cache(cache_path).packed(512, data_parallel=2, index_dir=str(tmp_path))
@@ -243,6 +245,7 @@ def read_only(*directories: Path):
         subprocess.run(["chattr", "-i", *map(str, directories)], check=True)
 
 
+@pytest.mark.slow
 def test_pack_and_inspect_from_the_command_line(cache_path, tmp_path):
     index_dir = str(tmp_path / "indexes")
     result = cli("pack", str(cache_path), "--length", "512", "--data-parallel", "2", "--index-dir", index_dir)
@@ -261,6 +264,7 @@ def test_pack_and_inspect_from_the_command_line(cache_path, tmp_path):
     assert "not a published cache" in missing.stderr and "Traceback" not in missing.stderr
 
 
+@pytest.mark.slow
 def test_a_read_only_cache_root_needs_an_index_dir(cache_path, tmp_path):
     cache = Path(shutil.copytree(cache_path, tmp_path / "cache" / cache_path.name))
     before = snapshot(cache)
@@ -280,6 +284,7 @@ def test_a_read_only_cache_root_needs_an_index_dir(cache_path, tmp_path):
         pack_cache(cache_path, PackOptions(length=512, index_dir=str(tmp_path / "file" / "sub")))
 
 
+@pytest.mark.slow
 def test_concurrent_packs_publish_one_index(cache_path, tmp_path):
     args = [str(BIN / "sft-tokenize"), "pack", str(cache_path), "--length", "384", "--data-parallel", "2",
             "--index-dir", str(tmp_path)]
@@ -293,6 +298,7 @@ def test_concurrent_packs_publish_one_index(cache_path, tmp_path):
     assert sorted(os.listdir(Path(path).parent)) == ["n384-r2-bfd", "n384-r2-bfd.lock"]
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("prefect_harness")
 def test_the_flow_packs_after_publishing_and_reports_the_index(tmp_path):
     from prefect.client.orchestration import get_client
