@@ -1,12 +1,14 @@
-"""`sft-tokenize`: run the tokenize_dataset flow on Prefect's embedded server, or inspect a published cache.
+"""`sft-tokenize`: run the tokenize_dataset flow on Prefect's embedded server, inspect or pack a published cache.
 
     sft-tokenize run data/*.jsonl --tokenizer Qwen/Qwen2.5-0.5B-Instruct --cache-dir /data/cache
     sft-tokenize run s3://bucket/sft/ --tokenizer /nfs/tok --cache-dir /nfs/c --runner dask --dask-address tcp://h:8786
     sft-tokenize inspect /data/cache/data-3f2a9c1d0b7e4f65 [--json]
+    sft-tokenize pack /data/cache/data-3f2a9c1d0b7e4f65 --length 4096 --data-parallel 8
 
-stdout carries only the result (the cache path as its last line, or the inspect table), so scripts can
-read it; the progress bar and Prefect's run logs go to stderr. Exit codes: 0 success, 2 bad usage or bad
-input (one line saying what and where), 1 any other failure (run the same command again to resume).
+stdout carries only the result (the cache path or the packing index path as its last line, or the inspect
+table), so scripts can read it; the progress bar and Prefect's run logs go to stderr. Exit codes: 0 success,
+2 bad usage or bad input (one line saying what and where), 1 any other failure (run the same command again
+to resume).
 """
 
 from __future__ import annotations
@@ -107,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     noise.add_argument("-v", "--verbose", action="store_true", help="Prefect run logs with tracebacks")
 
     inspect = commands.add_parser("inspect", help="summarize a published cache",
-                                  description="Summarize a published cache from its manifest.")
+                                  description="Summarize a published cache from its manifest, and its packing indexes.")
     inspect.add_argument("cache", metavar="CACHE")
     inspect.add_argument("--json", action="store_true", help="print the whole manifest as JSON")
     inspect.add_argument("--row", type=int, action="append", default=[], metavar="N",
@@ -116,6 +118,19 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--sample", type=_positive, metavar="K", help="print K rows drawn at random (seed 0)")
     inspect.add_argument("--tokenizer", metavar="DIR",
                          help="the tokenizer to decode rows with (default: the one the cache was built with)")
+    inspect.add_argument("--index-dir", metavar="DIR", help="also look for packing indexes written there")
+
+    pack = commands.add_parser("pack", help="plan packed sequences over a whole cache (a global packing index)",
+                               description="Build the global packing index of a published cache beside it; "
+                                           "prints the index path as the last line.")
+    pack.add_argument("cache", metavar="CACHE")
+    pack.add_argument("--length", required=True, type=_positive, metavar="N", help="tokens per packed sequence")
+    pack.add_argument("--data-parallel", type=_positive, default=1, metavar="R",
+                      help="data-parallel ranks: each gets as many bins, near-equal tokens per step (default 1)")
+    pack.add_argument("--algorithm", default="bfd", choices=["bfd", "ffd"],
+                      help="best-fit (default) or first-fit decreasing")
+    pack.add_argument("--index-dir", metavar="DIR",
+                      help="write the index under DIR instead of beside the cache (for a read-only cache root)")
     return parser
 
 
@@ -227,19 +242,40 @@ def run(args: argparse.Namespace) -> int:
 
 
 def inspect(args: argparse.Namespace) -> int:
-    from flows.report import fingerprint_inputs, summary, text_table
+    from flows.report import fingerprint_inputs, packing_summary, summary, text_table
+    from sft_cache.packing import list_indexes
     from sft_cache.reader import read_manifest
 
     try:
         manifest = read_manifest(args.cache)
+        indexes = list_indexes(args.cache, args.index_dir)
     except CacheError as error:
         return _fail(str(error), EXIT_BAD_INPUT)
     if args.row or args.sample:
         return show_rows(args, manifest)
     if args.json:
-        print(json.dumps(manifest, indent=2))
+        packing = {"packing": [{**i.meta, "path": str(i.path), "build": i.build} for i in indexes]} if indexes else {}
+        print(json.dumps({**manifest, **packing}, indent=2))
     else:
         print(text_table(summary(manifest, os.path.abspath(args.cache)) + fingerprint_inputs(manifest)))
+        for index in indexes:
+            print("\n" + text_table(packing_summary(index.meta, index.build, index.path)))
+    return EXIT_OK
+
+
+def pack(args: argparse.Namespace) -> int:
+    from flows.report import packing_summary, text_table
+    from sft_cache.packing import PackOptions, pack_cache
+
+    options = PackOptions(length=args.length, data_parallel=args.data_parallel, algorithm=args.algorithm,
+                          index_dir=args.index_dir)
+    try:
+        index = pack_cache(args.cache, options)
+    except (BadInput, CacheError) as error:
+        return _fail(str(error), EXIT_BAD_INPUT)
+    print(text_table([("built", "now" if index.built_now else "earlier: reused")]
+                     + packing_summary(index.meta, index.build, index.path)))
+    print(index.path)
     return EXIT_OK
 
 
@@ -284,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     if args.command == "run":  # inherited by process-pool workers, which print their own logs
         os.environ[CONSOLE_ENV] = "quiet" if args.quiet else "verbose" if args.verbose else "plain"
-    return run(args) if args.command == "run" else inspect(args)
+    return {"run": run, "inspect": inspect, "pack": pack}[args.command](args)
 
 
 if __name__ == "__main__":

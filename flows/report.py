@@ -110,3 +110,28 @@ def markdown_table(title: str, rows: list[tuple[str, str]]) -> str:
 def text_table(rows: list[tuple[str, str]]) -> str:
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)
+
+
+def packing_summary(meta: dict[str, Any], build: dict[str, Any], index_path: str | Path) -> list[tuple[str, str]]:
+    """What a packing index holds, from its index.json and build.json: `pack`, `inspect` and the artifact."""
+    ranks, bins = meta["data_parallel"], meta["bins"]
+    long_rows = meta["long_rows"]
+    rows = [
+        ("packing index", str(index_path)),
+        ("packed for", f"N = {meta['length']:,} tokens, {ranks} data-parallel rank{'s' * (ranks > 1)}, "
+                       f"{meta['algorithm']}"),
+        ("bins", f"{_count(bins)} ({_count(meta['steps'])} steps of {ranks}); lower bound "
+                 f"{_count(meta['lower_bound_bins'])}"),
+        ("efficiency", f"{meta['efficiency']:.2%} of bins × N are tokens ({_count(meta['tokens'])} tokens)"),
+        ("rows per bin", describe_lengths(meta["rows_per_bin"])),
+        ("tokens per bin", describe_lengths(meta["tokens_per_bin"])),
+        ("long rows", f"{_count(long_rows['rows'])} truncated to N ({_count(long_rows['tokens_cut'])} tokens cut)"
+                      if long_rows["rows"] else "none"),
+    ]
+    if ranks > 1:
+        balance = meta["balance"]
+        rows.append(("rank balance", f"worst step {balance['step_spread_max']:.2%} between ranks (mean "
+                                     f"{balance['step_spread_mean']:.3%}, {balance['steps_over_1pct']} steps over "
+                                     f"1 %); whole epoch {balance['rank_spread']:.3%}"))
+    rows.append(("build time", f"{build['seconds']:.2f} s"))
+    return rows

@@ -7,6 +7,7 @@ runner the same way the CLI does.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -26,14 +27,16 @@ from pydantic import Field, ValidationInfo, field_validator
 
 from flows.cluster import check_workers, dask_runner, ray_runner, tokenizer_env
 from flows.console import configure_console
-from flows.report import markdown_table, summary
+from flows.report import markdown_table, packing_summary, summary
 from sft_cache.errors import BadInput
 from sft_cache.memory import limit_malloc_arenas
 from sft_cache.options import TokenizeOptions
+from sft_cache.packing import PackOptions
 from sft_cache.plan import Plan
 from sft_cache.publish import building, is_published
 from sft_cache.reader import read_manifest
 from sft_cache.shard import finished_shard
+from tasks.pack_cache import pack_cache
 from tasks.plan_slices import plan_slices
 from tasks.publish_cache import publish_cache
 from tasks.tokenize_slice import RETRIES, tokenize_slice
@@ -63,6 +66,7 @@ class TokenizeRun(TokenizeOptions):
                                 "On a cluster at an address the cluster decides, and this is the fewest slices cut.")
     retries: int = Field(RETRIES, ge=0, description="Retries of a failed slice, with exponential backoff.")
     force: bool = Field(False, description="Rebuild: delete the published cache and the staged shards first.")
+    pack: PackOptions | None = Field(None, description="Then build the cache's global packing index (if missing).")
 
     @field_validator("dask_address", "ray_address")
     @classmethod
@@ -240,6 +244,14 @@ def report(cache_path: Path) -> None:
                              key=key, description=f"{manifest['rows']:,} rows, {manifest['tokens']:,} tokens")
 
 
+def report_packing(index_path: Path) -> None:
+    meta, build = (json.loads((index_path / name).read_text()) for name in ("index.json", "build.json"))
+    key = "sft-pack-" + "".join(c if c.isascii() and c.isalnum() else "-" for c in index_path.parent.name.lower())
+    create_markdown_artifact(markdown_table(f"Packing index {meta['key']}", packing_summary(meta, build, index_path)),
+                             key=f"{key}-{meta['key']}", description=f"{meta['bins']:,} bins, "
+                             f"{meta['efficiency']:.2%} efficient")
+
+
 @flow(name="tokenize-dataset", description="Tokenize an SFT dataset into a memory-mapped Arrow cache.")
 def tokenize_dataset(options: TokenizeRun) -> str:
     """Plan, tokenize every slice into its own shard, publish the shards as the cache; return its path."""
@@ -259,4 +271,6 @@ def tokenize_dataset(options: TokenizeRun) -> str:
                 publish_cache(plan.job, plan.slices, plan.cache_path, plan.inputs, plan.name, timings)
                 logger.info("published %s", plan.cache_path)
     report(plan.cache_path)
+    if options.pack is not None:
+        report_packing(pack_cache(plan.cache_path, options.pack))
     return str(plan.cache_path)

@@ -7,6 +7,9 @@ turns.py    where each trained assistant turn lies in the rendered text
 chat.py     tokenizer loading and encoding: text, trained spans and max_length become ids and masks
 publish.py  turn the finished shards into a `datasets.load_from_disk` cache
 reader.py   open a published cache, memory-mapped, for a trainer
+binpack.py  best-fit / first-fit decreasing over row lengths, and the data-parallel arrangement
+packing.py  the global packing index beside a published cache
+packed.py   packed sequences and a per-rank sampler over a cache and its index
 FORMAT.md   the on-disk format of staging and of a published cache
 """
 

@@ -2,6 +2,7 @@
 
     cache = open_cache("/data/cache/ultrachat-3f2a9c1d0b7e4f65")
     len(cache), cache[0]["input_ids"], cache.lengths   # lengths from the Arrow list offsets
+    cache.packed(4096, data_parallel=8)                 # packed sequences over a global packing index
 
 The cache pickles as its path, so every dataloader worker maps the same files instead of copying rows.
 See FORMAT.md for the layout.
@@ -82,6 +83,14 @@ class TokenizedCache(Sequence):
             chunk = column.slice(start, LENGTH_CHUNK_ROWS)
             out[start:start + len(chunk)] = pc.list_value_length(chunk).to_numpy()
         return out
+
+    def packed(self, length: int, data_parallel: int = 1, algorithm: str = "bfd", index_dir: str | None = None):
+        """Packed sequences of at most `length` tokens over the cache's global packing index, which is built
+        and published beside the cache first if it is missing (see packed.py)."""
+        from .packed import packed_sequences
+
+        return packed_sequences(self, {"length": length, "data_parallel": data_parallel, "algorithm": algorithm,
+                                       "index_dir": index_dir})
 
     def __reduce__(self):
         return open_cache, (str(self.path),)
