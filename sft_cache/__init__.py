@@ -4,6 +4,8 @@ plan.py     resolve sources, validate them, fingerprint the run, cut byte-balanc
 shard.py    tokenize one slice and stream it into its own Arrow shard
 publish.py  turn the finished shards into a `datasets.load_from_disk` cache
 reader.py   open a published cache, memory-mapped, for a trainer
+layouts.py  the columns a cache holds for the trainer that reads it (--layout)
+trainers.py loaders for trainers that would write into a cache (TRL, axolotl)
 FORMAT.md   the on-disk format of staging and of a published cache
 """
 
