@@ -20,6 +20,7 @@ import shutil
 from pathlib import Path
 
 from .errors import CacheError
+from .layouts import LAYOUTS
 from .reader import read_manifest
 
 VIEW_METADATA = ("state.json", "dataset_info.json")
@@ -80,8 +81,8 @@ def for_trl(path: str | Path, work_dir: str | Path | None = None):
 def for_axolotl(path: str | Path, work_dir: str | Path | None = None) -> Path:
     """The directory to name as a dataset's `path:` in an axolotl config (`ds_type` unset): the work view
     of an axolotl-layout cache, so axolotl's own preprocessing maps write beside it, not into the cache."""
-    layout = read_manifest(path).get("layout", "skyrl")
-    if layout != "axolotl":
-        raise CacheError(f"{path}: a {layout} cache; axolotl needs exactly input_ids, attention_mask and labels: "
-                         "rebuild it with `sft-tokenize run ... --layout axolotl`")
+    columns = read_manifest(path)["columns"]
+    if columns != list(LAYOUTS["axolotl"]):
+        raise CacheError(f"{path}: its columns are {', '.join(columns)}; axolotl needs exactly input_ids, "
+                         "attention_mask and labels: rebuild it with `sft-tokenize run ... --layout axolotl`")
     return work_view(path, work_dir)

@@ -212,13 +212,13 @@ class ReadOnly:
 
     def __exit__(self, *exc_info) -> None:
         ReadOnly.guarded = None
-        if self.immutable:
-            self._chattr("-i")
+        self._chattr("-i")  # also after a +i that failed part way
         for item in [self.root, *self.root.rglob("*")]:
             item.chmod(0o755 if item.is_dir() else 0o644)
 
 
-def test_trl_on_a_read_only_cache(caches, mask_of, tokenizer, tmp_path):
+@pytest.mark.parametrize("mode", list(TRL_MODES))
+def test_trl_on_a_read_only_cache(caches, mask_of, tokenizer, tmp_path, mode):
     cache = caches["trl"]
     before = tree(cache)
     with ReadOnly(cache) as read_only:
@@ -226,7 +226,7 @@ def test_trl_on_a_read_only_cache(caches, mask_of, tokenizer, tmp_path):
             (cache / "probe.arrow").write_bytes(b"x")
         assert refused.value.errno in (errno.EROFS, errno.EACCES, errno.EPERM)
         dataset = for_trl(cache, tmp_path / "view")
-        batches = train_trl(dataset, tokenizer, tmp_path / "out", packing=True, max_length=1024)
+        batches = train_trl(dataset, tokenizer, tmp_path / "out", **TRL_MODES[mode])
     check_trl_batches(batches, mask_of)
     assert tree(cache) == before
     print(f"read-only by chmod, audit hook{', chattr +i' if read_only.immutable else ' (chattr +i not permitted)'}")
@@ -237,11 +237,26 @@ def test_sfttrainer_refuses_open_cache_so_the_readme_says_for_trl(caches, tokeni
         train_trl(open_cache(caches["trl"]), tokenizer, tmp_path / "out")
 
 
-def test_work_view_is_never_inside_the_cache(caches):
+def test_work_view_is_never_inside_the_cache_and_axolotl_needs_its_columns(caches, tmp_path):
     from sft_cache.errors import CacheError
 
     with pytest.raises(CacheError, match="outside the cache"):
         work_view(caches["trl"], caches["trl"] / "view")
+    with pytest.raises(CacheError, match="columns are input_ids, loss_mask; axolotl needs exactly"):
+        for_axolotl(caches["skyrl"], tmp_path / "view")
+    assert for_axolotl(caches["llama-factory"], tmp_path / "view") == tmp_path / "view"  # the same columns
+
+
+def test_the_default_work_view_is_under_the_datasets_cache(caches, tmp_path, monkeypatch):
+    from datasets import config, load_from_disk
+
+    monkeypatch.setattr(config, "HF_DATASETS_CACHE", tmp_path / "hf-datasets")
+    view = work_view(caches["trl"])
+    assert view.parent == tmp_path / "hf-datasets" / "sft-tokenize" and view.name.startswith(caches["trl"].name)
+    assert work_view(caches["trl"]) == view  # again: the same view, rebuilt in place
+    cache = open_cache(caches["trl"])
+    assert all((view / f["name"]).resolve() == cache.path.resolve() / f["name"] for f in cache.manifest["files"])
+    assert len(load_from_disk(str(view))) == len(cache)
 
 
 # ------------------------------------------------------------------------------------------------ axolotl
@@ -312,8 +327,7 @@ def test_llama_factory_collator_contract(caches, mask_of, tokenizer):
     dataset = load_from_disk(str(caches["llama-factory"]))
     assert dataset.column_names == ["input_ids", "attention_mask", "labels"]
     rows = [dataset[i] for i in range(6)]
-    features = [{**row, **{key: row.pop(key, None) for key in ("images", "videos", "audios")}} for row in rows]
-    batch = collate([{k: v for k, v in f.items() if v is not None} for f in features])
+    batch = collate([dict(row) for row in rows])  # no images/videos/audios for LLaMA-Factory to pop first
     lengths = [len(row["input_ids"]) for row in rows]
     assert batch["input_ids"].shape[1] % 8 == 0 and batch["attention_mask"].sum(1).tolist() == lengths
     trained, masked = check_rows(batch["input_ids"].tolist(), batch["labels"].tolist(), lengths, mask_of)
