@@ -260,6 +260,10 @@ def test_the_default_work_view_is_under_the_datasets_cache(caches, tmp_path, mon
 
 
 # ------------------------------------------------------------------------------------------------ axolotl
+def axolotl_collators():
+    return pytest.importorskip("axolotl.utils.collators", reason="needs axolotl: pip install --no-deps axolotl==0.19.0")
+
+
 def axolotl_rows(caches, tmp_path, n: int) -> list[dict]:
     from datasets import load_from_disk
 
@@ -271,7 +275,7 @@ def axolotl_rows(caches, tmp_path, n: int) -> list[dict]:
 def test_axolotl_collator_takes_the_axolotl_layout(caches, mask_of, tokenizer, tmp_path):
     """axolotl's own collator (axolotl.utils.collators, as its trainer builder configures it: padding to a
     multiple of 64), on 6 rows; and the skyrl layout's extra loss_mask is what made it fail."""
-    from axolotl.utils.collators import DataCollatorForSeq2Seq
+    DataCollatorForSeq2Seq = axolotl_collators().DataCollatorForSeq2Seq
 
     collate = DataCollatorForSeq2Seq(tokenizer, padding=True, pad_to_multiple_of=64, return_tensors="pt")
     rows = axolotl_rows(caches, tmp_path, 6)
@@ -291,7 +295,7 @@ def test_axolotl_sample_packing_collator(caches, mask_of, tokenizer, tmp_path):
     """With sample packing axolotl adds position_ids (0..n-1 per row, its add_position_ids) and its multipack
     sampler hands the collator bins of rows; V2BatchSamplerDataCollatorForSeq2Seq concatenates each bin and
     numbers the rows of a bin 1, 2, ... in attention_mask."""
-    from axolotl.utils.collators import V2BatchSamplerDataCollatorForSeq2Seq
+    V2BatchSamplerDataCollatorForSeq2Seq = axolotl_collators().V2BatchSamplerDataCollatorForSeq2Seq
 
     rows = [{**row, "position_ids": list(range(len(row["input_ids"])))} for row in axolotl_rows(caches, tmp_path, 6)]
     bins = [rows[0:3], rows[3:6]]
