@@ -16,10 +16,19 @@ example: $(BIN)/python
 	$(BIN)/pip install -q -e .
 	$(BIN)/sft-tokenize run examples/data --tokenizer examples/tokenizer --cache-dir $(EXAMPLE_CACHE)
 
-# Install with the dev extra, then run the whole suite (tests start and stop the services they need).
+# Install with the dev and trainers extras, then run the whole suite (tests start and stop the services they need).
 # pytest's exit code 5 (no test collected) fails like any other non-zero code.
+# torch is installed first at the pinned version, which picks the CPU build where the index or find-links offer
+# it (TORCH_INDEX=https://download.pytorch.org/whl/cpu elsewhere), then the trainers extra, whose range it meets.
+# axolotl goes in without its dependencies, which would replace torch, transformers and datasets: the tests use
+# only its collators, which need numpy, torch, transformers and trl.
+TORCH ?= torch==2.13.0
+TORCH_INDEX ?=
+AXOLOTL ?= axolotl==0.19.0
 test: $(BIN)/python
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) '$(TORCH)'
+	$(BIN)/pip install -q -e '.[dev,trainers]'
+	$(BIN)/pip install -q --no-deps '$(AXOLOTL)'
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest
 

@@ -23,6 +23,7 @@ from typing import Any
 
 from flows.console import CONSOLE_ENV, configure_console
 from sft_cache.errors import BadInput, CacheError
+from sft_cache.layouts import LAYOUTS
 
 PROG = "sft-tokenize"
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
@@ -86,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "the row, or keep it as the control token")
     run.add_argument("--extra-column", action="append", default=[], choices=["labels", "attention_mask"],
                      help="also store this column; repeatable")
+    run.add_argument("--layout", default="skyrl", choices=list(LAYOUTS),
+                     help="store the columns this trainer reads (default skyrl: input_ids, loss_mask); see README")
     run.add_argument("--split", default="train", help="split of a hub dataset or of a saved DatasetDict")
     run.add_argument("--subset", help="config (subset) of a hub dataset")
     run.add_argument("--on-bad-row", default="raise", choices=["raise", "skip"],
@@ -144,6 +147,7 @@ def options_from(args: argparse.Namespace) -> dict[str, Any]:
         "truncation": args.truncation, "chat_template": args.chat_template, "extra_columns": args.extra_column,
         "template_kwargs": args.template_kwargs, "reasoning_turns": args.reasoning_turns,
         "special_text": args.special_text,
+        "layout": args.layout,
         "split": args.split, "subset": args.subset, "on_bad_row": args.on_bad_row, "shard_size": args.shard_size,
         "storage_options": args.storage_options, "runner": args.runner, "dask_address": args.dask_address,
         "ray_address": args.ray_address, "workers": args.workers, "force": args.force,

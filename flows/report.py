@@ -25,6 +25,7 @@ def summary(manifest: dict[str, Any], cache_path: str | Path) -> list[tuple[str,
     share = f" ({trained / manifest['tokens']:.1%} of tokens)" if manifest["tokens"] else ""
     rows = [
         ("cache", str(cache_path)),
+        ("layout", f"{manifest.get('layout', 'skyrl')} ({', '.join(manifest['columns'])})"),
         ("rows", _count(manifest["rows"])),
         ("tokens", _count(manifest["tokens"])),
         ("trained tokens", _count(trained) + share),

@@ -10,6 +10,8 @@ reader.py   open a published cache, memory-mapped, for a trainer
 binpack.py  best-fit / first-fit decreasing over row lengths, and the data-parallel arrangement
 packing.py  the global packing index beside a published cache
 packed.py   packed sequences and a per-rank sampler over a cache and its index
+layouts.py  the columns a cache holds for the trainer that reads it (--layout)
+trainers.py loaders for trainers that would write into a cache (TRL, axolotl)
 FORMAT.md   the on-disk format of staging and of a published cache
 """
 

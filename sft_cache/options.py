@@ -8,6 +8,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from .layouts import Layout
+
 Format = Literal["auto", "chat", "alpaca", "prompt-completion", "text"]
 TrainOn = Literal["all_assistant", "last_assistant", "completion", "all"]
 Truncation = Literal["truncate", "drop"]
@@ -72,6 +74,9 @@ class TokenizeOptions(BaseModel):
     subset: str | None = Field(None, description="Config (subset) of a hub dataset.")
     revision: str | None = Field(None, description="Revision of a hub dataset.")
     extra_columns: list[ExtraColumn] = Field(default_factory=list)
+    layout: Layout = Field("skyrl", description="The trainer whose columns the cache holds: skyrl (input_ids, "
+                           "loss_mask), trl (input_ids, labels), axolotl or llama-factory (input_ids, "
+                           "attention_mask, labels).")
     on_bad_row: OnBadRow = "raise"
     shard_size: str = Field("256MB", description="Input bytes per slice (one task and one shard each).")
     writer_batch_rows: int = Field(1000, gt=0)

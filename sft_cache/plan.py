@@ -119,6 +119,7 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable
         "max_length": options.max_length,
         "truncation": options.truncation if options.max_length else None,
         "extra_columns": sorted(options.extra_columns),
+        "layout": options.layout,
     }
     digest = fingerprint(inputs)
     name = options.name or default_name(options.sources[0])
@@ -137,6 +138,7 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable
         truncation=options.truncation,
         on_bad_row=options.on_bad_row,
         extra_columns=tuple(sorted(options.extra_columns)),
+        layout=options.layout,
         writer_batch_rows=options.writer_batch_rows,
         writer_batch_bytes=parse_size(options.writer_batch_bytes),
         trust_remote_code=options.trust_remote_code,

@@ -109,7 +109,8 @@ def build_manifest(job: Job, shards: list[dict], files: list[dict], inputs: dict
         "fingerprint": job.fingerprint,
         "fingerprint_inputs": inputs,
         "tokenizer": job.tokenizer_dir,  # where it was loaded from, for `inspect --row` (not fingerprinted)
-        "columns": list(features(job.extra_columns)),
+        "layout": job.layout,
+        "columns": list(features(job.extra_columns, job.layout)),
         "rows": sum(s["rows"] for s in shards),
         "tokens": sum(s["tokens"] for s in shards),
         "trained_tokens": sum(s["trained_tokens"] for s in shards),
@@ -173,7 +174,7 @@ def publish_cache(job: Job, slices: list[Slice], cache_path: Path, inputs: dict,
         (building / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True))
         from datasets import DatasetInfo
 
-        DatasetInfo(features=features(job.extra_columns)).write_to_directory(str(building))
+        DatasetInfo(features=features(job.extra_columns, job.layout)).write_to_directory(str(building))
         manifest = build_manifest(job, shards, files, inputs, name)
         manifest["timings"] = {**(timings or {}), "publish_seconds": round(time.monotonic() - started, 3)}
         (building / "manifest.json").write_text(json.dumps(manifest, indent=2))

@@ -49,7 +49,7 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
 
 
 class TokenizedCache(Sequence):
-    """A map-style dataset over a published cache: rows are numpy views of memory-mapped Arrow buffers."""
+    """A map-style dataset over a published cache, memory-mapped: a row is read (and copied) when indexed."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path).absolute()
@@ -69,10 +69,13 @@ class TokenizedCache(Sequence):
         return 0 if self.table is None else self.table.num_rows
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        """One row's columns as writable numpy arrays of their own (a copy of this row only), which
+        `torch.as_tensor` and the default collate take without a "not writable" warning; the mapped
+        cache itself is never written through them."""
         if not -len(self) <= index < len(self):
             raise IndexError(f"row {index} out of range for a cache of {len(self)} rows")
         index %= len(self)
-        return {name: self.table.column(name)[index].values.to_numpy(zero_copy_only=False) for name in self.columns}
+        return {name: np.array(self.table.column(name)[index].values) for name in self.columns}
 
     @cached_property
     def lengths(self) -> np.ndarray:

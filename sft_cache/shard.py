@@ -24,6 +24,7 @@ from .chat import ChatEncoder, EncodedBatch, load_tokenizer
 from .errors import BadRow, OutOfSpace
 from .fingerprint import fingerprint
 from .formats import ColumnMap, to_example
+from .layouts import COLUMN_TYPES, column_values, layout_columns
 from .sources import Slice, read_slice
 
 
@@ -44,6 +45,7 @@ class Job:
     truncation: str = "truncate"
     on_bad_row: str = "raise"
     extra_columns: tuple[str, ...] = ()
+    layout: str = "skyrl"
     writer_batch_rows: int = 1000
     writer_batch_bytes: int = 64_000_000
     trust_remote_code: bool = False
@@ -57,16 +59,11 @@ class Job:
         return f"{self.fingerprint}-{slice_.index:05d}-{fingerprint({'slice': slice_.describe()})}"
 
 
-def features(extra_columns: tuple[str, ...] = ()):
-    """The cache's row schema as `datasets` Features: list<int32> ids, list<int8> 0/1 mask, extras on request."""
+def features(extra_columns: tuple[str, ...] = (), layout: str = "skyrl"):
+    """The cache's row schema as `datasets` Features: the layout's columns (see layouts.py), extras on request."""
     from datasets import Features, List, Value
 
-    columns = {"input_ids": List(Value("int32")), "loss_mask": List(Value("int8"))}
-    if "labels" in extra_columns:
-        columns["labels"] = List(Value("int32"))
-    if "attention_mask" in extra_columns:
-        columns["attention_mask"] = List(Value("int8"))
-    return Features(columns)
+    return Features({name: List(Value(COLUMN_TYPES[name])) for name in layout_columns(layout, extra_columns)})
 
 
 def _list_array(lengths: np.ndarray, values: np.ndarray) -> pa.ListArray:
@@ -83,12 +80,15 @@ class ShardWriter:
     holds more than `batch_rows` rows; `max_buffered_rows` records the most it held.
     """
 
-    def __init__(self, stream, extra_columns: tuple[str, ...], batch_rows: int, batch_bytes: int):
+    def __init__(self, stream, extra_columns: tuple[str, ...], batch_rows: int, batch_bytes: int,
+                 layout: str = "skyrl"):
         from datasets.arrow_writer import ArrowWriter
 
-        self.extra_columns = extra_columns
+        self.columns = layout_columns(layout, extra_columns)
+        self._token_bytes = sum(np.dtype(COLUMN_TYPES[name]).itemsize for name in self.columns)
         self.batch_rows, self.batch_bytes = batch_rows, batch_bytes
-        self._writer = ArrowWriter(stream=stream, features=features(extra_columns), writer_batch_size=batch_rows)
+        self._writer = ArrowWriter(stream=stream, features=features(extra_columns, layout),
+                                   writer_batch_size=batch_rows)
         self._chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (ids, mask, lengths)
         self._rows = self._bytes = 0
         self.max_buffered_rows = 0
@@ -101,7 +101,7 @@ class ShardWriter:
             a, b = batch.offsets[start], batch.offsets[stop]
             self._chunks.append((batch.input_ids[a:b], batch.loss_mask[a:b], lengths[start:stop]))
             self._rows += stop - start
-            self._bytes += int(b - a) * 5  # int32 id + int8 mask per token
+            self._bytes += int(b - a) * self._token_bytes
             self.max_buffered_rows = max(self.max_buffered_rows, self._rows)
             if self._rows >= self.batch_rows or self._bytes >= self.batch_bytes:
                 self.flush()
@@ -111,12 +111,8 @@ class ShardWriter:
         if not self._chunks:
             return
         ids, mask, lengths = (np.concatenate(parts) for parts in zip(*self._chunks, strict=True))
-        columns = {"input_ids": _list_array(lengths, ids), "loss_mask": _list_array(lengths, mask)}
-        if "labels" in self.extra_columns:
-            columns["labels"] = _list_array(lengths, np.where(mask == 1, ids, np.int32(-100)).astype(np.int32))
-        if "attention_mask" in self.extra_columns:
-            columns["attention_mask"] = _list_array(lengths, np.ones(len(ids), dtype=np.int8))
-        self._writer.write_table(pa.table(columns))
+        self._writer.write_table(pa.table({name: _list_array(lengths, column_values(name, ids, mask))
+                                           for name in self.columns}))
         self._chunks, self._rows, self._bytes = [], 0, 0
 
     def close(self) -> None:
@@ -206,7 +202,7 @@ def _stream_rows(job: Job, slice_: Slice, stream) -> ShardStats:
             raise bad.at(locate(i))
         stats.dropped[bad.reason] += 1
 
-    writer = ShardWriter(stream, job.extra_columns, job.writer_batch_rows, job.writer_batch_bytes)
+    writer = ShardWriter(stream, job.extra_columns, job.writer_batch_rows, job.writer_batch_bytes, job.layout)
     for rows, locate in read_slice(slice_, job.columns.names, job.storage_options):
         examples, positions = [], []
         for i, row in enumerate(rows):
