@@ -16,7 +16,9 @@ import json
 import logging
 import os
 import sys
+import warnings
 from contextlib import nullcontext
+from pathlib import Path
 from typing import Any
 
 from flows.console import CONSOLE_ENV, configure_console
@@ -34,7 +36,10 @@ def _column(spec: str) -> tuple[str, str]:
 
 
 def _positive(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
@@ -50,8 +55,15 @@ def _json_object(text: str) -> dict:
     return value
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """A usage error is one line, as every other error is, pointing at --help instead of printing the usage."""
+
+    def error(self, message: str):
+        self.exit(EXIT_BAD_INPUT, f"{PROG}: error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, description="Tokenize SFT datasets into a memory-mapped Arrow cache.")
+    parser = OneLineErrorParser(prog=PROG, description="Tokenize SFT datasets into a memory-mapped Arrow cache.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     run = commands.add_parser("run", help="tokenize sources into a cache (resumes a failed or interrupted run)",
@@ -133,6 +145,23 @@ def _as_option_error(error: dict) -> str:
     return f"{option}: {error['msg'].removeprefix('Value error, ')}"
 
 
+def prefect_home_problem() -> str | None:
+    """Why the embedded server could not keep its database in PREFECT_HOME, or None if it can."""
+    import tempfile
+
+    from prefect.settings import get_current_settings
+
+    home = Path(get_current_settings().home).expanduser()
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=home):
+            pass
+    except OSError as error:
+        return (f"PREFECT_HOME {os.path.abspath(home)}: Prefect's embedded server cannot keep its database there "
+                f"({error.strerror}); point PREFECT_HOME at a writable directory, or PREFECT_API_URL at a server")
+    return None
+
+
 def progress_console():
     """Prefect's console, so log lines print above the progress bar instead of through it."""
     from rich.console import Console
@@ -182,11 +211,17 @@ def run(args: argparse.Namespace) -> int:
     except ValidationError as error:
         return _fail("; ".join(map(_as_option_error, error.errors())), EXIT_BAD_INPUT)
     server = EmbeddedServer() if EmbeddedServer.needed() else None
+
+    def start_server() -> None:  # only when there is work: a cache hit needs no Prefect at all
+        if problem := prefect_home_problem():
+            raise BadInput(problem)
+        server.start()
+
     try:
         # Checked before the flow starts: bad input fails at once, and a cache hit needs no flow. When there is
         # work, Prefect's server is started first and boots in its own process (seconds) while this one plans.
         require_extra(options.runner)
-        plan = plan_slices(options, on_work=server.start if server else None)
+        plan = plan_slices(options, on_work=start_server if server else None)
     except BadInput as error:
         return _fail(str(error), EXIT_BAD_INPUT)
     if plan.cached and not options.force:
@@ -230,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     # Before transformers and prefect are imported: no "PyTorch was not found" advisory, no telemetry noise.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    # An unusable PREFECT_HOME is reported in one line by `prefect_home_problem`, not as Prefect's import warning.
+    warnings.filterwarnings("ignore", message="Failed to create the Prefect home directory")
     if args.command == "run":  # inherited by process-pool workers, which print their own logs
         os.environ[CONSOLE_ENV] = "quiet" if args.quiet else "verbose" if args.verbose else "plain"
     return run(args) if args.command == "run" else inspect(args)

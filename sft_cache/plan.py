@@ -21,6 +21,7 @@ from .options import TokenizeOptions, parse_size
 from .publish import is_published
 from .shard import Job
 from .sources import Slice, SourceFile, cut_slices, reader, resolve
+from .template_check import check_chat_template, template_source
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,8 @@ class Plan:
 def default_name(spec: str) -> str:
     base = os.path.basename(spec.removeprefix("hub:").rstrip("/*")) or "dataset"
     stem = base.split(".")[0]
-    return "".join(c if c.isalnum() or c in "._-" else "-" for c in stem).strip(".-_") or "dataset"
+    # At most 100 characters, as --name: with "-<fingerprint>" and a ".deleting-…" prefix it fits a file name.
+    return "".join(c if c.isalnum() or c in "._-" else "-" for c in stem)[:100].strip(".-_") or "dataset"
 
 
 def cache_root(options: TokenizeOptions) -> Path:
@@ -58,8 +60,9 @@ def _columns(files: list[SourceFile], options: TokenizeOptions) -> ColumnMap:
     """One format and column mapping for all files; a file that does not fit is named."""
     first: ColumnMap | None = None
     for source in files:
-        found = resolve_columns(options.format if first is None else first.format, options.columns,
-                                reader(source, options.storage_options).columns(), source.url)
+        available = reader(source, options.storage_options).columns(skip_bad_rows=options.on_bad_row == "skip")
+        found = resolve_columns(options.format if first is None else first.format, options.columns, available,
+                                source.url)
         if first is None:
             first = found
         elif found != first:
@@ -100,8 +103,9 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable
     root = cache_root(options)
     tokenizer_dir = resolve_tokenizer(options.tokenizer, options.tokenizer_revision)
     template_override = read_chat_template(options.chat_template)
+    ignored: list[str] = []
     files = resolve(options.sources, split=options.split, subset=options.subset, revision=options.revision,
-                    storage_options=options.storage_options)
+                    storage_options=options.storage_options, cache_root=str(root), ignored=ignored)
     columns = _columns(files, options)
     inputs = {
         "cache_format_version": CACHE_FORMAT_VERSION,
@@ -115,8 +119,11 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable
         "max_length": options.max_length,
         "truncation": options.truncation if options.max_length else None,
         "extra_columns": sorted(options.extra_columns),
+        # A skip run may hold fewer rows than a raise run would refuse to publish: never the same cache.
+        "on_bad_row": options.on_bad_row,
     }
     digest = fingerprint(inputs)
+    inputs["ignored_files"] = ignored  # recorded, not hashed: they are never read
     name = options.name or default_name(options.sources[0])
     cache_path = root / f"{name}-{digest}"
     job = Job(
@@ -140,6 +147,7 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable
     if on_work is not None:
         on_work()
     tokenizer = load_tokenizer(tokenizer_dir, template_override, options.trust_remote_code)
+    check_chat_template(tokenizer, template_source(options, tokenizer_dir), needed=columns.format != "text")
     _check_tokenizer(tokenizer, columns, options)
     total = sum(f.size for f in files)
     target = max(1, min(parse_size(options.shard_size), -(-total // max(1, min_slices))))
