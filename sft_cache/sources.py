@@ -492,7 +492,12 @@ class _Csv(_Reader):
             raise BadInput(f"{self.url}: not a readable CSV file ({one_line(error)})") from None
 
     def columns(self, skip_bad_rows: bool = False) -> list[str]:
-        return self._reader().schema.names
+        ragged: list[tuple[int, int, int]] = []  # in the first block, which opening the reader parses
+        names = self._reader(ragged=ragged).schema.names
+        if ragged and not skip_bad_rows:
+            line, fields, expected = ragged[0]
+            raise BadInput(f"{self.url}:{line}: {fields} fields where the header has {expected}")
+        return names
 
     def pieces(self, size: int, target: int, first: int) -> list[tuple[int, int, int]]:
         return [(0, -1, size)]
