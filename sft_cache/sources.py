@@ -514,7 +514,7 @@ class _Csv(_Reader):
                    lambda i: f"{self.url}:{found[i][0]}")
 
         try:
-            for batch in self._reader({name: pa.string() for name in self.columns()}, ragged):
+            for batch in self._reader({name: pa.string() for name in self._reader().schema.names}, ragged):
                 if ragged:
                     lines += len(ragged)
                     yield from report_ragged()
