@@ -202,31 +202,47 @@ def run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from flows.cluster import require_extra
-    from flows.embedded_server import EmbeddedServer
-    from flows.tokenize_dataset import TokenizeRun, first_line, on_progress, tokenize_dataset
+    from sft_cache.options import TokenizeOptions
     from sft_cache.plan import plan_slices
 
+    settings = options_from(args)
     try:
-        options = TokenizeRun(**options_from(args))
+        # The data plane's options alone, before Prefect is even imported: a bad value, bad input and a cache hit
+        # are settled in well under a second.
+        checked = TokenizeOptions(**{k: v for k, v in settings.items() if k in TokenizeOptions.model_fields})
     except ValidationError as error:
         return _fail("; ".join(map(_as_option_error, error.errors())), EXIT_BAD_INPUT)
-    server = EmbeddedServer() if EmbeddedServer.needed() else None
+    server = None
 
     def start_server() -> None:  # only when there is work: a cache hit needs no Prefect at all
-        if problem := prefect_home_problem():
-            raise BadInput(problem)
-        server.start()
+        nonlocal server
+        from flows.embedded_server import EmbeddedServer
+
+        if EmbeddedServer.needed():
+            if problem := prefect_home_problem():
+                raise BadInput(problem)
+            server = EmbeddedServer()
+            server.start()
 
     try:
         # Checked before the flow starts: bad input fails at once, and a cache hit needs no flow. When there is
         # work, Prefect's server is started first and boots in its own process (seconds) while this one plans.
-        require_extra(options.runner)
-        plan = plan_slices(options, on_work=start_server if server else None)
+        require_extra(settings["runner"])
+        plan = plan_slices(checked, on_work=start_server)
     except BadInput as error:
         return _fail(str(error), EXIT_BAD_INPUT)
-    if plan.cached and not options.force:
+    if plan.cached and not settings["force"]:
         print(plan.cache_path)
         return EXIT_OK
+    from flows.embedded_server import EmbeddedServer
+    from flows.tokenize_dataset import TokenizeRun, first_line, on_progress, tokenize_dataset
+
+    try:
+        options = TokenizeRun(**settings)
+    except ValidationError as error:
+        return _fail("; ".join(map(_as_option_error, error.errors())), EXIT_BAD_INPUT)
+    if server is None and EmbeddedServer.needed():  # --force of a published cache: the plan did no work
+        server = EmbeddedServer()
     if options.runner == "dask" and not args.verbose:
         # A temporary cluster's scheduler runs in this process: a notice per worker and connection is noise here.
         logging.getLogger("distributed").setLevel(logging.WARNING)

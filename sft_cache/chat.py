@@ -100,8 +100,8 @@ def read_chat_template(template: str | None) -> str | None:
         try:
             return path.read_text(encoding="utf-8")
         except UnicodeDecodeError as error:
-            raise BadInput(f"{path}: the chat template is not UTF-8 text (byte 0x{error.object[error.start]:02x} "
-                           f"at offset {error.start})") from None
+            raise BadInput(f"{path}: the chat template is not UTF-8 text (byte {error.start + 1} is "
+                           f"0x{error.object[error.start]:02x})") from None
     return template
 
 

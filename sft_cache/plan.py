@@ -21,7 +21,7 @@ from .options import TokenizeOptions, parse_size
 from .publish import is_published
 from .shard import Job
 from .sources import Slice, SourceFile, cut_slices, reader, resolve
-from .template_check import check_chat_template, template_source
+from .template_check import check_chat_template
 
 
 @dataclass(frozen=True)
@@ -144,10 +144,10 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable
     )
     if is_published(cache_path):
         return Plan(job, [], name, cache_path, inputs, cached=True)
+    check_chat_template(options, tokenizer_dir, template_override, needed=columns.format != "text")
     if on_work is not None:
         on_work()
     tokenizer = load_tokenizer(tokenizer_dir, template_override, options.trust_remote_code)
-    check_chat_template(tokenizer, template_source(options, tokenizer_dir), needed=columns.format != "text")
     _check_tokenizer(tokenizer, columns, options)
     total = sum(f.size for f in files)
     target = max(1, min(parse_size(options.shard_size), -(-total // max(1, min_slices))))
