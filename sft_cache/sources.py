@@ -197,8 +197,8 @@ def _resolve_one(spec: str, split: str, storage_options: dict | None, cache_root
         files, not_data = list_directory(fs, path, local, exclude=cache_root)
         ignored += [os.path.abspath(p) if local else fs.unstrip_protocol(p) for p in not_data]
         if not files:
-            inside = " (the cache dir inside it is never read)" if local and is_under(cache_root or "/-", path) \
-                else ""
+            inside = " (the cache dir inside it is never read)" if local and cache_root and \
+                is_under(cache_root, path) else ""
             raise BadInput(f"{_shown(spec)}: no data files ({', '.join(sorted(EXTENSIONS))}) in this directory"
                            f"{inside}")
         return [_source(fs, p) for p in files]
