@@ -53,12 +53,13 @@ def check_regular_file(path: str) -> None:
         raise BadInput(f"{path}: cannot read it (permission denied)")
 
 
-def _local_files(top: str) -> list[str]:
-    """Every non-hidden entry below `top` that is not a directory, following links to directories once."""
+def _local_files(top: str, exclude: str | None) -> list[str]:
+    """Every non-hidden entry below `top` that is not a directory, following links to directories once, and
+    not descending into `exclude`."""
     found, seen = [], set()
     for directory, subdirectories, names in os.walk(top, followlinks=True):
         real = os.path.realpath(directory)
-        if real in seen:  # a link back up the tree
+        if real in seen or is_under(real, exclude):  # a link back up the tree, or the cache root
             subdirectories[:] = []
             continue
         seen.add(real)
@@ -71,7 +72,7 @@ def list_directory(fs: fsspec.AbstractFileSystem, path: str, local: bool,
                    exclude: str | None = None) -> tuple[list[str], list[str]]:
     """(data files, ignored files) below `path`, each sorted; a file that is neither is refused by name."""
     if local:
-        entries = [p for p in _local_files(path) if not is_under(p, exclude)]
+        entries = [p for p in _local_files(path, exclude) if not is_under(p, exclude)]
         for entry in entries:
             if not is_not_data(entry):
                 check_regular_file(entry)
