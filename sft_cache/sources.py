@@ -192,7 +192,7 @@ def _resolve_one(spec: str, split: str, storage_options: dict | None, cache_root
         if saved is not None:
             if not saved:
                 which = f"split {split!r}" if fs.exists(f"{path}/dataset_dict.json") else "its state.json"
-                raise BadInput(f"{_shown(path)}: the saved dataset has no rows ({which} lists no data files)")
+                raise BadInput(f"{_shown(spec)}: the saved dataset has no rows ({which} lists no data files)")
             return [SourceFile(s.url, "arrow", s.size, s.identity) for s in (_source(fs, p) for p in saved)]
         files, not_data = list_directory(fs, path, local, exclude=cache_root)
         ignored += [os.path.abspath(p) if local else fs.unstrip_protocol(p) for p in not_data]
