@@ -503,31 +503,41 @@ class _Csv(_Reader):
     def pieces(self, size: int, target: int, first: int) -> list[tuple[int, int, int]]:
         return [(0, -1, size)]
 
-    def read(self, part: Part, columns: list[str]) -> Iterator[RowBatch]:
-        lines = 1  # lines read so far: the header, the rows, the ragged rows (a quoted field is one line)
-        ragged: list[tuple[int, int, int]] = []
+    def _ragged_rows(self, ragged: list[tuple[int, int, int]]) -> RowBatch:
+        found = list(ragged)
+        return ([BadRow("ragged_csv", f"{fields} fields where the header has {expected}") for _, fields, expected
+                 in found], lambda i: f"{self.url}:{found[i][0]}")
 
-        def report_ragged() -> Iterator[RowBatch]:
-            found = list(ragged)
-            ragged.clear()
-            yield ([BadRow("ragged_csv", f"{fields} fields where the header has {expected}")
-                    for _, fields, expected in found],
-                   lambda i: f"{self.url}:{found[i][0]}")
+    def read(self, part: Part, columns: list[str]) -> Iterator[RowBatch]:
+        read = 0  # rows read so far
+        ragged: list[tuple[int, int, int]] = []  # found while parsing the block under way
+        skipped: list[int] = []  # the lines of every ragged row so far, ascending
+
+        def line_of(row: int, skipped: tuple[int, ...]) -> int:
+            """The line of a row (0-based, after the header): row + 2, plus every ragged line before it."""
+            line = row + 2
+            for ragged_line in skipped:
+                if ragged_line > line:
+                    break
+                line += 1
+            return line
 
         try:
             for batch in self._reader({name: pa.string() for name in self._reader().schema.names}, ragged):
-                if ragged:
-                    lines += len(ragged)
-                    yield from report_ragged()
+                if ragged:  # the block of this batch held them: report them, and count their lines
+                    skipped += [line for line, _, _ in ragged]
+                    yield self._ragged_rows(ragged)
+                    ragged.clear()
                 table = batch.select(columns)
                 for start in range(0, table.num_rows, READ_BATCH_ROWS):
                     rows = table.slice(start, READ_BATCH_ROWS).to_pylist()
-                    yield rows, (lambda i, r=lines + start: f"{self.url}:{r + i + 1}")
-                lines += table.num_rows
-            if ragged:
-                yield from report_ragged()
+                    yield rows, (lambda i, r=read + start, s=tuple(skipped): f"{self.url}:{line_of(r + i, s)}")
+                read += table.num_rows
+            if ragged:  # a last block of ragged rows only gives no batch
+                yield self._ragged_rows(ragged)
         except pa.ArrowInvalid as error:
-            raise BadInput(f"{self.url}: near line {lines + 1}: cannot parse CSV ({one_line(error)})") from None
+            raise BadInput(f"{self.url}: near line {line_of(read, tuple(skipped))}: cannot parse CSV "
+                           f"({one_line(error)})") from None
 
 
 READERS: dict[str, type[_Reader]] = {"jsonl": _JsonLines, "json": _JsonArray, "parquet": _Parquet, "arrow": _Arrow,
