@@ -18,7 +18,9 @@ import json
 import logging
 import os
 import sys
+import warnings
 from contextlib import nullcontext
+from pathlib import Path
 from typing import Any
 
 from flows.console import CONSOLE_ENV, configure_console
@@ -37,7 +39,10 @@ def _column(spec: str) -> tuple[str, str]:
 
 
 def _positive(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
@@ -53,8 +58,15 @@ def _json_object(text: str) -> dict:
     return value
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """A usage error is one line, as every other error is, pointing at --help instead of printing the usage."""
+
+    def error(self, message: str):
+        self.exit(EXIT_BAD_INPUT, f"{PROG}: error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, description="Tokenize SFT datasets into a memory-mapped Arrow cache.")
+    parser = OneLineErrorParser(prog=PROG, description="Tokenize SFT datasets into a memory-mapped Arrow cache.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     run = commands.add_parser("run", help="tokenize sources into a cache (resumes a failed or interrupted run)",
@@ -168,6 +180,23 @@ def _as_option_error(error: dict) -> str:
     return f"{option}: {error['msg'].removeprefix('Value error, ')}"
 
 
+def prefect_home_problem() -> str | None:
+    """Why the embedded server could not keep its database in PREFECT_HOME, or None if it can."""
+    import tempfile
+
+    from prefect.settings import get_current_settings
+
+    home = Path(get_current_settings().home).expanduser()
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=home):
+            pass
+    except OSError as error:
+        return (f"PREFECT_HOME {os.path.abspath(home)}: Prefect's embedded server cannot keep its database there "
+                f"({error.strerror}); point PREFECT_HOME at a writable directory, or PREFECT_API_URL at a server")
+    return None
+
+
 def progress_console():
     """Prefect's console, so log lines print above the progress bar instead of through it."""
     from rich.console import Console
@@ -208,25 +237,47 @@ def run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from flows.cluster import require_extra
-    from flows.embedded_server import EmbeddedServer
-    from flows.tokenize_dataset import TokenizeRun, first_line, on_progress, tokenize_dataset
+    from sft_cache.options import TokenizeOptions
     from sft_cache.plan import plan_slices
 
+    settings = options_from(args)
     try:
-        options = TokenizeRun(**options_from(args))
+        # The data plane's options alone, before Prefect is even imported: a bad value, bad input and a cache hit
+        # are settled in well under a second.
+        checked = TokenizeOptions(**{k: v for k, v in settings.items() if k in TokenizeOptions.model_fields})
     except ValidationError as error:
         return _fail("; ".join(map(_as_option_error, error.errors())), EXIT_BAD_INPUT)
-    server = EmbeddedServer() if EmbeddedServer.needed() else None
+    server = None
+
+    def start_server() -> None:  # only when there is work: a cache hit needs no Prefect at all
+        nonlocal server
+        from flows.embedded_server import EmbeddedServer
+
+        if EmbeddedServer.needed():
+            if problem := prefect_home_problem():
+                raise BadInput(problem)
+            server = EmbeddedServer()
+            server.start()
+
     try:
         # Checked before the flow starts: bad input fails at once, and a cache hit needs no flow. When there is
         # work, Prefect's server is started first and boots in its own process (seconds) while this one plans.
-        require_extra(options.runner)
-        plan = plan_slices(options, on_work=server.start if server else None)
+        require_extra(settings["runner"])
+        plan = plan_slices(checked, on_work=start_server)
     except BadInput as error:
         return _fail(str(error), EXIT_BAD_INPUT)
-    if plan.cached and not options.force:
+    if plan.cached and not settings["force"]:
         print(plan.cache_path)
         return EXIT_OK
+    from flows.embedded_server import EmbeddedServer
+    from flows.tokenize_dataset import TokenizeRun, first_line, on_progress, tokenize_dataset
+
+    try:
+        options = TokenizeRun(**settings)
+    except ValidationError as error:
+        return _fail("; ".join(map(_as_option_error, error.errors())), EXIT_BAD_INPUT)
+    if server is None and EmbeddedServer.needed():  # --force of a published cache: the plan did no work
+        server = EmbeddedServer()
     if options.runner == "dask" and not args.verbose:
         # A temporary cluster's scheduler runs in this process: a notice per worker and connection is noise here.
         logging.getLogger("distributed").setLevel(logging.WARNING)
@@ -322,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     # Before transformers and prefect are imported: no "PyTorch was not found" advisory, no telemetry noise.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    # An unusable PREFECT_HOME is reported in one line by `prefect_home_problem`, not as Prefect's import warning.
+    warnings.filterwarnings("ignore", message="Failed to create the Prefect home directory")
     if args.command == "run":  # inherited by process-pool workers, which print their own logs
         os.environ[CONSOLE_ENV] = "quiet" if args.quiet else "verbose" if args.verbose else "plain"
     return {"run": run, "inspect": inspect, "pack": pack}[args.command](args)

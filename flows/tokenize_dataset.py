@@ -257,6 +257,8 @@ def tokenize_dataset(options: TokenizeRun) -> str:
     """Plan, tokenize every slice into its own shard, publish the shards as the cache; return its path."""
     logger = get_run_logger()
     plan = plan_slices(options, min_slices=options.worker_count)  # small inputs still give every worker a slice
+    if plan.inputs.get("ignored_files"):
+        logger.info("not data, not read: %s", ", ".join(plan.inputs["ignored_files"]))
     if plan.cached and not options.force:
         logger.info("cache hit, nothing to tokenize: %s", plan.cache_path)
     else:

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import BadInput, BadRow
+from .errors import BadInput, BadRow, one_line
 from .formats import REASONING_FIELDS, Conversation
 from .template import ChatTemplate, special_pattern
 from .turns import Rendered, TurnFinder
@@ -57,12 +57,15 @@ class EncodedBatch:
 
 def resolve_tokenizer(name_or_path: str, revision: str | None = None) -> Path:
     """A local directory holding the tokenizer's files: the path itself, or a hub snapshot of them."""
-    path = Path(name_or_path).expanduser()
+    path = Path(os.path.abspath(Path(name_or_path).expanduser()))
     if path.is_dir():
-        return path.absolute()
+        return path
+    if path.is_file():
+        raise BadInput(f"{path}: --tokenizer takes the tokenizer's directory (the one holding tokenizer.json and "
+                       f"tokenizer_config.json), not a file: try {path.parent}")
     looks_local = name_or_path.startswith(("/", ".", "~")) or name_or_path.count("/") > 1 or path.exists()
     if looks_local:
-        raise BadInput(f"tokenizer directory not found: {name_or_path}")
+        raise BadInput(f"tokenizer directory not found: {path}")
     from huggingface_hub import snapshot_download
 
     try:
@@ -70,7 +73,7 @@ def resolve_tokenizer(name_or_path: str, revision: str | None = None) -> Path:
     except Exception as error:  # offline, unknown repo, gated: all end the same way for the user
         raise BadInput(
             f"tokenizer {name_or_path!r} is not a local directory and could not be fetched from the "
-            f"Hugging Face hub ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"
+            f"Hugging Face hub ({type(error).__name__}: {one_line(error)})"
         ) from None
     return Path(local)
 
@@ -80,10 +83,14 @@ def read_chat_template(template: str | None) -> str | None:
     if template is None:
         return None
     if "{" not in template:
-        path = Path(template).expanduser()
+        path = Path(os.path.abspath(Path(template).expanduser()))
         if not path.is_file():
-            raise BadInput(f"chat template file not found: {template}")
-        return path.read_text(encoding="utf-8")
+            raise BadInput(f"chat template file not found: {path}")
+        try:
+            return path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as error:
+            raise BadInput(f"{path}: the chat template is not UTF-8 text (byte {error.start + 1} is "
+                           f"0x{error.object[error.start]:02x})") from None
     return template
 
 
@@ -95,7 +102,7 @@ def load_tokenizer(tokenizer_dir: str | Path, chat_template: str | None = None, 
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), trust_remote_code=trust_remote_code)
     except Exception as error:
-        raise BadInput(f"cannot load a tokenizer from {tokenizer_dir}: {error}".splitlines()[0]) from None
+        raise BadInput(f"cannot load a tokenizer from {tokenizer_dir}: {one_line(error)}") from None
     if not getattr(tokenizer, "is_fast", False) or getattr(tokenizer, "backend_tokenizer", None) is None:
         raise BadInput(f"{tokenizer_dir}: a fast (Rust) tokenizer with a tokenizer.json is required")
     if chat_template is not None:

@@ -27,3 +27,9 @@ class CacheError(RuntimeError):
 
 class OutOfSpace(RuntimeError):
     """A shard could not be written for lack of disk space (or a file size limit); rerunning resumes."""
+
+
+def one_line(error: BaseException | str, limit: int = 400) -> str:
+    """An error's message on one line: every line of it, whitespace collapsed, cut at `limit` characters."""
+    text = " ".join(str(error).split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Literal
@@ -103,4 +104,4 @@ class TokenizeOptions(BaseModel):
 
     @property
     def cache_root(self) -> Path:
-        return Path(self.cache_dir).expanduser().absolute()
+        return Path(os.path.abspath(Path(self.cache_dir).expanduser()))  # normalised: no `in/../caches`

@@ -21,6 +21,7 @@ from .options import TokenizeOptions, parse_size
 from .publish import is_published
 from .shard import Job
 from .sources import Slice, SourceFile, cut_slices, reader, resolve
+from .template_check import check_chat_template
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,8 @@ class Plan:
 def default_name(spec: str) -> str:
     base = os.path.basename(spec.removeprefix("hub:").rstrip("/*")) or "dataset"
     stem = base.split(".")[0]
-    return "".join(c if c.isalnum() or c in "._-" else "-" for c in stem).strip(".-_") or "dataset"
+    # At most 100 characters, as --name: with "-<fingerprint>" and a ".deleting-…" prefix it fits a file name.
+    return "".join(c if c.isalnum() or c in "._-" else "-" for c in stem)[:100].strip(".-_") or "dataset"
 
 
 def cache_root(options: TokenizeOptions) -> Path:
@@ -59,8 +61,9 @@ def _columns(files: list[SourceFile], options: TokenizeOptions) -> ColumnMap:
     first: ColumnMap | None = None
     for source in files:
         source_reader = reader(source, options.storage_options)
-        found = resolve_columns(options.format if first is None else first.format, options.columns,
-                                source_reader.columns(), source.url, source_reader.schemaless)
+        available = source_reader.columns(skip_bad_rows=options.on_bad_row == "skip")
+        found = resolve_columns(options.format if first is None else first.format, options.columns, available,
+                                source.url, source_reader.schemaless)
         if first is None:
             first = found
         elif found != first:
@@ -101,8 +104,9 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable
     root = cache_root(options)
     tokenizer_dir = resolve_tokenizer(options.tokenizer, options.tokenizer_revision)
     template_override = read_chat_template(options.chat_template)
+    ignored: list[str] = []
     files = resolve(options.sources, split=options.split, subset=options.subset, revision=options.revision,
-                    storage_options=options.storage_options)
+                    storage_options=options.storage_options, cache_root=str(root), ignored=ignored)
     columns = _columns(files, options)
     inputs = {
         "cache_format_version": CACHE_FORMAT_VERSION,
@@ -120,8 +124,11 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable
         "truncation": options.truncation if options.max_length else None,
         "extra_columns": sorted(options.extra_columns),
         "layout": options.layout,
+        # A skip run may hold fewer rows than a raise run would refuse to publish: never the same cache.
+        "on_bad_row": options.on_bad_row,
     }
     digest = fingerprint(inputs)
+    inputs["ignored_files"] = ignored  # recorded, not hashed: they are never read
     name = options.name or default_name(options.sources[0])
     cache_path = root / f"{name}-{digest}"
     job = Job(
@@ -146,6 +153,7 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable
     )
     if is_published(cache_path):
         return Plan(job, [], name, cache_path, inputs, cached=True)
+    check_chat_template(options, tokenizer_dir, template_override, needed=columns.format != "text")
     if on_work is not None:
         on_work()
     tokenizer = load_tokenizer(tokenizer_dir, template_override, options.trust_remote_code)

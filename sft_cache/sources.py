@@ -11,9 +11,10 @@ same code. A slice is a small picklable description (file URLs and ranges), neve
 
 from __future__ import annotations
 
-import io
+import codecs
 import json
 import os
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
@@ -24,7 +25,8 @@ import pyarrow as pa
 import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 
-from .errors import BadInput, BadRow
+from .errors import BadInput, BadRow, one_line
+from .listing import check_regular_file, is_under, list_directory
 
 EXTENSIONS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv",
               ".arrow": "arrow"}
@@ -94,7 +96,7 @@ def _kind(url: str, fs: fsspec.AbstractFileSystem, path: str) -> str:
                        f"supported: {', '.join(sorted(EXTENSIONS))}")
     if kind == "json":  # many .json files are JSON lines: an object on the first line tells
         with fs.open(path, "rb") as f:
-            head = f.read(4096).lstrip()
+            head = f.read(4096).removeprefix(codecs.BOM_UTF8).lstrip()
         # A first line that is not a whole object is a pretty-printed document: read as one, it is named
         # as "not an array" (or a syntax error at its line) instead of a broken first line.
         line, newline, _ = head.partition(b"\n")
@@ -138,42 +140,79 @@ def _hub_files(name: str, subset: str | None, split: str, revision: str | None) 
     try:
         dataset = datasets.load_dataset(name, subset, split=split, revision=revision)
     except Exception as error:
-        raise BadInput(f"hub:{name}: cannot load split {split!r}: {str(error).splitlines()[0]}") from None
+        raise BadInput(f"hub:{name}: cannot load split {split!r}: {one_line(error)}") from None
     fs = fsspec.filesystem("file")
     files = [_source(fs, entry["filename"]) for entry in dataset.cache_files]
     return [SourceFile(f.url, "arrow", f.size, (*f.identity, f"fingerprint={dataset._fingerprint}")) for f in files]
 
 
 def resolve(specs: list[str], *, split: str = "train", subset: str | None = None, revision: str | None = None,
-            storage_options: dict | None = None) -> list[SourceFile]:
-    """Every input file, in the order given (globs and directories sorted by path)."""
+            storage_options: dict | None = None, cache_root: str | None = None,
+            ignored: list[str] | None = None) -> list[SourceFile]:
+    """Every input file, in the order given (globs and directories sorted by path). Nothing under
+    `cache_root` is read; files of a directory that are not data (README.md) are appended to `ignored`."""
     found: list[SourceFile] = []
     for spec in specs:
         if spec.startswith("hub:"):
             found += _hub_files(spec[4:], subset, split, revision)
             continue
-        fs, path = filesystem(spec, storage_options)
-        if any(ch in spec for ch in "*?["):
-            matches = sorted(fs.glob(path))
-            if not matches:
-                raise BadInput(f"no files match {spec}")
-            found += [_source(fs, m) for m in matches if not fs.isdir(m)]
-        elif fs.isdir(path):
-            saved = _saved_dataset_files(fs, path, split)
-            if saved is not None:
-                found += [SourceFile(s.url, "arrow", s.size, s.identity) for s in (_source(fs, p) for p in saved)]
-                continue
-            files = sorted(p for p, info in fs.find(path, detail=True).items()
-                           if info["type"] == "file" and os.path.splitext(p)[1].lower() in EXTENSIONS
-                           and not os.path.basename(p).startswith("."))
-            if not files:
-                raise BadInput(f"{spec}: no data files ({', '.join(sorted(EXTENSIONS))}) in this directory")
-            found += [_source(fs, p) for p in files]
-        elif fs.exists(path):
-            found.append(_source(fs, path))
-        else:
-            raise BadInput(f"no such file: {spec}")
+        try:
+            found += _resolve_one(spec, split, storage_options, cache_root, ignored if ignored is not None else [])
+        except BadInput:
+            raise
+        except Exception as error:  # noqa: BLE001 - unreachable, no credentials, refused: one line naming it
+            raise BadInput(f"{_shown(spec)}: cannot read it ({type(error).__name__}: {one_line(error)})") from None
     return found
+
+
+def _shown(spec: str) -> str:
+    """A spec as printed: a local path absolute and normalised, a URL as given."""
+    return spec if "://" in spec else os.path.abspath(os.path.expanduser(spec))
+
+
+def _resolve_one(spec: str, split: str, storage_options: dict | None, cache_root: str | None,
+                 ignored: list[str]) -> list[SourceFile]:
+    fs, path = filesystem(spec, storage_options)
+    local = _is_local(fs)
+    # A literal name wins over a glob: `data[1].jsonl` that exists is that file.
+    if any(ch in spec for ch in "*?[") and not fs.exists(path):
+        matches = [m for m in sorted(fs.glob(path)) if not (local and is_under(m, cache_root))]
+        if not matches:
+            raise BadInput(f"no files match {_shown(spec)}")
+        files = [m for m in matches if not fs.isdir(m)]
+        if not files:
+            raise BadInput(f"{_shown(spec)} matches only directories ({', '.join(matches[:3])}"
+                           f"{', …' if len(matches) > 3 else ''}): name a directory itself, or a glob of files")
+        if local:
+            for file in files:
+                check_regular_file(file)
+        return [_source(fs, m) for m in files]
+    if fs.isdir(path):
+        saved = _saved_dataset_files(fs, path, split)
+        if saved is not None:
+            if not saved:
+                which = f"split {split!r}" if fs.exists(f"{path}/dataset_dict.json") else "its state.json"
+                raise BadInput(f"{_shown(spec)}: the saved dataset has no rows ({which} lists no data files)")
+            return [SourceFile(s.url, "arrow", s.size, s.identity) for s in (_source(fs, p) for p in saved)]
+        files, not_data = list_directory(fs, path, local, exclude=cache_root)
+        ignored += [os.path.abspath(p) if local else fs.unstrip_protocol(p) for p in not_data]
+        if not files:
+            inside = " (the cache dir inside it is never read)" if local and cache_root and \
+                is_under(cache_root, path) else ""
+            raise BadInput(f"{_shown(spec)}: no data files ({', '.join(sorted(EXTENSIONS))}) in this directory"
+                           f"{inside}")
+        return [_source(fs, p) for p in files]
+    if local:
+        if not os.path.lexists(path):
+            raise BadInput(f"no such file: {_shown(spec)}")
+        check_regular_file(os.path.abspath(path))
+        if is_under(path, cache_root):
+            raise BadInput(f"{_shown(spec)}: is inside the cache dir {cache_root}, whose files are never read as "
+                           "input")
+        return [_source(fs, path)]
+    if fs.exists(path):
+        return [_source(fs, path)]
+    raise BadInput(f"no such file: {_shown(spec)}")
 
 
 # -- per-format inspection, pieces and reading ----------------------------------------------------------------
@@ -193,7 +232,8 @@ class _Reader:
         # Otherwise small blocks: finding a line start should not fetch megabytes of object storage.
         return self.fs.open(self.path, "rb", **({"cache_type": "none"} if exact else {"block_size": 1 << 16}))
 
-    def columns(self) -> list[str]:
+    def columns(self, skip_bad_rows: bool = False) -> list[str]:
+        """The columns, from the schema or the first row (the first readable one, when skipping bad rows)."""
         raise NotImplementedError
 
     def pieces(self, size: int, target: int, first: int) -> list[tuple[int, int, int]]:
@@ -208,16 +248,18 @@ class _Reader:
 class _JsonLines(_Reader):
     schemaless = True
 
-    def columns(self) -> list[str]:
+    def columns(self, skip_bad_rows: bool = False) -> list[str]:
         with self.open() as f:
             for number, line in enumerate(f, start=1):
                 if not line.strip():
                     continue
                 row = _parse_line(line)
                 if isinstance(row, BadRow):
+                    if skip_bad_rows:
+                        continue
                     raise row.at(f"{self.url}:{number}")
                 return list(row)
-        raise BadInput(f"{self.url}: the file has no rows")
+        raise BadInput(f"{self.url}: the file has no rows" + (" that can be read" if skip_bad_rows else ""))
 
     def pieces(self, size: int, target: int, first: int) -> list[tuple[int, int, int]]:
         cuts = [0]
@@ -290,7 +332,13 @@ def _line_locator(url: str, first: _LazyLineNumber, lines: list[int]) -> Callabl
     return lambda i: f"{url}:{first.value + lines[i]}"
 
 
+# A \\uD800-\\uDFFF escape: JSON can spell a lone surrogate, which is not Unicode and no tokenizer can encode.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+TOO_DEEP = BadRow("malformed_json", "not valid JSON: nested too deeply (more than about 1,000 levels)")
+
+
 def _parse_line(line: bytes) -> dict | BadRow:
+    line = line.removeprefix(codecs.BOM_UTF8)  # a byte order mark opens files written by some Windows tools
     try:
         text = line.decode("utf-8")
     except UnicodeDecodeError as error:
@@ -299,8 +347,20 @@ def _parse_line(line: bytes) -> dict | BadRow:
         row = json.loads(text)
     except json.JSONDecodeError as error:
         return BadRow("malformed_json", f"not valid JSON: {error.msg} (column {error.colno})")
+    except RecursionError:
+        return TOO_DEEP
     if not isinstance(row, dict):
         return BadRow("malformed_json", f"expected a JSON object, got {type(row).__name__}")
+    return _unicode_checked(row) if _SURROGATE_ESCAPE.search(line) else row
+
+
+def _unicode_checked(row: dict) -> dict | BadRow:
+    """The row, or a BadRow if one of its strings holds a lone surrogate."""
+    try:
+        json.dumps(row, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as error:
+        escape = f"\\u{ord(error.object[error.start]):04x}"
+        return BadRow("not_unicode", f"a lone surrogate {escape} in a string (half of a UTF-16 pair: not Unicode)")
     return row
 
 
@@ -310,19 +370,23 @@ class _JsonArray(_Reader):
     @cached_property
     def items(self) -> list:
         with self.open() as f:
-            try:
-                data = json.load(io.TextIOWrapper(f, encoding="utf-8"))
-            except UnicodeDecodeError as error:
-                raise BadInput(f"{self.url}: not valid UTF-8 ({error.reason} at byte {error.start})") from None
-            except json.JSONDecodeError as error:
-                where = f"{self.url}:{error.lineno}"
-                raise BadInput(f"{where}: not valid JSON: {error.msg} (column {error.colno})") from None
+            raw = f.read()
+        self.may_hold_surrogates = bool(_SURROGATE_ESCAPE.search(raw))
+        try:
+            data = json.loads(raw.decode("utf-8-sig"))  # with or without a byte order mark
+        except UnicodeDecodeError as error:
+            raise BadInput(f"{self.url}: not valid UTF-8 ({error.reason} at byte {error.start})") from None
+        except json.JSONDecodeError as error:
+            where = f"{self.url}:{error.lineno}"
+            raise BadInput(f"{where}: not valid JSON: {error.msg} (column {error.colno})") from None
+        except RecursionError:
+            raise BadInput(f"{self.url}: {TOO_DEEP.detail}") from None
         if not isinstance(data, list):
             raise BadInput(f"{self.url}: a .json file must hold an array of objects (or be JSON lines), "
                            f"got a JSON {type(data).__name__}")
         return data
 
-    def columns(self) -> list[str]:
+    def columns(self, skip_bad_rows: bool = False) -> list[str]:
         objects = [item for item in self.items if isinstance(item, dict)]
         if not objects:
             raise BadInput(f"{self.url}: the array holds no objects")
@@ -334,10 +398,10 @@ class _JsonArray(_Reader):
     def read(self, part: Part, columns: list[str]) -> Iterator[RowBatch]:
         items = self.items
         for start in range(0, len(items), READ_BATCH_ROWS):
-            rows = [item if isinstance(item, dict) else
+            rows = [(_unicode_checked(item) if self.may_hold_surrogates else item) if isinstance(item, dict) else
                     BadRow("malformed_json", f"expected a JSON object, got {type(item).__name__}")
                     for item in items[start:start + READ_BATCH_ROWS]]
-            yield rows, (lambda i, s=start: f"{self.url}: item {s + i}")
+            yield rows, (lambda i, s=start: f"{self.url}: item {s + i + 1}")
 
 
 class _Parquet(_Reader):
@@ -348,7 +412,7 @@ class _Parquet(_Reader):
         except Exception as error:
             raise BadInput(f"{self.url}: not a readable Parquet file ({error})") from None
 
-    def columns(self) -> list[str]:
+    def columns(self, skip_bad_rows: bool = False) -> list[str]:
         return self.file.schema_arrow.names
 
     def pieces(self, size: int, target: int, first: int) -> list[tuple[int, int, int]]:
@@ -362,27 +426,38 @@ class _Parquet(_Reader):
             batches = self.file.iter_batches(batch_size=READ_BATCH_ROWS, row_groups=range(part.start, part.stop),
                                              columns=columns)
             for batch in batches:
-                yield batch.to_pylist(), (lambda i, r=row: f"{self.url}: row {r + i}")
+                yield batch.to_pylist(), (lambda i, r=row: f"{self.url}: row {r + i + 1}")
                 row += batch.num_rows
         except OSError as error:
-            raise BadInput(f"{self.url}: row {row}: cannot read Parquet data ({error})") from None
+            raise BadInput(f"{self.url}: row {row + 1}: cannot read Parquet data ({one_line(error)})") from None
 
 
 class _Arrow(_Reader):
-    def _batches(self) -> Iterator[pa.RecordBatch]:
+    def _open(self) -> pa.ipc.RecordBatchFileReader | pa.ipc.RecordBatchStreamReader:
         source = pa.memory_map(self.path) if _is_local(self.fs) else self.open()
         try:
             try:
-                reader = pa.ipc.open_file(source)
-                yield from (reader.get_batch(i) for i in range(reader.num_record_batches))
+                return pa.ipc.open_file(source)
             except pa.ArrowInvalid:
                 source.seek(0)
-                yield from pa.ipc.open_stream(source)
+                return pa.ipc.open_stream(source)
         except pa.ArrowInvalid as error:
-            raise BadInput(f"{self.url}: not a readable Arrow IPC file ({error})") from None
+            raise BadInput(f"{self.url}: not a readable Arrow IPC file ({one_line(error)})") from None
 
-    def columns(self) -> list[str]:
-        return next(iter(self._batches())).schema.names
+    def _batches(self) -> Iterator[pa.RecordBatch]:
+        reader = self._open()
+        try:
+            if isinstance(reader, pa.ipc.RecordBatchFileReader):
+                yield from (reader.get_batch(i) for i in range(reader.num_record_batches))
+            else:
+                yield from reader
+        except pa.ArrowInvalid as error:
+            raise BadInput(f"{self.url}: not a readable Arrow IPC file ({one_line(error)})") from None
+
+    def columns(self, skip_bad_rows: bool = False) -> list[str]:
+        if not any(batch.num_rows for batch in self._batches()):
+            raise BadInput(f"{self.url}: the Arrow file has no rows (no record batch holds any)")
+        return self._open().schema.names
 
     def pieces(self, size: int, target: int, first: int) -> list[tuple[int, int, int]]:
         pieces, row = [], 0
@@ -399,38 +474,76 @@ class _Arrow(_Reader):
                 chosen = batch.slice(begin, end - begin).select(columns)
                 for start in range(0, chosen.num_rows, READ_BATCH_ROWS):
                     rows = chosen.slice(start, READ_BATCH_ROWS).to_pylist()
-                    yield rows, (lambda i, r=row + begin + start: f"{self.url}: row {r + i}")
+                    yield rows, (lambda i, r=row + begin + start: f"{self.url}: row {r + i + 1}")
             row += batch.num_rows
             if row >= part.stop:
                 break
 
 
 class _Csv(_Reader):
-    def _reader(self, column_types: dict | None = None):
+    def _reader(self, column_types: dict | None = None, ragged: list | None = None):
+        """A streaming CSV reader; a row with the wrong number of fields is recorded in `ragged` as
+        (line, fields, expected) and left out (single-threaded, so the line number is known)."""
+        def on_ragged(row) -> str:
+            if ragged is not None:
+                ragged.append((row.number, row.actual_columns, row.expected_columns))
+            return "skip"
+
         # Every column is text: "3" in an output column is the string "3", not a number.
         try:
-            return pa_csv.open_csv(self.open(), read_options=pa_csv.ReadOptions(block_size=READ_BATCH_BYTES),
+            return pa_csv.open_csv(self.open(), read_options=pa_csv.ReadOptions(block_size=READ_BATCH_BYTES,
+                                                                                use_threads=False),
+                                   parse_options=pa_csv.ParseOptions(invalid_row_handler=on_ragged),
                                    convert_options=pa_csv.ConvertOptions(column_types=column_types))
         except pa.ArrowInvalid as error:
-            raise BadInput(f"{self.url}: not a readable CSV file ({error})") from None
+            raise BadInput(f"{self.url}: not a readable CSV file ({one_line(error)})") from None
 
-    def columns(self) -> list[str]:
-        return self._reader().schema.names
+    def columns(self, skip_bad_rows: bool = False) -> list[str]:
+        ragged: list[tuple[int, int, int]] = []  # in the first block, which opening the reader parses
+        names = self._reader(ragged=ragged).schema.names
+        if ragged and not skip_bad_rows:
+            line, fields, expected = ragged[0]
+            raise BadInput(f"{self.url}:{line}: {fields} fields where the header has {expected}")
+        return names
 
     def pieces(self, size: int, target: int, first: int) -> list[tuple[int, int, int]]:
         return [(0, -1, size)]
 
+    def _ragged_rows(self, ragged: list[tuple[int, int, int]]) -> RowBatch:
+        found = list(ragged)
+        return ([BadRow("ragged_csv", f"{fields} fields where the header has {expected}") for _, fields, expected
+                 in found], lambda i: f"{self.url}:{found[i][0]}")
+
     def read(self, part: Part, columns: list[str]) -> Iterator[RowBatch]:
-        row = 0
+        read = 0  # rows read so far
+        ragged: list[tuple[int, int, int]] = []  # found while parsing the block under way
+        skipped: list[int] = []  # the lines of every ragged row so far, ascending
+
+        def line_of(row: int, skipped: tuple[int, ...]) -> int:
+            """The line of a row (0-based, after the header): row + 2, plus every ragged line before it."""
+            line = row + 2
+            for ragged_line in skipped:
+                if ragged_line > line:
+                    break
+                line += 1
+            return line
+
         try:
-            for batch in self._reader({name: pa.string() for name in self.columns()}):
+            for batch in self._reader({name: pa.string() for name in self._reader().schema.names}, ragged):
+                if ragged:  # the block of this batch held them: report them, and count their lines
+                    skipped += [line for line, _, _ in ragged]
+                    yield self._ragged_rows(ragged)
+                    ragged.clear()
                 table = batch.select(columns)
                 for start in range(0, table.num_rows, READ_BATCH_ROWS):
                     rows = table.slice(start, READ_BATCH_ROWS).to_pylist()
-                    yield rows, (lambda i, r=row + start: f"{self.url}:{r + i + 2}")  # line 1 is the header
-                row += table.num_rows
+                    yield rows, (lambda i, r=read + start, s=tuple(skipped): f"{self.url}:{line_of(r + i, s)}")
+                read += table.num_rows
+            if ragged:  # a last block of ragged rows only gives no batch
+                yield self._ragged_rows(ragged)
         except pa.ArrowInvalid as error:
-            raise BadInput(f"{self.url}: near line {row + 2}: cannot parse CSV ({error})") from None
+            raise BadInput(f"{self.url}: near line {line_of(read, tuple(skipped))}: cannot parse CSV "
+                           f"({one_line(error)})") from None
 
 
 READERS: dict[str, type[_Reader]] = {"jsonl": _JsonLines, "json": _JsonArray, "parquet": _Parquet, "arrow": _Arrow,

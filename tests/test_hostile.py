@@ -56,10 +56,12 @@ def environment(home: Path, api_url: str | None = None) -> dict[str, str]:
     return environ
 
 
-def cli(*args: str, home: Path, api_url: str | None = None,
-        preexec: Callable[[], None] | None = None) -> subprocess.CompletedProcess:
+def cli(*args: str, home: Path, api_url: str | None = None, preexec: Callable[[], None] | None = None,
+        env: dict[str, str | None] | None = None) -> subprocess.CompletedProcess:
+    """Run the CLI; `env` adds variables to its environment (None removes one)."""
+    environ = {k: v for k, v in {**environment(home, api_url), **(env or {})}.items() if v is not None}
     return subprocess.run([str(BIN / "sft-tokenize"), *args], capture_output=True, text=True, stdin=subprocess.DEVNULL,
-                          env=environment(home, api_url), preexec_fn=preexec, timeout=TIMEOUT)
+                          env=environ, preexec_fn=preexec, timeout=TIMEOUT)
 
 
 class Background:
@@ -428,6 +430,9 @@ ROW_ERRORS = {  # a row that is wrong, and how the error says so
                          "messages[0].content[0] is a part of type 'image_url': only text parts"),
     "unknown-role": ('{"messages": [{"role": "narrator", "content": "hi"}, {"role": "assistant", "content": "yo"}]}',
                      "messages[0] has unknown role 'narrator' (known: system, user, assistant, tool)"),
+    "lone-surrogate": ('{"messages": [{"role": "user", "content": "\\ud83d"}, {"role": "assistant", "content": "yo"}]}',
+                       "a lone surrogate \\ud83d in a string"),
+    "deep-nesting": ('{"messages": ' + "[" * 100_000 + "]" * 100_000 + "}", "not valid JSON: nested too deeply"),
 }
 NO_ASSISTANT = '{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]}'
 
@@ -443,6 +448,15 @@ def with_a_bad_row(path: Path, bad: str | bytes) -> Path:
     return write_lines(path, good[:2] + [bad] + good[2:])
 
 
+def other_formats_with_a_bad_row_2(data: Path) -> list[Path]:
+    """A JSON array and a Parquet file whose second row has a message without a role."""
+    rows = example_rows()[:3]
+    rows[1] = {"messages": [{"role": None, "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    (data / "bad-item.json").write_text(json.dumps(rows))
+    pq.write_table(pa.Table.from_pylist(rows), data / "bad-row.parquet")
+    return [data / "bad-item.json", data / "bad-row.parquet"]
+
+
 @pytest.fixture(scope="module")
 def bad_rows_run(tmp_path_factory, api_url):
     """One run over a file per kind of bad row, and one with a row that has no assistant turn. Every line is its
@@ -450,6 +464,7 @@ def bad_rows_run(tmp_path_factory, api_url):
     data = tmp_path_factory.mktemp("bad-rows")
     files = [with_a_bad_row(data / f"{case}.jsonl", bad) for case, (bad, _) in ROW_ERRORS.items()]
     files.append(with_a_bad_row(data / "no-assistant-row.jsonl", NO_ASSISTANT))
+    files += other_formats_with_a_bad_row_2(data)
     cache_root = data / "cache"
     result = cli(*run_args(files, cache_root, "--shard-size", "1"), home=data / "prefect-home", api_url=api_url)
     return result, data, cache_root
@@ -460,6 +475,13 @@ def bad_rows_run(tmp_path_factory, api_url):
 def test_each_bad_row_is_named_by_file_and_line(bad_rows_run, case):
     result, data, _ = bad_rows_run
     assert f"failed: BadInput: {data}/{case}.jsonl:3: {ROW_ERRORS[case][1]}" in result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["bad-item.json: item 2", "bad-row.parquet: row 2"])
+def test_rows_are_counted_from_1_in_every_format_as_lines_are(bad_rows_run, where):
+    result, data, _ = bad_rows_run
+    assert f"failed: BadInput: {data}/{where}: messages[0] has no 'role'" in result.stderr
 
 
 @pytest.mark.slow
@@ -496,8 +518,8 @@ def test_skipped_bad_rows_are_counted_in_the_manifest(tmp_path, api_url):
     cache_path = Path(result.stdout.splitlines()[-1])
     manifest = json.loads((cache_path / "manifest.json").read_text())
     assert manifest["rows"] == len(good) == len(open_cache(cache_path))
-    assert manifest["dropped"] == {"bad_message": 3, "bad_messages": 1, "malformed_json": 1, "no_assistant_turn": 1,
-                                   "not_utf8": 1, "unknown_role": 1}
+    assert manifest["dropped"] == {"bad_message": 3, "bad_messages": 1, "malformed_json": 2, "no_assistant_turn": 1,
+                                   "not_unicode": 1, "not_utf8": 1, "unknown_role": 1}
 
     # Prefect's persisted task results are JSON, never pickle: one per slice, holding its row count.
     records = [json.loads(p.read_bytes()) for p in (cache_root / ".prefect-results").iterdir()]
@@ -715,3 +737,295 @@ def test_a_chat_template_cannot_reach_python(refusals):
     assert_refused_before_prefect_started(d, result, f"{d}/hostile.jinja: the chat template fails on an empty "
                                           "exchange", "SecurityError", "is unsafe")
     assert not (d / MARKER).exists()
+
+
+# -- 8. hostile input, found at plan time: one line, exit 2, no Prefect ------------------------------------------
+
+
+def _directory(d: Path, **entries: str | Callable[[Path], object]) -> Path:
+    """d/in with a good JSONL file `a.jsonl`, and each entry: text, or a function that makes it at its path."""
+    (d / "in").mkdir()
+    write_jsonl(d / "in" / "a.jsonl", example_rows()[:3])
+    for name, make in entries.items():
+        path = d / "in" / name
+        make(path) if callable(make) else path.write_text(make)
+    return d / "in"
+
+
+def _dangling_link(path: Path) -> None:
+    path.symlink_to(path.parent.parent / "gone.jsonl")
+
+
+def _glob_of_directories(d: Path) -> list[str]:
+    for name in ("a.jsonl", "b.jsonl"):  # directories named like data files, each holding one
+        write_jsonl(d / "in" / name / "rows.jsonl", example_rows()[:2])
+    return [str(d / "in" / "*.jsonl")]
+
+
+def _empty_split(d: Path) -> list[str]:
+    import datasets
+
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(example_rows()[:2]),
+                          "test": datasets.Dataset.from_list([])}).save_to_disk(str(d / "saved"))
+    return [str(d / "saved"), "--split", "test"]
+
+
+def _arrow_without_batches(d: Path) -> list[str]:
+    schema = pa.Table.from_pylist(example_rows()[:1]).schema
+    with pa.OSFile(str(d / "empty.arrow"), "wb") as sink, pa.ipc.new_stream(sink, schema):
+        pass
+    return [str(d / "empty.arrow")]
+
+
+def _jsonl_lines(path: Path, first: str) -> list[str]:
+    write_lines(path, [first] + [json.dumps(row) for row in example_rows()[:2]])
+    return [str(path)]
+
+
+def _ragged_csv(d: Path) -> list[str]:
+    file_with(d / "rows.csv", "prompt,completion\nhi,yo\nhow are you,fine,thanks\nbye,ciao\n")
+    return [str(d / "rows.csv")]
+
+
+def _manifest(d: Path, manifest: object) -> list[str]:
+    (d / "cache-dir").mkdir()
+    (d / "cache-dir" / "manifest.json").write_text(json.dumps(manifest))
+    (d / "cache-dir" / "state.json").write_text(json.dumps({"_data_files": []}))
+    return ["inspect", str(d / "cache-dir")]
+
+
+def _template(d: Path, name: str, text: str | bytes) -> list[str]:
+    (d / name).write_bytes(text if isinstance(text, bytes) else text.encode())
+    return [str(EXAMPLE_DATA), "--chat-template", str(d / name)]
+
+
+def _tokenizer_copy(d: Path, change: Callable[[Path], object]) -> list[str]:
+    tokenizer = Path(shutil.copytree(EXAMPLE_TOKENIZER, d / "tok"))
+    change(tokenizer)
+    return [str(EXAMPLE_DATA), "--tokenizer", str(tokenizer)]
+
+
+def _named_templates(tokenizer: Path) -> None:
+    """The chat template as a list of named templates in tokenizer_config.json, as some hub models ship it."""
+    template = (tokenizer / "chat_template.jinja").read_text()
+    (tokenizer / "chat_template.jinja").unlink()
+    config = json.loads((tokenizer / "tokenizer_config.json").read_text())
+    config["chat_template"] = [{"name": "default", "template": template}, {"name": "tool_use", "template": template}]
+    (tokenizer / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def _closed_port_url(d: Path) -> list[str]:
+    return [f"https://127.0.0.1:{free_port()}/data.jsonl"]
+
+
+NO_AWS = {"AWS_ACCESS_KEY_ID": None, "AWS_SECRET_ACCESS_KEY": None, "AWS_SESSION_TOKEN": None, "AWS_PROFILE": None,
+          "AWS_EC2_METADATA_DISABLED": "true", "AWS_CONFIG_FILE": "/dev/null",
+          "AWS_SHARED_CREDENTIALS_FILE": "/dev/null"}
+BAD_LINE = '{"messages": [{"role": "user", "content": "hi"}'
+# case: (its arguments, made in its own directory d; the one line it must print), all before Prefect starts.
+PLAN_TIME_ERRORS: dict[str, tuple[Callable[[Path], list[str]], str]] = {
+    "unknown-file-in-a-directory": (lambda d: [str(_directory(d, **{"rows.txt": "hi"}))],
+                                    "{d}/in/rows.txt: unknown file format '.txt'"),
+    # Root reads any file whatever its mode, so the unreadable files are a link to nowhere and a FIFO.
+    "dangling-symlink-in-a-directory": (lambda d: [str(_directory(d, **{"b.jsonl": _dangling_link}))],
+                                        "{d}/in/b.jsonl: a symbolic link to {d}/gone.jsonl, which does not exist"),
+    "fifo-in-a-directory": (lambda d: [str(_directory(d, **{"b.jsonl": os.mkfifo}))],
+                            "{d}/in/b.jsonl: a FIFO, not a regular file"),
+    "fifo-named-as-a-source": (lambda d: [str(_directory(d, **{"b.jsonl": os.mkfifo}) / "b.jsonl")],
+                               "{d}/in/b.jsonl: a FIFO, not a regular file"),
+    "glob-matching-only-directories": (_glob_of_directories, "{d}/in/*.jsonl matches only directories ({d}/in/a.jsonl"),
+    "empty-datasetdict-split": (_empty_split, "{d}/saved: the saved dataset has no rows (split 'test' lists no data"),
+    "arrow-stream-without-batches": (_arrow_without_batches, "{d}/empty.arrow: the Arrow file has no rows"),
+    "bad-line-1": (lambda d: _jsonl_lines(d / "rows.jsonl", BAD_LINE), "{d}/rows.jsonl:1: not valid JSON: Expecting"),
+    "bom-and-bad-line-1": (lambda d: _jsonl_lines(d / "rows.jsonl", "\ufeff" + BAD_LINE),
+                           "{d}/rows.jsonl:1: not valid JSON: Expecting"),
+    "lone-surrogate-on-line-1": (lambda d: _jsonl_lines(d / "rows.jsonl", ROW_ERRORS["lone-surrogate"][0]),
+                                 "{d}/rows.jsonl:1: a lone surrogate \\ud83d in a string"),
+    "deep-nesting-on-line-1": (lambda d: _jsonl_lines(d / "rows.jsonl", ROW_ERRORS["deep-nesting"][0]),
+                               "{d}/rows.jsonl:1: not valid JSON: nested too deeply"),
+    "literal-name-with-brackets": (lambda d: _jsonl_lines(d / "data[1].jsonl", BAD_LINE),
+                                   "{d}/data[1].jsonl:1: not valid JSON"),
+    "ragged-csv": (_ragged_csv, "{d}/rows.csv:3: 3 fields where the header has 2"),
+    "manifest-is-an-empty-object": (lambda d: _manifest(d, {}), "{d}/cache-dir: manifest.json lacks name, fingerprint"),
+    "manifest-is-a-list": (lambda d: _manifest(d, [1]),
+                           "{d}/cache-dir: manifest.json holds a JSON list, not an object"),
+    "inspect-a-file": (lambda d: ["inspect", file_with(d / "data.jsonl", "{}")],
+                       "{d}/data.jsonl: not a published cache (a file: a cache is a directory"),
+    "template-not-utf8": (lambda d: _template(d, "latin1.jinja", b"{{ 'caf\xe9' }}"),
+                          "{d}/latin1.jinja: the chat template is not UTF-8 text (byte 8 is 0xe9)"),
+    "template-syntax-error": (lambda d: _template(d, "broken.jinja", "{% for m in messages %}\n{{ m.content }}"),
+                              "{d}/broken.jinja: the chat template is not valid Jinja (line 2 of the template): "
+                              "Unexpected end of template"),
+    "tokenizer-template-syntax-error": (
+        lambda d: _tokenizer_copy(d, lambda t: (t / "chat_template.jinja").write_text("{{ messages[0 }}")),
+        "{d}/tok/chat_template.jinja: the chat template is not valid Jinja (line 1 of the template)"),
+    "named-chat-templates": (lambda d: _tokenizer_copy(d, _named_templates),
+                             "{d}/tok/tokenizer_config.json: the tokenizer has named chat templates (default, "
+                             "tool_use), and one template is used for every row"),
+    "s3-without-credentials": (lambda d: ["s3://sft-tokenize-no-such-bucket/data.jsonl"],
+                               "s3://sft-tokenize-no-such-bucket/data.jsonl: cannot read it (NoCredentialsError"),
+    "https-unreachable": (_closed_port_url, "/data.jsonl: cannot read it (ClientConnectorError: Cannot connect"),
+    "unwritable-prefect-home": (lambda d: [file_with(d / "not-a-directory", "x") and str(EXAMPLE_DATA)],
+                                "PREFECT_HOME {d}/not-a-directory/home: Prefect's embedded server cannot keep its "
+                                "database there (Not a directory)"),
+    "tokenizer-message-in-full": (lambda d: _tokenizer_copy(d, lambda t: (t / "tokenizer.json").unlink()),
+                                  "Couldn't instantiate the backend tokenizer from one of: (1) a `tokenizers` library "
+                                  "serialization file, (2) a slow tokenizer instance to convert"),
+    "tokenizer-file-for-a-directory": (lambda d: [str(EXAMPLE_DATA), "--tokenizer",
+                                                  file_with(d / "tokenizer.json", "{}")],
+                                       "{d}/tokenizer.json: --tokenizer takes the tokenizer's directory (the one "
+                                       "holding tokenizer.json and tokenizer_config.json), not a file: try {d}"),
+    "bad-flag-value": (lambda d: [str(EXAMPLE_DATA), "--max-length", "many"],
+                       "argument --max-length: expected a whole number, got 'many' (see `sft-tokenize run --help`)"),
+    "unnormalised-path": (lambda d: [str(d / "sub" / ".." / "nowhere.jsonl")], "no such file: {d}/nowhere.jsonl"),
+}
+# A tokenizer fails to load while the embedded server boots (they overlap): with a server URL set, none starts.
+PLAN_TIME_ENV = {"s3-without-credentials": NO_AWS, "tokenizer-message-in-full": {"PREFECT_API_URL": "http://127.0.0.1:9/api"}}
+
+
+@pytest.fixture(scope="module")
+def plan_time_errors(tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess, float]]:
+    """Each case's CLI run in its own directory, two at a time: (directory, result, seconds) by case."""
+    def run(case: str) -> tuple[Path, subprocess.CompletedProcess, float]:
+        d = tmp_path_factory.mktemp(case)
+        args = PLAN_TIME_ERRORS[case][0](d)
+        if args[0] != "inspect":
+            args = ["run", args[0], "--tokenizer", str(EXAMPLE_TOKENIZER), "--cache-dir", str(d / "cache"), *args[1:]]
+        home = d / "not-a-directory" / "home" if case == "unwritable-prefect-home" else d / "prefect-home"
+        started = time.monotonic()
+        result = cli(*args, home=home, env=PLAN_TIME_ENV.get(case))
+        return d, result, time.monotonic() - started
+
+    with ThreadPoolExecutor(max_workers=len(os.sched_getaffinity(0))) as pool:
+        return dict(zip(PLAN_TIME_ERRORS, pool.map(run, PLAN_TIME_ERRORS), strict=True))
+
+
+@pytest.mark.parametrize("case", PLAN_TIME_ERRORS)
+def test_hostile_input_is_one_line_before_prefect_starts(plan_time_errors, case):
+    d, result, seconds = plan_time_errors[case]
+    assert_refused_before_prefect_started(d, result, PLAN_TIME_ERRORS[case][1].format(d=d))
+    assert len(result.stderr.splitlines()) == 1, result.stderr  # the error line and nothing else
+
+
+# -- 9. hostile input that must be read right: whole directories, skips that stay skips, odd names --------------
+
+
+def _snapshot(d: Path) -> tuple[Path, int]:
+    """A Hugging Face snapshot directory: links into blobs/, one real file beside them, a README, a nested
+    directory. The JSONL and the JSON array start with a byte order mark. Returns it and its row count."""
+    rows = example_rows()
+    (d / "blobs").mkdir()
+    (d / "blobs" / "1f0c").write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(r) + "\n" for r in rows[:5]).encode())
+    (d / "blobs" / "9a2e").write_bytes(b"\xef\xbb\xbf" + json.dumps(rows[5:8]).encode())
+    write_jsonl(d / "blobs" / "77b3", rows[8:10])
+    snapshot = d / "snapshot"
+    (snapshot / "more").mkdir(parents=True)
+    (snapshot / "a.jsonl").symlink_to("../blobs/1f0c")
+    (snapshot / "b.json").symlink_to("../blobs/9a2e")
+    write_jsonl(snapshot / "c[1].jsonl", rows[10:13])  # a real file, its name a glob pattern
+    (snapshot / "more" / "d.jsonl").symlink_to("../../blobs/77b3")
+    (snapshot / "README.md").write_text("# a dataset card\n")
+    (snapshot / ".gitattributes").write_text("*.jsonl filter=lfs\n")
+    return snapshot, 13
+
+
+@pytest.mark.slow
+def test_a_directory_of_links_is_read_whole_its_cache_inside_never_read_and_its_glob_gives_the_same_cache(
+        tmp_path, api_url):
+    snapshot, rows = _snapshot(tmp_path)
+    cache_root = snapshot / "cache"  # inside the input directory
+    args = ("--name", "snap", "--tokenizer", str(EXAMPLE_TOKENIZER), "--shard-size", "1KB", "--workers", "2")
+    first = cli("run", str(snapshot), "--cache-dir", str(snapshot / "more" / ".." / "cache"), *args,
+                home=tmp_path / "home", api_url=api_url)
+    assert first.returncode == 0, first.stderr
+    cache_path = Path(first.stdout.splitlines()[-1])
+    assert cache_path.parent == cache_root  # printed normalised, without more/..
+    assert len(open_cache(cache_path)) == rows  # every row of every file: links, BOMs, the nested one
+    manifest = json.loads((cache_path / "manifest.json").read_text())
+    assert [Path(url).name for url, *_ in manifest["fingerprint_inputs"]["sources"]] == [
+        "a.jsonl", "b.json", "c[1].jsonl", "d.jsonl"]
+    assert manifest["fingerprint_inputs"]["ignored_files"] == [str(snapshot / "README.md")]
+    assert f"not data, not read: {snapshot / 'README.md'}" in first.stderr
+
+    # The published cache and its staging under the input directory are not input: the same run is a cache
+    # hit, and so are the same files named by globs (the README, matched by no glob, is not an input either).
+    again = cli("run", str(snapshot), "--cache-dir", str(cache_root), *args, home=tmp_path / "home")
+    globbed = cli("run", str(snapshot / "*.json*"), str(snapshot / "more" / "*"), "--cache-dir", str(cache_root),
+                  *args, home=tmp_path / "home")
+    for hit in (again, globbed):
+        assert hit.returncode == 0, hit.stderr
+        assert hit.stdout.splitlines() == [str(cache_path)] and hit.stderr == ""
+    assert published_caches(cache_root) == [cache_path.name]
+
+
+@pytest.mark.slow
+def test_a_skip_built_cache_is_not_served_to_a_raise_run(tmp_path, api_url):
+    good = [json.dumps(row) for row in example_rows()[:6]]
+    lines = [BAD_LINE, good[0], ROW_ERRORS["lone-surrogate"][0], good[1], ROW_ERRORS["deep-nesting"][0], *good[2:]]
+    data = write_lines(tmp_path / "messy.jsonl", lines)
+    cache_root = tmp_path / "cache"
+    skipped = cli(*run_args([data], cache_root, "--on-bad-row", "skip"), home=tmp_path / "home", api_url=api_url)
+    assert skipped.returncode == 0, skipped.stderr
+    cache_path = Path(skipped.stdout.splitlines()[-1])
+    manifest = json.loads((cache_path / "manifest.json").read_text())
+    assert manifest["rows"] == len(good) == len(open_cache(cache_path))
+    assert manifest["dropped"] == {"malformed_json": 2, "not_unicode": 1}  # the bad line 1 is skipped like any
+    assert manifest["fingerprint_inputs"]["on_bad_row"] == "skip"
+
+    raised = cli(*run_args([data], cache_root), home=tmp_path / "home", api_url=api_url)
+    assert_rejected(raised, f"{data}:1: not valid JSON: Expecting")
+    assert len(raised.stderr.splitlines()) == 1, raised.stderr
+    assert published_caches(cache_root) == [cache_path.name]
+
+
+@pytest.mark.slow
+def test_a_240_character_file_name_gives_a_cache_named_by_its_first_100(tmp_path, api_url):
+    data = write_jsonl(tmp_path / ("r" * 234 + ".jsonl"), example_rows()[:3])
+    result = cli(*run_args([data], tmp_path / "cache", "--force"), home=tmp_path / "home", api_url=api_url)
+    assert result.returncode == 0, result.stderr
+    cache_path = Path(result.stdout.splitlines()[-1])
+    assert cache_path.name.startswith("r" * 100 + "-") and len(cache_path.name) == 117
+    assert len(open_cache(cache_path)) == 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("manifest", "force"), [({}, False), ([1], True)])
+def test_a_corrupt_manifest_is_rebuilt_by_run_and_by_run_force(tmp_path, api_url, manifest, force):
+    cache_root = tmp_path / "cache"
+    data = write_jsonl(tmp_path / "rows.jsonl", example_rows()[:4])
+    cache_path = run_locally(TokenizeOptions(sources=[str(data)], tokenizer=str(EXAMPLE_TOKENIZER),
+                                             cache_dir=str(cache_root)))
+    intact = [open_cache(cache_path)[i]["input_ids"].tolist() for i in range(4)]
+    (cache_path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CacheError, match="manifest.json .* the cache is corrupt"):
+        open_cache(cache_path)
+    rebuilt = cli(*run_args([data], cache_root, *(["--force"] if force else [])), home=tmp_path / "home",
+                  api_url=api_url)
+    assert rebuilt.returncode == 0, rebuilt.stderr
+    assert rebuilt.stdout.splitlines()[-1] == str(cache_path)
+    assert [open_cache(cache_path)[i]["input_ids"].tolist() for i in range(4)] == intact
+
+
+# -- 10. noise: a run's stderr is its progress and its log, nothing of the embedded server's ------------------------
+
+
+@pytest.mark.slow
+def test_a_quiet_run_of_many_slices_on_the_embedded_server_prints_only_its_progress(tmp_path, prefect_home):
+    result = cli(*run_args([EXAMPLE_DATA], tmp_path / "cache", "--shard-size", "15KB", "-q"), home=prefect_home)
+    assert result.returncode == 0, result.stderr
+    assert len(open_cache(Path(result.stdout.splitlines()[-1]))) == 240
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) <= 1 and all("slices" in line for line in lines), result.stderr  # 22/22 slices, 240 rows
+    assert (prefect_home / "embedded-server.log").exists()  # where the server's own logs went
+
+
+@pytest.mark.slow
+def test_an_embedded_server_that_cannot_start_says_why_in_one_line(tmp_path, prefect_home):
+    database = tmp_path / "no-such-dir" / "prefect.db"
+    result = cli(*run_args([EXAMPLE_DATA], tmp_path / "cache"), home=prefect_home,
+                 env={"PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{database}"})
+    last = assert_clean_error(result.returncode, result.stdout, result.stderr, 1,
+                              "the embedded Prefect server exited with code", "unable to open database file",
+                              f"(its log: {prefect_home / 'embedded-server.log'})")
+    assert result.stderr.strip().splitlines() == [last]
+    assert published_caches(tmp_path / "cache") == []

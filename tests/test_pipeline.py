@@ -140,10 +140,11 @@ def test_fingerprint_follows_what_changes_the_output(tmp_path):
 
     base = fp()
     assert fp(shard_size="10KB") == base and fp(shard_size="1GB") == base, "slice count must not matter"
-    assert fp(on_bad_row="skip") == base and fp(name="other") == base
+    assert fp(name="other") == base
+    # A skip run may hold fewer rows than a raise run would accept: never the same cache.
     changed = {fp(max_length=128), fp(train_on="last_assistant"), fp(chat_template=str(template)),
-               fp(extra_columns=["labels"])}
-    assert base not in changed and len(changed) == 4
+               fp(extra_columns=["labels"]), fp(on_bad_row="skip")}
+    assert base not in changed and len(changed) == 5
     config = tokenizer / "tokenizer_config.json"
     config.write_text(config.read_text().replace("}", ', "padding_side": "left"}', 1))
     assert fp() != base

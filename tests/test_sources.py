@@ -161,3 +161,22 @@ def test_format_detection_says_when_it_cannot():
         resolve_columns("auto", {}, ["foo", "bar"], "data.jsonl")
     with pytest.raises(BadInput, match="missing column 'dialog' for format chat"):
         resolve_columns("chat", {"messages": "dialog"}, ["messages"], "data.jsonl")
+
+
+@pytest.mark.parametrize("line", [3, 60_000])  # in the first block, which opening parses, and far past it
+def test_a_ragged_csv_row_is_a_bad_row_at_its_line_and_the_others_are_read(tmp_path, line):
+    lines = ["prompt,completion"] + [f"question {n},answer {n}" for n in range(2, 70_000)]  # line n holds row n
+    lines[line - 1] = "a,b,c"
+    (tmp_path / "rows.csv").write_text("\n".join(lines) + "\n")
+    [source] = resolve([str(tmp_path / "rows.csv")])
+    found = []
+    for slice_ in cut_slices([source], 1 << 30):
+        for batch, locate in read_slice(slice_, ["prompt", "completion"]):
+            found += [(row, locate(i)) for i, row in enumerate(batch)]
+    bad = [(row, where) for row, where in found if isinstance(row, BadRow)]
+    assert [(row.reason, row.detail, where) for row, where in bad] == [
+        ("ragged_csv", "3 fields where the header has 2", f"{tmp_path}/rows.csv:{line}")]
+    good = {row["prompt"]: where for row, where in found if not isinstance(row, BadRow)}
+    assert len(good) == len(lines) - 2
+    # Every other row is located at its own line, before the ragged one and after it.
+    assert all(where == f"{tmp_path}/rows.csv:{prompt.split()[1]}" for prompt, where in good.items())
