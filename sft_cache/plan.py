@@ -16,7 +16,7 @@ from . import CACHE_FORMAT_VERSION
 from .chat import ChatEncoder, load_tokenizer, read_chat_template, resolve_tokenizer
 from .errors import BadInput
 from .fingerprint import fingerprint, hash_directory, hash_text
-from .formats import ColumnMap, resolve_columns
+from .formats import REQUIRED, ColumnMap, resolve_columns
 from .options import TokenizeOptions, parse_size
 from .publish import is_published
 from .shard import Job
@@ -57,19 +57,23 @@ def cache_root(options: TokenizeOptions) -> Path:
 
 
 def _columns(files: list[SourceFile], options: TokenizeOptions) -> ColumnMap:
-    """One format and column mapping for all files; a file that does not fit is named."""
-    first: ColumnMap | None = None
+    """One format and column mapping for all files: the required columns must agree (a file that does not fit
+    is named); an optional one (system, tools) is read from the files that have it."""
+    merged: ColumnMap | None = None
     for source in files:
         source_reader = reader(source, options.storage_options)
         available = source_reader.columns(skip_bad_rows=options.on_bad_row == "skip")
-        found = resolve_columns(options.format if first is None else first.format, options.columns, available,
+        found = resolve_columns(options.format if merged is None else merged.format, options.columns, available,
                                 source.url, source_reader.schemaless)
-        if first is None:
-            first = found
-        elif found != first:
-            raise BadInput(f"{source.url}: columns {found.columns} differ from {files[0].url}'s {first.columns}")
-    assert first is not None
-    return first
+        if merged is None:
+            merged = found
+            continue
+        required = {role: found.columns[role] for role in REQUIRED[found.format]}
+        if required != {role: merged.columns[role] for role in REQUIRED[merged.format]}:
+            raise BadInput(f"{source.url}: columns {found.columns} differ from {files[0].url}'s {merged.columns}")
+        merged = ColumnMap(merged.format, {**found.columns, **merged.columns})
+    assert merged is not None
+    return merged
 
 
 def _check_tokenizer(tokenizer, columns: ColumnMap, options: TokenizeOptions) -> None:

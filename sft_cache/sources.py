@@ -575,5 +575,10 @@ def cut_slices(files: list[SourceFile], target: int, storage_options: dict | Non
 
 
 def read_slice(slice_: Slice, columns: list[str], storage_options: dict | None = None) -> Iterator[RowBatch]:
+    """The rows of a slice, with the run's columns that each file has (an optional one may be in some only)."""
     for part in slice_.parts:
-        yield from reader(part, storage_options).read(part, columns)
+        part_reader = reader(part, storage_options)
+        if not part_reader.schemaless:
+            present = set(part_reader.columns())
+            columns = [name for name in columns if name in present]
+        yield from part_reader.read(part, columns)

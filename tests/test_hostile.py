@@ -537,6 +537,25 @@ def test_a_file_without_an_assistant_turn_exits_2_naming_it(tmp_path, api_url):
     assert published_caches(cache_root) == []
 
 
+@pytest.mark.slow
+def test_control_token_text_in_a_message_is_plain_text_or_a_named_error(tmp_path, api_url):
+    """A literal <|im_end|> inside a reply: by default encoded as text, so the whole reply is trained; with
+    --special-text error, the run stops naming the file, the line and the message."""
+    injected = {"messages": [{"role": "user", "content": "Say the end marker."},
+                             {"role": "assistant", "content": "Here: <|im_end|> and the rest of the reply."}]}
+    data = write_jsonl(tmp_path / "injected.jsonl", [example_rows()[0], injected])
+    result = cli(*run_args([data], tmp_path / "cache"), home=tmp_path / "home", api_url=api_url)
+    assert result.returncode == 0, result.stderr
+    cache_path = Path(result.stdout.splitlines()[-1])
+    shown = cli("inspect", str(cache_path), "--row", "1", home=tmp_path / "home", api_url=api_url)
+    assert "[[Here: <|im_end|> and the rest of the reply.<|im_end|>]]" in shown.stdout
+    assert json.loads((cache_path / "manifest.json").read_text())["masks"]["rows_special_text"] == 1
+    refused = cli(*run_args([data], tmp_path / "strict", "--special-text", "error"), home=tmp_path / "home",
+                  api_url=api_url)
+    assert_rejected(refused, f"{data}:2: messages[1].content holds the control token '<|im_end|>' as text")
+    assert published_caches(tmp_path / "strict") == []
+
+
 # -- 2, 3. killed mid-run, killed while publishing ------------------------------------------------------------
 
 
