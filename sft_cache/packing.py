@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from . import __version__
 from .binpack import ALGORITHMS, arrange_for_ranks
 from .errors import BadInput, CacheError
-from .publish import locked
+from .publish import fsync_path, locked
 from .reader import TokenizedCache, open_cache
 
 INDEX_VERSION = 1
@@ -156,14 +156,6 @@ def _write_npy(path: Path, array: np.ndarray) -> dict[str, Any]:
     return {"bytes": path.stat().st_size, "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _cache_identity(cache: TokenizedCache) -> dict[str, Any]:
     return {"name": cache.path.name, "fingerprint": cache.manifest["fingerprint"], "rows": len(cache),
             "lengths_sha256": _digest(cache.lengths.astype("<i4"))}
@@ -244,8 +236,8 @@ def pack_cache(cache: str | Path | TokenizedCache, options: PackOptions) -> Pack
         build = {"seconds": round(time.perf_counter() - started, 3), "tool_version": __version__}
         (building / "build.json").write_text(json.dumps(build, indent=2) + "\n")
         for path in building.iterdir():
-            _fsync(path)
-        _fsync(building)
+            fsync_path(path)
+        fsync_path(building)
         if target.exists():  # stale (another cache under this name, or damaged): replaced, never served
             stale = target.with_name(f".{target.name}.stale-{uuid.uuid4().hex[:8]}")
             os.rename(target, stale)
@@ -256,7 +248,7 @@ def pack_cache(cache: str | Path | TokenizedCache, options: PackOptions) -> Pack
             if error.errno not in (errno.EEXIST, errno.ENOTEMPTY):
                 raise
             shutil.rmtree(building, ignore_errors=True)
-        _fsync(target.parent)
+        fsync_path(target.parent)
     index = load_index(target, cache)
     index.built_now = True
     return index

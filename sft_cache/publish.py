@@ -57,7 +57,8 @@ def building(job: Job) -> contextlib.AbstractContextManager[None]:
                   waiting=f"another run is building the cache {job.fingerprint}; waiting for it to finish")
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory by path: what a rename publishes must be on disk first."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -179,13 +180,13 @@ def publish_cache(job: Job, slices: list[Slice], cache_path: Path, inputs: dict,
         manifest["timings"] = {**(timings or {}), "publish_seconds": round(time.monotonic() - started, 3)}
         (building / "manifest.json").write_text(json.dumps(manifest, indent=2))
         for path in building.iterdir():
-            _fsync(path)
-        _fsync(building)
+            fsync_path(path)
+        fsync_path(building)
         if cache_path.exists():  # a corrupt cache (is_published said no) is replaced, never served
             corrupt = staging.with_name(f"{staging.name}.corrupt-{uuid.uuid4().hex[:8]}")
             os.rename(cache_path, corrupt)
             shutil.rmtree(corrupt, ignore_errors=True)
         os.rename(building, cache_path)
-        _fsync(cache_path.parent)
+        fsync_path(cache_path.parent)
         shutil.rmtree(staging, ignore_errors=True)
     return cache_path

@@ -579,6 +579,6 @@ def read_slice(slice_: Slice, columns: list[str], storage_options: dict | None =
     for part in slice_.parts:
         part_reader = reader(part, storage_options)
         if not part_reader.schemaless:
-            present = set(part_reader.columns())
+            present = set(part_reader.columns(skip_bad_rows=True))
             columns = [name for name in columns if name in present]
         yield from part_reader.read(part, columns)

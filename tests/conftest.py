@@ -55,19 +55,24 @@ def build_family_tokenizer(family: str, out_dir: Path) -> Path:
     return out_dir
 
 
+def _built_once(tmp_path_factory, build):
+    """family name → directory of a tokenizer made by build(family, directory), built once per session."""
+    built: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in built:
+            built[family] = build(family, tmp_path_factory.mktemp(family))
+        return built[family]
+
+    return get
+
+
 @pytest.fixture(scope="session")
 def family_tokenizer(tmp_path_factory):
     """family name → directory of a tokenizer with that family's template (built once per session)."""
     if not TEMPLATES.is_dir():
         pytest.fail(f"chat templates not found at {TEMPLATES} (set SFT_CHAT_TEMPLATES)")
-    built: dict[str, Path] = {}
-
-    def get(family: str) -> Path:
-        if family not in built:
-            built[family] = build_family_tokenizer(family, tmp_path_factory.mktemp(family))
-        return built[family]
-
-    return get
+    return _built_once(tmp_path_factory, build_family_tokenizer)
 
 
 def write_jsonl(path: Path, rows) -> Path:
@@ -183,11 +188,4 @@ def modern_tokenizer(tmp_path_factory):
     """family name → directory of a tokenizer with that family's current template (built once per session)."""
     if not (TEMPLATES / "modern").is_dir():
         pytest.fail(f"chat templates not found at {TEMPLATES / 'modern'} (set SFT_CHAT_TEMPLATES)")
-    built: dict[str, Path] = {}
-
-    def get(family: str) -> Path:
-        if family not in built:
-            built[family] = build_modern_tokenizer(family, tmp_path_factory.mktemp(family))
-        return built[family]
-
-    return get
+    return _built_once(tmp_path_factory, build_modern_tokenizer)
