@@ -3,6 +3,7 @@
     sft-tokenize run data/*.jsonl --tokenizer Qwen/Qwen2.5-0.5B-Instruct --cache-dir /data/cache
     sft-tokenize run s3://bucket/sft/ --tokenizer /nfs/tok --cache-dir /nfs/c --runner dask --dask-address tcp://h:8786
     sft-tokenize inspect /data/cache/data-3f2a9c1d0b7e4f65 [--json]
+    sft-tokenize gc /data/cache [--keep N]
 
 stdout carries only the result (the cache path as its last line, or the inspect table), so scripts can
 read it; the progress bar and Prefect's run logs go to stderr. Exit codes: 0 success, 2 bad usage or bad
@@ -102,6 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
                                   description="Summarize a published cache from its manifest.")
     inspect.add_argument("cache", metavar="CACHE")
     inspect.add_argument("--json", action="store_true", help="print the whole manifest as JSON")
+
+    gc = commands.add_parser("gc", help="remove old versions and the shards no cache or running build uses",
+                             description="Keep the newest N versions of each cache name; remove the others and "
+                                         "every stored shard that no kept version and no running build uses.")
+    gc.add_argument("cache_dir", metavar="CACHE_DIR")
+    gc.add_argument("--keep", type=_positive, default=1, metavar="N", help="versions kept per name (default 1)")
     return parser
 
 
@@ -225,6 +232,20 @@ def inspect(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def gc(args: argparse.Namespace) -> int:
+    from sft_cache.store import collect_garbage
+
+    root = os.path.abspath(args.cache_dir)
+    if not os.path.isdir(root):
+        return _fail(f"{root}: no such cache directory", EXIT_BAD_INPUT)
+    done = collect_garbage(root, args.keep)
+    for name in done.removed:
+        print(f"removed {os.path.join(root, name)}")
+    print(f"kept {len(done.kept)} versions and {done.shards_kept} shards; removed {len(done.removed)} versions and "
+          f"{done.shards_removed} shards, {done.bytes_freed:,} bytes freed; {done.live_builds} running builds")
+    return EXIT_OK
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # Before transformers and prefect are imported: no "PyTorch was not found" advisory, no telemetry noise.
@@ -232,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     if args.command == "run":  # inherited by process-pool workers, which print their own logs
         os.environ[CONSOLE_ENV] = "quiet" if args.quiet else "verbose" if args.verbose else "plain"
-    return run(args) if args.command == "run" else inspect(args)
+    return {"run": run, "inspect": inspect, "gc": gc}[args.command](args)
 
 
 if __name__ == "__main__":

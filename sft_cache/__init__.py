@@ -9,4 +9,4 @@ FORMAT.md   the on-disk format of staging and of a published cache
 
 __version__ = "0.1.0"
 # Bumped whenever the bytes of a cache change for the same inputs; part of every fingerprint.
-CACHE_FORMAT_VERSION = 1
+CACHE_FORMAT_VERSION = 2

@@ -1,4 +1,5 @@
-"""plan_slices: resolve and check every input up front, fingerprint the run, cut byte-balanced slices.
+"""plan_slices: resolve and check every input up front, fingerprint the run, cut byte-balanced slices and
+key each one by the content it reads, so the shard store can tell which are already tokenized.
 
 Everything that can be wrong before tokenizing (a missing file, an unknown format, a missing column, a
 tokenizer without a chat template, a max_length below the template's own overhead) fails here, before
@@ -9,18 +10,20 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from . import CACHE_FORMAT_VERSION
 from .chat import ChatEncoder, load_tokenizer, read_chat_template, resolve_tokenizer
+from .content import slice_key
 from .errors import BadInput
-from .fingerprint import fingerprint, hash_directory, hash_text
+from .fingerprint import fingerprint, hash_directory, hash_text, tokenization_inputs
 from .formats import ColumnMap, resolve_columns
 from .options import TokenizeOptions, parse_size
 from .publish import is_published
 from .shard import Job
 from .sources import Slice, SourceFile, cut_slices, reader, resolve
+from .store import store_dir
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,10 @@ class Plan:
     @property
     def staging(self) -> Path:
         return Path(self.job.staging)
+
+    @property
+    def store(self) -> Path:
+        return Path(self.job.store)
 
 
 def default_name(spec: str) -> str:
@@ -122,6 +129,8 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable
     job = Job(
         fingerprint=digest,
         staging=str(root / ".staging" / digest),
+        store=str(store_dir(root)),
+        tokenization=fingerprint(tokenization_inputs(inputs)),
         tokenizer_dir=str(tokenizer_dir),
         chat_template=template_override,
         columns=columns,
@@ -142,14 +151,22 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable
     tokenizer = load_tokenizer(tokenizer_dir, template_override, options.trust_remote_code)
     _check_tokenizer(tokenizer, columns, options)
     total = sum(f.size for f in files)
-    target = max(1, min(parse_size(options.shard_size), -(-total // max(1, min_slices))))
-    return Plan(job, cut_slices(files, target, options.storage_options), name, cache_path, inputs, cached=False)
+    # Halving (rather than total / min_slices) keeps the target, and so every cut point, the same while the
+    # input grows, until it doubles.
+    target = max(1, parse_size(options.shard_size))
+    while min_slices > 1 and target > 1 and total < min_slices * target:
+        target //= 2
+    memo: dict = {}
+    slices = [replace(s, key=slice_key(s, job.tokenization, options.storage_options, memo))
+              for s in cut_slices(files, target, options.storage_options)]
+    return Plan(job, slices, name, cache_path, inputs, cached=False)
 
 
 def run_locally(options: TokenizeOptions) -> Path:
     """The whole pipeline in this process, one slice after another: the reference the flow must match."""
     from .publish import building, publish_cache
     from .shard import tokenize_slice
+    from .store import leased
 
     plan = plan_slices(options)
     if plan.cached:
@@ -157,6 +174,8 @@ def run_locally(options: TokenizeOptions) -> Path:
     with building(plan.job):
         if is_published(plan.cache_path):  # another run published it while this one waited
             return plan.cache_path
-        for slice_ in plan.slices:
-            tokenize_slice(plan.job, slice_)
-        return publish_cache(plan.job, plan.slices, plan.cache_path, plan.inputs, plan.name)
+        with leased(plan.job, plan.slices) as reused:
+            for slice_ in plan.slices:
+                tokenize_slice(plan.job, slice_)
+            return publish_cache(plan.job, plan.slices, plan.cache_path, plan.inputs, plan.name,
+                                 reused=len(reused))

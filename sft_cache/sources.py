@@ -11,6 +11,7 @@ same code. A slice is a small picklable description (file URLs and ranges), neve
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -58,6 +59,7 @@ class Slice:
     index: int
     parts: tuple[Part, ...]
     nbytes: int
+    key: str = ""  # the content key of its shard in the store (see content.py); set by the plan
 
     def describe(self) -> list[list]:
         """A JSON-able description; a staged shard is reused only for the same description."""
@@ -195,8 +197,8 @@ class _Reader:
         raise NotImplementedError
 
     def pieces(self, size: int, target: int, first: int) -> list[tuple[int, int, int]]:
-        """(start, stop, bytes) in the format's unit, cut (where the format can be cut) after `first` bytes,
-        which fill the slice under way, and then every `target` bytes."""
+        """(start, stop, bytes) in the format's unit, the file's own cut points (where the format can be cut):
+        they depend on this file's bytes and `target` only, so other files never move them."""
         raise NotImplementedError
 
     def read(self, part: Part, columns: list[str]) -> Iterator[RowBatch]:
@@ -216,16 +218,20 @@ class _JsonLines(_Reader):
         raise BadInput(f"{self.url}: the file has no rows")
 
     def pieces(self, size: int, target: int, first: int) -> list[tuple[int, int, int]]:
+        # Cut at the first line start at or after each multiple of `target`, counted from the file's start:
+        # appending rows moves no earlier cut, and an edit that shifts bytes rarely moves a later one.
         cuts = [0]
         with self.open() as f:
-            offset = first
+            offset = target
             while offset < size:
                 f.seek(offset - 1)
                 f.readline()  # to the start of the next line (offset itself if a line starts there)
                 if f.tell() >= size:
                     break
                 cuts.append(f.tell())
-                offset = f.tell() + target  # from the actual cut, so no piece is under target
+                offset = (f.tell() // target + 1) * target  # the next multiple past a line longer than target
+        if len(cuts) > 1 and size - cuts[-1] < target // 4:
+            cuts.pop()  # no sliver of a slice at the end: the last piece takes it
         cuts.append(size)
         return [(a, b, b - a) for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
 
@@ -435,23 +441,55 @@ def reader(source: SourceFile | Part, storage_options: dict | None = None) -> _R
     return READERS[source.kind](source, storage_options)
 
 
+def _ends_group(source: SourceFile, target: int) -> bool:
+    """Whether a small file closes the group it is in: true with probability size/target, decided by a hash of
+    the file's name alone, so a group averages about `target` bytes and its ends do not move when files are
+    added or removed elsewhere (content-defined chunking, with files as the unit)."""
+    name = source.url.rstrip("/").rsplit("/", 1)[-1]
+    draw = int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "big") / 2**64
+    return draw < source.size / target
+
+
 def cut_slices(files: list[SourceFile], target: int, storage_options: dict | None = None) -> list[Slice]:
-    """Consecutive pieces packed into slices of about `target` bytes each, in source order."""
+    """Slices of about `target` bytes in source order, whose boundaries depend on their own files only.
+
+    A file of at least `target` bytes is cut on its own: its pieces (line-aligned byte ranges, row groups,
+    record batches) are packed into slices within the file. Smaller files are grouped whole with their
+    neighbours; a group ends after a file that `_ends_group`, before a large file, or past 2 × target, so
+    adding, removing or changing a small file disturbs only the group it is in.
+    """
     slices: list[Slice] = []
     parts: list[Part] = []
     nbytes = 0
+
+    def close() -> None:
+        nonlocal parts, nbytes
+        if parts:
+            slices.append(Slice(len(slices), tuple(parts), nbytes))
+            parts, nbytes = [], 0
+
     for source in files:
-        for start, stop, weight in reader(source, storage_options).pieces(source.size, target, target - nbytes):
-            if parts and parts[-1].url == source.url and parts[-1].stop == start:
+        pieces = reader(source, storage_options).pieces(source.size, target, target)
+        if not pieces:  # e.g. a Parquet file without row groups: nothing to read
+            continue
+        if source.size < target:
+            parts.append(Part(source.url, source.kind, pieces[0][0], pieces[-1][1]))
+            nbytes += sum(weight for _, _, weight in pieces)
+            if _ends_group(source, target) or nbytes >= 2 * target:
+                close()
+            continue
+        close()
+        for start, stop, weight in pieces:
+            if parts and parts[-1].stop == start:
                 parts[-1] = Part(source.url, source.kind, parts[-1].start, stop)
             else:
                 parts.append(Part(source.url, source.kind, start, stop))
             nbytes += weight
-            if nbytes >= target:
-                slices.append(Slice(len(slices), tuple(parts), nbytes))
-                parts, nbytes = [], 0
-    if parts:
-        slices.append(Slice(len(slices), tuple(parts), nbytes))
+            # JSONL pieces are slices already; packing them could shift every later boundary after one edit.
+            if nbytes >= target or source.kind == "jsonl":
+                close()
+        close()
+    close()
     return slices
 
 
