@@ -95,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="slices tokenized at once (default: cores); on a cluster, at least as many slices are cut")
     run.add_argument("--retries", type=int, default=None, metavar="N", help="retries of a failed slice (default 2)")
     run.add_argument("--force", action="store_true", help="rebuild: delete the cache and the staged shards first")
+    run.add_argument("--keep-versions", type=_positive, metavar="N",
+                     help="after publishing, keep the newest N versions of this name (see gc)")
     noise = run.add_mutually_exclusive_group()
     noise.add_argument("-q", "--quiet", action="store_true", help="no Prefect run logs on stderr")
     noise.add_argument("-v", "--verbose", action="store_true", help="Prefect run logs with tracebacks")
@@ -123,6 +125,7 @@ def options_from(args: argparse.Namespace) -> dict[str, Any]:
         "split": args.split, "subset": args.subset, "on_bad_row": args.on_bad_row, "shard_size": args.shard_size,
         "storage_options": args.storage_options, "runner": args.runner, "dask_address": args.dask_address,
         "ray_address": args.ray_address, "workers": args.workers, "force": args.force,
+        "keep_versions": args.keep_versions,
     }
     if args.retries is not None:
         options["retries"] = args.retries

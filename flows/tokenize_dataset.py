@@ -34,7 +34,7 @@ from sft_cache.plan import Plan
 from sft_cache.publish import building, is_published
 from sft_cache.reader import read_manifest
 from sft_cache.shard import finished_shard
-from sft_cache.store import discard_shards, leased
+from sft_cache.store import collect_garbage, discard_shards, leased
 from tasks.plan_slices import plan_slices
 from tasks.publish_cache import publish_cache
 from tasks.tokenize_slice import RETRIES, tokenize_slice
@@ -63,7 +63,9 @@ class TokenizeRun(TokenizeOptions):
     workers: int | None = Field(None, ge=1, description="Slices tokenized at once; default: the number of cores. "
                                 "On a cluster at an address the cluster decides, and this is the fewest slices cut.")
     retries: int = Field(RETRIES, ge=0, description="Retries of a failed slice, with exponential backoff.")
-    force: bool = Field(False, description="Rebuild: delete the published cache and the staged shards first.")
+    force: bool = Field(False, description="Rebuild: delete the published cache and its shards in the store first.")
+    keep_versions: int | None = Field(None, ge=1, description="After publishing, remove all but the newest N "
+                                      "versions of this name, and the stored shards no cache uses (sft-tokenize gc).")
 
     @field_validator("dask_address", "ray_address")
     @classmethod
@@ -259,5 +261,9 @@ def tokenize_dataset(options: TokenizeRun) -> str:
                                   len(reused))
                 logger.info("published %s (%d slices reused, %d tokenized)", plan.cache_path, len(reused),
                             len(plan.slices) - len(reused))
+                if options.keep_versions:
+                    done = collect_garbage(options.cache_root, options.keep_versions, names={plan.name})
+                    logger.info("removed %d older versions of %s and %d unused shards (%s bytes)",
+                                len(done.removed), plan.name, done.shards_removed, f"{done.bytes_freed:,}")
     report(plan.cache_path)
     return str(plan.cache_path)

@@ -125,9 +125,10 @@ def _remove_tree(path: Path, root: Path) -> int:
     return freed
 
 
-def collect_garbage(root: Path, keep: int = 1) -> Collected:
-    """Remove every published version but the newest `keep` of each name, then every store shard that no
-    kept version and no running build references. Safe while other runs build and publish (module doc)."""
+def collect_garbage(root: Path, keep: int = 1, names: set[str] | None = None) -> Collected:
+    """Remove every published version but the newest `keep` of each name (of `names` only, if given), then
+    every store shard that no kept version and no running build references. Safe while other runs build
+    and publish (module doc)."""
     if keep < 1:
         raise ValueError(f"keep must be at least 1, got {keep}")
     root = Path(root)
@@ -145,9 +146,9 @@ def collect_garbage(root: Path, keep: int = 1) -> Collected:
             else:
                 lease.unlink(missing_ok=True)
         referenced = set(live)
-        for versions in published_versions(root).values():
+        for name, versions in published_versions(root).items():
             for position, (path, manifest) in enumerate(versions):
-                if position < keep:
+                if position < keep or (names is not None and name not in names):
                     done.kept.append(path.name)
                     referenced.update(s["key"] for s in manifest["shards"] if "key" in s)
                 else:
@@ -157,13 +158,17 @@ def collect_garbage(root: Path, keep: int = 1) -> Collected:
             if shard.name.startswith("."):
                 continue
             key = shard.name.split(".", 1)[0]
+            if ".tmp-" in shard.name:  # a shard being written: only a live build still needs one
+                if key not in live:
+                    shard.unlink(missing_ok=True)
+                continue
             if key in referenced:
                 done.shards_kept += shard.suffix == ".arrow"
                 continue
-            if shard.suffix == ".arrow" and shard.is_file():
+            if shard.suffix == ".arrow":
                 done.shards_removed += 1
                 done.bytes_freed += shard.stat().st_size if shard.stat().st_nlink == 1 else 0
-            shard.unlink(missing_ok=True)  # a temporary file too: only a live build writes one it still needs
+            shard.unlink(missing_ok=True)
         # Left by killed runs: half-deleted versions, half-built caches whose publish lock nobody holds.
         for leftover in root.glob(".*.deleting-*"):
             shutil.rmtree(leftover, ignore_errors=True)

@@ -22,7 +22,7 @@ from sft_cache.plan import plan_slices, run_locally
 from sft_cache.publish import building, publish_cache
 from sft_cache.reader import open_cache, read_manifest
 from sft_cache.shard import tokenize_slice
-from sft_cache.store import leased, store_dir
+from sft_cache.store import collect_garbage, lease_path, leased, store_dir
 
 ROWS_PER_FILE = 20  # ~28 kB a file: three slices of 12 kB each
 SHARD_SIZE = "12KB"
@@ -233,6 +233,23 @@ def test_gc_beside_a_running_build_keeps_the_newest_version_and_the_build(grown,
     assert rows_of(path_c) == from_scratch(data, tmp_path)
 
 
+def test_gc_collects_what_a_killed_build_left(grown):
+    data, cache, path_a, manifest_a = grown
+    write_files(data, 1, first=10)
+    plan = plan_slices(options(data, cache))
+    new = [s for s in plan.slices if s.parts[0].url.endswith("part-010.jsonl")]
+    # A lease whose run lock nobody holds: its build was killed after one shard and half of another.
+    with leased(plan.job, plan.slices):
+        tokenize_slice(plan.job, new[0])
+        partial = plan.job.shard_path(new[1]).with_name(f"{new[1].key}.arrow.tmp-1234")
+        partial.write_bytes(b"half a shard")
+        done = collect_garbage(cache, keep=1)
+        assert not lease_path(plan.job).exists()
+    assert (done.live_builds, done.removed, done.shards_removed) == (0, [], 1)
+    assert set(store_shards(cache)) == set(keys_of(manifest_a)) and not partial.exists()
+    assert len(open_cache(path_a)) == 10 * ROWS_PER_FILE
+
+
 def test_gc_refuses_a_missing_directory(tmp_path):
     done = gc_cli(tmp_path / "nowhere")
     assert done.returncode == 2 and done.stdout == ""
@@ -246,8 +263,8 @@ def test_a_failed_slice_of_an_incremental_flow_run_is_retried_alone(tmp_path, mo
     from flows.tokenize_dataset import TokenizeRun, tokenize_dataset
     from tasks.tokenize_slice import FAULT_FILE_ENV
 
-    def run_flow():
-        state = tokenize_dataset(TokenizeRun(**options(data, cache).model_dump(), workers=2, retries=1),
+    def run_flow(**overrides):
+        state = tokenize_dataset(TokenizeRun(**options(data, cache).model_dump(), workers=2, retries=1, **overrides),
                                  return_state=True)
         flow_run_id = state.state_details.flow_run_id
         slices = len(plan_slices(options(data, cache), min_slices=2).slices)
@@ -284,7 +301,7 @@ def test_a_failed_slice_of_an_incremental_flow_run_is_retried_alone(tmp_path, mo
     assert {runs[name].state.name for name in old} == {"Cached"}  # the unchanged files: not even run
 
     fault_file.unlink()
-    state, runs, artifacts = run_flow()
+    state, runs, artifacts = run_flow(keep_versions=1)  # and collect the older version once published
     assert state.is_completed()
     assert {name: run.state.name for name, run in runs.items()} == {**dict.fromkeys(old + new, "Cached"),
                                                                     new[0]: "Completed"}
@@ -293,3 +310,5 @@ def test_a_failed_slice_of_an_incremental_flow_run_is_retried_alone(tmp_path, mo
     assert f"| slices | {len(old + new)}: 1 tokenized, {len(old + new) - 1} reused from the shard store |" \
         in artifacts["markdown"]
     assert rows_of(Path(state.result())) == from_scratch(data, tmp_path)
+    assert [p for p in cache.iterdir() if not p.name.startswith(".")] == [Path(state.result())]
+    assert set(store_shards(cache)) == set(keys_of(manifest))
