@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--workers", type=_positive, metavar="N",
                      help="slices tokenized at once (default: cores); on a cluster, at least as many slices are cut")
     run.add_argument("--retries", type=int, default=None, metavar="N", help="retries of a failed slice (default 2)")
-    run.add_argument("--force", action="store_true", help="rebuild: delete the cache and the staged shards first")
+    run.add_argument("--force", action="store_true", help="rebuild: delete the cache and its shards in the store first")
     run.add_argument("--keep-versions", type=_positive, metavar="N",
                      help="after publishing, keep the newest N versions of this name (see gc)")
     noise = run.add_mutually_exclusive_group()
@@ -196,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
         # Checked before the flow starts: bad input fails at once, and a cache hit needs no flow. When there is
         # work, Prefect's server is started first and boots in its own process (seconds) while this one plans.
         require_extra(options.runner)
-        plan = plan_slices(options, on_work=server.start if server else None)
+        plan = plan_slices(options, on_work=server.start if server else None, content_keys=False)  # the flow hashes
     except BadInput as error:
         return _fail(str(error), EXIT_BAD_INPUT)
     if plan.cached and not options.force:

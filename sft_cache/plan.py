@@ -99,11 +99,13 @@ def _check_tokenizer(tokenizer, columns: ColumnMap, options: TokenizeOptions) ->
                            f"alone takes {overhead} tokens for an empty exchange")
 
 
-def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable[[], object] | None = None) -> Plan:
+def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable[[], object] | None = None,
+                content_keys: bool = True) -> Plan:
     """Check the inputs, fingerprint them, and cut slices of about `shard_size` bytes (at least
-    `min_slices` of them, so every worker gets work). A published cache returns before any tokenizer load;
-    otherwise `on_work` is called first, so whatever it starts runs while the tokenizer loads and the
-    inputs are cut."""
+    `min_slices` of them, so every worker gets work), each keyed by the content it reads. A published cache
+    returns before any tokenizer load; otherwise `on_work` is called first, so whatever it starts runs while
+    the tokenizer loads and the inputs are cut. `content_keys=False` skips hashing the inputs, for a check
+    that does not tokenize (its slices have no key)."""
     root = cache_root(options)
     tokenizer_dir = resolve_tokenizer(options.tokenizer, options.tokenizer_revision)
     template_override = read_chat_template(options.chat_template)
@@ -156,9 +158,10 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable
     target = max(1, parse_size(options.shard_size))
     while min_slices > 1 and target > 1 and total < min_slices * target:
         target //= 2
-    memo: dict = {}
-    slices = [replace(s, key=slice_key(s, job.tokenization, options.storage_options, memo))
-              for s in cut_slices(files, target, options.storage_options)]
+    slices = cut_slices(files, target, options.storage_options)
+    if content_keys:
+        memo: dict = {}
+        slices = [replace(s, key=slice_key(s, job.tokenization, options.storage_options, memo)) for s in slices]
     return Plan(job, slices, name, cache_path, inputs, cached=False)
 
 
