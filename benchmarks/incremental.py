@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.update(ENV)
     os.environ.pop("PREFECT_API_URL", None)
     work, out = args.work.absolute(), args.out.absolute()
-    env = {**ENV, "PREFECT_HOME": str(work / "prefect-home")}
+    # A busy machine can take longer than Prefect's default 20 s to start the embedded server.
+    env = {**ENV, "PREFECT_HOME": str(work / "prefect-home"), "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120"}
     spec = CorpusSpec(scale=args.scale)
     tokenizer, units = build(spec, args.units)
     warm_up_prefect(env, work)
@@ -130,10 +131,14 @@ def main(argv: list[str] | None = None) -> None:
              f"{args.units} units at scale {args.scale}, {args.workers} workers, grown by {args.growth:.0%} "
              f"({report['rows_added']} conversations, as a {'new file' if args.grow == 'file' else 'tail'}) on "
              f"{report['machine']['cores']} cores ({report['machine']['cpu']}).", "",
-             "| run | wall s | tokens | slices | tokenized | reused |", "|---|---:|---:|---:|---:|---:|"]
+             "| run | wall s | plan s | tokenize s | tokens | slices | tokenized | reused |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for step, run in runs.items():
-        build_info = run["build"] or {}
-        lines.append(f"| {step} | {run['seconds']:.1f} | {run['tokens']:,} | {run['slices']} | "
+        build_info, timings = run["build"] or {}, run["timings"] or {}
+        if step == "hit":  # the cache that was hit: its build and timings are the cold run's
+            build_info, timings = {}, {}
+        lines.append(f"| {step} | {run['seconds']:.1f} | {timings.get('plan_seconds', '')} | "
+                     f"{timings.get('tokenize_seconds', '')} | {run['tokens']:,} | {run['slices']} | "
                      f"{build_info.get('slices_tokenized', '')} | {build_info.get('slices_reused', '')} |")
     lines += ["", f"{'PASS' if report['target']['ok'] else 'MISS'}: {report['target']['name']}: "
                   f"{report['target']['detail']}"]

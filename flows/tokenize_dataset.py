@@ -244,7 +244,9 @@ def report(cache_path: Path) -> None:
 def tokenize_dataset(options: TokenizeRun) -> str:
     """Plan, tokenize every slice into its own shard, publish the shards as the cache; return its path."""
     logger = get_run_logger()
+    started = time.monotonic()
     plan = plan_slices(options, min_slices=options.worker_count)  # small inputs still give every worker a slice
+    plan_seconds = round(time.monotonic() - started, 3)  # resolving, checking and hashing the inputs
     if plan.cached and not options.force:
         logger.info("cache hit, nothing to tokenize: %s", plan.cache_path)
     else:
@@ -256,7 +258,7 @@ def tokenize_dataset(options: TokenizeRun) -> str:
                 logger.info("another run published the cache while this one waited: %s", plan.cache_path)
             else:
                 with leased(plan.job, plan.slices) as reused:  # gc keeps these shards until published
-                    timings = tokenize_all(plan, options, reused)
+                    timings = {"plan_seconds": plan_seconds, **tokenize_all(plan, options, reused)}
                     publish_cache(plan.job, plan.slices, plan.cache_path, plan.inputs, plan.name, timings,
                                   len(reused))
                 logger.info("published %s (%d slices reused, %d tokenized)", plan.cache_path, len(reused),
