@@ -1,8 +1,11 @@
 """The data plane: plain Python building blocks of the tokenized SFT cache (no Prefect import).
 
 plan.py     resolve sources, validate them, fingerprint the run, cut byte-balanced slices
-shard.py    tokenize one slice and stream it into its own Arrow shard
-publish.py  turn the finished shards into a `datasets.load_from_disk` cache
+slicing.py  cut the inputs into slices whose boundaries stay put as the data grows
+content.py  a slice's content key: the bytes it reads and how they are tokenized
+shard.py    tokenize one slice and stream it into its own Arrow shard, in the shard store
+publish.py  turn the finished shards into a `datasets.load_from_disk` cache (a new version)
+store.py    the shard store's build leases, and gc of old versions and unused shards
 reader.py   open a published cache, memory-mapped, for a trainer
 FORMAT.md   the on-disk format of staging and of a published cache
 """

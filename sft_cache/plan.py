@@ -22,7 +22,8 @@ from .formats import ColumnMap, resolve_columns
 from .options import TokenizeOptions, parse_size
 from .publish import is_published
 from .shard import Job
-from .sources import Slice, SourceFile, cut_slices, reader, resolve
+from .slicing import cut_slices
+from .sources import Slice, SourceFile, reader, resolve
 from .store import store_dir
 
 

@@ -1,4 +1,4 @@
-"""Sources: find the input files, check them, cut them into byte-balanced slices, and read one slice.
+"""Sources: find the input files, check them, find their cut points (slicing.py packs them), read one slice.
 
 Every file is reached through fsspec, so local paths and s3://, gs://, hf://, http(s):// URLs take the
 same code. A slice is a small picklable description (file URLs and ranges), never data:
@@ -11,7 +11,6 @@ same code. A slice is a small picklable description (file URLs and ranges), neve
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
@@ -439,58 +438,6 @@ READERS: dict[str, type[_Reader]] = {"jsonl": _JsonLines, "json": _JsonArray, "p
 
 def reader(source: SourceFile | Part, storage_options: dict | None = None) -> _Reader:
     return READERS[source.kind](source, storage_options)
-
-
-def _ends_group(source: SourceFile, target: int) -> bool:
-    """Whether a small file closes the group it is in: true with probability size/target, decided by a hash of
-    the file's name alone, so a group averages about `target` bytes and its ends do not move when files are
-    added or removed elsewhere (content-defined chunking, with files as the unit)."""
-    name = source.url.rstrip("/").rsplit("/", 1)[-1]
-    draw = int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "big") / 2**64
-    return draw < source.size / target
-
-
-def cut_slices(files: list[SourceFile], target: int, storage_options: dict | None = None) -> list[Slice]:
-    """Slices of about `target` bytes in source order, whose boundaries depend on their own files only.
-
-    A file of at least `target` bytes is cut on its own: its pieces (line-aligned byte ranges, row groups,
-    record batches) are packed into slices within the file. Smaller files are grouped whole with their
-    neighbours; a group ends after a file that `_ends_group`, before a large file, or past 2 × target, so
-    adding, removing or changing a small file disturbs only the group it is in.
-    """
-    slices: list[Slice] = []
-    parts: list[Part] = []
-    nbytes = 0
-
-    def close() -> None:
-        nonlocal parts, nbytes
-        if parts:
-            slices.append(Slice(len(slices), tuple(parts), nbytes))
-            parts, nbytes = [], 0
-
-    for source in files:
-        pieces = reader(source, storage_options).pieces(source.size, target, target)
-        if not pieces:  # e.g. a Parquet file without row groups: nothing to read
-            continue
-        if source.size < target:
-            parts.append(Part(source.url, source.kind, pieces[0][0], pieces[-1][1]))
-            nbytes += sum(weight for _, _, weight in pieces)
-            if _ends_group(source, target) or nbytes >= 2 * target:
-                close()
-            continue
-        close()
-        for start, stop, weight in pieces:
-            if parts and parts[-1].stop == start:
-                parts[-1] = Part(source.url, source.kind, parts[-1].start, stop)
-            else:
-                parts.append(Part(source.url, source.kind, start, stop))
-            nbytes += weight
-            # JSONL pieces are slices already; packing them could shift every later boundary after one edit.
-            if nbytes >= target or source.kind == "jsonl":
-                close()
-        close()
-    close()
-    return slices
 
 
 def read_slice(slice_: Slice, columns: list[str], storage_options: dict | None = None) -> Iterator[RowBatch]:
