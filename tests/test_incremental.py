@@ -15,7 +15,7 @@ from pathlib import Path
 
 import datasets
 import pytest
-from conftest import EXAMPLE_TOKENIZER, example_rows, write_jsonl
+from conftest import EXAMPLE_TOKENIZER, ROOT, example_rows, write_jsonl
 
 from sft_cache.options import TokenizeOptions
 from sft_cache.plan import plan_slices, run_locally
@@ -312,3 +312,17 @@ def test_a_failed_slice_of_an_incremental_flow_run_is_retried_alone(tmp_path, mo
     assert rows_of(Path(state.result())) == from_scratch(data, tmp_path)
     assert [p for p in cache.iterdir() if not p.name.startswith(".")] == [Path(state.result())]
     assert set(store_shards(cache)) == set(keys_of(manifest))
+
+
+def test_the_nightly_deployment_is_incremental_and_keeps_two_versions():
+    """Incremental is the default (nothing to turn on); the nightly must not force rebuilds, and it collects
+    the versions older than the last two so that a growing dataset does not fill the disk."""
+    import yaml
+
+    from flows.tokenize_dataset import TokenizeRun
+
+    spec = yaml.safe_load((ROOT / "deployments" / "prefect.yaml").read_text())
+    deployments = {d["name"]: d for d in spec["deployments"]}
+    nightly = TokenizeRun(**deployments["nightly"]["parameters"]["options"])
+    assert not nightly.force and nightly.keep_versions == 2
+    assert deployments["nightly"]["schedules"][0]["active"]
