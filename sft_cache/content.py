@@ -50,7 +50,7 @@ def part_identity(part: Part, storage_options: dict | None = None, memo: dict | 
     fs, path = filesystem(part.url, storage_options)
     if not _is_local(fs):
         if part.url not in memo:
-            memo[part.url] = ["remote", part.url, *_identity(fs, path, fs.info(path))]
+            memo[part.url] = [part.url, *_identity(fs, path, fs.info(path))]  # ("remote", size, ETag...)
         return [part.kind, part.start, part.stop, *memo[part.url]]
     if part.kind == "jsonl":
         return [part.kind, part.stop - part.start, _digest(path, part.start, part.stop)]
