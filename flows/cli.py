@@ -4,6 +4,7 @@
     sft-tokenize run s3://bucket/sft/ --tokenizer /nfs/tok --cache-dir /nfs/c --runner dask --dask-address tcp://h:8786
     sft-tokenize inspect /data/cache/data-3f2a9c1d0b7e4f65 [--json]
     sft-tokenize pack /data/cache/data-3f2a9c1d0b7e4f65 --length 4096 --data-parallel 8
+    sft-tokenize gc /data/cache [--keep N]
 
 stdout carries only the result (the cache path or the packing index path as its last line, or the inspect
 table), so scripts can read it; the progress bar and Prefect's run logs go to stderr. Exit codes: 0 success,
@@ -118,7 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--workers", type=_positive, metavar="N",
                      help="slices tokenized at once (default: cores); on a cluster, at least as many slices are cut")
     run.add_argument("--retries", type=int, default=None, metavar="N", help="retries of a failed slice (default 2)")
-    run.add_argument("--force", action="store_true", help="rebuild: delete the cache and the staged shards first")
+    run.add_argument("--force", action="store_true", help="rebuild: delete the cache and its shards in the store first")
+    run.add_argument("--keep-versions", type=_positive, metavar="N",
+                     help="after publishing, keep the newest N versions of this name (see gc)")
     noise = run.add_mutually_exclusive_group()
     noise.add_argument("-q", "--quiet", action="store_true", help="no Prefect run logs on stderr")
     noise.add_argument("-v", "--verbose", action="store_true", help="Prefect run logs with tracebacks")
@@ -146,6 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help="best-fit (default) or first-fit decreasing")
     pack.add_argument("--index-dir", metavar="DIR",
                       help="write the index under DIR instead of beside the cache (for a read-only cache root)")
+
+    gc = commands.add_parser("gc", help="remove old versions and the shards no cache or running build uses",
+                             description="Keep the newest N versions of each cache name; remove the others and "
+                                         "every stored shard that no kept version and no running build uses.")
+    gc.add_argument("cache_dir", metavar="CACHE_DIR")
+    gc.add_argument("--keep", type=_positive, default=1, metavar="N", help="versions kept per name (default 1)")
     return parser
 
 
@@ -163,6 +172,7 @@ def options_from(args: argparse.Namespace) -> dict[str, Any]:
         "split": args.split, "subset": args.subset, "on_bad_row": args.on_bad_row, "shard_size": args.shard_size,
         "storage_options": args.storage_options, "runner": args.runner, "dask_address": args.dask_address,
         "ray_address": args.ray_address, "workers": args.workers, "force": args.force,
+        "keep_versions": args.keep_versions,
     }
     if args.retries is not None:
         options["retries"] = args.retries
@@ -263,7 +273,7 @@ def run(args: argparse.Namespace) -> int:
         # Checked before the flow starts: bad input fails at once, and a cache hit needs no flow. When there is
         # work, Prefect's server is started first and boots in its own process (seconds) while this one plans.
         require_extra(settings["runner"])
-        plan = plan_slices(checked, on_work=start_server)
+        plan = plan_slices(checked, on_work=start_server, content_keys=False)  # the flow hashes the inputs
     except BadInput as error:
         return _fail(str(error), EXIT_BAD_INPUT)
     if plan.cached and not settings["force"]:
@@ -368,6 +378,20 @@ def show_rows(args: argparse.Namespace, manifest: dict) -> int:
     return EXIT_OK
 
 
+def gc(args: argparse.Namespace) -> int:
+    from sft_cache.store import collect_garbage
+
+    root = os.path.abspath(args.cache_dir)
+    if not os.path.isdir(root):
+        return _fail(f"{root}: no such cache directory", EXIT_BAD_INPUT)
+    done = collect_garbage(root, args.keep)
+    for name in done.removed:
+        print(f"removed {os.path.join(root, name)}")
+    print(f"kept {len(done.kept)} versions and {done.shards_kept} shards; removed {len(done.removed)} versions and "
+          f"{done.shards_removed} shards, {done.bytes_freed:,} bytes freed; {done.live_builds} running builds")
+    return EXIT_OK
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # Before transformers and prefect are imported: no "PyTorch was not found" advisory, no telemetry noise.
@@ -377,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message="Failed to create the Prefect home directory")
     if args.command == "run":  # inherited by process-pool workers, which print their own logs
         os.environ[CONSOLE_ENV] = "quiet" if args.quiet else "verbose" if args.verbose else "plain"
-    return {"run": run, "inspect": inspect, "pack": pack}[args.command](args)
+    return {"run": run, "inspect": inspect, "pack": pack, "gc": gc}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -79,23 +79,23 @@ def ray_runner(address: str | None, workers: int, tokenizer_threads: int) -> Tas
 def probe(plan_dir: str, token: str, must_read: list[str], api_url: str | None) -> list[str]:
     """Run on a worker: what keeps it from tokenizing this plan's slices (an empty list if nothing)."""
     host = f"{socket.gethostname()} (pid {os.getpid()})"
-    staging = Path(plan_dir)
+    store = Path(plan_dir)
     problems = []
     if missing := [path for path in must_read if not os.path.exists(path)]:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         problems.append(f"{host} cannot find {missing[0]}{more}: the tokenizer and local inputs must be at the "
                         "same paths on every worker (or the inputs on object storage)")
-    if not (staging / token).exists():
-        problems.append(f"{host} does not see the staging directory {staging} that the flow sees: the cache "
+    if not (store / token).exists():
+        problems.append(f"{host} does not see the shard store {store} that the flow sees: the cache "
                         "root must be one filesystem shared by the flow and every worker (the same mount, at "
                         "the same path)")
     else:
-        probe_file = staging / f".probe-{uuid.uuid4().hex}"
+        probe_file = store / f".probe-{uuid.uuid4().hex}"
         try:
             probe_file.write_bytes(b"")
             probe_file.unlink()
         except OSError as error:
-            problems.append(f"{host} cannot write to the staging directory {staging} ({error.strerror})")
+            problems.append(f"{host} cannot write to the shard store {store} ({error.strerror})")
     if api_url:
         import httpx
 
@@ -143,22 +143,22 @@ def _run_on_ray(args: tuple) -> dict[str, list[str]]:
 
 
 def check_workers(runner_name: str, runner, plan: Plan) -> str:
-    """Before any slice is submitted: every worker sees the flow's staging directory and can write there,
+    """Before any slice is submitted: every worker sees the flow's shard store and can write there,
     reads the tokenizer and the local inputs, and reaches the Prefect API. Says what it checked (every
     Dask worker, or one process on every Ray node); raises BadInput naming each problem."""
     from prefect.settings import get_current_settings
 
-    plan.staging.mkdir(parents=True, exist_ok=True)
+    plan.store.mkdir(parents=True, exist_ok=True)
     token = f".probe-{uuid.uuid4().hex}"
-    (plan.staging / token).write_bytes(b"")  # a worker that does not see it has another disk at this path
+    (plan.store / token).write_bytes(b"")  # a worker that does not see it has another disk at this path
     api_url = get_current_settings().api.url
-    args = (str(plan.staging), token, local_paths(plan), api_url)
+    args = (str(plan.store), token, local_paths(plan), api_url)
     try:
         found = _run_on_dask(runner, args) if runner_name == "dask" else _run_on_ray(args)
     finally:
-        (plan.staging / token).unlink(missing_ok=True)
+        (plan.store / token).unlink(missing_ok=True)
     problems = sorted({problem for worker_problems in found.values() for problem in worker_problems})
     if problems:
-        raise BadInput(f"the {runner_name} workers cannot tokenize into {plan.staging}: " + "; ".join(problems))
+        raise BadInput(f"the {runner_name} workers cannot tokenize into {plan.store}: " + "; ".join(problems))
     what = "Dask worker" if runner_name == "dask" else "Ray node"
     return f"{len(found)} {what}{'s' if len(found) != 1 else ''}"

@@ -41,9 +41,10 @@ def summary(manifest: dict[str, Any], cache_path: str | Path) -> list[tuple[str,
         workers = f"{timings.get('workers', '?')} {timings.get('runner', 'workers')}"
         rows.append(("throughput", f"{tokenized / seconds:,.0f} tokens/s ({_count(tokenized)} tokens in "
                                    f"{seconds:.1f} s on {workers})"))
-        if timings.get("slices_reused"):
-            rows.append(("resumed", f"{timings['slices_reused']} of {len(manifest['shards'])} slices were already "
-                                    "tokenized"))
+    build = manifest.get("build")
+    if build:
+        rows.append(("slices", f"{len(manifest['shards'])}: {build['slices_tokenized']} tokenized, "
+                               f"{build['slices_reused']} reused from the shard store"))
     return rows
 
 

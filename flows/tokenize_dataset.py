@@ -36,6 +36,7 @@ from sft_cache.plan import Plan
 from sft_cache.publish import building, is_published
 from sft_cache.reader import read_manifest
 from sft_cache.shard import finished_shard
+from sft_cache.store import collect_garbage, discard_shards, leased
 from tasks.pack_cache import pack_cache
 from tasks.plan_slices import plan_slices
 from tasks.publish_cache import publish_cache
@@ -65,8 +66,10 @@ class TokenizeRun(TokenizeOptions):
     workers: int | None = Field(None, ge=1, description="Slices tokenized at once; default: the number of cores. "
                                 "On a cluster at an address the cluster decides, and this is the fewest slices cut.")
     retries: int = Field(RETRIES, ge=0, description="Retries of a failed slice, with exponential backoff.")
-    force: bool = Field(False, description="Rebuild: delete the published cache and the staged shards first.")
+    force: bool = Field(False, description="Rebuild: delete the published cache and its shards in the store first.")
     pack: PackOptions | None = Field(None, description="Then build the cache's global packing index (if missing).")
+    keep_versions: int | None = Field(None, ge=1, description="After publishing, remove all but the newest N "
+                                      "versions of this name, and the stored shards no cache uses (sft-tokenize gc).")
 
     @field_validator("dask_address", "ray_address")
     @classmethod
@@ -162,28 +165,31 @@ def result_storage(options: TokenizeOptions) -> dict:
 
 
 def discard_previous_output(plan: Plan, options: TokenizeRun) -> Plan:
-    """`force`: delete the published cache and the staged shards, then plan again if the cache was there."""
+    """`force`: delete the published cache and this plan's shards in the store (other caches keep their
+    links to them), planning again if the cache was there."""
     if plan.cache_path.exists():
         doomed = plan.cache_path.with_name(f".{plan.cache_path.name}.deleting-{uuid.uuid4().hex[:8]}")
         os.rename(plan.cache_path, doomed)  # readers see the whole cache or none of it, never a half-deleted one
         shutil.rmtree(doomed)
         get_run_logger().info("force: deleted the published cache %s", plan.cache_path)
-    if plan.staging.exists():
-        shutil.rmtree(plan.staging)
-        get_run_logger().info("force: deleted the staged shards in %s", plan.staging)
-    return plan_slices(options, min_slices=options.worker_count) if plan.cached else plan
+    if plan.cached:
+        plan = plan_slices(options, min_slices=options.worker_count)
+    if removed := discard_shards(plan.job, plan.slices):
+        get_run_logger().info("force: deleted %d shards of this plan from %s", removed, plan.store)
+    return plan
 
 
-def tokenize_all(plan: Plan, options: TokenizeRun) -> dict:
-    """Tokenize every slice on the chosen runner; raise naming the slices that failed after their retries."""
+def tokenize_all(plan: Plan, options: TokenizeRun, staged: set[int]) -> dict:
+    """Tokenize every slice on the chosen runner (those in `staged` have a shard in the store already);
+    raise naming the slices that failed after their retries."""
     logger = get_run_logger()
     total = len(plan.slices)
     workers = max(1, min(options.worker_count, total))
-    staged = {s.index for s in plan.slices if finished_shard(plan.job, s) is not None}
     cached_task = tokenize_slice.with_options(retries=options.retries, **result_storage(options))
     # A slice without a finished shard on disk runs even if Prefect remembers a result for its key.
     fresh_task = cached_task.with_options(refresh_cache=True)
-    logger.info("tokenizing %d slices (%d already staged) on %s", total, len(staged), where(options, workers))
+    logger.info("tokenizing %d slices (%d already in the shard store) on %s", total, len(staged),
+                where(options, workers))
     progress = create_progress_artifact(0.0, description=f"{plan.name}: 0 of {total} slices")
     _notify(0, total, 0)
     started = time.monotonic()
@@ -191,7 +197,7 @@ def tokenize_all(plan: Plan, options: TokenizeRun) -> dict:
     with started_task_runner(options.runner, workers, options.cluster_address) as runner:
         if options.runner in ("dask", "ray"):
             checked = check_workers(options.runner, runner, plan)
-            logger.info("checked %s: they read the inputs and write to %s", checked, plan.staging)
+            logger.info("checked %s: they read the inputs and write to %s", checked, plan.store)
         futures = {runner.submit(cached_task if s.index in staged else fresh_task, {"job": plan.job, "slice_": s}): s
                    for s in plan.slices}
         for future in as_completed(list(futures)):
@@ -213,7 +219,6 @@ def tokenize_all(plan: Plan, options: TokenizeRun) -> dict:
         raise_failures(failures, total, plan)
     tokenized = [finished_shard(plan.job, s) for s in plan.slices if s.index not in staged]
     return {"runner": options.runner, "workers": workers, "tokenize_seconds": round(seconds, 3),
-            "slices_tokenized": len(tokenized), "slices_reused": len(staged),
             "tokens_tokenized": sum(meta["tokens"] for meta in tokenized if meta)}
 
 
@@ -228,7 +233,7 @@ def raise_failures(failures: dict[int, BaseException], total: int, plan: Plan) -
     named = "; ".join(f"tokenize-{i:05d}: {type(e).__name__}: {first_line(e)}" for i, e in sorted(failures.items()))
     raise SlicesFailed(
         f"{len(failures)} of {total} slices failed after their retries ({named}); the {total - len(failures)} "
-        f"finished shards stay in {plan.staging}: run again to tokenize only the failed slices"
+        f"finished shards stay in the shard store {plan.store}: run again to tokenize only the failed slices"
     )
 
 
@@ -256,9 +261,11 @@ def report_packing(index_path: Path) -> None:
 def tokenize_dataset(options: TokenizeRun) -> str:
     """Plan, tokenize every slice into its own shard, publish the shards as the cache; return its path."""
     logger = get_run_logger()
+    started = time.monotonic()
     plan = plan_slices(options, min_slices=options.worker_count)  # small inputs still give every worker a slice
     if plan.inputs.get("ignored_files"):
         logger.info("not data, not read: %s", ", ".join(plan.inputs["ignored_files"]))
+    plan_seconds = round(time.monotonic() - started, 3)  # resolving, checking and hashing the inputs
     if plan.cached and not options.force:
         logger.info("cache hit, nothing to tokenize: %s", plan.cache_path)
     else:
@@ -269,9 +276,16 @@ def tokenize_dataset(options: TokenizeRun) -> str:
             if is_published(plan.cache_path):
                 logger.info("another run published the cache while this one waited: %s", plan.cache_path)
             else:
-                timings = tokenize_all(plan, options)
-                publish_cache(plan.job, plan.slices, plan.cache_path, plan.inputs, plan.name, timings)
-                logger.info("published %s", plan.cache_path)
+                with leased(plan.job, plan.slices) as reused:  # gc keeps these shards until published
+                    timings = {"plan_seconds": plan_seconds, **tokenize_all(plan, options, reused)}
+                    publish_cache(plan.job, plan.slices, plan.cache_path, plan.inputs, plan.name, timings,
+                                  len(reused))
+                logger.info("published %s (%d slices reused, %d tokenized)", plan.cache_path, len(reused),
+                            len(plan.slices) - len(reused))
+                if options.keep_versions:
+                    done = collect_garbage(options.cache_root, options.keep_versions, names={plan.name})
+                    logger.info("removed %d older versions of %s and %d unused shards (%s bytes)",
+                                len(done.removed), plan.name, done.shards_removed, f"{done.bytes_freed:,}")
     report(plan.cache_path)
     if options.pack is not None:
         report_packing(pack_cache(plan.cache_path, options.pack))

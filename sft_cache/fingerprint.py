@@ -3,7 +3,8 @@
 Kept apart from the steps it names (as HF datasets keeps its fingerprinting apart from its transforms):
 plan.py gathers the inputs, this module only turns them into a stable hash. Inputs are content-aware:
 file size and mtime_ns (or ETag / version id), the tokenizer's files, not its name. The slice count and
-the runner are not inputs: they do not change the rows.
+the runner are not inputs: they do not change the rows. A shard's key (content.py) hashes the tokenization
+inputs (all but the sources) with the bytes its slice reads.
 """
 
 from __future__ import annotations
@@ -14,10 +15,16 @@ from pathlib import Path
 from typing import Any
 
 
-def fingerprint(inputs: dict[str, Any]) -> str:
-    """16 hex digits of the SHA-256 of the inputs' canonical JSON."""
+def fingerprint(inputs: dict[str, Any], digits: int = 16) -> str:
+    """`digits` hex digits (16 by default) of the SHA-256 of the inputs' canonical JSON."""
     canonical = json.dumps(inputs, sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+    return hashlib.sha256(canonical.encode()).hexdigest()[:digits]
+
+
+def tokenization_inputs(inputs: dict[str, Any]) -> dict[str, Any]:
+    """What changes how a row is tokenized: the cache's inputs without the sources' identity. Together with
+    the bytes a slice reads it keys the slice's shard, so versions sharing input bytes share shards."""
+    return {key: value for key, value in inputs.items() if key not in ("sources", "ignored_files")}
 
 
 def hash_text(text: str | None) -> str | None:

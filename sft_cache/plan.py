@@ -1,4 +1,5 @@
-"""plan_slices: resolve and check every input up front, fingerprint the run, cut byte-balanced slices.
+"""plan_slices: resolve and check every input up front, fingerprint the run, cut byte-balanced slices and
+key each one by the content it reads, so the shard store can tell which are already tokenized.
 
 Everything that can be wrong before tokenizing (a missing file, an unknown format, a missing column, a
 tokenizer without a chat template, a max_length below the template's own overhead) fails here, before
@@ -9,18 +10,21 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from . import CACHE_FORMAT_VERSION
 from .chat import ChatEncoder, load_tokenizer, read_chat_template, resolve_tokenizer
+from .content import slice_key
 from .errors import BadInput
-from .fingerprint import fingerprint, hash_directory, hash_text
+from .fingerprint import fingerprint, hash_directory, hash_text, tokenization_inputs
 from .formats import REQUIRED, ColumnMap, resolve_columns
 from .options import TokenizeOptions, parse_size
 from .publish import is_published
 from .shard import Job
-from .sources import Slice, SourceFile, cut_slices, reader, resolve
+from .slicing import cut_slices
+from .sources import Slice, SourceFile, reader, resolve
+from .store import store_dir
 from .template_check import check_chat_template
 
 
@@ -36,6 +40,10 @@ class Plan:
     @property
     def staging(self) -> Path:
         return Path(self.job.staging)
+
+    @property
+    def store(self) -> Path:
+        return Path(self.job.store)
 
 
 def default_name(spec: str) -> str:
@@ -100,11 +108,13 @@ def _check_tokenizer(tokenizer, columns: ColumnMap, options: TokenizeOptions) ->
                            f"alone takes {overhead} tokens for an empty exchange")
 
 
-def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable[[], object] | None = None) -> Plan:
+def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable[[], object] | None = None,
+                content_keys: bool = True) -> Plan:
     """Check the inputs, fingerprint them, and cut slices of about `shard_size` bytes (at least
-    `min_slices` of them, so every worker gets work). A published cache returns before any tokenizer load;
-    otherwise `on_work` is called first, so whatever it starts runs while the tokenizer loads and the
-    inputs are cut."""
+    `min_slices` of them, so every worker gets work), each keyed by the content it reads. A published cache
+    returns before any tokenizer load; otherwise `on_work` is called first, so whatever it starts runs while
+    the tokenizer loads and the inputs are cut. `content_keys=False` skips hashing the inputs, for a check
+    that does not tokenize (its slices have no key)."""
     root = cache_root(options)
     tokenizer_dir = resolve_tokenizer(options.tokenizer, options.tokenizer_revision)
     template_override = read_chat_template(options.chat_template)
@@ -138,6 +148,8 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable
     job = Job(
         fingerprint=digest,
         staging=str(root / ".staging" / digest),
+        store=str(store_dir(root)),
+        tokenization=fingerprint(tokenization_inputs(inputs)),
         tokenizer_dir=str(tokenizer_dir),
         chat_template=template_override,
         columns=columns,
@@ -163,14 +175,23 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable
     tokenizer = load_tokenizer(tokenizer_dir, template_override, options.trust_remote_code)
     _check_tokenizer(tokenizer, columns, options)
     total = sum(f.size for f in files)
-    target = max(1, min(parse_size(options.shard_size), -(-total // max(1, min_slices))))
-    return Plan(job, cut_slices(files, target, options.storage_options), name, cache_path, inputs, cached=False)
+    # Halving (rather than total / min_slices) keeps the target, and so every cut point, the same while the
+    # input grows, until it doubles.
+    target = max(1, parse_size(options.shard_size))
+    while min_slices > 1 and target > 1 and total < min_slices * target:
+        target //= 2
+    slices = cut_slices(files, target, options.storage_options)
+    if content_keys:
+        memo: dict = {}
+        slices = [replace(s, key=slice_key(s, job.tokenization, options.storage_options, memo)) for s in slices]
+    return Plan(job, slices, name, cache_path, inputs, cached=False)
 
 
 def run_locally(options: TokenizeOptions) -> Path:
     """The whole pipeline in this process, one slice after another: the reference the flow must match."""
     from .publish import building, publish_cache
     from .shard import tokenize_slice
+    from .store import leased
 
     plan = plan_slices(options)
     if plan.cached:
@@ -178,6 +199,8 @@ def run_locally(options: TokenizeOptions) -> Path:
     with building(plan.job):
         if is_published(plan.cache_path):  # another run published it while this one waited
             return plan.cache_path
-        for slice_ in plan.slices:
-            tokenize_slice(plan.job, slice_)
-        return publish_cache(plan.job, plan.slices, plan.cache_path, plan.inputs, plan.name)
+        with leased(plan.job, plan.slices) as reused:
+            for slice_ in plan.slices:
+                tokenize_slice(plan.job, slice_)
+            return publish_cache(plan.job, plan.slices, plan.cache_path, plan.inputs, plan.name,
+                                 reused=len(reused))

@@ -1,13 +1,16 @@
 """publish_cache: the finished shards become a `datasets.load_from_disk` directory, no row copied.
 
-The shards are hard-linked (renamed where links are not supported) into a fresh directory next to the
-staging one, the metadata is written beside them, and that directory is renamed to its final name in
-one step: a reader sees the whole cache or none of it. A run killed during publish leaves staging intact.
+The shards are hard-linked from the shard store (copied where links are not supported) into a fresh
+directory under staging, the metadata is written beside them, and that directory is renamed to its final
+name in one step: a reader sees the whole cache or none of it. A run killed during publish leaves the
+store intact. Each build publishes a new version, `<name>-<fingerprint>`; earlier versions stay readable
+until `store.collect_garbage` removes them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import fcntl
 import json
 import logging
@@ -33,16 +36,17 @@ logger = logging.getLogger("sft_cache")
 
 
 @contextlib.contextmanager
-def locked(lock_file: Path, waiting: str | None = None) -> Iterator[None]:
-    """An exclusive advisory lock (flock) across processes; says `waiting` if it has to wait."""
+def locked(lock_file: Path, waiting: str | None = None, shared: bool = False) -> Iterator[None]:
+    """An advisory lock (flock) across processes, exclusive or shared; says `waiting` if it has to wait."""
     lock_file.parent.mkdir(parents=True, exist_ok=True)
+    mode = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
     with open(lock_file, "a") as handle:
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(handle, mode | fcntl.LOCK_NB)
         except BlockingIOError:
             if waiting:
                 logger.warning(waiting)
-            fcntl.flock(handle, fcntl.LOCK_EX)
+            fcntl.flock(handle, mode)
         try:
             yield
         finally:
@@ -98,7 +102,8 @@ def total_drops(shards: list[dict]) -> Counter:
     return dropped
 
 
-def build_manifest(job: Job, shards: list[dict], files: list[dict], inputs: dict, name: str) -> dict[str, Any]:
+def build_manifest(job: Job, slices: list[Slice], shards: list[dict], files: list[dict], inputs: dict,
+                   name: str) -> dict[str, Any]:
     dropped = total_drops(shards)
     lengths: Counter = Counter()
     for shard in shards:
@@ -110,6 +115,7 @@ def build_manifest(job: Job, shards: list[dict], files: list[dict], inputs: dict
         "fingerprint": job.fingerprint,
         "fingerprint_inputs": inputs,
         "tokenizer": job.tokenizer_dir,  # where it was loaded from, for `inspect --row` (not fingerprinted)
+        "tokenization_fingerprint": job.tokenization,
         "layout": job.layout,
         "columns": list(features(job.extra_columns, job.layout)),
         "rows": sum(s["rows"] for s in shards),
@@ -119,8 +125,9 @@ def build_manifest(job: Job, shards: list[dict], files: list[dict], inputs: dict
         "masks": {key: sum(s[key] for s in shards) for key in MASK_COUNTS},
         "lengths": length_summary(lengths),
         "files": files,
-        "shards": [{k: s[k] for k in ("slice", "rows", "tokens", "trained_tokens", "dropped", "seconds")}
-                   for s in shards],
+        "shards": [{"slice": slice_.describe(), "key": slice_.key,
+                    **{k: s[k] for k in ("rows", "tokens", "trained_tokens", "dropped", "seconds")}}
+                   for slice_, s in zip(slices, shards, strict=True)],
     }
 
 
@@ -133,14 +140,15 @@ def is_published(path: Path) -> bool:
 
 
 def publish_cache(job: Job, slices: list[Slice], cache_path: Path, inputs: dict, name: str,
-                  timings: dict | None = None) -> Path:
-    """Check every shard, then publish them as the cache at `cache_path`; returns that path."""
+                  timings: dict | None = None, reused: int = 0) -> Path:
+    """Check every shard, then publish them as the cache at `cache_path`; returns that path. `reused`: how
+    many slices' shards the store held before this build, recorded in the manifest."""
     started = time.monotonic()
     shards = []
     for slice_ in slices:
         meta = finished_shard(job, slice_)
         if meta is None:
-            raise CacheError(f"slice {slice_.index} has no finished shard in {job.staging}")
+            raise CacheError(f"slice {slice_.index} has no finished shard in {job.store}")
         shards.append(meta)
     staging = Path(job.staging)
     with locked(staging.with_name(f"{staging.name}.lock")):
@@ -149,11 +157,10 @@ def publish_cache(job: Job, slices: list[Slice], cache_path: Path, inputs: dict,
                          *staging.parent.glob(f"{staging.name}.corrupt-*")]:
             shutil.rmtree(leftover, ignore_errors=True)
         if is_published(cache_path):  # another run with the same fingerprint got there first
-            shutil.rmtree(staging, ignore_errors=True)
             return cache_path
         if not any(s["rows"] for s in shards):
             dropped = total_drops(shards)
-            sources = list(dict.fromkeys(part[0] for s in shards for part in s["slice"]))
+            sources = list(dict.fromkeys(part.url for slice_ in slices for part in slice_.parts))
             where = sources[0] if len(sources) == 1 else f"{sources[0]} and {len(sources) - 1} more files"
             raise BadInput(f"{where}: no row has a trained token: {sum(dropped.values())} rows dropped "
                            f"({describe_drops(dropped)}); nothing was published")
@@ -163,11 +170,11 @@ def publish_cache(job: Job, slices: list[Slice], cache_path: Path, inputs: dict,
         files = []
         for k, (meta, slice_) in enumerate(kept):
             target = building / f"data-{k:05d}-of-{len(kept):05d}.arrow"
-            source = job.shard_path(slice_.index)
+            source = job.shard_path(slice_)
             try:
                 os.link(source, target)
-            except OSError:  # a filesystem without hard links: move the shard instead
-                os.replace(source, target)
+            except OSError:  # a filesystem without hard links: the store keeps its copy for the next build
+                shutil.copyfile(source, target)
             files.append({"name": target.name, "bytes": meta["bytes"], "rows": meta["rows"], "tokens": meta["tokens"]})
         state = {"_data_files": [{"filename": f["name"]} for f in files], "_fingerprint": job.fingerprint,
                  "_format_columns": None, "_format_kwargs": {}, "_format_type": None,
@@ -176,7 +183,9 @@ def publish_cache(job: Job, slices: list[Slice], cache_path: Path, inputs: dict,
         from datasets import DatasetInfo
 
         DatasetInfo(features=features(job.extra_columns, job.layout)).write_to_directory(str(building))
-        manifest = build_manifest(job, shards, files, inputs, name)
+        manifest = build_manifest(job, slices, shards, files, inputs, name)
+        manifest["build"] = {"published_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="microseconds"),
+                             "slices_reused": reused, "slices_tokenized": len(slices) - reused}
         manifest["timings"] = {**(timings or {}), "publish_seconds": round(time.monotonic() - started, 3)}
         (building / "manifest.json").write_text(json.dumps(manifest, indent=2))
         for path in building.iterdir():
@@ -188,5 +197,4 @@ def publish_cache(job: Job, slices: list[Slice], cache_path: Path, inputs: dict,
             shutil.rmtree(corrupt, ignore_errors=True)
         os.rename(building, cache_path)
         fsync_path(cache_path.parent)
-        shutil.rmtree(staging, ignore_errors=True)
     return cache_path

@@ -1,8 +1,9 @@
 """tokenize_slice: read one slice, tokenize it in batches, stream the rows into its own Arrow shard.
 
 Memory is bounded by the reader's batch and the writer's batch, never by the slice. The shard is written
-under a temporary name and renamed when complete; its JSON sidecar, written last, is the completion
-marker. A shard whose sidecar matches the slice and the fingerprint is reused without tokenizing.
+into the shard store under a temporary name and renamed to its content key when complete; its JSON
+sidecar, written last, is the completion marker. A shard whose sidecar names the slice's key is reused
+without tokenizing, by any run and any version that reads the same bytes the same way.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ import numpy as np
 import pyarrow as pa
 
 from .chat import ChatEncoder, EncodedBatch, load_tokenizer
-from .errors import BadRow, OutOfSpace
-from .fingerprint import fingerprint
+from .content import slice_key
+from .errors import BadInput, BadRow, OutOfSpace
 from .formats import ColumnMap, to_example
 from .layouts import COLUMN_TYPES, column_values, layout_columns
 from .sources import Slice, read_slice
@@ -50,13 +51,11 @@ class Job:
     writer_batch_bytes: int = 64_000_000
     trust_remote_code: bool = False
     storage_options: dict = field(default_factory=dict)
+    store: str = ""  # the shard store: finished shards by content key, shared by every cache under the root
+    tokenization: str = ""  # the fingerprint of everything that changes how a row is tokenized
 
-    def shard_path(self, index: int) -> Path:
-        return Path(self.staging) / f"shard-{index:05d}.arrow"
-
-    def slice_key(self, slice_: Slice) -> str:
-        """The key of a slice's result: the same slice of the same fingerprint, whatever the flow run."""
-        return f"{self.fingerprint}-{slice_.index:05d}-{fingerprint({'slice': slice_.describe()})}"
+    def shard_path(self, slice_: Slice) -> Path:
+        return Path(self.store) / f"{slice_.key}.arrow"
 
 
 def features(extra_columns: tuple[str, ...] = (), layout: str = "skyrl"):
@@ -159,16 +158,23 @@ def sidecar_path(shard: Path) -> Path:
     return shard.with_suffix(".json")
 
 
+# Drop reasons that are not bad rows: the same under on_bad_row="raise" and "skip".
+NOT_BAD_ROWS = frozenset({"no_assistant_turn", "too_long", "truncated_away", "no_trained_tokens"})
+
+
 def finished_shard(job: Job, slice_: Slice) -> dict | None:
-    """The sidecar of a complete shard for this slice and fingerprint, or None if it must be (re)written."""
-    shard = job.shard_path(slice_.index)
+    """The sidecar of a complete shard of this slice's key, or None if it must be (re)written."""
+    shard = job.shard_path(slice_)
     try:
         meta = json.loads(sidecar_path(shard).read_text())
         size = shard.stat().st_size
     except (OSError, ValueError):
         return None
-    valid = meta.get("fingerprint") == job.fingerprint and meta.get("slice") == slice_.describe()
-    return meta if valid and meta.get("bytes") == size else None
+    if meta.get("key") != slice_.key or meta.get("bytes") != size:
+        return None
+    if job.on_bad_row == "raise" and set(meta.get("dropped", {})) - NOT_BAD_ROWS:
+        return None  # written by a run that skipped bad rows: this run must stop at them instead
+    return meta
 
 
 @lru_cache(maxsize=4)
@@ -230,12 +236,12 @@ def _stream_rows(job: Job, slice_: Slice, stream) -> ShardStats:
 
 
 def tokenize_slice(job: Job, slice_: Slice) -> int:
-    """Tokenize one slice into `shard-NNNNN.arrow` (reusing a finished one) and return its row count."""
+    """Tokenize one slice into `<key>.arrow` in the store (reusing a finished one); return its row count."""
     done = finished_shard(job, slice_)
     if done is not None:
         return done["rows"]
     started = time.monotonic()
-    shard = job.shard_path(slice_.index)
+    shard = job.shard_path(slice_)
     tmp = shard.with_name(f"{shard.name}.tmp-{uuid.uuid4().hex}")
     try:
         shard.parent.mkdir(parents=True, exist_ok=True)
@@ -243,14 +249,17 @@ def tokenize_slice(job: Job, slice_: Slice) -> int:
             stats = _stream_rows(job, slice_, stream)
             stream.flush()
             os.fsync(stream.fileno())
+        # A shard is stored under the key of the bytes the plan hashed: if they changed since, it must not be.
+        if slice_key(slice_, job.tokenization, job.storage_options) != slice_.key:
+            raise BadInput(f"{slice_.parts[0].url}: changed while it was being tokenized; run again")
         os.replace(tmp, shard)
-        meta = {"fingerprint": job.fingerprint, "slice": slice_.describe(), "bytes": shard.stat().st_size,
+        meta = {"key": slice_.key, "slice": slice_.describe(), "bytes": shard.stat().st_size,
                 **stats.as_json(), "seconds": round(time.monotonic() - started, 3)}
         _write_atomically(sidecar_path(shard), json.dumps(meta).encode())
     except OSError as error:
         if error.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
             raise OutOfSpace(f"{shard}: cannot write the shard ({error.strerror}); free space under "
-                             f"{shard.parent.parent.parent} and run the same command again: finished shards "
+                             f"{shard.parent.parent} and run the same command again: finished shards "
                              "are kept") from None
         raise
     finally:

@@ -1,4 +1,4 @@
-"""Sources: find the input files, check them, cut them into byte-balanced slices, and read one slice.
+"""Sources: find the input files, check them, find their cut points (slicing.py packs them), read one slice.
 
 Every file is reached through fsspec, so local paths and s3://, gs://, hf://, http(s):// URLs take the
 same code. A slice is a small picklable description (file URLs and ranges), never data:
@@ -60,6 +60,7 @@ class Slice:
     index: int
     parts: tuple[Part, ...]
     nbytes: int
+    key: str = ""  # the content key of its shard in the store (see content.py); set by the plan
 
     def describe(self) -> list[list]:
         """A JSON-able description; a staged shard is reused only for the same description."""
@@ -237,8 +238,8 @@ class _Reader:
         raise NotImplementedError
 
     def pieces(self, size: int, target: int, first: int) -> list[tuple[int, int, int]]:
-        """(start, stop, bytes) in the format's unit, cut (where the format can be cut) after `first` bytes,
-        which fill the slice under way, and then every `target` bytes."""
+        """(start, stop, bytes) in the format's unit, the file's own cut points (where the format can be cut):
+        they depend on this file's bytes and `target` only, so other files never move them."""
         raise NotImplementedError
 
     def read(self, part: Part, columns: list[str]) -> Iterator[RowBatch]:
@@ -262,16 +263,20 @@ class _JsonLines(_Reader):
         raise BadInput(f"{self.url}: the file has no rows" + (" that can be read" if skip_bad_rows else ""))
 
     def pieces(self, size: int, target: int, first: int) -> list[tuple[int, int, int]]:
+        # Cut at the first line start at or after each multiple of `target`, counted from the file's start:
+        # appending rows moves no earlier cut, and an edit that shifts bytes rarely moves a later one.
         cuts = [0]
         with self.open() as f:
-            offset = first
+            offset = target
             while offset < size:
                 f.seek(offset - 1)
                 f.readline()  # to the start of the next line (offset itself if a line starts there)
                 if f.tell() >= size:
                     break
                 cuts.append(f.tell())
-                offset = f.tell() + target  # from the actual cut, so no piece is under target
+                offset = (f.tell() // target + 1) * target  # the next multiple past a line longer than target
+        if len(cuts) > 1 and size - cuts[-1] < target // 4:
+            cuts.pop()  # no sliver of a slice at the end: the last piece takes it
         cuts.append(size)
         return [(a, b, b - a) for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
 
@@ -552,26 +557,6 @@ READERS: dict[str, type[_Reader]] = {"jsonl": _JsonLines, "json": _JsonArray, "p
 
 def reader(source: SourceFile | Part, storage_options: dict | None = None) -> _Reader:
     return READERS[source.kind](source, storage_options)
-
-
-def cut_slices(files: list[SourceFile], target: int, storage_options: dict | None = None) -> list[Slice]:
-    """Consecutive pieces packed into slices of about `target` bytes each, in source order."""
-    slices: list[Slice] = []
-    parts: list[Part] = []
-    nbytes = 0
-    for source in files:
-        for start, stop, weight in reader(source, storage_options).pieces(source.size, target, target - nbytes):
-            if parts and parts[-1].url == source.url and parts[-1].stop == start:
-                parts[-1] = Part(source.url, source.kind, parts[-1].start, stop)
-            else:
-                parts.append(Part(source.url, source.kind, start, stop))
-            nbytes += weight
-            if nbytes >= target:
-                slices.append(Slice(len(slices), tuple(parts), nbytes))
-                parts, nbytes = [], 0
-    if parts:
-        slices.append(Slice(len(slices), tuple(parts), nbytes))
-    return slices
 
 
 def read_slice(slice_: Slice, columns: list[str], storage_options: dict | None = None) -> Iterator[RowBatch]:

@@ -28,14 +28,16 @@ from __future__ import annotations
 import bisect
 import os
 from dataclasses import dataclass, replace
+from typing import Literal
 
 from .errors import BadRow
 from .formats import REASONING_FIELDS, Conversation
 from .template import MARK_BASE, MARKS, ChatTemplate, mark, token_boundaries
 
 # How trained character spans become trained tokens: "start", a token is trained when it starts inside a
-# span (the definition); "overlap", when it overlaps one (transformers' return_assistant_tokens_mask).
-TokenRule = str
+# span (the definition); "overlap", when it overlaps one (transformers' return_assistant_tokens_mask);
+# "text", a plain-text row: encoded with the tokenizer's own special tokens, EOS appended, all trained.
+TokenRule = Literal["start", "overlap", "text"]
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,11 @@
 """tokenize_slice: tokenize one slice into its own Arrow shard and return only its row count.
 
 Re-running is cheap and safe at two levels. On disk (the ground truth), `sft_cache.shard.tokenize_slice`
-reuses a finished shard of the same slice and fingerprint. In Prefect, the result (an int, persisted as
-JSON) is cached under `job.slice_key(slice)`, which holds no flow-run id, so a retried or re-run flow
-skips the slices it already finished. The flow bypasses that cache (`refresh_cache`) for a slice whose
-shard is not on disk, so a stale Prefect record can never stand in for a missing shard.
+reuses the shard store's finished shard of the slice's content key. In Prefect, the result (an int,
+persisted as JSON) is cached under that same key, which holds no flow-run id and no cache version, so a
+retried, re-run or incremental flow skips the slices already finished. The flow bypasses that cache
+(`refresh_cache`) for a slice whose shard is not in the store, so a stale Prefect record can never stand in
+for a missing shard.
 
 Fault injection, for tests only: when the environment variable SFT_TOKENIZE_FAULT_FILE names a file
 that exists, every attempt at a slice whose index is listed in it (whitespace-separated integers) raises
@@ -34,8 +35,8 @@ FAULT_FILE_ENV = "SFT_TOKENIZE_FAULT_FILE"
 
 
 def slice_cache_key(context: Any, parameters: dict[str, Any]) -> str:
-    """The fingerprint of the run and the slice's own description: the same for every flow run."""
-    return parameters["job"].slice_key(parameters["slice_"])
+    """The slice's content key (the bytes it reads and how they are tokenized): the same for every flow run."""
+    return parameters["slice_"].key
 
 
 def worth_retrying(task: Any, task_run: Any, state: Any) -> bool:
@@ -44,7 +45,8 @@ def worth_retrying(task: Any, task_run: Any, state: Any) -> bool:
     return not isinstance(state.result(raise_on_failure=False), (BadInput, OutOfSpace))
 
 
-def raise_injected_fault(job: Job, index: int) -> None:
+def raise_injected_fault(job: Job, slice_: Slice) -> None:
+    index = slice_.index
     fault_file = os.environ.get(FAULT_FILE_ENV)
     if not fault_file:
         return
@@ -57,7 +59,7 @@ def raise_injected_fault(job: Job, index: int) -> None:
             os.close(os.open(f"{fault_file}.exited-{index}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:
             return  # this slice's worker already died once
-        shard_file = job.shard_path(index)
+        shard_file = job.shard_path(slice_)
         shard_file.parent.mkdir(parents=True, exist_ok=True)
         shard_file.with_name(f"{shard_file.name}.tmp-{os.getpid()}").write_bytes(b"partial shard")
         os._exit(1)
@@ -78,6 +80,6 @@ def raise_injected_fault(job: Job, index: int) -> None:
     result_serializer="json",
 )
 def tokenize_slice(job: Job, slice_: Slice) -> int:
-    """Tokenize one slice into `shard-NNNNN.arrow` in staging (reusing a finished one); return its rows."""
-    raise_injected_fault(job, slice_.index)
+    """Tokenize one slice into `<key>.arrow` in the shard store (reusing a finished one); return its rows."""
+    raise_injected_fault(job, slice_)
     return shard.tokenize_slice(job, slice_)

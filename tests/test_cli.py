@@ -17,6 +17,8 @@ import psutil
 import pytest
 from conftest import EXAMPLE_DATA, EXAMPLE_TOKENIZER, example_rows, write_jsonl
 
+from sft_cache.options import TokenizeOptions
+from sft_cache.plan import plan_slices
 from tasks.tokenize_slice import FAULT_FILE_ENV
 
 BIN = Path(sys.executable).parent
@@ -91,9 +93,13 @@ def servers_of(home: Path) -> list[int]:
     return found
 
 
-def staged_shards(cache_root: Path) -> dict[str, tuple[int, int]]:
-    """The finished shards in staging, by name: (inode, mtime) tells whether a rerun rewrote one."""
-    return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in (cache_root / ".staging").glob("*/shard-*.arrow")}
+def staged_shards(cache_root: Path) -> dict[int, tuple[int, int]]:
+    """The finished shards in the shard store, by their slice's index: (inode, mtime) tells whether a rerun
+    rewrote one. A shard's name is its content key, which the plan of the same inputs gives."""
+    plan = plan_slices(TokenizeOptions(sources=[str(EXAMPLE_DATA)], tokenizer=str(EXAMPLE_TOKENIZER),
+                                       cache_dir=str(cache_root), shard_size="100KB"), min_slices=2)
+    return {s.index: (shard.stat().st_ino, shard.stat().st_mtime_ns) for s in plan.slices
+            if (shard := plan.job.shard_path(s)).with_suffix(".json").exists()}
 
 
 @pytest.mark.slow
@@ -175,13 +181,13 @@ def test_failed_slice_exits_1_and_the_same_command_resumes(tmp_path, prefect_hom
     failed = run_example(tmp_path, prefect_home, "--retries", "0", env={FAULT_FILE_ENV: str(fault_file)})
     assert_clean_error(failed, 1, "SlicesFailed", "1 of 4 slices failed", "tokenize-00001", "injected fault")
     staged = staged_shards(tmp_path / "cache")
-    assert sorted(staged) == ["shard-00000.arrow", "shard-00002.arrow", "shard-00003.arrow"]
+    assert sorted(staged) == [0, 2, 3]
 
     fault_file.unlink()
     resumed = run_example(tmp_path, prefect_home, env={FAULT_FILE_ENV: str(fault_file)})
     assert resumed.returncode == 0, resumed.stderr
-    assert "tokenizing 4 slices (3 already staged)" in resumed.stderr
+    assert "tokenizing 4 slices (3 already in the shard store)" in resumed.stderr
     published = sorted(Path(resumed.stdout.splitlines()[-1]).glob("data-*.arrow"))
     for index in (0, 2, 3):  # the published files are the staged shards (hard links), untouched by the rerun
         stat = published[index].stat()
-        assert (stat.st_ino, stat.st_mtime_ns) == staged[f"shard-{index:05d}.arrow"]
+        assert (stat.st_ino, stat.st_mtime_ns) == staged[index]

@@ -30,6 +30,7 @@ from flows.cli import build_parser, main, options_from
 from flows.console import CONSOLE_ENV
 from flows.tokenize_dataset import TokenizeRun, tokenize_dataset
 from sft_cache.shard import _tokenizer
+from sft_cache.store import collect_garbage
 from tasks.tokenize_slice import FAULT_FILE_ENV
 
 BIN = Path(sys.executable).parent
@@ -201,7 +202,10 @@ def test_a_dask_worker_that_dies_mid_shard_is_replaced_and_its_slice_rescheduled
     assert state.is_completed(), state.message
     assert task_runs["tokenize-00001"].state.is_completed()
     assert data_files(state.result()) == threads_cache
-    assert not list(tmp_path.rglob("*.tmp-*"))  # the dead worker's partial shard went with the staging directory
+    # The dead worker's partial shard is never read; gc removes it (no running build leases its key).
+    assert len(list(tmp_path.rglob("*.tmp-*"))) == 1
+    collect_garbage(tmp_path)
+    assert not list(tmp_path.rglob("*.tmp-*"))
     # The nanny replaced the dead worker process: one pid changed, and the cluster is whole again.
     new_pids = dask_workers(address, 2)
     assert len(set(new_pids.values()) - set(pids.values())) == 1
@@ -240,13 +244,13 @@ def test_workers_that_cannot_write_to_the_cache_root_fail_the_run_before_any_sli
         dask_workers(address, 2)
         state, task_runs = run_flow(run_options(cache, runner="dask", dask_address=address, tokenizer=str(tokenizer)))
     assert state.is_failed()
-    staging = next(path for path in (cache / ".staging").iterdir() if path.is_dir())
-    assert f"cannot tokenize into {staging}" in state.message
-    assert f"does not see the staging directory {staging}" in state.message
-    assert f"cannot write to the staging directory {staging} (Read-only file system)" in state.message
+    store = cache / ".shards"
+    assert f"cannot tokenize into {store}" in state.message
+    assert f"does not see the shard store {store}" in state.message
+    assert f"cannot write to the shard store {store} (Read-only file system)" in state.message
     assert f"cannot find {tokenizer}: the tokenizer and local inputs must be at the same paths" in state.message
     assert not [name for name in task_runs if name.startswith("tokenize-")]
-    assert not [p.name for p in staging.iterdir()]  # the probe's files are gone, no shard was started
+    assert [p.name for p in store.iterdir()] == [".gc.lock"]  # the probe's files are gone, no shard was started
 
 
 @pytest.mark.usefixtures("prefect_harness")

@@ -14,7 +14,7 @@ from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRun
 
 from flows.tokenize_dataset import TokenizeRun, tokenize_dataset
 from sft_cache.options import TokenizeOptions
-from sft_cache.plan import run_locally
+from sft_cache.plan import plan_slices, run_locally
 from sft_cache.reader import open_cache, read_manifest
 from tasks.tokenize_slice import FAULT_FILE_ENV
 
@@ -54,9 +54,12 @@ def assert_same_cache(actual: str | Path, expected: str | Path) -> None:
         assert (actual_rows[i]["loss_mask"] == expected_rows[i]["loss_mask"]).all()
 
 
-def staged_shards(cache_root: Path) -> dict[str, tuple[int, int]]:
-    """The finished shards in staging, by name: (inode, mtime) tells whether a rerun rewrote one."""
-    return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in (cache_root / ".staging").glob("*/shard-*.arrow")}
+def staged_shards(cache_root: Path) -> dict[int, tuple[int, int]]:
+    """The finished shards in the shard store, by their slice's index: (inode, mtime) tells whether a rerun
+    rewrote one. A shard's name is its content key, which the plan of the same inputs gives."""
+    plan = plan_slices(TokenizeOptions(**SOURCES, cache_dir=str(cache_root)), min_slices=2)
+    return {s.index: (shard.stat().st_ino, shard.stat().st_mtime_ns) for s in plan.slices
+            if (shard := plan.job.shard_path(s)).with_suffix(".json").exists()}
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +132,7 @@ def test_failed_slice_fails_the_flow_and_a_rerun_redoes_only_that_slice(tmp_path
     failed = task_runs["tokenize-00001"]
     assert failed.state.is_failed() and failed.run_count == 2  # the first attempt and its one retry
     staged = staged_shards(options.cache_root)
-    assert sorted(staged) == ["shard-00000.arrow", "shard-00002.arrow", "shard-00003.arrow"]
+    assert sorted(staged) == [0, 2, 3]
 
     fault_file.unlink()
     state, task_runs = run_flow(options)
@@ -141,7 +144,7 @@ def test_failed_slice_fails_the_flow_and_a_rerun_redoes_only_that_slice(tmp_path
     published = sorted(Path(state.result()).glob("data-*.arrow"))
     for index in (0, 2, 3):
         stat = published[index].stat()
-        assert (stat.st_ino, stat.st_mtime_ns) == staged[f"shard-{index:05d}.arrow"]
+        assert (stat.st_ino, stat.st_mtime_ns) == staged[index]
     assert_same_cache(state.result(), reference)
 
 

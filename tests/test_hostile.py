@@ -165,9 +165,9 @@ def published_caches(cache_root: Path) -> list[str]:
 
 
 def staged_shards(cache_root: Path) -> dict[str, tuple[int, int]]:
-    """The finished shards (a sidecar matching the shard's size), by name: (inode, mtime_ns)."""
+    """The finished shards in the shard store (a sidecar matching the shard's size), by key: (inode, mtime_ns)."""
     finished = {}
-    for sidecar in (cache_root / ".staging").glob("*/shard-*.json"):
+    for sidecar in (cache_root / ".shards").glob("*.json"):
         shard = sidecar.with_suffix(".arrow")
         if shard.exists() and json.loads(sidecar.read_text())["bytes"] == shard.stat().st_size:
             finished[shard.name] = (shard.stat().st_ino, shard.stat().st_mtime_ns)
@@ -176,7 +176,7 @@ def staged_shards(cache_root: Path) -> dict[str, tuple[int, int]]:
 
 def assert_no_partial_shard(cache_root: Path) -> None:
     """Every file under a shard's name is a whole Arrow stream, and a shard with a sidecar holds its rows."""
-    for shard in (cache_root / ".staging").glob("*/shard-*.arrow"):
+    for shard in (cache_root / ".shards").glob("*.arrow"):
         table = pa.ipc.open_stream(pa.memory_map(str(shard))).read_all()
         sidecar = shard.with_suffix(".json")
         if sidecar.exists():
@@ -184,9 +184,10 @@ def assert_no_partial_shard(cache_root: Path) -> None:
 
 
 def contents(cache_path: Path) -> dict:
-    """A cache as a comparable value: the bytes of its data files and metadata, its manifest less the timings."""
+    """A cache as a comparable value: the bytes of its data files and metadata, its manifest less the timings
+    and the record of its build (when, how many slices it reused)."""
     manifest = json.loads((cache_path / "manifest.json").read_text())
-    del manifest["timings"]
+    del manifest["timings"], manifest["build"]
     for shard in manifest["shards"]:
         del shard["seconds"]
     digests = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(cache_path.iterdir())
@@ -492,18 +493,21 @@ def test_bad_rows_exit_2_publish_nothing_and_keep_the_good_slices(bad_rows_run):
     assert last.startswith(f"sft-tokenize: error: {data}/{first}.jsonl:3: {detail}")
     assert "Retry" not in result.stderr  # a bad row fails the same way every time
     assert published_caches(cache_root) == []
-    assert len(staged_shards(cache_root)) == 3 * len(ROW_ERRORS) + 4  # the other slices, kept for a rerun
-    assert not list(cache_root.glob(".staging/*/*.tmp-*"))
+    # The other slices, kept for a rerun: the same three good lines in every file are one shard each (content
+    # addressed), and the row without an assistant turn is the fourth.
+    assert len(staged_shards(cache_root)) == 4
+    assert not list(cache_root.glob(".shards/*.tmp-*"))
 
 
 @pytest.mark.slow
 def test_a_row_without_an_assistant_turn_is_a_counted_drop_not_an_error(bad_rows_run):
     result, data, cache_root = bad_rows_run
     assert "no-assistant-row.jsonl" not in result.stderr
-    sidecars = [json.loads(p.read_text()) for p in cache_root.glob(".staging/*/shard-*.json")]
-    its_slices = [meta for meta in sidecars if meta["slice"][0][0] == str(data / "no-assistant-row.jsonl")]
-    assert len(its_slices) == 4 and sum(meta["rows"] for meta in its_slices) == 3
-    assert [meta["dropped"] for meta in its_slices if meta["dropped"]] == [{"no_assistant_turn": 1}]
+    # Its four lines are four slices: three good rows (shards shared with the other files' same lines) and the
+    # row without an assistant turn, a shard of no row that counts the drop.
+    sidecars = [json.loads(p.read_text()) for p in cache_root.glob(".shards/*.json")]
+    assert sorted(meta["rows"] for meta in sidecars) == [0, 1, 1, 1]
+    assert [meta["dropped"] for meta in sidecars if meta["dropped"]] == [{"no_assistant_turn": 1}]
 
 
 @pytest.mark.slow
@@ -585,7 +589,7 @@ def test_killed_runs_resume_and_publish_the_clean_runs_cache(tmp_path, prefect_h
         second.pause()
     second.step_until(lambda: any(staging.glob("*.publish-*")), "a half-built cache")
     second.kill()
-    assert f"tokenizing 14 slices ({len(kept)} already staged)" in second.stderr
+    assert f"tokenizing 14 slices ({len(kept)} already in the shard store)" in second.stderr
     assert not cache_path.exists()  # a reader sees no cache, not a half-built one
     with pytest.raises(CacheError, match="not a published cache"):
         open_cache(cache_path)
@@ -597,11 +601,10 @@ def test_killed_runs_resume_and_publish_the_clean_runs_cache(tmp_path, prefect_h
         time.sleep(0.02)
     assert third.finish() == 0, third.stderr
     assert third.stdout.splitlines()[-1] == str(cache_path)
-    assert "tokenizing 14 slices (14 already staged)" in third.stderr  # only the publish was redone
+    assert "tokenizing 14 slices (14 already in the shard store)" in third.stderr  # only the publish was redone
     assert contents(cache_path) == contents(many_rows_reference)
-    finished = published_inodes(cache_path)
-    for name, inode_and_mtime in kept.items():  # shards finished before the first kill were never rewritten
-        assert finished[int(name[6:11])] == inode_and_mtime
+    # Shards finished before the first kill were never rewritten: they are the published data files.
+    assert set(kept.values()) <= set(published_inodes(cache_path).values())
     assert [p.name for p in staging.iterdir() if p.is_dir()] == []  # no shard, no half-built cache left behind
 
 
@@ -624,12 +627,10 @@ def test_a_killed_worker_process_fails_the_run_and_the_same_command_resumes(tmp_
 
     resumed = cli(*args, home=tmp_path / "home", api_url=api_url)
     assert resumed.returncode == 0, resumed.stderr
-    assert f"tokenizing 14 slices ({len(kept)} already staged)" in resumed.stderr
+    assert f"tokenizing 14 slices ({len(kept)} already in the shard store)" in resumed.stderr
     cache_path = Path(resumed.stdout.splitlines()[-1])
     assert contents(cache_path) == contents(many_rows_reference)
-    finished = published_inodes(cache_path)
-    for name, inode_and_mtime in kept.items():
-        assert finished[int(name[6:11])] == inode_and_mtime
+    assert set(kept.values()) <= set(published_inodes(cache_path).values())
 
 
 # -- 4. disk full ---------------------------------------------------------------------------------------------
@@ -673,17 +674,17 @@ def test_a_full_disk_fails_the_shard_clearly_and_the_run_resumes_after_space_ret
                        "run the same command again: finished shards are kept")
     assert "No space left on device" in full.stderr or "File too large" in full.stderr
     kept = staged_shards(cache_root)
-    assert list(kept) == ["shard-00003.arrow"]
-    assert not list(cache_root.glob(".staging/*/*.tmp-*"))
+    assert len(kept) == 1  # slice 3's, the one small enough
+    assert not list(cache_root.glob(".shards/*.tmp-*"))
     assert published_caches(cache_root) == []
 
     make_room()
     resumed = cli(*args, home=tmp_path / "home", api_url=api_url)
     assert resumed.returncode == 0, resumed.stderr
-    assert "tokenizing 4 slices (1 already staged)" in resumed.stderr
+    assert "tokenizing 4 slices (1 already in the shard store)" in resumed.stderr
     cache_path = Path(resumed.stdout.splitlines()[-1])
     assert len(open_cache(cache_path)) == 240
-    assert published_inodes(cache_path)[3] == kept["shard-00003.arrow"]
+    assert [published_inodes(cache_path)[3]] == list(kept.values())
 
 
 # -- 5. concurrent runs ---------------------------------------------------------------------------------------
@@ -716,7 +717,7 @@ def test_a_truncated_cache_is_refused_and_rebuilt(tmp_path, api_url):
                                              cache_dir=str(cache_root), shard_size="100KB"))
     intact = contents(cache_path)
     victim = sorted(cache_path.glob("data-*.arrow"))[1]
-    victim.write_bytes(victim.read_bytes()[:-1000])
+    victim.write_bytes(victim.read_bytes()[:-1000])  # in place: the store's link to this shard is truncated too
 
     with pytest.raises(CacheError, match=f"{victim}: .* bytes, the manifest says .* bytes: the cache is corrupt"):
         open_cache(cache_path)
@@ -725,7 +726,8 @@ def test_a_truncated_cache_is_refused_and_rebuilt(tmp_path, api_url):
 
     rebuilt = cli(*run_args([EXAMPLE_DATA], cache_root), home=tmp_path / "home", api_url=api_url)
     assert rebuilt.returncode == 0, rebuilt.stderr
-    assert "tokenizing 4 slices (0 already staged)" in rebuilt.stderr
+    # Only the truncated shard is tokenized again: the store's size check refuses it like the cache's does.
+    assert "tokenizing 4 slices (3 already in the shard store)" in rebuilt.stderr
     assert rebuilt.stdout.splitlines()[-1] == str(cache_path)
     assert contents(cache_path) == intact
     assert published_caches(cache_root) == [cache_path.name] and not list(cache_root.glob(".staging/*.corrupt-*"))

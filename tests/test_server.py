@@ -149,9 +149,12 @@ def tokenize_runs(client: SyncPrefectClient, flow_run, attempt: int | None = Non
             if run.name.startswith("tokenize-") and attempt in (None, run.flow_run_run_count)}
 
 
-def staged_shards(cache_root: Path) -> dict[str, tuple[int, int]]:
-    """The finished shards in staging, by name: (inode, mtime) tells whether a rerun rewrote one."""
-    return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in (cache_root / ".staging").glob("*/shard-*.arrow")}
+def staged_shards(cache_root: Path) -> dict[int, tuple[int, int]]:
+    """The finished shards in the shard store, by their slice's index: (inode, mtime) tells whether a rerun
+    rewrote one. A shard's name is its content key, which the plan of the same inputs gives."""
+    plan = plan_slices(TokenizeRun(**options(cache_root)), min_slices=2)
+    return {s.index: (shard.stat().st_ino, shard.stat().st_mtime_ns) for s in plan.slices
+            if (shard := plan.job.shard_path(s)).with_suffix(".json").exists()}
 
 
 def published(cache_root: Path) -> Path:
@@ -166,10 +169,10 @@ def data_files(cache_path: Path) -> dict[str, bytes]:
 def assert_only_the_failed_shard_was_redone(cache_root: Path, before: dict, failed: int) -> None:
     """The shards that had finished before the retry are the published data files (same inode and mtime):
     published as they were, not rewritten."""
-    assert sorted(before) == [f"shard-{i:05d}.arrow" for i in range(4) if i != failed]
+    assert sorted(before) == [i for i in range(4) if i != failed]
     cache_path = published(cache_root)
-    for name, (inode, mtime) in before.items():
-        data_file = cache_path / f"data-{int(name[6:11]):05d}-of-00004.arrow"
+    for index, (inode, mtime) in before.items():
+        data_file = cache_path / f"data-{index:05d}-of-00004.arrow"
         assert (data_file.stat().st_ino, data_file.stat().st_mtime_ns) == (inode, mtime)
 
 
@@ -221,7 +224,7 @@ def fail_then_retry_ad_hoc(server: str, tmp: Path) -> SimpleNamespace:
 
     fault_file.unlink()
     plan = plan_slices(TokenizeRun(**options(cache_root)))
-    lost = cache_root / ".prefect-results" / plan.job.slice_key(plan.slices[3])
+    lost = cache_root / ".prefect-results" / plan.slices[3].key
     lost.unlink()
     retried = subprocess.run([str(BIN / "prefect"), "flow-run", "retry", str(flow_run.id), "--entrypoint", ENTRYPOINT],
                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT)
