@@ -7,13 +7,19 @@ same code. A slice is a small picklable description (file URLs and ranges), neve
     parquet  row groups; a slice reads only its row groups and only the columns it needs
     arrow    row ranges of Arrow IPC (stream or file) files, e.g. a `save_to_disk` directory
     json     (an array of objects) and csv: whole files, one piece each
+
+A compressed file (`.gz`, `.bz2`, `.zst`, `.xz` after the format's extension) is decompressed as it is
+read, by fsspec's codecs; it cannot be read from an offset, so it is one piece, read whole by one slice.
+A truncated or corrupt archive is a BadInput naming the file.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import lzma
 import os
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
@@ -33,6 +39,18 @@ EXTENSIONS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet"
 READ_BATCH_ROWS = 256
 READ_BATCH_BYTES = 1 << 20
 READ_CHUNK_BYTES = 1 << 20  # one read (one range request remotely) of a JSONL slice
+# Compression suffixes after the format's extension, as fsspec names their codecs.
+COMPRESSIONS = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd", ".xz": "xz"}
+COMPRESSIBLE = ("jsonl", "json", "csv")  # Parquet and Arrow compress inside the file
+DECOMPRESSION_ERRORS = (EOFError, OSError, zlib.error, lzma.LZMAError)
+try:  # fsspec's zstd codec (the standard library's from Python 3.14)
+    from compression.zstd import ZstdError
+except ImportError:
+    try:
+        from backports.zstd import ZstdError
+    except ImportError:
+        ZstdError = OSError
+DECOMPRESSION_ERRORS += (ZstdError,)
 
 
 @dataclass(frozen=True)
@@ -86,14 +104,66 @@ def _identity(fs: fsspec.AbstractFileSystem, path: str, info: dict) -> tuple:
     return ("remote", info.get("size"), *(f"{k}={info[k]}" for k in keys if info.get(k) is not None))
 
 
+def compression_of(url: str) -> str | None:
+    """fsspec's name of the file's compression codec, from its suffix; None if it is not compressed."""
+    return COMPRESSIONS.get(os.path.splitext(url.rstrip("/"))[1].lower())
+
+
+def format_extension(url: str) -> str:
+    """The extension naming the file's format, under any compression suffix: `a.jsonl.gz` → `.jsonl`."""
+    base = url.rstrip("/")
+    if compression_of(base):
+        base = os.path.splitext(base)[0]
+    return os.path.splitext(base)[1].lower()
+
+
+class _CheckedDecompression(io.RawIOBase):
+    """A decompressing file whose codec errors (a truncated or corrupt archive) are BadInput naming the file."""
+
+    def __init__(self, file, url: str, codec: str):
+        self._file, self._url, self._codec = file, url, codec
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        try:
+            data = self._file.read(len(buffer))
+        except DECOMPRESSION_ERRORS as error:
+            raise BadInput(f"{self._url}: truncated or corrupt {self._codec} archive "
+                           f"({type(error).__name__}: {error})") from None
+        buffer[:len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        if not self.closed:
+            self._file.close()
+        super().close()
+
+
+def open_decompressed(fs: fsspec.AbstractFileSystem, path: str, url: str, **options):
+    """The file's bytes, decompressed as they are read when its suffix names a codec."""
+    codec = compression_of(url)
+    if codec is None:
+        return fs.open(path, "rb", **options)
+    if codec not in fsspec.available_compressions():
+        raise BadInput(f"{url}: cannot read {codec} files: install its codec (for .zst: pip install backports.zstd)")
+    file = fs.open(path, "rb", compression=codec, **options)
+    return io.BufferedReader(_CheckedDecompression(file, url, codec), READ_CHUNK_BYTES)
+
+
 def _kind(url: str, fs: fsspec.AbstractFileSystem, path: str) -> str:
-    ext = os.path.splitext(url.rstrip("/"))[1].lower()
+    ext = format_extension(url)
     kind = EXTENSIONS.get(ext)
     if kind is None:
         raise BadInput(f"{url}: unknown file format {ext or '(no extension)'!r}; "
-                       f"supported: {', '.join(sorted(EXTENSIONS))}")
+                       f"supported: {', '.join(sorted(EXTENSIONS))}, each also compressed "
+                       f"({', '.join(COMPRESSIONS)}) except .parquet and .arrow")
+    if compression_of(url) and kind not in COMPRESSIBLE:
+        raise BadInput(f"{url}: {ext} files cannot be read compressed ({ext} compresses inside the file); "
+                       "decompress it first")
     if kind == "json":  # many .json files are JSON lines: an object on the first line tells
-        with fs.open(path, "rb") as f:
+        with open_decompressed(fs, path, url) as f:
             head = f.read(4096).lstrip()
         # A first line that is not a whole object is a pretty-printed document: read as one, it is named
         # as "not an array" (or a syntax error at its line) instead of a broken first line.
@@ -164,7 +234,7 @@ def resolve(specs: list[str], *, split: str = "train", subset: str | None = None
                 found += [SourceFile(s.url, "arrow", s.size, s.identity) for s in (_source(fs, p) for p in saved)]
                 continue
             files = sorted(p for p, info in fs.find(path, detail=True).items()
-                           if info["type"] == "file" and os.path.splitext(p)[1].lower() in EXTENSIONS
+                           if info["type"] == "file" and format_extension(p) in EXTENSIONS
                            and not os.path.basename(p).startswith("."))
             if not files:
                 raise BadInput(f"{spec}: no data files ({', '.join(sorted(EXTENSIONS))}) in this directory")
@@ -182,14 +252,17 @@ def resolve(specs: list[str], *, split: str = "train", subset: str | None = None
 class _Reader:
     """One file format: its columns, its pieces (cut points with byte weights) and how to read a part."""
 
-    def __init__(self, source: SourceFile | Part, storage_options: dict | None):
+    def __init__(self, source: SourceFile | Part, storage_options: dict | None, max_row_bytes: int | None = None):
         self.url = source.url
         self.fs, self.path = filesystem(source.url, storage_options)
+        self.compressed = compression_of(source.url) is not None
+        self.max_row_bytes = max_row_bytes
 
     def open(self, exact: bool = False):
         # exact: every read is one range request of exactly its size, no read-ahead past a slice.
         # Otherwise small blocks: finding a line start should not fetch megabytes of object storage.
-        return self.fs.open(self.path, "rb", **({"cache_type": "none"} if exact else {"block_size": 1 << 16}))
+        options = {"cache_type": "none"} if exact and not self.compressed else {"block_size": 1 << 16}
+        return open_decompressed(self.fs, self.path, self.url, **options)
 
     def columns(self) -> list[str]:
         raise NotImplementedError
@@ -205,17 +278,18 @@ class _Reader:
 
 class _JsonLines(_Reader):
     def columns(self) -> list[str]:
-        with self.open() as f:
-            for number, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                row = _parse_line(line)
-                if isinstance(row, BadRow):
-                    raise row.at(f"{self.url}:{number}")
-                return list(row)
+        for number, line in enumerate(self._lines(0, -1), start=1):
+            if isinstance(line, int) or not line.strip():
+                continue  # a row over max_row_bytes is not decoded, even to find the columns
+            row = _parse_line(line)
+            if isinstance(row, BadRow):
+                raise row.at(f"{self.url}:{number}")
+            return list(row)
         raise BadInput(f"{self.url}: the file has no rows")
 
     def pieces(self, size: int, target: int, first: int) -> list[tuple[int, int, int]]:
+        if self.compressed:
+            return [(0, -1, size)]
         cuts = [0]
         with self.open() as f:
             offset = first
@@ -229,22 +303,37 @@ class _JsonLines(_Reader):
         cuts.append(size)
         return [(a, b, b - a) for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
 
-    def _lines(self, start: int, stop: int) -> Iterator[bytes]:
-        """The lines of bytes [start, stop), which begin and end on line starts, read in bounded chunks.
-        Exactly that range is read: on object storage a slice fetches its own bytes and no others."""
+    def _lines(self, start: int, stop: int) -> Iterator[bytes | int]:
+        """The lines of bytes [start, stop) (stop -1: to the end), which begin and end on line starts, read in
+        bounded chunks. Exactly that range is read: on object storage a slice fetches its own bytes and no
+        others. A line longer than max_row_bytes is never held whole: its length (an int) stands for it."""
+        limit = self.max_row_bytes
         with self.open(exact=True) as f:
-            f.seek(start)
-            position, carry = start, b""
-            while position < stop:
-                chunk = f.read(min(stop - position, READ_CHUNK_BYTES))
+            if start:
+                f.seek(start)
+            position, carry, skipped = start, [], 0  # carry: the pieces of an unfinished line
+            while stop < 0 or position < stop:
+                chunk = f.read(READ_CHUNK_BYTES if stop < 0 else min(stop - position, READ_CHUNK_BYTES))
                 if not chunk:
                     break
                 position += len(chunk)
-                lines = (carry + chunk).split(b"\n")
-                carry = lines.pop()
-                yield from lines
-            if carry:
-                yield carry
+                lines = chunk.split(b"\n")
+                last = lines.pop()
+                for line in lines:
+                    whole = skipped + len(line) if skipped else b"".join([*carry, line]) if carry else line
+                    yield len(whole) if limit is not None and not isinstance(whole, int) and len(whole) > limit \
+                        else whole
+                    carry, skipped = [], 0
+                if skipped:
+                    skipped += len(last)
+                else:
+                    carry.append(last)
+                    if limit is not None and sum(map(len, carry)) > limit:
+                        skipped, carry = sum(map(len, carry)), []
+            if skipped:
+                yield skipped
+            elif any(carry):
+                yield b"".join(carry)
 
     def read(self, part: Part, columns: list[str]) -> Iterator[RowBatch]:
         first_line = _LazyLineNumber(self, part.start)
@@ -252,7 +341,12 @@ class _JsonLines(_Reader):
         lines: list[int] = []  # line index of each row, relative to the part's first line
         pending = 0
         for index, line in enumerate(self._lines(part.start, part.stop)):
-            if line.strip():
+            if isinstance(line, int):
+                rows.append(BadRow("row_too_large", f"the row is {line:,} bytes, over the {self.max_row_bytes:,}-byte "
+                                   "limit (--max-row-bytes; --on-bad-row skip drops such rows)"))
+                lines.append(index)
+                pending += READ_BATCH_BYTES  # alone in its batch: the rows before it need not wait
+            elif line.strip():
                 rows.append(_parse_line(line))
                 lines.append(index)
                 pending += len(line)
@@ -431,8 +525,9 @@ READERS: dict[str, type[_Reader]] = {"jsonl": _JsonLines, "json": _JsonArray, "p
                                      "csv": _Csv}
 
 
-def reader(source: SourceFile | Part, storage_options: dict | None = None) -> _Reader:
-    return READERS[source.kind](source, storage_options)
+def reader(source: SourceFile | Part, storage_options: dict | None = None,
+           max_row_bytes: int | None = None) -> _Reader:
+    return READERS[source.kind](source, storage_options, max_row_bytes)
 
 
 def cut_slices(files: list[SourceFile], target: int, storage_options: dict | None = None) -> list[Slice]:
@@ -455,6 +550,8 @@ def cut_slices(files: list[SourceFile], target: int, storage_options: dict | Non
     return slices
 
 
-def read_slice(slice_: Slice, columns: list[str], storage_options: dict | None = None) -> Iterator[RowBatch]:
+def read_slice(slice_: Slice, columns: list[str], storage_options: dict | None = None,
+               max_row_bytes: int | None = None) -> Iterator[RowBatch]:
+    """The slice's rows in batches; a JSON line over `max_row_bytes` comes as a BadRow `row_too_large`."""
     for part in slice_.parts:
-        yield from reader(part, storage_options).read(part, columns)
+        yield from reader(part, storage_options, max_row_bytes).read(part, columns)
