@@ -59,7 +59,8 @@ def _columns(files: list[SourceFile], options: TokenizeOptions) -> ColumnMap:
     first: ColumnMap | None = None
     for source in files:
         found = resolve_columns(options.format if first is None else first.format, options.columns,
-                                reader(source, options.storage_options).columns(), source.url)
+                                reader(source, options.storage_options, parse_size(options.max_row_bytes)).columns(),
+                                source.url)
         if first is None:
             first = found
         elif found != first:
@@ -115,6 +116,7 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable
         "max_length": options.max_length,
         "truncation": options.truncation if options.max_length else None,
         "extra_columns": sorted(options.extra_columns),
+        "max_row_bytes": parse_size(options.max_row_bytes),
     }
     digest = fingerprint(inputs)
     name = options.name or default_name(options.sources[0])
@@ -129,6 +131,7 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable
         max_length=options.max_length,
         truncation=options.truncation,
         on_bad_row=options.on_bad_row,
+        max_row_bytes=parse_size(options.max_row_bytes),
         extra_columns=tuple(sorted(options.extra_columns)),
         writer_batch_rows=options.writer_batch_rows,
         writer_batch_bytes=parse_size(options.writer_batch_bytes),

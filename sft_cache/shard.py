@@ -25,6 +25,7 @@ from .errors import BadRow, OutOfSpace
 from .fingerprint import fingerprint
 from .formats import ColumnMap, to_example
 from .sources import Slice, read_slice
+from .stopping import raise_if_stopping
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class Job:
     max_length: int | None = None
     truncation: str = "truncate"
     on_bad_row: str = "raise"
+    max_row_bytes: int | None = None
     extra_columns: tuple[str, ...] = ()
     writer_batch_rows: int = 1000
     writer_batch_bytes: int = 64_000_000
@@ -194,7 +196,8 @@ def _stream_rows(job: Job, slice_: Slice, stream) -> ShardStats:
         stats.dropped[bad.reason] += 1
 
     writer = ShardWriter(stream, job.extra_columns, job.writer_batch_rows, job.writer_batch_bytes)
-    for rows, locate in read_slice(slice_, job.columns.names, job.storage_options):
+    for rows, locate in read_slice(slice_, job.columns.names, job.storage_options, job.max_row_bytes):
+        raise_if_stopping()
         examples, positions = [], []
         for i, row in enumerate(rows):
             try:
