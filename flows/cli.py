@@ -24,6 +24,7 @@ from sft_cache.errors import BadInput, CacheError
 
 PROG = "sft-tokenize"
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a writer whose reader left
 
 
 def _column(spec: str) -> tuple[str, str]:
@@ -81,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--on-bad-row", default="raise", choices=["raise", "skip"],
                      help="stop at the first malformed row (default), or skip and count it")
     run.add_argument("--shard-size", default="256MB", metavar="SIZE", help="input bytes per slice (default 256MB)")
+    run.add_argument("--max-row-bytes", default="2MB", metavar="SIZE",
+                     help="largest JSON line read (default 2MB); a longer row is a bad row (row_too_large)")
     run.add_argument("--storage-options", type=_json_object, default={}, metavar="JSON",
                      help='fsspec options for remote sources, a JSON object (e.g. \'{"anon": true}\'); prefer '
                           "credentials from the environment: these are stored with the run's parameters")
@@ -114,6 +117,7 @@ def options_from(args: argparse.Namespace) -> dict[str, Any]:
         "format": args.format, "columns": columns, "train_on": args.train_on, "max_length": args.max_length,
         "truncation": args.truncation, "chat_template": args.chat_template, "extra_columns": args.extra_column,
         "split": args.split, "subset": args.subset, "on_bad_row": args.on_bad_row, "shard_size": args.shard_size,
+        "max_row_bytes": args.max_row_bytes,
         "storage_options": args.storage_options, "runner": args.runner, "dask_address": args.dask_address,
         "ray_address": args.ray_address, "workers": args.workers, "force": args.force,
     }
@@ -170,10 +174,26 @@ class ProgressBar:
 
 
 def run(args: argparse.Namespace) -> int:
+    from flows.interrupts import EXIT_CODES, raise_on_sigterm, signal_of
+
+    raise_on_sigterm()
+    try:
+        return _run(args)
+    except KeyboardInterrupt as interrupt:  # Ctrl-C, or SIGTERM (flows.interrupts.Terminated)
+        signum = signal_of(interrupt)
+        return _fail(f"interrupted ({signum.name}); the finished slices stay staged under "
+                     f"{os.path.join(args.cache_dir, '.staging')}: run the same command again to resume",
+                     EXIT_CODES[signum])
+
+
+def _run(args: argparse.Namespace) -> int:
+    from prefect.exceptions import TerminationSignal
+    from prefect.settings import get_current_settings
     from pydantic import ValidationError
 
     from flows.cluster import require_extra
-    from flows.embedded_server import EmbeddedServer
+    from flows.embedded_server import EmbeddedServer, ServerUnavailable, check_api_reachable
+    from flows.interrupts import Terminated
     from flows.tokenize_dataset import TokenizeRun, first_line, on_progress, tokenize_dataset
     from sft_cache.plan import plan_slices
 
@@ -192,6 +212,11 @@ def run(args: argparse.Namespace) -> int:
     if plan.cached and not options.force:
         print(plan.cache_path)
         return EXIT_OK
+    if server is None:
+        try:
+            check_api_reachable(str(get_current_settings().api.url))
+        except ServerUnavailable as error:
+            return _fail(str(error), EXIT_FAILED)
     if options.runner == "dask" and not args.verbose:
         # A temporary cluster's scheduler runs in this process: a notice per worker and connection is noise here.
         logging.getLogger("distributed").setLevel(logging.WARNING)
@@ -202,8 +227,8 @@ def run(args: argparse.Namespace) -> int:
             cache_path = tokenize_dataset(options)
     except BadInput as error:
         return _fail(str(error), EXIT_BAD_INPUT)
-    except KeyboardInterrupt:
-        return _fail("interrupted; run the same command again to resume", 130)
+    except TerminationSignal as signal_:  # Prefect's SIGTERM bridge, if it did not hand the signal back
+        raise Terminated() from signal_
     except Exception as error:  # noqa: BLE001 - any other failure: one line here, details in the Prefect logs
         return _fail(f"{type(error).__name__}: {first_line(error)}", EXIT_FAILED)
     print(cache_path)
@@ -226,13 +251,24 @@ def inspect(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    # Before transformers and prefect are imported: no "PyTorch was not found" advisory, no telemetry noise.
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    if args.command == "run":  # inherited by process-pool workers, which print their own logs
-        os.environ[CONSOLE_ENV] = "quiet" if args.quiet else "verbose" if args.verbose else "plain"
-    return run(args) if args.command == "run" else inspect(args)
+    try:
+        try:
+            args = build_parser().parse_args(argv)
+        except SystemExit as exit_:  # --help, or bad usage (exit 2)
+            sys.stdout.flush()
+            return int(exit_.code or 0)
+        # Before transformers and prefect are imported: no "PyTorch was not found" advisory, no telemetry noise.
+        os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+        os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+        if args.command == "run":  # inherited by process-pool workers, which print their own logs
+            os.environ[CONSOLE_ENV] = "quiet" if args.quiet else "verbose" if args.verbose else "plain"
+        code = run(args) if args.command == "run" else inspect(args)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        # The reader of stdout left (`sft-tokenize inspect ... | head`): stop quietly, as a shell tool does.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":
