@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import sys
-from contextlib import nullcontext
 from typing import Any
 
 from flows.console import CONSOLE_ENV, configure_console
@@ -222,8 +221,9 @@ def _run(args: argparse.Namespace) -> int:
         logging.getLogger("distributed").setLevel(logging.WARNING)
     try:
         # The bar closes, showing its last state, before an error is reported below it.
-        with server.serving() if server else nullcontext(), ProgressBar(progress_console()) as bar, \
-                on_progress(bar.update):
+        if server:
+            server.use()
+        with ProgressBar(progress_console()) as bar, on_progress(bar.update):
             cache_path = tokenize_dataset(options)
     except BadInput as error:
         return _fail(str(error), EXIT_BAD_INPUT)

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import httpx
 import prefect
+from prefect.context import refresh_global_settings_context
 from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL, get_current_settings, temporary_settings
 
 SERVER_APP = "prefect.server.api.server:create_app"
@@ -178,14 +179,19 @@ class EmbeddedServer:
                                             f"{timeout:.0f} s (PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS)")
                 time.sleep(0.1)
 
-    @contextmanager
-    def serving(self) -> Iterator[str]:
-        """Join the server, wait until it answers, and point this process's Prefect at it for the block
-        (with no UI URL: this server serves no UI)."""
+    def use(self) -> str:
+        """Join the server, wait until it answers, and point this process's Prefect at it for the rest of the
+        process's life (with no UI URL: this server serves no UI). Not only for the flow: logs and events
+        still drain at exit, and a run interrupted mid-flow has process-pool messages in flight; with no API
+        URL left, Prefect would boot a server of its own for them."""
         self.start()
         self.wait_until_ready()
-        with temporary_settings(updates={PREFECT_API_URL: self.url, PREFECT_UI_URL: ""}):
-            yield self.url
+        # Threads that Prefect starts without this context (the process pool's event forwarding) read the
+        # global settings, which come from the environment: without this, each would boot a server of its own.
+        os.environ["PREFECT_API_URL"] = self.url
+        refresh_global_settings_context()
+        temporary_settings(updates={PREFECT_API_URL: self.url, PREFECT_UI_URL: ""}).__enter__()
+        return self.url
 
     def release(self) -> None:
         """Leave the server; the last run to leave stops it."""
