@@ -6,25 +6,28 @@ only launches a subprocess), then waits for that subprocess to boot (seconds; fa
 machine), and every run boots its own server on the same SQLite database. Runs started together on a
 busy machine then time out one after another.
 
-Instead, the CLI launches Prefect's own server command (uvicorn serving
-`prefect.server.api.server:create_app`, ephemeral mode, no UI) once per PREFECT_HOME and lets every run
-on that home use it:
+Instead, the CLI launches Prefect's own server app (`prefect.server.api.server:create_app` under uvicorn,
+ephemeral mode, no UI; `python -m flows.embedded_server` adds only the lease check below) once per
+PREFECT_HOME and lets every run on that home use it:
 
     sft-tokenize-server.lock   an flock held only while a run joins or leaves (guards the two files below)
     sft-tokenize-server.json   the server's pid, port and URL
     sft-tokenize-server.lease  every run using the server holds a shared flock on it; the run that leaves
                                last (its exclusive flock succeeds) stops the server and removes the .json
 
-The kernel drops a lease when its process dies, however it dies. A server whose pid is gone (or is no
-longer a Prefect server) is replaced by the next run. The first run launches the server as soon as it
-knows there is work, so the server boots while this process loads the tokenizer and cuts the slices, and
-waits for it as long as the server process lives (at least STARTUP_TIMEOUT seconds). The server runs in
-its own session, so Ctrl-C in one run's terminal does not stop the server under another run.
+The kernel drops a lease when its process dies, however it dies, and the server checks every second that some
+run still holds one: a server whose runs were all killed (SIGKILL, the OOM killer) exits by itself. A server
+whose pid is gone (or is no longer a Prefect server) is replaced by the next run. The first run launches the
+server as soon as it knows there is work, so the server boots while this process loads the tokenizer and cuts
+the slices, and waits for it up to STARTUP_TIMEOUT seconds (longer if Prefect's own setting says so), failing at
+once if the server process exits. The server runs in its own session, so Ctrl-C in one run's terminal does
+not stop the server under another run.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import fcntl
 import json
 import os
@@ -39,7 +42,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
-import prefect
 from prefect.context import refresh_global_settings_context
 from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL, get_current_settings, temporary_settings
 
@@ -51,6 +53,12 @@ API_CHECK_TIMEOUT = 10.0
 
 class ServerUnavailable(RuntimeError):
     """No Prefect API answers: the embedded server could not start, or PREFECT_API_URL is not reachable."""
+
+
+def _paths(home: Path) -> tuple[Path, Path, Path]:
+    """The lock, the state file and the lease file of a PREFECT_HOME's shared server."""
+    return (home / "sft-tokenize-server.lock", home / "sft-tokenize-server.json",
+            home / "sft-tokenize-server.lease")
 
 
 def _free_port() -> int:
@@ -110,9 +118,7 @@ class EmbeddedServer:
 
     def __init__(self) -> None:
         home = get_current_settings().home
-        self.lock_path = home / "sft-tokenize-server.lock"
-        self.state_path = home / "sft-tokenize-server.json"
-        self.lease_path = home / "sft-tokenize-server.lease"
+        self.lock_path, self.state_path, self.lease_path = _paths(home)
         self.pid = self.port = 0
         self.url: str | None = None
         self.process: subprocess.Popen | None = None  # set when this run launched the server
@@ -136,9 +142,7 @@ class EmbeddedServer:
         env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1",
                "PREFECT__SERVER_FINAL": "1", **get_current_settings().to_environment_variables(exclude_unset=True)}
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "--app-dir", str(prefect.__module_path__.parent),
-             "--factory", SERVER_APP, "--host", "127.0.0.1", "--port", str(port), "--log-level", "error",
-             "--lifespan", "on"],
+            [sys.executable, "-m", "flows.embedded_server", SERVER_APP, "--port", str(port)],
             env=env, stdin=subprocess.DEVNULL, start_new_session=True,
         )
         state = {"pid": self.process.pid, "port": port, "url": f"http://127.0.0.1:{port}/api"}
@@ -227,3 +231,34 @@ class EmbeddedServer:
                 os.kill(self.pid, signal.SIGKILL)
                 deadline = float("inf")
             time.sleep(0.05)
+
+
+def serve(port: int) -> None:
+    """The server process: Prefect's app under uvicorn, and a thread that ends it once no run holds a lease."""
+    import threading
+
+    import uvicorn
+
+    lock_path, state_path, lease_path = _paths(get_current_settings().home)
+    server = uvicorn.Server(uvicorn.Config(SERVER_APP, factory=True, host="127.0.0.1", port=port, log_level="error",
+                                           lifespan="on"))
+
+    def end_when_unused() -> None:
+        while not server.should_exit:
+            time.sleep(1)
+            with _locked(lock_path), open(lease_path, "a") as lease:
+                try:
+                    fcntl.flock(lease, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # a run uses this server
+                with contextlib.suppress(OSError, ValueError):
+                    if json.loads(state_path.read_text())["pid"] == os.getpid():
+                        state_path.unlink()
+                server.should_exit = True
+
+    threading.Thread(target=end_when_unused, daemon=True).start()
+    server.run()
+
+
+if __name__ == "__main__":
+    serve(int(sys.argv[sys.argv.index("--port") + 1]))

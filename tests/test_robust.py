@@ -178,6 +178,25 @@ def servers_of(home: Path) -> list[int]:
     return found
 
 
+@pytest.mark.slow
+def test_a_server_whose_runs_were_all_killed_exits_by_itself(tmp_path, home, start, long_input):
+    run = start(run_args([long_input], tmp_path / "cache"), home, "killed")
+    state = home / "sft-tokenize-server.json"
+    deadline = time.monotonic() + TIMEOUT
+    while not (state.exists() and list((tmp_path / "cache" / ".staging").glob("*/shard-*.json"))):
+        assert run.process.poll() is None and time.monotonic() < deadline, run.stderr
+        time.sleep(0.05)
+    server = json.loads(state.read_text())["pid"]
+    assert running(server)
+    os.killpg(run.process.pid, signal.SIGKILL)  # as `kill -9 -PGID` or the OOM killer: the CLI cannot leave
+    run.process.wait()
+    deadline = time.monotonic() + 15
+    while running(server):
+        assert time.monotonic() < deadline, "the server outlived every run that used it"
+        time.sleep(0.1)
+    assert not state.exists()
+
+
 def test_an_unreachable_api_url_is_one_line_and_exit_1(tmp_path):
     url = f"http://127.0.0.1:{free_port()}/api"  # nothing listens there
     started = time.monotonic()
