@@ -423,3 +423,27 @@ def test_output_to_a_closed_pipe_is_no_traceback(tmp_path):
                           capture_output=True, text=True, env=env, timeout=120)
     assert head.stdout.splitlines() == ["{", f'  "format_version": {read_manifest(path)["format_version"]},']
     assert head.stderr == ""
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, 64])
+def test_lines_over_the_limit_are_never_decoded_wherever_the_chunks_end(tmp_path, monkeypatch, chunk):
+    from sft_cache import sources
+    from sft_cache.errors import BadRow
+
+    monkeypatch.setattr(sources, "READ_CHUNK_BYTES", chunk)
+    lines = ['{"text": "a"}', '{"text": "' + "b" * 30 + '"}', "", '{"text": "' + "c" * 7 + '"}',
+             '{"text": "' + "d" * 40 + '"}', '{"text": "e"}']
+    limit = len(lines[3])  # a line of exactly the limit is read; one byte more is not
+    for tail in ("\n", ""):  # with and without a final newline
+        path = tmp_path / f"rows{len(tail)}.jsonl"
+        path.write_text("\n".join(lines) + tail)
+        (source,) = sources.resolve([str(path)])
+        (slice_,) = sources.cut_slices([source], source.size)
+        rows, where = [], []
+        for batch, locate in sources.read_slice(slice_, ["text"], max_row_bytes=limit):
+            rows += batch
+            where += [locate(i) for i in range(len(batch))]
+        assert [row.reason if isinstance(row, BadRow) else row["text"] for row in rows] == \
+            ["a", "row_too_large", "c" * 7, "row_too_large", "e"]
+        assert where == [f"{path}:{n}" for n in (1, 2, 4, 5, 6)]
+        assert f"the row is {len(lines[1]):,} bytes, over the {limit:,}-byte limit" in rows[1].detail
