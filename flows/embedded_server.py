@@ -122,6 +122,7 @@ class EmbeddedServer:
         self.pid = self.port = 0
         self.url: str | None = None
         self.process: subprocess.Popen | None = None  # set when this run launched the server
+        self.answered = False  # this run has seen it answer
         self._lease = None
 
     @staticmethod
@@ -182,6 +183,7 @@ class EmbeddedServer:
                     raise ServerUnavailable(f"the embedded Prefect server did not answer on {self.url} within "
                                             f"{timeout:.0f} s (PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS)")
                 time.sleep(0.1)
+        self.answered = True
 
     def use(self) -> str:
         """Join the server, wait until it answers, and point this process's Prefect at it for the rest of the
@@ -214,8 +216,11 @@ class EmbeddedServer:
             self._lease = None
 
     def _stop(self) -> None:
+        # No run uses it. One that never answered this run (bad input found while it booted) is killed at once:
+        # stopped gracefully, it would first finish booting and create its database.
+        stop = signal.SIGTERM if self.answered else signal.SIGKILL
         if self.process is not None:
-            self.process.terminate()
+            self.process.send_signal(stop)
             try:
                 self.process.wait(timeout=10)
             except subprocess.TimeoutExpired:
@@ -224,7 +229,7 @@ class EmbeddedServer:
             return
         if not self._alive():
             return
-        os.kill(self.pid, signal.SIGTERM)
+        os.kill(self.pid, stop)
         deadline = time.monotonic() + 10
         while self._alive():
             if time.monotonic() > deadline:

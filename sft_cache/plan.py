@@ -96,8 +96,8 @@ def _check_tokenizer(tokenizer, columns: ColumnMap, options: TokenizeOptions) ->
 def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable[[], object] | None = None) -> Plan:
     """Check the inputs, fingerprint them, and cut slices of about `shard_size` bytes (at least
     `min_slices` of them, so every worker gets work). A published cache returns before any tokenizer load;
-    otherwise `on_work` is called first, so whatever it starts runs while the tokenizer loads and the
-    inputs are cut."""
+    otherwise `on_work` is called once the tokenizer is checked, so whatever it starts runs while the inputs
+    are cut, and a refused tokenizer or template starts nothing."""
     root = cache_root(options)
     tokenizer_dir = resolve_tokenizer(options.tokenizer, options.tokenizer_revision)
     template_override = read_chat_template(options.chat_template)
@@ -140,10 +140,10 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable
     )
     if is_published(cache_path):
         return Plan(job, [], name, cache_path, inputs, cached=True)
-    if on_work is not None:
-        on_work()
     tokenizer = load_tokenizer(tokenizer_dir, template_override, options.trust_remote_code)
     _check_tokenizer(tokenizer, columns, options)
+    if on_work is not None:
+        on_work()
     total = sum(f.size for f in files)
     target = max(1, min(parse_size(options.shard_size), -(-total // max(1, min_slices))))
     return Plan(job, cut_slices(files, target, options.storage_options), name, cache_path, inputs, cached=False)
