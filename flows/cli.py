@@ -203,7 +203,8 @@ def _run(args: argparse.Namespace) -> int:
     server = EmbeddedServer() if EmbeddedServer.needed() else None
     try:
         # Checked before the flow starts: bad input fails at once, and a cache hit needs no flow. When there is
-        # work, Prefect's server is started first and boots in its own process (seconds) while this one plans.
+        # work, the shared server is joined (started if need be: it boots in its own process) while this one
+        # cuts the slices.
         require_extra(options.runner)
         plan = plan_slices(options, on_work=server.start if server else None)
     except BadInput as error:
@@ -220,9 +221,9 @@ def _run(args: argparse.Namespace) -> int:
         # A temporary cluster's scheduler runs in this process: a notice per worker and connection is noise here.
         logging.getLogger("distributed").setLevel(logging.WARNING)
     try:
-        # The bar closes, showing its last state, before an error is reported below it.
         if server:
             server.use()
+        # The bar closes, showing its last state, before an error is reported below it.
         with ProgressBar(progress_console()) as bar, on_progress(bar.update):
             cache_path = tokenize_dataset(options)
     except BadInput as error:
