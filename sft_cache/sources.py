@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import io
 import json
-import lzma
 import os
-import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
@@ -30,6 +28,7 @@ import pyarrow as pa
 import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 
+from .compressed import COMPRESSIBLE, COMPRESSIONS, compression_of, format_extension, open_decompressed
 from .errors import BadInput, BadRow
 
 EXTENSIONS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv",
@@ -39,18 +38,6 @@ EXTENSIONS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet"
 READ_BATCH_ROWS = 256
 READ_BATCH_BYTES = 1 << 20
 READ_CHUNK_BYTES = 1 << 20  # one read (one range request remotely) of a JSONL slice
-# Compression suffixes after the format's extension, as fsspec names their codecs.
-COMPRESSIONS = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd", ".xz": "xz"}
-COMPRESSIBLE = ("jsonl", "json", "csv")  # Parquet and Arrow compress inside the file
-DECOMPRESSION_ERRORS = (EOFError, OSError, zlib.error, lzma.LZMAError)
-try:  # fsspec's zstd codec (the standard library's from Python 3.14)
-    from compression.zstd import ZstdError
-except ImportError:
-    try:
-        from backports.zstd import ZstdError
-    except ImportError:
-        ZstdError = OSError
-DECOMPRESSION_ERRORS += (ZstdError,)
 
 
 @dataclass(frozen=True)
@@ -102,54 +89,6 @@ def _identity(fs: fsspec.AbstractFileSystem, path: str, info: dict) -> tuple:
     keys = ("VersionId", "version_id", "ETag", "etag", "md5Hash", "generation", "LastModified", "mtime",
             "last_modified")
     return ("remote", info.get("size"), *(f"{k}={info[k]}" for k in keys if info.get(k) is not None))
-
-
-def compression_of(url: str) -> str | None:
-    """fsspec's name of the file's compression codec, from its suffix; None if it is not compressed."""
-    return COMPRESSIONS.get(os.path.splitext(url.rstrip("/"))[1].lower())
-
-
-def format_extension(url: str) -> str:
-    """The extension naming the file's format, under any compression suffix: `a.jsonl.gz` → `.jsonl`."""
-    base = url.rstrip("/")
-    if compression_of(base):
-        base = os.path.splitext(base)[0]
-    return os.path.splitext(base)[1].lower()
-
-
-class _CheckedDecompression(io.RawIOBase):
-    """A decompressing file whose codec errors (a truncated or corrupt archive) are BadInput naming the file."""
-
-    def __init__(self, file, url: str, codec: str):
-        self._file, self._url, self._codec = file, url, codec
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer) -> int:
-        try:
-            data = self._file.read(len(buffer))
-        except DECOMPRESSION_ERRORS as error:
-            raise BadInput(f"{self._url}: truncated or corrupt {self._codec} archive "
-                           f"({type(error).__name__}: {error})") from None
-        buffer[:len(data)] = data
-        return len(data)
-
-    def close(self) -> None:
-        if not self.closed:
-            self._file.close()
-        super().close()
-
-
-def open_decompressed(fs: fsspec.AbstractFileSystem, path: str, url: str, **options):
-    """The file's bytes, decompressed as they are read when its suffix names a codec."""
-    codec = compression_of(url)
-    if codec is None:
-        return fs.open(path, "rb", **options)
-    if codec not in fsspec.available_compressions():
-        raise BadInput(f"{url}: cannot read {codec} files: install its codec (for .zst: pip install backports.zstd)")
-    file = fs.open(path, "rb", compression=codec, **options)
-    return io.BufferedReader(_CheckedDecompression(file, url, codec), READ_CHUNK_BYTES)
 
 
 def _kind(url: str, fs: fsspec.AbstractFileSystem, path: str) -> str:
@@ -262,7 +201,7 @@ class _Reader:
         # exact: every read is one range request of exactly its size, no read-ahead past a slice.
         # Otherwise small blocks: finding a line start should not fetch megabytes of object storage.
         options = {"cache_type": "none"} if exact and not self.compressed else {"block_size": 1 << 16}
-        return open_decompressed(self.fs, self.path, self.url, **options)
+        return open_decompressed(self.fs, self.path, self.url, READ_CHUNK_BYTES, **options)
 
     def columns(self) -> list[str]:
         raise NotImplementedError
