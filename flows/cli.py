@@ -20,7 +20,6 @@ import logging
 import os
 import sys
 import warnings
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +29,7 @@ from sft_cache.layouts import LAYOUTS
 
 PROG = "sft-tokenize"
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a writer whose reader left
 
 
 def _column(spec: str) -> tuple[str, str]:
@@ -107,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--on-bad-row", default="raise", choices=["raise", "skip"],
                      help="stop at the first malformed row (default), or skip and count it")
     run.add_argument("--shard-size", default="256MB", metavar="SIZE", help="input bytes per slice (default 256MB)")
+    run.add_argument("--max-row-bytes", default="2MB", metavar="SIZE",
+                     help="largest JSON line read (default 2MB); a longer row is a bad row (row_too_large)")
     run.add_argument("--storage-options", type=_json_object, default={}, metavar="JSON",
                      help='fsspec options for remote sources, a JSON object (e.g. \'{"anon": true}\'); prefer '
                           "credentials from the environment: these are stored with the run's parameters")
@@ -170,6 +172,7 @@ def options_from(args: argparse.Namespace) -> dict[str, Any]:
         "special_text": args.special_text,
         "layout": args.layout,
         "split": args.split, "subset": args.subset, "on_bad_row": args.on_bad_row, "shard_size": args.shard_size,
+        "max_row_bytes": args.max_row_bytes,
         "storage_options": args.storage_options, "runner": args.runner, "dask_address": args.dask_address,
         "ray_address": args.ray_address, "workers": args.workers, "force": args.force,
         "keep_versions": args.keep_versions,
@@ -244,6 +247,19 @@ class ProgressBar:
 
 
 def run(args: argparse.Namespace) -> int:
+    from flows.interrupts import EXIT_CODES, raise_on_sigterm, signal_of
+
+    raise_on_sigterm()
+    try:
+        return _run(args)
+    except KeyboardInterrupt as interrupt:  # Ctrl-C, or SIGTERM (flows.interrupts.Terminated)
+        signum = signal_of(interrupt)
+        return _fail(f"interrupted ({signum.name}); the finished slices stay in the shard store under "
+                     f"{os.path.join(args.cache_dir, '.shards')}: run the same command again to resume",
+                     EXIT_CODES[signum])
+
+
+def _run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from flows.cluster import require_extra
@@ -271,7 +287,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         # Checked before the flow starts: bad input fails at once, and a cache hit needs no flow. When there is
-        # work, Prefect's server is started first and boots in its own process (seconds) while this one plans.
+        # work, the shared server is joined (started if need be: it boots in its own process) while this one
+        # cuts the slices.
         require_extra(settings["runner"])
         plan = plan_slices(checked, on_work=start_server, content_keys=False)  # the flow hashes the inputs
     except BadInput as error:
@@ -279,7 +296,11 @@ def run(args: argparse.Namespace) -> int:
     if plan.cached and not settings["force"]:
         print(plan.cache_path)
         return EXIT_OK
-    from flows.embedded_server import EmbeddedServer
+    from prefect.exceptions import TerminationSignal
+    from prefect.settings import get_current_settings
+
+    from flows.embedded_server import EmbeddedServer, ServerUnavailable, check_api_reachable
+    from flows.interrupts import Terminated
     from flows.tokenize_dataset import TokenizeRun, first_line, on_progress, tokenize_dataset
 
     try:
@@ -288,18 +309,24 @@ def run(args: argparse.Namespace) -> int:
         return _fail("; ".join(map(_as_option_error, error.errors())), EXIT_BAD_INPUT)
     if server is None and EmbeddedServer.needed():  # --force of a published cache: the plan did no work
         server = EmbeddedServer()
+    if server is None:
+        try:
+            check_api_reachable(str(get_current_settings().api.url))
+        except ServerUnavailable as error:
+            return _fail(str(error), EXIT_FAILED)
     if options.runner == "dask" and not args.verbose:
         # A temporary cluster's scheduler runs in this process: a notice per worker and connection is noise here.
         logging.getLogger("distributed").setLevel(logging.WARNING)
     try:
+        if server:
+            server.use()
         # The bar closes, showing its last state, before an error is reported below it.
-        with server.serving() if server else nullcontext(), ProgressBar(progress_console()) as bar, \
-                on_progress(bar.update):
+        with ProgressBar(progress_console()) as bar, on_progress(bar.update):
             cache_path = tokenize_dataset(options)
     except BadInput as error:
         return _fail(str(error), EXIT_BAD_INPUT)
-    except KeyboardInterrupt:
-        return _fail("interrupted; run the same command again to resume", 130)
+    except TerminationSignal as signal_:  # Prefect's SIGTERM bridge, if it did not hand the signal back
+        raise Terminated() from signal_
     except Exception as error:  # noqa: BLE001 - any other failure: one line here, details in the Prefect logs
         return _fail(f"{type(error).__name__}: {first_line(error)}", EXIT_FAILED)
     print(cache_path)
@@ -393,15 +420,26 @@ def gc(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    # Before transformers and prefect are imported: no "PyTorch was not found" advisory, no telemetry noise.
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    # An unusable PREFECT_HOME is reported in one line by `prefect_home_problem`, not as Prefect's import warning.
-    warnings.filterwarnings("ignore", message="Failed to create the Prefect home directory")
-    if args.command == "run":  # inherited by process-pool workers, which print their own logs
-        os.environ[CONSOLE_ENV] = "quiet" if args.quiet else "verbose" if args.verbose else "plain"
-    return {"run": run, "inspect": inspect, "pack": pack, "gc": gc}[args.command](args)
+    try:
+        try:
+            args = build_parser().parse_args(argv)
+        except SystemExit as exit_:  # --help, or bad usage (exit 2)
+            sys.stdout.flush()
+            return int(exit_.code or 0)
+        # Before transformers and prefect are imported: no "PyTorch was not found" advisory, no telemetry noise.
+        os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+        os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+        # An unusable PREFECT_HOME is reported in one line by `prefect_home_problem`, not as Prefect's import warning.
+        warnings.filterwarnings("ignore", message="Failed to create the Prefect home directory")
+        if args.command == "run":  # inherited by process-pool workers, which print their own logs
+            os.environ[CONSOLE_ENV] = "quiet" if args.quiet else "verbose" if args.verbose else "plain"
+        code = {"run": run, "inspect": inspect, "pack": pack, "gc": gc}[args.command](args)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        # The reader of stdout left (`sft-tokenize inspect ... | head`): stop quietly, as a shell tool does.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from pydantic import Field, ValidationInfo, field_validator
 
 from flows.cluster import check_workers, dask_runner, ray_runner, tokenizer_env
 from flows.console import configure_console
+from flows.interrupts import ignore_sigint, stopping_workers
 from flows.report import markdown_table, packing_summary, summary
 from sft_cache.errors import BadInput
 from sft_cache.memory import limit_malloc_arenas
@@ -115,6 +116,7 @@ def _notify(finished: int, total: int, rows: int) -> None:
 def prepare_worker(tokenizer_threads: int) -> None:
     """Run in each process-pool worker before its first task."""
     os.environ.update(tokenizer_env(tokenizer_threads))
+    ignore_sigint()
     limit_malloc_arenas()
     configure_console(worker=True)
 
@@ -194,7 +196,8 @@ def tokenize_all(plan: Plan, options: TokenizeRun, staged: set[int]) -> dict:
     _notify(0, total, 0)
     started = time.monotonic()
     rows, finished, failures = 0, 0, {}
-    with started_task_runner(options.runner, workers, options.cluster_address) as runner:
+    with started_task_runner(options.runner, workers, options.cluster_address) as runner, \
+            stopping_workers(runner, [plan.job.shard_path(s) for s in plan.slices]):
         if options.runner in ("dask", "ray"):
             checked = check_workers(options.runner, runner, plan)
             logger.info("checked %s: they read the inputs and write to %s", checked, plan.store)

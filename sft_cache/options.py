@@ -80,6 +80,9 @@ class TokenizeOptions(BaseModel):
                            "attention_mask, labels).")
     on_bad_row: OnBadRow = "raise"
     shard_size: str = Field("256MB", description="Input bytes per slice (one task and one shard each).")
+    max_row_bytes: str = Field(
+        "2MB", description="Largest JSON line read: a longer one is a bad row (row_too_large), never decoded. "
+        "Each MB of a row in flight costs a worker about 180 MB while it is tokenized.")
     writer_batch_rows: int = Field(1000, gt=0)
     writer_batch_bytes: str = "64MB"
     trust_remote_code: bool = False
@@ -95,7 +98,7 @@ class TokenizeOptions(BaseModel):
             )
         return name
 
-    @field_validator("shard_size", "writer_batch_bytes")
+    @field_validator("shard_size", "writer_batch_bytes", "max_row_bytes")
     @classmethod
     def _is_a_size(cls, size: str) -> str:
         if parse_size(size) <= 0:

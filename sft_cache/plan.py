@@ -69,7 +69,7 @@ def _columns(files: list[SourceFile], options: TokenizeOptions) -> ColumnMap:
     is named); an optional one (system, tools) is read from the files that have it."""
     merged: ColumnMap | None = None
     for source in files:
-        source_reader = reader(source, options.storage_options)
+        source_reader = reader(source, options.storage_options, parse_size(options.max_row_bytes))
         available = source_reader.columns(skip_bad_rows=options.on_bad_row == "skip")
         found = resolve_columns(options.format if merged is None else merged.format, options.columns, available,
                                 source.url, source_reader.schemaless)
@@ -112,9 +112,10 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable
                 content_keys: bool = True) -> Plan:
     """Check the inputs, fingerprint them, and cut slices of about `shard_size` bytes (at least
     `min_slices` of them, so every worker gets work), each keyed by the content it reads. A published cache
-    returns before any tokenizer load; otherwise `on_work` is called first, so whatever it starts runs while
-    the tokenizer loads and the inputs are cut. `content_keys=False` skips hashing the inputs, for a check
-    that does not tokenize (its slices have no key)."""
+    returns before any tokenizer load; otherwise `on_work` is called once the tokenizer and template are
+    checked, so whatever it starts runs while the inputs are cut and hashed, and a refused tokenizer or
+    template starts nothing. `content_keys=False` skips hashing the inputs, for a check that does not
+    tokenize (its slices have no key)."""
     root = cache_root(options)
     tokenizer_dir = resolve_tokenizer(options.tokenizer, options.tokenizer_revision)
     template_override = read_chat_template(options.chat_template)
@@ -140,6 +141,7 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable
         "layout": options.layout,
         # A skip run may hold fewer rows than a raise run would refuse to publish: never the same cache.
         "on_bad_row": options.on_bad_row,
+        "max_row_bytes": parse_size(options.max_row_bytes),
     }
     digest = fingerprint(inputs)
     inputs["ignored_files"] = ignored  # recorded, not hashed: they are never read
@@ -160,6 +162,7 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable
         max_length=options.max_length,
         truncation=options.truncation,
         on_bad_row=options.on_bad_row,
+        max_row_bytes=parse_size(options.max_row_bytes),
         extra_columns=tuple(sorted(options.extra_columns)),
         layout=options.layout,
         writer_batch_rows=options.writer_batch_rows,
@@ -170,10 +173,10 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable
     if is_published(cache_path):
         return Plan(job, [], name, cache_path, inputs, cached=True)
     check_chat_template(options, tokenizer_dir, template_override, needed=columns.format != "text")
-    if on_work is not None:
-        on_work()
     tokenizer = load_tokenizer(tokenizer_dir, template_override, options.trust_remote_code)
     _check_tokenizer(tokenizer, columns, options)
+    if on_work is not None:
+        on_work()
     total = sum(f.size for f in files)
     # Halving (rather than total / min_slices) keeps the target, and so every cut point, the same while the
     # input grows, until it doubles.

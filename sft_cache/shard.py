@@ -27,6 +27,7 @@ from .errors import BadInput, BadRow, OutOfSpace
 from .formats import ColumnMap, to_example
 from .layouts import COLUMN_TYPES, column_values, layout_columns
 from .sources import Slice, read_slice
+from .stopping import raise_if_stopping
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class Job:
     max_length: int | None = None
     truncation: str = "truncate"
     on_bad_row: str = "raise"
+    max_row_bytes: int | None = None
     extra_columns: tuple[str, ...] = ()
     layout: str = "skyrl"
     writer_batch_rows: int = 1000
@@ -209,7 +211,8 @@ def _stream_rows(job: Job, slice_: Slice, stream) -> ShardStats:
         stats.dropped[bad.reason] += 1
 
     writer = ShardWriter(stream, job.extra_columns, job.writer_batch_rows, job.writer_batch_bytes, job.layout)
-    for rows, locate in read_slice(slice_, job.columns.names, job.storage_options):
+    for rows, locate in read_slice(slice_, job.columns.names, job.storage_options, job.max_row_bytes):
+        raise_if_stopping()
         examples, positions = [], []
         for i, row in enumerate(rows):
             try:

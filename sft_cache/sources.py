@@ -7,6 +7,10 @@ same code. A slice is a small picklable description (file URLs and ranges), neve
     parquet  row groups; a slice reads only its row groups and only the columns it needs
     arrow    row ranges of Arrow IPC (stream or file) files, e.g. a `save_to_disk` directory
     json     (an array of objects) and csv: whole files, one piece each
+
+A compressed file (`.gz`, `.bz2`, `.zst`, `.xz` after the format's extension) is decompressed as it is
+read, by fsspec's codecs; it cannot be read from an offset, so it is one piece, read whole by one slice.
+A truncated or corrupt archive is a BadInput naming the file.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import pyarrow as pa
 import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 
+from .compressed import COMPRESSIBLE, COMPRESSIONS, compression_of, format_extension, open_decompressed
 from .errors import BadInput, BadRow, one_line
 from .listing import check_regular_file, is_under, list_directory
 
@@ -90,13 +95,17 @@ def _identity(fs: fsspec.AbstractFileSystem, path: str, info: dict) -> tuple:
 
 
 def _kind(url: str, fs: fsspec.AbstractFileSystem, path: str) -> str:
-    ext = os.path.splitext(url.rstrip("/"))[1].lower()
+    ext = format_extension(url)
     kind = EXTENSIONS.get(ext)
     if kind is None:
         raise BadInput(f"{url}: unknown file format {ext or '(no extension)'!r}; "
-                       f"supported: {', '.join(sorted(EXTENSIONS))}")
+                       f"supported: {', '.join(sorted(EXTENSIONS))}, each also compressed "
+                       f"({', '.join(COMPRESSIONS)}) except .parquet and .arrow")
+    if compression_of(url) and kind not in COMPRESSIBLE:
+        raise BadInput(f"{url}: {ext} files cannot be read compressed ({ext} compresses inside the file); "
+                       "decompress it first")
     if kind == "json":  # many .json files are JSON lines: an object on the first line tells
-        with fs.open(path, "rb") as f:
+        with open_decompressed(fs, path, url) as f:
             head = f.read(4096).removeprefix(codecs.BOM_UTF8).lstrip()
         # A first line that is not a whole object is a pretty-printed document: read as one, it is named
         # as "not an array" (or a syntax error at its line) instead of a broken first line.
@@ -224,14 +233,17 @@ class _Reader:
 
     schemaless = False  # rows are JSON objects whose keys may differ from row to row
 
-    def __init__(self, source: SourceFile | Part, storage_options: dict | None):
+    def __init__(self, source: SourceFile | Part, storage_options: dict | None, max_row_bytes: int | None = None):
         self.url = source.url
         self.fs, self.path = filesystem(source.url, storage_options)
+        self.compressed = compression_of(source.url) is not None
+        self.max_row_bytes = max_row_bytes
 
     def open(self, exact: bool = False):
         # exact: every read is one range request of exactly its size, no read-ahead past a slice.
         # Otherwise small blocks: finding a line start should not fetch megabytes of object storage.
-        return self.fs.open(self.path, "rb", **({"cache_type": "none"} if exact else {"block_size": 1 << 16}))
+        options = {"cache_type": "none"} if exact and not self.compressed else {"block_size": 1 << 16}
+        return open_decompressed(self.fs, self.path, self.url, READ_CHUNK_BYTES, **options)
 
     def columns(self, skip_bad_rows: bool = False) -> list[str]:
         """The columns, from the schema or the first row (the first readable one, when skipping bad rows)."""
@@ -250,19 +262,20 @@ class _JsonLines(_Reader):
     schemaless = True
 
     def columns(self, skip_bad_rows: bool = False) -> list[str]:
-        with self.open() as f:
-            for number, line in enumerate(f, start=1):
-                if not line.strip():
+        for number, line in enumerate(self._lines(0, -1), start=1):
+            if isinstance(line, int) or not line.strip():
+                continue  # a row over max_row_bytes is not decoded, even to find the columns
+            row = _parse_line(line)
+            if isinstance(row, BadRow):
+                if skip_bad_rows:
                     continue
-                row = _parse_line(line)
-                if isinstance(row, BadRow):
-                    if skip_bad_rows:
-                        continue
-                    raise row.at(f"{self.url}:{number}")
-                return list(row)
+                raise row.at(f"{self.url}:{number}")
+            return list(row)
         raise BadInput(f"{self.url}: the file has no rows" + (" that can be read" if skip_bad_rows else ""))
 
     def pieces(self, size: int, target: int, first: int) -> list[tuple[int, int, int]]:
+        if self.compressed:
+            return [(0, -1, size)]
         # Cut at the first line start at or after each multiple of `target`, counted from the file's start:
         # appending rows moves no earlier cut, and an edit that shifts bytes rarely moves a later one.
         cuts = [0]
@@ -280,22 +293,37 @@ class _JsonLines(_Reader):
         cuts.append(size)
         return [(a, b, b - a) for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
 
-    def _lines(self, start: int, stop: int) -> Iterator[bytes]:
-        """The lines of bytes [start, stop), which begin and end on line starts, read in bounded chunks.
-        Exactly that range is read: on object storage a slice fetches its own bytes and no others."""
+    def _lines(self, start: int, stop: int) -> Iterator[bytes | int]:
+        """The lines of bytes [start, stop) (stop -1: to the end), which begin and end on line starts, read in
+        bounded chunks. Exactly that range is read: on object storage a slice fetches its own bytes and no
+        others. A line longer than max_row_bytes is never held whole: its length (an int) stands for it."""
+        limit = self.max_row_bytes
         with self.open(exact=True) as f:
-            f.seek(start)
-            position, carry = start, b""
-            while position < stop:
-                chunk = f.read(min(stop - position, READ_CHUNK_BYTES))
+            if start:
+                f.seek(start)
+            position, carry, skipped = start, [], 0  # carry: the pieces of an unfinished line
+            while stop < 0 or position < stop:
+                chunk = f.read(READ_CHUNK_BYTES if stop < 0 else min(stop - position, READ_CHUNK_BYTES))
                 if not chunk:
                     break
                 position += len(chunk)
-                lines = (carry + chunk).split(b"\n")
-                carry = lines.pop()
-                yield from lines
-            if carry:
-                yield carry
+                lines = chunk.split(b"\n")
+                last = lines.pop()
+                for line in lines:
+                    whole = skipped + len(line) if skipped else b"".join([*carry, line]) if carry else line
+                    yield len(whole) if limit is not None and not isinstance(whole, int) and len(whole) > limit \
+                        else whole
+                    carry, skipped = [], 0
+                if skipped:
+                    skipped += len(last)
+                else:
+                    carry.append(last)
+                    if limit is not None and sum(map(len, carry)) > limit:
+                        skipped, carry = sum(map(len, carry)), []
+            if skipped:
+                yield skipped
+            elif any(carry):
+                yield b"".join(carry)
 
     def read(self, part: Part, columns: list[str]) -> Iterator[RowBatch]:
         first_line = _LazyLineNumber(self, part.start)
@@ -303,7 +331,12 @@ class _JsonLines(_Reader):
         lines: list[int] = []  # line index of each row, relative to the part's first line
         pending = 0
         for index, line in enumerate(self._lines(part.start, part.stop)):
-            if line.strip():
+            if isinstance(line, int):
+                rows.append(BadRow("row_too_large", f"the row is {line:,} bytes, over the {self.max_row_bytes:,}-byte "
+                                   "limit (--max-row-bytes; --on-bad-row skip drops such rows)"))
+                lines.append(index)
+                pending += READ_BATCH_BYTES  # alone in its batch: the rows before it need not wait
+            elif line.strip():
                 rows.append(_parse_line(line))
                 lines.append(index)
                 pending += len(line)
@@ -555,14 +588,17 @@ READERS: dict[str, type[_Reader]] = {"jsonl": _JsonLines, "json": _JsonArray, "p
                                      "csv": _Csv}
 
 
-def reader(source: SourceFile | Part, storage_options: dict | None = None) -> _Reader:
-    return READERS[source.kind](source, storage_options)
+def reader(source: SourceFile | Part, storage_options: dict | None = None,
+           max_row_bytes: int | None = None) -> _Reader:
+    return READERS[source.kind](source, storage_options, max_row_bytes)
 
 
-def read_slice(slice_: Slice, columns: list[str], storage_options: dict | None = None) -> Iterator[RowBatch]:
-    """The rows of a slice, with the run's columns that each file has (an optional one may be in some only)."""
+def read_slice(slice_: Slice, columns: list[str], storage_options: dict | None = None,
+               max_row_bytes: int | None = None) -> Iterator[RowBatch]:
+    """The slice's rows in batches, with the run's columns that each file has (an optional one may be in some
+    files only); a JSON line over `max_row_bytes` comes as a BadRow `row_too_large`."""
     for part in slice_.parts:
-        part_reader = reader(part, storage_options)
+        part_reader = reader(part, storage_options, max_row_bytes)
         if not part_reader.schemaless:
             present = set(part_reader.columns(skip_bad_rows=True))
             columns = [name for name in columns if name in present]

@@ -28,6 +28,7 @@ from sft_cache import shard
 from sft_cache.errors import BadInput, OutOfSpace
 from sft_cache.shard import Job
 from sft_cache.sources import Slice
+from sft_cache.stopping import Stopped
 
 TAG = "sft-tokenize"  # cap parallel slices across runs with `prefect concurrency-limit create sft-tokenize N`
 RETRIES = 2
@@ -41,8 +42,8 @@ def slice_cache_key(context: Any, parameters: dict[str, Any]) -> str:
 
 def worth_retrying(task: Any, task_run: Any, state: Any) -> bool:
     """A bad row fails the same way every time, and a full disk does not empty itself in seconds:
-    retrying those only delays the error."""
-    return not isinstance(state.result(raise_on_failure=False), (BadInput, OutOfSpace))
+    retrying those only delays the error; an interrupted run wants no retry."""
+    return not isinstance(state.result(raise_on_failure=False), (BadInput, OutOfSpace, Stopped))
 
 
 def raise_injected_fault(job: Job, slice_: Slice) -> None:

@@ -1,0 +1,449 @@
+"""`sft-tokenize` never fails for reasons of its own, each case through the CLI in subprocesses: many runs at once
+on a loaded machine, an unreachable API, compressed inputs, a 50 MB row, SIGINT and SIGTERM, a closed pipe.
+
+Runs that can share a PREFECT_HOME do, and run side by side: they share one embedded server, as users' runs do.
+"""
+
+from __future__ import annotations
+
+import bz2
+import contextlib
+import csv
+import gzip
+import io
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import datasets
+import psutil
+import pytest
+from conftest import EXAMPLE_DATA, EXAMPLE_TOKENIZER, example_rows, write_jsonl
+
+from sft_cache.options import TokenizeOptions
+from sft_cache.plan import run_locally
+from sft_cache.reader import open_cache, read_manifest
+from tasks.tokenize_slice import FAULT_FILE_ENV
+
+BIN = Path(sys.executable).parent
+NOISE = ("Traceback", "PyTorch was not found", "Starting temporary server", "BrokenPipeError")
+TIMEOUT = 600
+
+
+def environment(home: Path, **extra: str) -> dict[str, str]:
+    """No Prefect server configured (the CLI uses its shared embedded one) and Prefect's default start-up timeout."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_") and k != FAULT_FILE_ENV}
+    return {**environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false", **extra}
+
+
+def run_args(sources: list, cache_root: Path, *extra: str) -> list[str]:
+    return ["run", *map(str, sources), "--tokenizer", str(EXAMPLE_TOKENIZER), "--cache-dir", str(cache_root),
+            "--shard-size", "100KB", "--workers", "2", *extra]
+
+
+class Run:
+    """`sft-tokenize` in the background, in its own session (as from a terminal), output in files."""
+
+    def __init__(self, args: list[str], home: Path, logs: Path, **env: str):
+        logs.mkdir(parents=True, exist_ok=True)
+        self.out, self.err = logs / "stdout", logs / "stderr"
+        with self.out.open("w") as out, self.err.open("w") as err:
+            self.process = subprocess.Popen([str(BIN / "sft-tokenize"), *args], stdout=out, stderr=err,
+                                            stdin=subprocess.DEVNULL, env=environment(home, **env),
+                                            start_new_session=True)
+
+    def wait(self, timeout: float = TIMEOUT) -> int:
+        return self.process.wait(timeout=timeout)
+
+    @property
+    def stdout(self) -> str:
+        return self.out.read_text()
+
+    @property
+    def stderr(self) -> str:
+        return self.err.read_text()
+
+    def tree(self) -> list[psutil.Process]:
+        try:
+            root = psutil.Process(self.process.pid)
+            return [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def kill(self) -> None:
+        for process in reversed(self.tree()):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+        self.process.wait()
+
+
+@pytest.fixture
+def start(tmp_path):
+    """Start runs in the background; whatever a test leaves running is killed when it ends."""
+    runs: list[Run] = []
+
+    def launch(args: list[str], home: Path, name: str, **env: str) -> Run:
+        runs.append(Run(args, home, tmp_path / "logs" / name, **env))
+        return runs[-1]
+
+    yield launch
+    for run in runs:
+        if run.process.poll() is None:
+            run.kill()
+
+
+def running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def error_line(stderr: str) -> str:
+    """The CLI's last line, after checking that nothing on stderr is a traceback or start-up noise."""
+    assert not [noise for noise in NOISE if noise in stderr], stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("sft-tokenize: error: "), stderr
+    return last
+
+
+def cache_rows(path: Path) -> list[tuple[list[int], list[int]]]:
+    table = datasets.load_from_disk(str(path))
+    return list(zip(table["input_ids"], table["loss_mask"], strict=True))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def migrated_home(tmp_path_factory) -> Path:
+    home = tmp_path_factory.mktemp("prefect-home-template")
+    subprocess.run([str(BIN / "prefect"), "server", "database", "upgrade", "-y"], env=environment(home),
+                   check=True, capture_output=True, timeout=TIMEOUT)
+    return home
+
+
+@pytest.fixture
+def home(tmp_path, migrated_home) -> Path:
+    return Path(shutil.copytree(migrated_home, tmp_path / "prefect-home"))
+
+
+# -- 1. many runs at once on a loaded machine; an API that does not answer -------------------------------------
+
+
+@pytest.mark.slow
+def test_eight_runs_at_once_beside_a_cpu_burner_all_succeed(tmp_path, start):
+    home = tmp_path / "fresh-prefect-home"  # not even migrated: the first server does it while the others wait
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
+    try:
+        shared = [start(run_args([EXAMPLE_DATA], tmp_path / "shared", "-q"), home, f"shared-{i}") for i in range(4)]
+        own = [start(run_args([EXAMPLE_DATA], tmp_path / f"own-{i}", "-q"), home, f"own-{i}") for i in range(4)]
+        codes = [run.wait() for run in shared + own]
+    finally:
+        for burner in burners:
+            burner.kill()
+            burner.wait()
+    assert codes == [0] * 8, [run.stderr for run in shared + own]
+    paths = {run.stdout.splitlines()[-1] for run in shared}
+    assert len(paths) == 1
+    (path,) = paths
+    assert [p for p in (tmp_path / "shared").iterdir() if not p.name.startswith(".")] == [Path(path)]
+    assert len(open_cache(path)) == 240
+    for i, run in enumerate(own):
+        assert Path(run.stdout.splitlines()[-1]).parent == tmp_path / f"own-{i}"
+    # The last run to leave stopped the server they shared.
+    assert not (home / "sft-tokenize-server.json").exists()
+    assert servers_of(home) == []
+
+
+def servers_of(home: Path) -> list[int]:
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        try:
+            if "prefect.server.api.server:create_app" in " ".join(process.info["cmdline"] or []) \
+                    and process.environ().get("PREFECT_HOME") == str(home) and running(process.pid):
+                found.append(process.pid)
+        except psutil.Error:
+            continue
+    return found
+
+
+@pytest.mark.slow
+def test_a_server_whose_runs_were_all_killed_exits_by_itself(tmp_path, home, start, long_input):
+    run = start(run_args([long_input], tmp_path / "cache"), home, "killed")
+    state = home / "sft-tokenize-server.json"
+    deadline = time.monotonic() + TIMEOUT
+    while not (state.exists() and list((tmp_path / "cache" / ".shards").glob("*.json"))):
+        assert run.process.poll() is None and time.monotonic() < deadline, run.stderr
+        time.sleep(0.05)
+    server = json.loads(state.read_text())["pid"]
+    assert running(server)
+    os.killpg(run.process.pid, signal.SIGKILL)  # as `kill -9 -PGID` or the OOM killer: the CLI cannot leave
+    run.process.wait()
+    deadline = time.monotonic() + 15
+    while running(server):
+        assert time.monotonic() < deadline, "the server outlived every run that used it"
+        time.sleep(0.1)
+    assert not state.exists()
+
+
+def test_an_unreachable_api_url_is_one_line_and_exit_1(tmp_path):
+    url = f"http://127.0.0.1:{free_port()}/api"  # nothing listens there
+    started = time.monotonic()
+    result = subprocess.run([str(BIN / "sft-tokenize"), *run_args([EXAMPLE_DATA], tmp_path / "cache")],
+                            capture_output=True, text=True, timeout=120,
+                            env=environment(tmp_path / "home", PREFECT_API_URL=url))
+    assert time.monotonic() - started < 30
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.strip().splitlines() == [error_line(result.stderr)]
+    assert url in result.stderr and "PREFECT_API_URL" in result.stderr
+
+
+# -- 2. compressed inputs -------------------------------------------------------------------------------------
+
+
+def alpaca_csv() -> bytes:
+    text = io.StringIO()
+    writer = csv.writer(text)
+    writer.writerow(["instruction", "output"])
+    for row in example_rows()[:60]:
+        writer.writerow([row["messages"][0]["content"], row["messages"][1]["content"]])
+    return text.getvalue().encode()
+
+
+@pytest.mark.slow
+def test_compressed_inputs_give_the_uncompressed_files_rows(tmp_path, home, start):
+    from backports import zstd
+
+    plain = EXAMPLE_DATA / "chat-00001.jsonl"
+    data = plain.read_bytes()
+    rows = [json.loads(line) for line in data.splitlines()]
+    d = tmp_path / "data"
+    d.mkdir()
+    chat = [plain]
+    for name, packed in [("c.jsonl.gz", gzip.compress(data)), ("c.jsonl.zst", zstd.compress(data)),
+                         ("c.json.gz", gzip.compress(json.dumps(rows).encode())), ("c.jsonl.bz2", bz2.compress(data))]:
+        (d / name).write_bytes(packed)
+        chat.append(d / name)
+    (d / "a.csv").write_bytes(alpaca_csv())
+    (d / "a.csv.gz").write_bytes(gzip.compress(alpaca_csv()))
+    truncated = d / "t.jsonl.gz"
+    truncated.write_bytes(gzip.compress(data)[:-3000])
+
+    chats = start(run_args(chat, tmp_path / "chats", "-q"), home, "chats")
+    csvs = start(run_args([d / "a.csv", d / "a.csv.gz"], tmp_path / "csvs", "-q"), home, "csvs")
+    broken = start(run_args([truncated], tmp_path / "broken", "-q"), home, "broken")
+    assert chats.wait() == 0, chats.stderr
+    assert csvs.wait() == 0, csvs.stderr
+    assert broken.wait() == 2
+
+    last = error_line(broken.stderr)
+    assert f"{truncated}: truncated or corrupt gzip archive" in last
+    assert not [p for p in (tmp_path / "broken").iterdir() if not p.name.startswith(".")]  # nothing published
+
+    got = cache_rows(Path(chats.stdout.splitlines()[-1]))
+    assert len(got) == 5 * len(rows)
+    blocks = [got[k * len(rows):(k + 1) * len(rows)] for k in range(5)]
+    assert all(block == blocks[0] for block in blocks[1:])  # each compressed file as the plain one
+    manifest = read_manifest(chats.stdout.splitlines()[-1])
+    # A compressed file is one piece, read whole by its slice; the plain file is cut into byte ranges.
+    parts = [part for shard in manifest["shards"] for part in shard["slice"]]
+    assert [part[2:] for part in parts if part[0].startswith(str(d))] == [[0, -1]] * 4
+    assert len([part for part in parts if part[0] == str(plain)]) > 1
+    csv_rows = cache_rows(Path(csvs.stdout.splitlines()[-1]))
+    assert len(csv_rows) == 120 and csv_rows[:60] == csv_rows[60:]
+
+
+# -- 3. a 50 MB row ---------------------------------------------------------------------------------------------
+
+
+def anonymous_bytes(processes: list[psutil.Process]) -> int:
+    total = 0
+    for process in processes:
+        try:
+            status = Path(f"/proc/{process.pid}/status").read_text()
+        except OSError:
+            continue
+        total += next((int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("RssAnon:")), 0)
+    return total
+
+
+@pytest.mark.slow
+def test_a_50_mb_row_is_refused_or_counted_without_exhausting_memory(tmp_path, home, start):
+    rows = example_rows()[:100]
+    huge = {"messages": [{"role": "user", "content": "Repeat after me."},
+                         {"role": "assistant", "content": "word " * 10_000_000}]}  # 50 MB
+    source = write_jsonl(tmp_path / "huge.jsonl", rows[:50] + [huge] + rows[50:])
+    skipping = start(run_args([source], tmp_path / "skip", "--on-bad-row", "skip", "--max-length", "512"), home,
+                     "skip")
+    raising = start(run_args([source], tmp_path / "raise"), home, "raise")
+    peak = 0
+    while skipping.process.poll() is None:
+        peak = max(peak, anonymous_bytes(skipping.tree()))
+        time.sleep(0.05)
+    assert skipping.wait() == 0, skipping.stderr
+    print(f"peak anonymous memory of the run's process tree: {peak / 2**20:.0f} MiB")
+    assert peak < 1.5 * 2**30, f"peak anonymous memory {peak / 2**20:.0f} MiB"
+    manifest = read_manifest(skipping.stdout.splitlines()[-1])
+    assert manifest["rows"] == 100 and manifest["dropped"] == {"row_too_large": 1}
+    assert manifest["lengths"]["max"] <= 512
+
+    assert raising.wait() == 2
+    size = len(json.dumps(huge, ensure_ascii=False).encode())
+    assert f"{source}:51: the row is {size:,} bytes, over the 2,000,000-byte limit (--max-row-bytes" \
+        in error_line(raising.stderr)
+
+
+# -- 4. SIGINT and SIGTERM ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def long_input(tmp_path_factory) -> Path:
+    """The example rows 8 times over: 1,920 rows in 28 slices of 100KB, long enough to be interrupted."""
+    return write_jsonl(tmp_path_factory.mktemp("long") / "long.jsonl", example_rows() * 8)
+
+
+@pytest.fixture(scope="module")
+def long_reference(tmp_path_factory, long_input) -> list:
+    """A clean run of the plain pipeline, in this process."""
+    path = run_locally(TokenizeOptions(sources=[str(long_input)], tokenizer=str(EXAMPLE_TOKENIZER),
+                                       cache_dir=str(tmp_path_factory.mktemp("reference"))))
+    return cache_rows(path)
+
+
+def staged(cache_root: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_ino for p in (cache_root / ".shards").glob("*.arrow")}
+
+
+@dataclass
+class Interrupted:
+    name: str
+    signum: signal.Signals
+    home: Path
+    cache_root: Path
+    args: list[str]
+    run: Run
+    tree: list[psutil.Process] = field(default_factory=list)
+    kept: dict[str, int] = field(default_factory=dict)
+    signalled: float = 0.0
+    stopped: float = 0.0
+
+
+@pytest.mark.slow
+def test_sigint_and_sigterm_stop_the_run_and_the_same_command_resumes(tmp_path, migrated_home, start, long_input,
+                                                                     long_reference):
+    """threads and processes, SIGINT and SIGTERM: the four runs side by side, each with its own PREFECT_HOME so
+    that each run's process tree holds its own embedded server."""
+    cases = []
+    for runner in ("threads", "processes"):
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            name = f"{runner}-{signum.name}"
+            home = Path(shutil.copytree(migrated_home, tmp_path / name / "home"))
+            cache_root = tmp_path / name / "cache"
+            args = run_args([long_input], cache_root, "--runner", runner)
+            cases.append(Interrupted(name, signum, home, cache_root, args, start(args, home, name)))
+
+    waiting = list(cases)
+    deadline = time.monotonic() + TIMEOUT
+    while waiting or not all(case.stopped for case in cases):  # each run is interrupted once a shard is finished
+        for case in cases:
+            if case not in waiting and not case.stopped and case.run.process.poll() is not None:
+                case.stopped = time.monotonic()
+        for case in list(waiting):
+            assert case.run.process.poll() is None, f"{case.name} ended before it was interrupted: {case.run.stderr}"
+            if staged(case.cache_root):
+                case.tree, case.kept = case.run.tree(), staged(case.cache_root)
+                if case.signum == signal.SIGINT:
+                    os.killpg(case.run.process.pid, case.signum)  # Ctrl-C: the terminal signals the whole group
+                else:
+                    case.run.process.send_signal(case.signum)  # `kill PID`
+                case.signalled = time.monotonic()
+                waiting.remove(case)
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+    for case in cases:
+        stopped_after = case.stopped - case.signalled
+        print(f"{case.name}: stopped {stopped_after:.1f} s after the signal")
+        assert case.run.wait() == 128 + case.signum, f"{case.name}: {case.run.stderr}"
+        assert stopped_after < 30, f"{case.name} took {stopped_after:.1f} s to stop"
+        last = error_line(case.run.stderr)
+        assert f"interrupted ({case.signum.name})" in last and "run the same command again to resume" in last
+        time.sleep(0.5)
+        assert [p.pid for p in case.tree if running(p.pid)] == [], f"{case.name}: processes left"
+        # The CLI and its server, and for processes the pool's workers.
+        assert len(case.tree) >= (4 if case.name.startswith("processes") else 2), case.tree
+        now = staged(case.cache_root)
+        assert {shard: now.get(shard) for shard in case.kept} == case.kept  # finished shards stay, untouched
+        assert not list((case.cache_root / ".shards").glob("*.tmp-*"))  # nothing half-written is left
+        assert not [p for p in case.cache_root.iterdir() if not p.name.startswith(".")]  # nothing published
+
+    reruns = [(case, start(case.args, case.home, f"{case.name}-again")) for case in cases]
+    for case, rerun in reruns:
+        assert rerun.wait() == 0, rerun.stderr
+        assert "already staged)" in rerun.stderr and "(0 already staged)" not in rerun.stderr
+        path = Path(rerun.stdout.splitlines()[-1])
+        assert cache_rows(path) == long_reference, case.name
+        published = {int(p.name[5:10]): p.stat().st_ino for p in path.glob("data-*.arrow")}
+        for shard, inode in case.kept.items():  # the shards finished before the signal became the cache's files
+            assert published[int(shard[6:11])] == inode
+
+
+# -- 5. a closed pipe -----------------------------------------------------------------------------------------
+
+
+def test_output_to_a_closed_pipe_is_no_traceback(tmp_path):
+    path = run_locally(TokenizeOptions(sources=[str(EXAMPLE_DATA / "chat-00001.jsonl")],
+                                       tokenizer=str(EXAMPLE_TOKENIZER), cache_dir=str(tmp_path / "cache")))
+    env = environment(tmp_path / "home")
+    commands = [["inspect", str(path)], ["inspect", str(path), "--json"], ["--help"],
+                run_args([EXAMPLE_DATA / "chat-00001.jsonl"], tmp_path / "cache")]  # a cache hit prints its path
+    commands[-1] = [arg for arg in commands[-1] if arg not in ("--shard-size", "100KB", "--workers", "2")]
+    for args in commands:
+        read_end, write_end = os.pipe()
+        os.close(read_end)  # the reader is gone before the first line, as `| head -0` or a closed pager
+        result = subprocess.run([str(BIN / "sft-tokenize"), *args], stdout=write_end, stderr=subprocess.PIPE,
+                                text=True, env=env, timeout=120)
+        os.close(write_end)
+        # 128 + SIGPIPE, as a shell tool whose reader left; argparse's help ignores a failed write itself.
+        assert result.returncode == (0 if args == ["--help"] else 141), (args, result.stderr)
+        assert result.stderr == "", (args, result.stderr)
+
+    head = subprocess.run(f"'{BIN / 'sft-tokenize'}' inspect '{path}' --json | head -n 2", shell=True,
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert head.stdout.splitlines() == ["{", f'  "format_version": {read_manifest(path)["format_version"]},']
+    assert head.stderr == ""
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, 64])
+def test_lines_over_the_limit_are_never_decoded_wherever_the_chunks_end(tmp_path, monkeypatch, chunk):
+    from sft_cache import sources
+    from sft_cache.errors import BadRow
+
+    monkeypatch.setattr(sources, "READ_CHUNK_BYTES", chunk)
+    lines = ['{"text": "a"}', '{"text": "' + "b" * 30 + '"}', "", '{"text": "' + "c" * 7 + '"}',
+             '{"text": "' + "d" * 40 + '"}', '{"text": "e"}']
+    limit = len(lines[3])  # a line of exactly the limit is read; one byte more is not
+    for tail in ("\n", ""):  # with and without a final newline
+        path = tmp_path / f"rows{len(tail)}.jsonl"
+        path.write_text("\n".join(lines) + tail)
+        (source,) = sources.resolve([str(path)])
+        (slice_,) = sources.cut_slices([source], source.size)
+        rows, where = [], []
+        for batch, locate in sources.read_slice(slice_, ["text"], max_row_bytes=limit):
+            rows += batch
+            where += [locate(i) for i in range(len(batch))]
+        assert [row.reason if isinstance(row, BadRow) else row["text"] for row in rows] == \
+            ["a", "row_too_large", "c" * 7, "row_too_large", "e"]
+        assert where == [f"{path}:{n}" for n in (1, 2, 4, 5, 6)]
+        assert f"the row is {len(lines[1]):,} bytes, over the {limit:,}-byte limit" in rows[1].detail
