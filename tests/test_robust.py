@@ -391,7 +391,7 @@ def test_sigint_and_sigterm_stop_the_run_and_the_same_command_resumes(tmp_path, 
     reruns = [(case, start(case.args, case.home, f"{case.name}-again")) for case in cases]
     for case, rerun in reruns:
         assert rerun.wait() == 0, rerun.stderr
-        assert "already staged)" in rerun.stderr and "(0 already staged)" not in rerun.stderr
+        assert "already in the shard store)" in rerun.stderr and "(0 already in the shard store)" not in rerun.stderr
         path = Path(rerun.stdout.splitlines()[-1])
         assert cache_rows(path) == long_reference, case.name
         published = {int(p.name[5:10]): p.stat().st_ino for p in path.glob("data-*.arrow")}
