@@ -1046,7 +1046,8 @@ def test_an_embedded_server_that_cannot_start_says_why_in_one_line(tmp_path, pre
     result = cli(*run_args([EXAMPLE_DATA], tmp_path / "cache"), home=prefect_home,
                  env={"PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{database}"})
     last = assert_clean_error(result.returncode, result.stdout, result.stderr, 1,
-                              "the embedded Prefect server exited with code", "unable to open database file",
+                              "the embedded Prefect server (pid ", ") exited with code",
+                              "unable to open database file",
                               f"(its log: {prefect_home / 'embedded-server.log'})")
     assert result.stderr.strip().splitlines() == [last]
     assert published_caches(tmp_path / "cache") == []
