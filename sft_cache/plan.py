@@ -145,6 +145,7 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable
         template_kwargs=options.template_kwargs,
         reasoning_turns=options.reasoning_turns,
         special_text=options.special_text,
+        encoder=options.encoder,
         max_length=options.max_length,
         truncation=options.truncation,
         on_bad_row=options.on_bad_row,
