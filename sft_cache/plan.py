@@ -14,6 +14,7 @@ from pathlib import Path
 
 from . import CACHE_FORMAT_VERSION
 from .chat import ChatEncoder, load_tokenizer, read_chat_template, resolve_tokenizer
+from .encoders import choose_encoder
 from .errors import BadInput
 from .fingerprint import fingerprint, hash_directory, hash_text
 from .formats import REQUIRED, ColumnMap, resolve_columns
@@ -163,6 +164,7 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable
         on_work()
     tokenizer = load_tokenizer(tokenizer_dir, template_override, options.trust_remote_code)
     _check_tokenizer(tokenizer, columns, options)
+    choose_encoder(tokenizer, options.encoder)  # here too, so a missing extra or a refusal shows up before any task
     total = sum(f.size for f in files)
     target = max(1, min(parse_size(options.shard_size), -(-total // max(1, min_slices))))
     return Plan(job, cut_slices(files, target, options.storage_options), name, cache_path, inputs, cached=False)
