@@ -10,8 +10,10 @@ encoded by HF. HF stays the reference: callers also compare each slice's first r
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import threading
 import unicodedata
 from dataclasses import dataclass
 from typing import Any
@@ -186,20 +188,33 @@ def _fastokens_or_refusal(backend) -> tuple[FastEncoder | None, str]:
     return encoder, ""
 
 
+_chosen: dict[tuple[str, str], FastEncoder | None] = {}
+_choosing = threading.Lock()
+
+
 def choose_encoder(tokenizer: Any, requested: str) -> FastEncoder | None:
-    """The fast encoder for this tokenizer, or None for HF `tokenizers`; says in the log why it was refused."""
+    """The fast encoder for this tokenizer, or None for HF `tokenizers`; says in the log why it was refused.
+    Chosen once per process and tokenizer (the planner and every worker thread share the choice)."""
     if requested not in ENCODERS:
         raise BadInput(f"--encoder must be one of {', '.join(ENCODERS)}, not {requested!r}")
     if requested == "hf":
         return None
-    encoder, refusal = _fastokens_or_refusal(tokenizer.backend_tokenizer)
+    backend = tokenizer.backend_tokenizer
+    key = (hashlib.sha256(backend.to_str().encode()).hexdigest(), requested)
+    with _choosing:
+        if key not in _chosen:
+            _chosen[key] = _choose(backend, requested)
+        return _chosen[key]
+
+
+def _choose(backend, requested: str) -> FastEncoder | None:
+    encoder, refusal = _fastokens_or_refusal(backend)
     if encoder is None:
-        if requested == "fastokens" and refusal.startswith("fastokens is not installed"):
-            raise BadInput(f"--encoder fastokens: {refusal}")
         installed = not refusal.startswith("fastokens is not installed")
+        if requested == "fastokens" and not installed:
+            raise BadInput(f"--encoder fastokens: {refusal}")
         log = logger.warning if installed or requested == "fastokens" else logger.info
         log("encoder: HF tokenizers, not fastokens: %s", refusal)
         return None
-    logger.info("encoder: fastokens (its ids equal tokenizers' on %d check strings)", len(_check_strings(
-        tokenizer.backend_tokenizer)))
+    logger.info("encoder: fastokens (its ids equal tokenizers' on %d check strings)", len(_check_strings(backend)))
     return encoder
