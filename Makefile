@@ -16,7 +16,7 @@ example: $(BIN)/python
 	$(BIN)/pip install -q -e .
 	$(BIN)/sft-tokenize run examples/data --tokenizer examples/tokenizer --cache-dir $(EXAMPLE_CACHE)
 
-# Install with the dev and trainers extras, then run the whole suite (tests start and stop the services they need).
+# Install with the dev, trainers and fast extras, then run the whole suite (tests start and stop the services they need).
 # pytest's exit code 5 (no test collected) fails like any other non-zero code.
 # torch is installed first at the pinned version, which picks the CPU build where the index or find-links offer
 # it (TORCH_INDEX=https://download.pytorch.org/whl/cpu elsewhere), then the trainers extra, whose range it meets.
@@ -27,7 +27,7 @@ TORCH_INDEX ?=
 AXOLOTL ?= axolotl==0.19.0
 test: $(BIN)/python
 	$(BIN)/pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) '$(TORCH)'
-	$(BIN)/pip install -q -e '.[dev,trainers]'
+	$(BIN)/pip install -q -e '.[dev,trainers,fast]'
 	$(BIN)/pip install -q --no-deps '$(AXOLOTL)'
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest

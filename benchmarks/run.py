@@ -40,9 +40,12 @@ sys.path.insert(0, str(HERE))
 from build_inputs import CorpusSpec, build  # noqa: E402
 from measure import measure  # noqa: E402
 
-PIPELINES = ("ceiling", "hf", "spawn", "project")
+PIPELINES = ("ceiling", "hf", "spawn", "project", "project-hf", "limits", "stages")
+DEFAULT_PIPELINES = ("ceiling", "hf", "spawn", "project", "limits", "stages")
 LABELS = {"ceiling": "ceiling (render + encode, 1 process)", "hf": "HF datasets map",
-          "spawn": "spawn pool (SkyRL #1971)", "project": "sft-tokenize (cold)"}
+          "spawn": "spawn pool (SkyRL #1971)", "project": "sft-tokenize (cold)",
+          "project-hf": "sft-tokenize --encoder hf (cold)", "limits": "fastest exact encoder alone, pre-rendered",
+          "stages": "project's data plane, 1 process, 1 thread"}
 VERDICTS = {True: "PASS", False: "MISS", None: "n/a"}
 ENV = {
     "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
@@ -73,6 +76,7 @@ class Run:
     cache_hit_seconds: float | None = None  # project: the same command again
     cache_hit_peak_anon_mib: float | None = None
     peak_processes: list = field(default_factory=list)  # [command, MiB] of each process at the peak
+    details: dict | None = None  # limits, stages: what the subprocess reported
 
 
 # -- running the pipelines ----------------------------------------------------------------------------------------
@@ -110,8 +114,16 @@ def run_pipeline(name: str, size: int, files: list[Path], rows: int, tokenizer: 
     scratch.mkdir(parents=True)
     log = work / "logs" / f"{size}x-{name}.log"
     try:
-        if name == "project":
-            command = project_command(files, tokenizer, scratch / "cache", workers, project_args)
+        if name in ("limits", "stages"):
+            command = [sys.executable, str(HERE / "stages.py"), name, *map(str, files), "--tokenizer", str(tokenizer),
+                       "--rows", str(rows)]
+            measured = measure(command, env=env, cwd=ROOT, log=log)
+            reported = json.loads(measured.stdout.strip().splitlines()[-1])
+            return Run(name, size, measured.seconds, measured.peak_anon_mib, reported["rows"], reported["tokens"],
+                       peak_processes=mib(measured.peak_processes), details=reported)
+        if name.startswith("project"):
+            encoder = ["--encoder", "hf"] if name == "project-hf" else []
+            command = project_command(files, tokenizer, scratch / "cache", workers, [*encoder, *project_args])
             cold = measure(command, env=env, cwd=ROOT, log=log)
             cache = Path(cold.stdout.strip().splitlines()[-1])
             manifest = json.loads((cache / "manifest.json").read_text())
@@ -146,7 +158,7 @@ def compare(runs: dict[str, Run]) -> str | None:
     if reference is None:
         return None
     for run in runs.values():
-        if run is not reference:
+        if run is not reference and run.checksums:  # limits and stages write nothing to compare
             keys = [k for k in ("input_ids", "loss_mask") if k in run.checksums]
             run.identical = run.rows == reference.rows and all(run.checksums[k] == reference.checksums[k]
                                                                for k in keys)
@@ -173,7 +185,7 @@ def machine() -> dict:
         "kernel": platform.release(), "python": platform.python_version(),
         "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
         "libraries": {name: installed(name) for name in ("sft-tokenize", "prefect", "datasets", "transformers",
-                                                          "tokenizers", "pyarrow", "numpy")},
+                                                          "tokenizers", "fastokens", "pyarrow", "numpy")},
     }
 
 
@@ -198,7 +210,7 @@ def targets(results: list[dict]) -> list[Target]:
         ratio = project["tokens_per_second"] / first[other]["tokens_per_second"]
         return Target(name, ratio >= factor, f"{ratio:.2f}x")
 
-    found = [faster("ceiling", 1.0), faster("hf", 1.2), faster("spawn", 1.2)]
+    found = [faster("ceiling", 1.0), faster("hf", 3.0), faster("spawn", 3.0)]
     name = f"project peak anon RAM <= spawn's ({results[0]['size']}x)"
     if project and "spawn" in first:
         found.append(Target(name, project["peak_anon_mib"] <= first["spawn"]["peak_anon_mib"],
@@ -245,6 +257,8 @@ def markdown(report: dict) -> str:
     ]
     for result in report["results"]:
         for run in result["runs"].values():
+            if run["pipeline"] in ("limits", "stages"):
+                continue  # their own tables below: their wall time is not a pipeline's
             ratio = "" if run["vs_ceiling"] is None else f"{run['vs_ceiling']:.2f}"
             same = "reference" if run["pipeline"] == result["reference"] else \
                 {True: "yes", False: "**NO**", None: "-"}[run["identical"]]
@@ -262,10 +276,46 @@ def markdown(report: dict) -> str:
                          f"{run['publish_seconds']:.3f} | "
                          f"{run['cache_hit_seconds']:.1f} | {run['cache_hit_seconds'] / run['seconds']:.2f} | "
                          f"{run['cache_hit_peak_anon_mib']:,.0f} |")
+    lines += limit_lines(report)
     lines += ["", "## Targets", ""]
     for target in report["targets"]:
         lines.append(f"- {VERDICTS[target['ok']]}: {target['name']}: {target['detail']}")
     return "\n".join(lines) + "\n"
+
+
+def limit_lines(report: dict) -> list[str]:
+    """The limit rows and the per-stage breakdown, and where the project's cold run spent its wall time."""
+    lines = []
+    for result in report["results"]:
+        runs = result["runs"]
+        limits = (runs.get("limits") or {}).get("details")
+        if limits:
+            lines += ["", f"### Limits, {result['size']}x ({limits['rows']:,} rows, {limits['tokens']:,} tokens, "
+                          f"ids identical: {limits['identical_ids']})", "",
+                      "| step, pre-rendered text, every core | s | tokens/s | x HF encode |", "|---|---:|---:|---:|"]
+            hf = limits["hf_encode_seconds"]
+            for label, key in (("rendering alone (one render per row)", "render"),
+                               ("HF tokenizers encode_batch", "hf_encode"),
+                               ("fastokens encode_batch_flat (ids)", "fastokens_encode"),
+                               ("fastokens ids + token positions (the project's fast path)", "fastokens_placed")):
+                seconds = limits[f"{key}_seconds"]
+                lines.append(f"| {label} | {seconds:.2f} | {limits['tokens'] / seconds:,.0f} | {hf / seconds:.2f} |")
+        stages = (runs.get("stages") or {}).get("details")
+        if stages:
+            total = stages["total_seconds"]
+            lines += ["", f"### Stages, {result['size']}x (encoder {stages['encoder']}, one process, one thread)", "",
+                      "| stage | s | share |", "|---|---:|---:|"]
+            lines += [f"| {k} | {v:.2f} | {v / total:.0%} |" for k, v in stages["seconds"].items()]
+            lines.append(f"| all | {total:.2f} | |")
+        for name in ("project", "project-hf"):
+            run = runs.get(name)
+            if run and run.get("project_timings"):
+                timings = run["project_timings"]
+                inside = sum(v for k, v in timings.items() if k.endswith("_seconds") and isinstance(v, int | float))
+                lines += ["", f"{LABELS[name]}, {result['size']}x: wall {run['seconds']:.1f} s; manifest timings "
+                              f"{json.dumps(timings)}; wall minus those (interpreter, imports, Prefect's server "
+                              f"start, flow and task runs): {run['seconds'] - inside:.1f} s"]
+    return lines
 
 
 def chart(report: dict, path: Path) -> None:
@@ -276,8 +326,9 @@ def chart(report: dict, path: Path) -> None:
 
     figure, (speed, memory) = plt.subplots(1, 2, figsize=(12, 4.5))
     styles = {"ceiling": dict(color="0.4", linestyle="--"), "hf": dict(color="tab:orange"),
-              "spawn": dict(color="tab:purple"), "project": dict(color="tab:green", linewidth=2.5)}
-    for name in PIPELINES:
+              "spawn": dict(color="tab:purple"), "project": dict(color="tab:green", linewidth=2.5),
+              "project-hf": dict(color="tab:green", linestyle=":")}
+    for name in ("ceiling", "hf", "spawn", "project", "project-hf"):
         points = [(r["size"], r["runs"][name]) for r in report["results"] if name in r["runs"]]
         if not points:
             continue
@@ -316,8 +367,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="dataset sizes of the sweep, in units; targets are judged at the smallest "
                              "(default 1,2,4,8)")
     parser.add_argument("--workers", type=int, default=2, help="workers of every parallel pipeline (default 2)")
-    parser.add_argument("--only", default=",".join(PIPELINES),
-                        help=f"comma-separated subset of {','.join(PIPELINES)} (default all)")
+    parser.add_argument("--only", default=",".join(DEFAULT_PIPELINES),
+                        help=f"comma-separated subset of {','.join(PIPELINES)} (default {','.join(DEFAULT_PIPELINES)})")
     parser.add_argument("--out", type=Path, default=HERE / "results",
                         help="where results.json, results.md and chart.png go (default benchmarks/results)")
     parser.add_argument("--work", type=Path, default=HERE / "work",
@@ -344,7 +395,7 @@ def main(argv: list[str] | None = None) -> None:
     env = {**ENV, "PREFECT_HOME": str(work / "prefect-home")}
     spec = CorpusSpec(scale=args.scale)
     tokenizer, units = build(spec, max(args.sizes))
-    if "project" in args.only:
+    if any(name.startswith("project") for name in args.only):
         warm_up_prefect(env, work)
 
     report = {"command": shlex.join(["python", "benchmarks/run.py", *(sys.argv[1:] if argv is None else argv)]),

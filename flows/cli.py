@@ -98,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--special-text", default="literal", choices=["literal", "error", "keep"],
                      help="a control token's text inside a message: encode it as plain text (default), reject "
                           "the row, or keep it as the control token")
+    run.add_argument("--encoder", default="auto", choices=["auto", "hf", "fastokens"],
+                     help="who turns text into ids: hf (tokenizers), fastokens (the fast extra; refused, and said "
+                          "so, where it is not exact), auto (fastokens where exact, default); the bytes are the same")
     run.add_argument("--extra-column", action="append", default=[], choices=["labels", "attention_mask"],
                      help="also store this column; repeatable")
     run.add_argument("--layout", default="skyrl", choices=list(LAYOUTS),
@@ -169,7 +172,7 @@ def options_from(args: argparse.Namespace) -> dict[str, Any]:
         "format": args.format, "columns": columns, "train_on": args.train_on, "max_length": args.max_length,
         "truncation": args.truncation, "chat_template": args.chat_template, "extra_columns": args.extra_column,
         "template_kwargs": args.template_kwargs, "reasoning_turns": args.reasoning_turns,
-        "special_text": args.special_text,
+        "special_text": args.special_text, "encoder": args.encoder,
         "layout": args.layout,
         "split": args.split, "subset": args.subset, "on_bad_row": args.on_bad_row, "shard_size": args.shard_size,
         "max_row_bytes": args.max_row_bytes,

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from .encoders import VERIFY_ROWS, EncoderMismatch, FastEncoder, IdsEncoding
 from .errors import BadInput, BadRow, one_line
 from .formats import REASONING_FIELDS, Conversation
 from .template import ChatTemplate, special_pattern
@@ -140,7 +141,8 @@ class ChatEncoder:
 
     def __init__(self, tokenizer, train_on: str = "all_assistant", max_length: int | None = None,
                  truncation: str = "truncate", template_kwargs: Mapping[str, Any] | None = None,
-                 reasoning_turns: str = "as-rendered", special_text: str = "literal"):
+                 reasoning_turns: str = "as-rendered", special_text: str = "literal",
+                 fast: FastEncoder | None = None):
         self.tokenizer = tokenizer
         self.backend = tokenizer.backend_tokenizer
         source = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
@@ -153,6 +155,8 @@ class ChatEncoder:
         self.eos_id: int | None = tokenizer.eos_token_id
         self.special = special_pattern(tokenizer)
         self._literal = None  # a copy of the tokenizer that encodes control-token text as plain text
+        self.fast = fast  # ids (and token positions) from a faster exact encoder; HF checks its first rows
+        self._rows_to_verify = VERIFY_ROWS
         self.rows_exact = self.rows_expanded = self.rows_special_text = 0
 
     def render(self, messages: Sequence[dict], tools: list | None = None, add_generation_prompt: bool = False) -> str:
@@ -267,7 +271,7 @@ class ChatEncoder:
                     spans.append((chosen[0], chosen[-1] + 1))
             return spans
         for begin, end in rendered.regions:
-            if isinstance(enc, _Segments):
+            if isinstance(enc, _Segments | IdsEncoding):
                 first, stop = enc.first_at_or_after(begin), enc.first_at_or_after(end)
             else:
                 first = _first_token_at_or_after(enc, begin, n_tokens, n_chars)
@@ -304,6 +308,13 @@ class ChatEncoder:
         for add_special in (False, True):  # rendered chats carry their own special tokens; text rows do not
             chosen = [k for k, (_, rendered, literal) in enumerate(rows)
                       if not literal and (rendered.token_rule == "text") == add_special]
+            if chosen and self.fast is not None:
+                placed = self.fast.encode([rows[k][1].text for k in chosen], add_special_tokens=add_special)
+                for k, enc in zip(chosen, placed, strict=True):
+                    encodings[k] = enc
+                verify = max(self._rows_to_verify, 0)
+                self._verify([rows[k][1] for k in chosen[:verify]], placed[:verify], add_special)
+                chosen = [k for k in chosen if encodings[k] is None]  # rows it could not place: HF's
             if chosen:
                 batch = self.backend.encode_batch([rows[k][1].text for k in chosen], add_special_tokens=add_special)
                 for k, enc in zip(chosen, batch, strict=True):
@@ -312,6 +323,20 @@ class ChatEncoder:
             if literal:
                 encodings[k] = self._encode_literally(rendered)
         return encodings
+
+    def _verify(self, rendered: list[Rendered], placed: list, add_special: bool) -> None:
+        """The first rows the fast encoder gives: the same ids and trained spans as HF's, or a loud failure."""
+        if not rendered:
+            return
+        self._rows_to_verify -= len(rendered)
+        reference = self.backend.encode_batch([r.text for r in rendered], add_special_tokens=add_special)
+        for k, (row, fast, hf) in enumerate(zip(rendered, placed, reference, strict=True)):
+            if fast is None:
+                continue
+            n = len(hf.ids)
+            if fast.ids != list(hf.ids) or self._token_spans(row, fast, n) != self._token_spans(row, hf, n):
+                raise EncoderMismatch(f"{self.fast.name} and HF tokenizers disagree on row {k} of this batch "
+                                      f"({row.text[:60]!r}...): run with --encoder hf, and report the row")
 
     def _literal_tokenizer(self):
         if self._literal is None:

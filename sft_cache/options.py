@@ -18,6 +18,7 @@ OnBadRow = Literal["raise", "skip"]
 ExtraColumn = Literal["labels", "attention_mask"]
 ReasoningTurns = Literal["as-rendered", "expand"]
 SpecialText = Literal["literal", "error", "keep"]
+Encoder = Literal["auto", "hf", "fastokens"]
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
@@ -69,6 +70,12 @@ class TokenizeOptions(BaseModel):
         "literal",
         description="A control token's text inside a message: 'literal' encodes it as plain text, 'error' rejects "
                     "the row, 'keep' encodes it as the control token (as apply_chat_template does).",
+    )
+    encoder: Encoder = Field(
+        "auto",
+        description="Who turns text into ids: 'hf' (tokenizers), 'fastokens' (faster, where it gives the same ids "
+                    "and its tokens can be placed in the text), 'auto' (fastokens if installed and exact, else hf). "
+                    "Output is identical, so it is not part of the cache's fingerprint.",
     )
     tokenizer_revision: str | None = None
     split: str = Field("train", description="Split of a hub dataset or of a saved DatasetDict.")

@@ -16,6 +16,7 @@ from pathlib import Path
 from . import CACHE_FORMAT_VERSION
 from .chat import ChatEncoder, load_tokenizer, read_chat_template, resolve_tokenizer
 from .content import slice_key
+from .encoders import choose_encoder
 from .errors import BadInput
 from .fingerprint import fingerprint, hash_directory, hash_text, tokenization_inputs
 from .formats import REQUIRED, ColumnMap, resolve_columns
@@ -159,6 +160,7 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable
         template_kwargs=options.template_kwargs,
         reasoning_turns=options.reasoning_turns,
         special_text=options.special_text,
+        encoder=options.encoder,
         max_length=options.max_length,
         truncation=options.truncation,
         on_bad_row=options.on_bad_row,
@@ -175,6 +177,7 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable
     check_chat_template(options, tokenizer_dir, template_override, needed=columns.format != "text")
     tokenizer = load_tokenizer(tokenizer_dir, template_override, options.trust_remote_code)
     _check_tokenizer(tokenizer, columns, options)
+    choose_encoder(tokenizer, options.encoder)  # here too, so a missing extra or a refusal shows up before any task
     if on_work is not None:
         on_work()
     total = sum(f.size for f in files)

@@ -23,6 +23,7 @@ import pyarrow as pa
 
 from .chat import ChatEncoder, EncodedBatch, load_tokenizer
 from .content import slice_key
+from .encoders import choose_encoder
 from .errors import BadInput, BadRow, OutOfSpace
 from .formats import ColumnMap, to_example
 from .layouts import COLUMN_TYPES, column_values, layout_columns
@@ -43,6 +44,7 @@ class Job:
     template_kwargs: dict = field(default_factory=dict)
     reasoning_turns: str = "as-rendered"
     special_text: str = "literal"
+    encoder: str = "auto"  # not in the fingerprint: every encoder gives the same bytes
     max_length: int | None = None
     truncation: str = "truncate"
     on_bad_row: str = "raise"
@@ -185,10 +187,17 @@ def _tokenizer(tokenizer_dir: str, chat_template: str | None, trust_remote_code:
     return load_tokenizer(tokenizer_dir, chat_template, trust_remote_code)
 
 
+@lru_cache(maxsize=4)
+def _fast_encoder(tokenizer_dir: str, chat_template: str | None, trust_remote_code: bool, encoder: str):
+    """Chosen and checked once per worker process, like the tokenizer."""
+    return choose_encoder(_tokenizer(tokenizer_dir, chat_template, trust_remote_code), encoder)
+
+
 def encoder_for(job: Job) -> ChatEncoder:
     tokenizer = _tokenizer(job.tokenizer_dir, job.chat_template, job.trust_remote_code)
+    fast = _fast_encoder(job.tokenizer_dir, job.chat_template, job.trust_remote_code, job.encoder)
     return ChatEncoder(tokenizer, job.train_on, job.max_length, job.truncation, job.template_kwargs,
-                       job.reasoning_turns, job.special_text)
+                       job.reasoning_turns, job.special_text, fast)
 
 
 def _write_atomically(path: Path, data: bytes) -> None:

@@ -1,0 +1,214 @@
+"""Where the time goes: the limit rows (rendering alone, the encoders alone) and the project's stages, in one process.
+
+    python benchmarks/stages.py limits FILE... --tokenizer DIR    # render once; then HF, fastokens on that text
+    python benchmarks/stages.py stages FILE... --tokenizer DIR [--encoder auto|hf|fastokens]
+    python benchmarks/stages.py pooled FILE... --tokenizer DIR [--processes 2]   # item 3's design, measured
+
+`limits` renders every conversation once with the project's template (timed: rendering alone), then times,
+on the same pre-rendered batches, HF `encode_batch`, fastokens `encode_batch_flat` (ids only) and the project's
+fast path (ids plus each token's character position, what the mask needs), all using every core, one after
+the other in this process, and checks that the two encoders' ids are identical.
+
+`stages` runs the project's data plane (sources.read_slice, formats.to_example, ChatEncoder, ShardWriter) over
+the files in one process and one thread, timing read (JSON decoding and rows to examples), render (the
+template renders and turn finding of `_render_rows`), encode (`_encode`: the tokenizer calls), mask (the
+rest of `encode_batch`: ids to arrays, token ranges, max_length) and write (Arrow batches to a shard).
+Each prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from sft_cache.chat import ChatEncoder, load_tokenizer  # noqa: E402
+from sft_cache.encoders import choose_encoder  # noqa: E402
+from sft_cache.formats import ColumnMap, to_example  # noqa: E402
+from sft_cache.shard import ShardWriter  # noqa: E402
+from sft_cache.sources import cut_slices, read_slice, resolve  # noqa: E402
+
+
+def _timed(function, *args, **kwargs):
+    started = time.perf_counter()
+    result = function(*args, **kwargs)
+    return result, time.perf_counter() - started
+
+
+def limits(files: list[str], tokenizer_dir: str, batch_rows: int) -> dict:
+    from pipelines import jsonl_batches
+
+    tokenizer = load_tokenizer(tokenizer_dir)
+    template = ChatEncoder(tokenizer).template
+    rows = [row["messages"] for batch in jsonl_batches(files, batch_rows) for row in batch]
+    texts, render_seconds = _timed(lambda: [template.render(messages) for messages in rows])
+    batches = [texts[i:i + batch_rows] for i in range(0, len(texts), batch_rows)]
+    backend = tokenizer.backend_tokenizer
+    fast = choose_encoder(tokenizer, "fastokens")
+    if fast is None:
+        raise SystemExit("fastokens refused this tokenizer (see the log above)")
+
+    def hf_ids():  # ids as the project takes them from an Encoding
+        return [e.ids for b in batches for e in backend.encode_batch(b, add_special_tokens=False)]
+
+    def fast_ids():  # one flat buffer of ids per batch: no per-token Python objects
+        return [fast.native.encode_batch_flat(b, add_special_tokens=False) for b in batches]
+
+    def fast_placed():
+        return [placed for b in batches for placed in fast.encode(b, add_special_tokens=False)]
+
+    want, hf_seconds = _timed(hf_ids)
+    got, fast_seconds = _timed(fast_ids)
+    placed, placed_seconds = _timed(fast_placed)
+    tokens = int(sum(map(len, want)))
+    flat = np.concatenate([np.frombuffer(ids, dtype=np.uint32) for ids, _ in got])
+    lengths = np.concatenate([np.diff(np.frombuffer(bounds, dtype=np.uint64)) for _, bounds in got])
+    identical = lengths.tolist() == list(map(len, want)) and np.array_equal(flat, np.concatenate(want))
+    unplaced = sum(p is None for p in placed)
+    return {"rows": len(rows), "tokens": tokens, "identical_ids": identical, "rows_not_placed": unplaced,
+            "render_seconds": round(render_seconds, 3), "render_rows_per_second": round(len(rows) / render_seconds),
+            "render_tokens_per_second": round(tokens / render_seconds),
+            "hf_encode_seconds": round(hf_seconds, 3), "hf_tokens_per_second": round(tokens / hf_seconds),
+            "fastokens_encode_seconds": round(fast_seconds, 3),
+            "fastokens_tokens_per_second": round(tokens / fast_seconds),
+            "fastokens_placed_seconds": round(placed_seconds, 3),
+            "fastokens_placed_tokens_per_second": round(tokens / placed_seconds),
+            "fastokens_vs_hf": round(hf_seconds / fast_seconds, 2),
+            "placed_vs_hf": round(hf_seconds / placed_seconds, 2)}
+
+
+class _TimedEncoder(ChatEncoder):
+    """The project's encoder, with the time of its render and tokenizer steps added up."""
+
+    render_seconds = encode_seconds = 0.0
+
+    def _render_rows(self, example, literal):
+        result, seconds = _timed(super()._render_rows, example, literal)
+        self.render_seconds += seconds
+        return result
+
+    def _encode(self, rows):
+        result, seconds = _timed(super()._encode, rows)
+        self.encode_seconds += seconds
+        return result
+
+
+def stages(files: list[str], tokenizer_dir: str, encoder_name: str) -> dict:
+    tokenizer = load_tokenizer(tokenizer_dir)
+    encoder = _TimedEncoder(tokenizer, fast=choose_encoder(tokenizer, encoder_name))
+    columns = ColumnMap("chat", {"messages": "messages"})
+    sources = resolve(files)
+    slices = cut_slices(sources, sum(f.size for f in sources) + 1)
+    read = batch_seconds = write = 0.0
+    rows = tokens = 0
+    with tempfile.TemporaryDirectory() as scratch, open(Path(scratch) / "shard.arrow", "wb") as stream:
+        writer = ShardWriter(stream, (), 1000, 64_000_000, "skyrl")
+        for slice_ in slices:
+            batches = read_slice(slice_, columns.names)
+            while True:
+                started = time.perf_counter()
+                item = next(batches, None)
+                if item is None:
+                    read += time.perf_counter() - started
+                    break
+                examples = [to_example(row, columns) for row in item[0]]
+                read += time.perf_counter() - started
+                batch, seconds = _timed(encoder.encode_batch, examples)
+                batch_seconds += seconds
+                _, seconds = _timed(writer.add, batch)
+                write += seconds
+                rows += batch.rows
+                tokens += len(batch.input_ids)
+        _, seconds = _timed(writer.close)
+        write += seconds
+    mask = batch_seconds - encoder.render_seconds - encoder.encode_seconds
+    stage = {"read": read, "render": encoder.render_seconds, "encode": encoder.encode_seconds, "mask": mask,
+             "write": write}
+    return {"rows": rows, "tokens": tokens, "encoder": "fastokens" if encoder.fast else "hf",
+            "seconds": {k: round(v, 3) for k, v in stage.items()}, "total_seconds": round(sum(stage.values()), 3)}
+
+
+_worker_encoder: ChatEncoder | None = None
+
+
+def _start_worker(tokenizer_dir: str, encoder_name: str) -> None:
+    global _worker_encoder
+    tokenizer = load_tokenizer(tokenizer_dir)
+    _worker_encoder = ChatEncoder(tokenizer, fast=choose_encoder(tokenizer, encoder_name))
+
+
+def _encode_in_worker(examples):
+    return _worker_encoder.encode_batch(examples)
+
+
+def pooled(files: list[str], tokenizer_dir: str, encoder_name: str, processes: int) -> dict:
+    """The design of the issue's item 3, measured here only: this process reads and writes, a pool of worker
+    processes started once (each loading the tokenizer once) renders, encodes and masks the batches it is
+    fed, and the results come back in order. Timed from before the pool starts to the shard's close."""
+    import multiprocessing
+    from collections import deque
+    from concurrent.futures import ProcessPoolExecutor
+
+    started = time.perf_counter()
+    columns = ColumnMap("chat", {"messages": "messages"})
+    sources = resolve(files)
+    rows = tokens = 0
+    context = multiprocessing.get_context("forkserver")
+    with ProcessPoolExecutor(processes, context, initializer=_start_worker,
+                             initargs=(tokenizer_dir, encoder_name)) as pool, \
+            tempfile.TemporaryDirectory() as scratch, open(Path(scratch) / "shard.arrow", "wb") as stream:
+        list(pool.map(_encode_in_worker, [[]] * processes))  # the workers' start (imports, tokenizer), timed apart
+        ready = time.perf_counter()
+        writer = ShardWriter(stream, (), 1000, 64_000_000, "skyrl")
+        pending: deque = deque()
+
+        def drain(keep: int) -> None:
+            nonlocal rows, tokens
+            while len(pending) > keep:
+                batch = pending.popleft().result()
+                writer.add(batch)
+                rows += batch.rows
+                tokens += len(batch.input_ids)
+
+        for slice_ in cut_slices(sources, sum(f.size for f in sources) + 1):
+            for batch_rows, _ in read_slice(slice_, columns.names):
+                pending.append(pool.submit(_encode_in_worker, [to_example(row, columns) for row in batch_rows]))
+                drain(2 * processes)  # a bounded queue: memory stays flat
+        drain(0)
+        writer.close()
+    done = time.perf_counter()
+    return {"rows": rows, "tokens": tokens, "processes": processes, "start_seconds": round(ready - started, 3),
+            "work_seconds": round(done - ready, 3), "seconds": round(done - started, 3)}
+
+
+def main() -> None:
+    from pipelines import encode_batch_rows
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=["limits", "stages", "pooled"])
+    parser.add_argument("files", nargs="+")
+    parser.add_argument("--tokenizer", required=True)
+    parser.add_argument("--encoder", default="auto", choices=["auto", "hf", "fastokens"])
+    parser.add_argument("--rows", type=int, help="the files' row count, if known")
+    parser.add_argument("--processes", type=int, default=2, help="pooled: worker processes (default 2)")
+    args = parser.parse_args()
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    if args.what == "limits":
+        result = limits(args.files, args.tokenizer, encode_batch_rows(args.files, args.rows))
+    elif args.what == "stages":
+        result = stages(args.files, args.tokenizer, args.encoder)
+    else:
+        result = pooled(args.files, args.tokenizer, args.encoder, args.processes)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
