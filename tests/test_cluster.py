@@ -182,10 +182,11 @@ def test_dask_cluster_writes_the_same_bytes_and_loads_the_tokenizer_once_per_wor
     with dask_client(address) as client:
         after = client.run(_tokenizer.cache_info)
     assert after.keys() == before.keys()
-    # Four slice tasks called for the tokenizer; each worker process loaded it at most once.
+    # Each of the four slice tasks called for the tokenizer (and each worker's encoder choice, cached per
+    # process, once more); each worker process loaded it at most once.
     calls = {w: (after[w].hits + after[w].misses) - (before[w].hits + before[w].misses) for w in after}
     loads = {w: after[w].misses - before[w].misses for w in after}
-    assert sum(calls.values()) == 4 and max(loads.values()) <= 1, (calls, loads)
+    assert 4 <= sum(calls.values()) <= 4 + len(after) and max(loads.values()) <= 1, (calls, loads)
 
 
 @pytest.mark.usefixtures("prefect_harness")
