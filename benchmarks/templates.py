@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import shutil
 import statistics
 import sys
@@ -51,6 +52,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--out", type=Path, default=HERE / "results")
     parser.add_argument("--work", type=Path, default=HERE / "work")
+    parser.add_argument("--project-args", default="", metavar="ARGS",
+                        help="extra flags for both `sft-tokenize run`s, e.g. '--encoder hf'")
     args = parser.parse_args(argv)
     if not args.template.is_file():
         parser.error(f"template not found: {args.template} (pass --template FILE)")
@@ -65,7 +68,8 @@ def main(argv: list[str] | None = None) -> None:
         for name, tokenizer in (("chatml", chatml), (args.template.stem, other)):
             cache_dir = args.work / f"templates-{name}"
             shutil.rmtree(cache_dir, ignore_errors=True)
-            measured = measure(project_command([unit], tokenizer, cache_dir, args.workers, ["-q"]), env=env, cwd=ROOT,
+            measured = measure(project_command([unit], tokenizer, cache_dir, args.workers,
+                                               ["-q", *shlex.split(args.project_args)]), env=env, cwd=ROOT,
                                log=args.work / "logs" / f"templates-{name}-{repeat}.log")
             manifest = json.loads((Path(measured.stdout.strip().splitlines()[-1]) / "manifest.json").read_text())
             run = {"seconds": round(measured.seconds, 2), "tokens": manifest["tokens"],
@@ -82,10 +86,13 @@ def main(argv: list[str] | None = None) -> None:
         summary[name] = {"median_seconds": seconds, "tokens_per_second": round(measured_runs[0]["tokens"] / seconds),
                          "runs": measured_runs}
     ratio = summary[args.template.stem]["tokens_per_second"] / summary["chatml"]["tokens_per_second"]
-    report = {"scale": args.scale, "workers": args.workers, "template": args.template.name, "runs": summary,
+    report = {"scale": args.scale, "workers": args.workers, "template": args.template.name,
+              "project_args": args.project_args, "runs": summary,
               "throughput_ratio": round(ratio, 3)}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "templates.json").write_text(json.dumps(report, indent=2) + "\n")
+    name = "templates" + ("-" + "".join(c if c.isalnum() else "-" for c in args.project_args).strip("-")
+                          if args.project_args else "")
+    (args.out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
     verdict = "PASS" if ratio >= 0.9 else "MISS"
     print(f"{verdict}: {args.template.stem} at {ratio:.2f}x ChatML's throughput (target >= 0.90x)")
 
