@@ -189,3 +189,18 @@ def modern_tokenizer(tmp_path_factory):
     if not (TEMPLATES / "modern").is_dir():
         pytest.fail(f"chat templates not found at {TEMPLATES / 'modern'} (set SFT_CHAT_TEMPLATES)")
     return _built_once(tmp_path_factory, build_modern_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def modern_tokenizers(modern_tokenizer):
+    """family name → that family's tokenizer, loaded (once per session)."""
+    from sft_cache.chat import load_tokenizer
+
+    loaded = {}
+
+    def get(family: str):
+        if family not in loaded:
+            loaded[family] = load_tokenizer(modern_tokenizer(family))
+        return loaded[family]
+
+    return get

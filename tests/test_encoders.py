@@ -35,15 +35,8 @@ def assert_same(hf: ChatEncoder, fast: ChatEncoder, examples) -> None:
 
 
 @pytest.fixture(scope="module")
-def modern(modern_tokenizer):
-    loaded = {}
-
-    def get(family):
-        if family not in loaded:
-            loaded[family] = load_tokenizer(modern_tokenizer(family))
-        return loaded[family]
-
-    return get
+def modern(modern_tokenizers):
+    return modern_tokenizers
 
 
 @pytest.mark.parametrize("family", sorted(f for f in MODERN_FAMILIES if f != "llama3.3"))

@@ -150,15 +150,8 @@ EXPECTED: dict[str, dict[str, list[str] | str]] = {
 
 
 @pytest.fixture(scope="module")
-def tokenizers(modern_tokenizer):
-    loaded = {}
-
-    def get(family):
-        if family not in loaded:
-            loaded[family] = load_tokenizer(modern_tokenizer(family))
-        return loaded[family]
-
-    return get
+def tokenizers(modern_tokenizers):
+    return modern_tokenizers
 
 
 def trained_runs(tokenizer, row: Encoded) -> list[str]:
