@@ -159,11 +159,6 @@ class ChatEncoder:
         self._rows_to_verify = VERIFY_ROWS
         self.rows_exact = self.rows_expanded = self.rows_special_text = 0
 
-    def render(self, messages: Sequence[dict], tools: list | None = None, add_generation_prompt: bool = False) -> str:
-        if self.template is None:
-            raise BadInput("the tokenizer has no chat template: pass --chat-template FILE, or use text data")
-        return self.template.render(messages, tools, add_generation_prompt)
-
     def template_overhead(self) -> int:
         """Tokens the template adds around an empty exchange: max_length must leave room past it."""
         if self.template is None:

@@ -327,12 +327,3 @@ class ChatTemplate:
         """Tokens the template adds around an empty exchange: max_length must leave room past it."""
         empty = [{"role": "user", "content": ""}, {"role": "assistant", "content": ""}]
         return len(self.backend.encode(self.render(empty), add_special_tokens=False).ids)
-
-
-def describe(template: ChatTemplate) -> dict:
-    """What probing learned, for logs and tests."""
-    return {"generation_prompt": template.generation_prompt, "end_of_turn": list(template.end_of_turn),
-            "markable": sorted(template.markable), "arguments_as": template.arguments_as,
-            "renders_reasoning": template.renders_reasoning, "null_content": template.null_content,
-            "generation_blocks": template.has_generation_blocks,
-            "prompt_tails": template.prompt_tails}
