@@ -10,18 +10,20 @@ Instead, the CLI launches Prefect's own server app (`prefect.server.api.server:c
 ephemeral mode, no UI; `python -m flows.embedded_server` adds only the lease check below) once per
 PREFECT_HOME and lets every run on that home use it:
 
-    sft-tokenize-server.lock   an flock held only while a run joins or leaves (guards the two files below)
-    sft-tokenize-server.json   the server's pid, port and URL
+    sft-tokenize-server.lock   an flock held while a run joins or leaves (guards the two files below), and by
+                               a server that ends itself until its process is gone: no second server ever
+                               opens the database while the first still writes to it
+    sft-tokenize-server.json   the server's pid, start time, port and URL
     sft-tokenize-server.lease  every run using the server holds a shared flock on it; the run that leaves
                                last (its exclusive flock succeeds) stops the server and removes the .json
 
 The kernel drops a lease when its process dies, however it dies, and the server checks every second that some
 run still holds one: a server whose runs were all killed (SIGKILL, the OOM killer) exits by itself. A server
-whose pid is gone (or is no longer a Prefect server) is replaced by the next run. The first run launches the
-server as soon as it knows there is work, so the server boots while this process loads the tokenizer and cuts
-the slices, and waits for it up to STARTUP_TIMEOUT seconds (longer if Prefect's own setting says so), failing at
-once if the server process exits. The server runs in its own session, so Ctrl-C in one run's terminal does
-not stop the server under another run.
+whose process is gone (the same pid with another start time is another process) is replaced by the next run.
+The first run launches the server as soon as it knows there is work, so the server boots while this process
+loads the tokenizer and cuts the slices, and waits for it up to STARTUP_TIMEOUT seconds (longer if Prefect's own
+setting says so), failing at once if the server process exits. The server runs in its own session, so Ctrl-C
+in one run's terminal does not stop the server under another run.
 
 The server's own output (its services complain when they are stopped mid-flush, e.g. `task_run_recorder - Error
 flushing ... CancelledError`) goes to PREFECT_HOME/embedded-server.log, not to any run's stderr: a successful
@@ -54,6 +56,7 @@ SERVER_APP = "prefect.server.api.server:create_app"
 # Prefect's default (20 s) is too short for a boot beside a training job, a pip install or other runs.
 STARTUP_TIMEOUT = 180.0
 API_CHECK_TIMEOUT = 10.0
+SHUTDOWN_TIMEOUT = 30.0  # a server that ends itself is killed by itself after this
 
 
 class ServerUnavailable(RuntimeError):
@@ -72,14 +75,16 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _is_server(pid: int, port: int) -> bool:
-    """The process `pid` is alive (not a zombie) and is a Prefect server on `port`."""
+def _start_time(pid: int) -> int | None:
+    """When the live process `pid` started (clock ticks since boot), or None if it is gone or a zombie.
+
+    With the pid, this names one process for good (a pid is reused, its start time is not). The command line would
+    not do: it reads empty until the child's exec completes, some time after Popen returns."""
     try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
     except OSError:
-        return False
-    return state != "Z" and SERVER_APP.encode() in cmdline and str(port).encode() in cmdline
+        return None
+    return None if fields[0] == "Z" else int(fields[19])
 
 
 def _health(url: str, client: httpx.Client) -> bool:
@@ -125,7 +130,7 @@ class EmbeddedServer:
         home = get_current_settings().home
         self.lock_path, self.state_path, self.lease_path = _paths(home)
         self.log_path = Path(home) / "embedded-server.log"
-        self.pid = self.port = 0
+        self.pid = self.started = 0
         self.url: str | None = None
         self.process: subprocess.Popen | None = None  # set when this run launched the server
         self.answered = False  # this run has seen it answer
@@ -140,7 +145,7 @@ class EmbeddedServer:
     def _read_state(self) -> dict | None:
         try:
             state = json.loads(self.state_path.read_text())
-            return state if _is_server(state["pid"], state["port"]) else None
+            return state if _start_time(state["pid"]) == state["started"] else None
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
@@ -153,7 +158,8 @@ class EmbeddedServer:
                 [sys.executable, "-m", "flows.embedded_server", SERVER_APP, "--port", str(port)],
                 env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             )
-        state = {"pid": self.process.pid, "port": port, "url": f"http://127.0.0.1:{port}/api"}
+        state = {"pid": self.process.pid, "started": _start_time(self.process.pid), "port": port,
+                 "url": f"http://127.0.0.1:{port}/api"}
         tmp = self.state_path.with_name(f"{self.state_path.name}.tmp-{uuid.uuid4().hex[:8]}")
         tmp.write_text(json.dumps(state))
         os.replace(tmp, self.state_path)
@@ -194,13 +200,13 @@ class EmbeddedServer:
             self._lease = open(self.lease_path, "a")  # noqa: SIM115 - held until release()
             fcntl.flock(self._lease, fcntl.LOCK_SH)
             state = self._read_state() or self._launch()
-        self.pid, self.port, self.url = state["pid"], state["port"], state["url"]
+        self.pid, self.started, self.url = state["pid"], state["started"], state["url"]
         atexit.register(self.release)
 
     def _alive(self) -> bool:
         if self.process is not None:
             return self.process.poll() is None
-        return _is_server(self.pid, self.port)
+        return _start_time(self.pid) == self.started
 
     def wait_until_ready(self) -> None:
         timeout = max(STARTUP_TIMEOUT, get_current_settings().server.ephemeral.startup_timeout_seconds)
@@ -285,15 +291,23 @@ def serve(port: int) -> None:
     def end_when_unused() -> None:
         while not server.should_exit:
             time.sleep(1)
-            with _locked(lock_path), open(lease_path, "a") as lease:
+            lock = open(lock_path, "a")  # noqa: SIM115 - kept locked until this process is gone, if it ends
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            with open(lease_path, "a") as lease:
                 try:
                     fcntl.flock(lease, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
-                    continue  # a run uses this server
-                with contextlib.suppress(OSError, ValueError):
-                    if json.loads(state_path.read_text())["pid"] == os.getpid():
-                        state_path.unlink()
-                server.should_exit = True
+                    lock.close()  # a run uses this server
+                    continue
+            with contextlib.suppress(OSError, ValueError):
+                if json.loads(state_path.read_text())["pid"] == os.getpid():
+                    state_path.unlink()
+            # The join lock stays held while this server shuts down, so that no run launches another server on
+            # the same database meanwhile (it would migrate it while this one still writes to it). The kernel
+            # drops it when this process exits; a shutdown that hangs is cut short.
+            server.should_exit = True
+            time.sleep(SHUTDOWN_TIMEOUT)
+            os._exit(0)
 
     threading.Thread(target=end_when_unused, daemon=True).start()
     server.run()

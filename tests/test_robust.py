@@ -166,6 +166,64 @@ def test_eight_runs_at_once_beside_a_cpu_burner_all_succeed(tmp_path, start):
     assert servers_of(home) == []
 
 
+def test_a_server_just_launched_is_the_one_the_next_run_joins(tmp_path):
+    """The next run must recognise the server that the previous one launched a moment ago, while its process may
+    still be exec'ing (it once launched a second server on the same database, which failed migrating it)."""
+    from prefect.settings import PREFECT_HOME, temporary_settings
+
+    from flows.embedded_server import EmbeddedServer
+
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
+    try:
+        with temporary_settings(updates={PREFECT_HOME: tmp_path / "home"}):
+            for _ in range(40):
+                first, second = EmbeddedServer(), EmbeddedServer()
+                first.start()
+                second.start()
+                try:
+                    assert (second.pid, second.url) == (first.pid, first.url)
+                finally:
+                    second.release()
+                    first.release()  # the last to leave, before the server answered: killed at once
+                assert not running(first.pid)
+    finally:
+        for burner in burners:
+            burner.kill()
+            burner.wait()
+
+
+def test_a_server_that_ends_itself_keeps_new_runs_out_until_it_is_gone(tmp_path):
+    """A server that finds no run left holds the join lock until its process has exited: a run arriving meanwhile
+    waits, rather than launching a second server on the database that the first still writes to."""
+    import fcntl
+
+    from prefect.settings import PREFECT_HOME, temporary_settings
+
+    from flows.embedded_server import EmbeddedServer, _start_time
+
+    with temporary_settings(updates={PREFECT_HOME: tmp_path / "home"}):
+        server = EmbeddedServer()
+        server.start()
+        server.wait_until_ready()
+        lease, server._lease = server._lease, None
+        lease.close()  # as if this run were killed: the server is left with no lease, and ends itself
+        seen_held = False
+        with open(server.lock_path, "a") as lock:
+            deadline = time.monotonic() + 60
+            while _start_time(server.pid) is not None and time.monotonic() < deadline:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    seen_held = True
+                else:
+                    fcntl.flock(lock, fcntl.LOCK_UN)
+                    assert not seen_held or _start_time(server.pid) is None, "the lock was free while the server lived"
+                time.sleep(0.01)
+        server.process.wait(timeout=30)
+    assert seen_held and server.process.returncode == 0
+    assert not server.state_path.exists()
+
+
 def servers_of(home: Path) -> list[int]:
     found = []
     for process in psutil.process_iter(["cmdline"]):
