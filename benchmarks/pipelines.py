@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # sft_cache, wh
 from sft_cache.chat import ChatEncoder, EncodedBatch, load_tokenizer  # noqa: E402
 from sft_cache.formats import Conversation  # noqa: E402
 from sft_cache.shard import features  # noqa: E402
-from sft_cache.sources import READ_BATCH_BYTES, READ_BATCH_ROWS  # noqa: E402
+from sft_cache.source_formats import READ_BATCH_BYTES, READ_BATCH_ROWS  # noqa: E402
 
 WRITER_BATCH_ROWS = 1000  # SkyRL's _TOKENIZE_WRITER_BATCH_ROWS
 

@@ -34,7 +34,9 @@ from sft_cache.chat import ChatEncoder, load_tokenizer  # noqa: E402
 from sft_cache.encoders import choose_encoder  # noqa: E402
 from sft_cache.formats import ColumnMap, to_example  # noqa: E402
 from sft_cache.shard import ShardWriter  # noqa: E402
-from sft_cache.sources import cut_slices, read_slice, resolve  # noqa: E402
+from sft_cache.slicing import cut_slices  # noqa: E402
+from sft_cache.source_formats import read_slice  # noqa: E402
+from sft_cache.sources import resolve  # noqa: E402
 
 
 def _timed(function, *args, **kwargs):

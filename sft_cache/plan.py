@@ -24,7 +24,8 @@ from .options import TokenizeOptions, parse_size
 from .publish import is_published
 from .shard import Job
 from .slicing import cut_slices
-from .sources import Slice, SourceFile, reader, resolve
+from .source_formats import reader
+from .sources import Slice, SourceFile, resolve
 from .store import store_dir
 from .template_check import check_chat_template
 

@@ -27,7 +27,8 @@ from .encoders import choose_encoder
 from .errors import BadInput, BadRow, OutOfSpace
 from .formats import ColumnMap, to_example
 from .layouts import COLUMN_TYPES, column_values, layout_columns
-from .sources import Slice, read_slice
+from .source_formats import read_slice
+from .sources import Slice
 from .stopping import raise_if_stopping
 
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import hashlib
 
-from .sources import Part, Slice, SourceFile, reader
+from .source_formats import reader
+from .sources import Part, Slice, SourceFile
 
 
 def _ends_group(source: SourceFile, target: int) -> bool:

@@ -484,10 +484,10 @@ def test_output_to_a_closed_pipe_is_no_traceback(tmp_path):
 
 @pytest.mark.parametrize("chunk", [1, 3, 7, 64])
 def test_lines_over_the_limit_are_never_decoded_wherever_the_chunks_end(tmp_path, monkeypatch, chunk):
-    from sft_cache import slicing, sources
+    from sft_cache import slicing, source_formats, sources
     from sft_cache.errors import BadRow
 
-    monkeypatch.setattr(sources, "READ_CHUNK_BYTES", chunk)
+    monkeypatch.setattr(source_formats, "READ_CHUNK_BYTES", chunk)
     lines = ['{"text": "a"}', '{"text": "' + "b" * 30 + '"}', "", '{"text": "' + "c" * 7 + '"}',
              '{"text": "' + "d" * 40 + '"}', '{"text": "e"}']
     limit = len(lines[3])  # a line of exactly the limit is read; one byte more is not
@@ -497,7 +497,7 @@ def test_lines_over_the_limit_are_never_decoded_wherever_the_chunks_end(tmp_path
         (source,) = sources.resolve([str(path)])
         (slice_,) = slicing.cut_slices([source], source.size)
         rows, where = [], []
-        for batch, locate in sources.read_slice(slice_, ["text"], max_row_bytes=limit):
+        for batch, locate in source_formats.read_slice(slice_, ["text"], max_row_bytes=limit):
             rows += batch
             where += [locate(i) for i in range(len(batch))]
         assert [row.reason if isinstance(row, BadRow) else row["text"] for row in rows] == \

@@ -14,7 +14,8 @@ from conftest import EXAMPLE_DATA, example_rows, write_jsonl
 from sft_cache.errors import BadInput, BadRow
 from sft_cache.formats import resolve_columns, to_example
 from sft_cache.slicing import cut_slices
-from sft_cache.sources import read_slice, resolve
+from sft_cache.source_formats import read_slice
+from sft_cache.sources import resolve
 
 
 def rows_of(files, target=1 << 30, columns=("messages",)):
