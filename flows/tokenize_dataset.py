@@ -201,8 +201,10 @@ def tokenize_all(plan: Plan, options: TokenizeRun, staged: set[int]) -> dict:
         if options.runner in ("dask", "ray"):
             checked = check_workers(options.runner, runner, plan)
             logger.info("checked %s: they read the inputs and write to %s", checked, plan.store)
+        # Slices to tokenize first: in an incremental run, the new work starts at once rather than after the
+        # reused slices' (quick) task runs have gone through the workers.
         futures = {runner.submit(cached_task if s.index in staged else fresh_task, {"job": plan.job, "slice_": s}): s
-                   for s in plan.slices}
+                   for s in sorted(plan.slices, key=lambda s: s.index in staged)}
         for future in as_completed(list(futures)):
             slice_ = futures[future]
             try:
