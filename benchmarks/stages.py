@@ -4,10 +4,11 @@
     python benchmarks/stages.py stages FILE... --tokenizer DIR [--encoder auto|hf|fastokens]
     python benchmarks/stages.py pooled FILE... --tokenizer DIR [--processes 2]   # item 3's design, measured
 
-`limits` renders every conversation once with the project's template (timed: rendering alone), then times,
-on the same pre-rendered batches, HF `encode_batch`, fastokens `encode_batch_flat` (ids only) and the project's
+`limits` renders every conversation once with the project's template (timed: rendering alone) and times,
+on the same rendered text, HF `encode_batch`, fastokens `encode_batch_flat` (ids only) and the project's
 fast path (ids plus each token's character position, what the mask needs), all using every core, one after
-the other in this process, and checks that the two encoders' ids are identical.
+the other in this process, a batch at a time (memory stays one batch), and checks that the two encoders'
+ids are identical.
 
 `stages` runs the project's data plane (sources.read_slice, formats.to_example, ChatEncoder, ShardWriter) over
 the files in one process and one thread, timing read (JSON decoding and rows to examples), render (the
@@ -46,45 +47,46 @@ def _timed(function, *args, **kwargs):
 
 
 def limits(files: list[str], tokenizer_dir: str, batch_rows: int) -> dict:
+    """Batch by batch, so memory stays one batch: render it (timed), then encode that text with each encoder
+    (each timed) and compare their ids; the totals are the sums over batches."""
     from pipelines import jsonl_batches
 
     tokenizer = load_tokenizer(tokenizer_dir)
     template = ChatEncoder(tokenizer).template
-    rows = [row["messages"] for batch in jsonl_batches(files, batch_rows) for row in batch]
-    texts, render_seconds = _timed(lambda: [template.render(messages) for messages in rows])
-    batches = [texts[i:i + batch_rows] for i in range(0, len(texts), batch_rows)]
     backend = tokenizer.backend_tokenizer
     fast = choose_encoder(tokenizer, "fastokens")
     if fast is None:
         raise SystemExit("fastokens refused this tokenizer (see the log above)")
-
-    def hf_ids():  # ids as the project takes them from an Encoding
-        return [e.ids for b in batches for e in backend.encode_batch(b, add_special_tokens=False)]
-
-    def fast_ids():  # one flat buffer of ids per batch: no per-token Python objects
-        return [fast.native.encode_batch_flat(b, add_special_tokens=False) for b in batches]
-
-    def fast_placed():
-        return [placed for b in batches for placed in fast.encode(b, add_special_tokens=False)]
-
-    want, hf_seconds = _timed(hf_ids)
-    got, fast_seconds = _timed(fast_ids)
-    placed, placed_seconds = _timed(fast_placed)
-    tokens = int(sum(map(len, want)))
-    flat = np.concatenate([np.frombuffer(ids, dtype=np.uint32) for ids, _ in got])
-    lengths = np.concatenate([np.diff(np.frombuffer(bounds, dtype=np.uint64)) for _, bounds in got])
-    identical = lengths.tolist() == list(map(len, want)) and np.array_equal(flat, np.concatenate(want))
-    unplaced = sum(p is None for p in placed)
-    return {"rows": len(rows), "tokens": tokens, "identical_ids": identical, "rows_not_placed": unplaced,
-            "render_seconds": round(render_seconds, 3), "render_rows_per_second": round(len(rows) / render_seconds),
-            "render_tokens_per_second": round(tokens / render_seconds),
-            "hf_encode_seconds": round(hf_seconds, 3), "hf_tokens_per_second": round(tokens / hf_seconds),
-            "fastokens_encode_seconds": round(fast_seconds, 3),
-            "fastokens_tokens_per_second": round(tokens / fast_seconds),
-            "fastokens_placed_seconds": round(placed_seconds, 3),
-            "fastokens_placed_tokens_per_second": round(tokens / placed_seconds),
-            "fastokens_vs_hf": round(hf_seconds / fast_seconds, 2),
-            "placed_vs_hf": round(hf_seconds / placed_seconds, 2)}
+    seconds = dict.fromkeys(("render", "hf", "fast", "placed"), 0.0)
+    rows = tokens = unplaced = 0
+    identical = True
+    for batch in jsonl_batches(files, batch_rows):
+        texts, took = _timed(lambda: [template.render(row["messages"]) for row in batch])  # noqa: B023
+        seconds["render"] += took
+        # ids as the project takes them from an Encoding
+        want, took = _timed(lambda: [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)])  # noqa: B023
+        seconds["hf"] += took
+        # one flat buffer of ids per batch: no per-token Python objects
+        (ids, bounds), took = _timed(fast.native.encode_batch_flat, texts, add_special_tokens=False)
+        seconds["fast"] += took
+        placed, took = _timed(fast.encode, texts, add_special_tokens=False)
+        seconds["placed"] += took
+        lengths = np.diff(np.frombuffer(bounds, dtype=np.uint64))
+        identical = identical and lengths.tolist() == list(map(len, want)) and np.array_equal(
+            np.frombuffer(ids, dtype=np.uint32), np.fromiter((i for row in want for i in row), dtype=np.uint32))
+        unplaced += sum(p is None for p in placed)
+        rows += len(batch)
+        tokens += int(lengths.sum())
+    return {"rows": rows, "tokens": tokens, "identical_ids": identical, "rows_not_placed": unplaced,
+            "render_seconds": round(seconds["render"], 3), "render_rows_per_second": round(rows / seconds["render"]),
+            "render_tokens_per_second": round(tokens / seconds["render"]),
+            "hf_encode_seconds": round(seconds["hf"], 3), "hf_tokens_per_second": round(tokens / seconds["hf"]),
+            "fastokens_encode_seconds": round(seconds["fast"], 3),
+            "fastokens_tokens_per_second": round(tokens / seconds["fast"]),
+            "fastokens_placed_seconds": round(seconds["placed"], 3),
+            "fastokens_placed_tokens_per_second": round(tokens / seconds["placed"]),
+            "fastokens_vs_hf": round(seconds["hf"] / seconds["fast"], 2),
+            "placed_vs_hf": round(seconds["hf"] / seconds["placed"], 2)}
 
 
 class _TimedEncoder(ChatEncoder):
