@@ -14,15 +14,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from . import CACHE_FORMAT_VERSION
-from .chat import ChatEncoder, load_tokenizer, read_chat_template, resolve_tokenizer
+from .chat import ChatEncoder, read_chat_template, resolve_tokenizer
 from .content import slice_key
-from .encoders import choose_encoder
 from .errors import BadInput
 from .fingerprint import fingerprint, hash_directory, hash_text, tokenization_inputs
 from .formats import REQUIRED, ColumnMap, resolve_columns
 from .options import TokenizeOptions, parse_size
 from .publish import is_published
-from .shard import Job
+from .shard import Job, process_fast_encoder, process_tokenizer
 from .slicing import cut_slices
 from .source_formats import reader
 from .sources import Slice, SourceFile, resolve
@@ -176,9 +175,10 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable
     if is_published(cache_path):
         return Plan(job, [], name, cache_path, inputs, cached=True)
     check_chat_template(options, tokenizer_dir, template_override, needed=columns.format != "text")
-    tokenizer = load_tokenizer(tokenizer_dir, template_override, options.trust_remote_code)
+    tokenizer = process_tokenizer(job.tokenizer_dir, template_override, options.trust_remote_code)
     _check_tokenizer(tokenizer, columns, options)
-    choose_encoder(tokenizer, options.encoder)  # here too, so a missing extra or a refusal shows up before any task
+    # Here too, so that a missing extra or a refusal shows up before any task (and is not done again by them).
+    process_fast_encoder(job.tokenizer_dir, template_override, options.trust_remote_code, options.encoder)
     if on_work is not None:
         on_work()
     total = sum(f.size for f in files)

@@ -183,20 +183,21 @@ def finished_shard(job: Job, slice_: Slice) -> dict | None:
 
 
 @lru_cache(maxsize=4)
-def _tokenizer(tokenizer_dir: str, chat_template: str | None, trust_remote_code: bool):
-    """One tokenizer per worker process, shared by its threads (encoding does not mutate it)."""
+def process_tokenizer(tokenizer_dir: str, chat_template: str | None, trust_remote_code: bool):
+    """One tokenizer per process, shared by its threads (encoding does not mutate it), and by the plan that
+    checked it when the slices run in the planning process (the threads runner)."""
     return load_tokenizer(tokenizer_dir, chat_template, trust_remote_code)
 
 
 @lru_cache(maxsize=4)
-def _fast_encoder(tokenizer_dir: str, chat_template: str | None, trust_remote_code: bool, encoder: str):
-    """Chosen and checked once per worker process, like the tokenizer."""
-    return choose_encoder(_tokenizer(tokenizer_dir, chat_template, trust_remote_code), encoder)
+def process_fast_encoder(tokenizer_dir: str, chat_template: str | None, trust_remote_code: bool, encoder: str):
+    """Chosen and checked once per process, like the tokenizer."""
+    return choose_encoder(process_tokenizer(tokenizer_dir, chat_template, trust_remote_code), encoder)
 
 
 def encoder_for(job: Job) -> ChatEncoder:
-    tokenizer = _tokenizer(job.tokenizer_dir, job.chat_template, job.trust_remote_code)
-    fast = _fast_encoder(job.tokenizer_dir, job.chat_template, job.trust_remote_code, job.encoder)
+    tokenizer = process_tokenizer(job.tokenizer_dir, job.chat_template, job.trust_remote_code)
+    fast = process_fast_encoder(job.tokenizer_dir, job.chat_template, job.trust_remote_code, job.encoder)
     return ChatEncoder(tokenizer, job.train_on, job.max_length, job.truncation, job.template_kwargs,
                        job.reasoning_turns, job.special_text, fast)
 
