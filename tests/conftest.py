@@ -1,9 +1,13 @@
-"""Fixtures shared by the suite: the bundled example, tokenizers for real chat-template families."""
+"""Fixtures shared by the suite: the bundled example, tokenizers for real chat-template families, a migrated
+Prefect home for the CLI's subprocesses."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -32,6 +36,23 @@ FAMILIES: dict[str, dict] = {
     "granite-3.0-instruct": {"special": ["<|start_of_role|>", "<|end_of_role|>", "<|end_of_text|>", "<|tool_call|>"],
                              "eos_token": "<|end_of_text|>"},
 }
+
+
+@pytest.fixture(scope="session")
+def migrated_prefect_home(tmp_path_factory) -> Path:
+    """A PREFECT_HOME whose database is migrated once, copied wherever a run or a server needs one: migrating a
+    new database takes several seconds of every first run."""
+    home = tmp_path_factory.mktemp("prefect-home-template")
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    subprocess.run([str(Path(sys.executable).parent / "prefect"), "server", "database", "upgrade", "-y"],
+                   env={**environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"},
+                   check=True, capture_output=True, timeout=300)
+    return home
+
+
+@pytest.fixture
+def prefect_home(tmp_path, migrated_prefect_home) -> Path:
+    return Path(shutil.copytree(migrated_prefect_home, tmp_path / "prefect-home"))
 
 
 def read_template(family: str) -> str:

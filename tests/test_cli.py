@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import sqlite3
 import subprocess
 import sys
@@ -37,21 +36,6 @@ def environment(home: Path, **extra: str) -> dict[str, str]:
 def cli(*args: str, home: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([str(BIN / "sft-tokenize"), *args], capture_output=True, text=True,
                           env=environment(home, **(env or {})), timeout=300)
-
-
-@pytest.fixture(scope="module")
-def migrated_prefect_home(tmp_path_factory) -> Path:
-    """A PREFECT_HOME whose database is already migrated, copied for each test: migrating a new database
-    takes several seconds of every first run."""
-    home = tmp_path_factory.mktemp("prefect-home-template")
-    subprocess.run([str(BIN / "prefect"), "server", "database", "upgrade", "-y"], env=environment(home),
-                   check=True, capture_output=True, timeout=300)
-    return home
-
-
-@pytest.fixture
-def prefect_home(tmp_path, migrated_prefect_home) -> Path:
-    return Path(shutil.copytree(migrated_prefect_home, tmp_path / "prefect-home"))
 
 
 def run_example(tmp_path: Path, home: Path, *extra: str, sources: list[str] | None = None,

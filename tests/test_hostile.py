@@ -239,20 +239,6 @@ def launch(tmp_path) -> Iterator[Callable[..., Background]]:
             run.kill()
 
 
-@pytest.fixture(scope="module")
-def migrated_prefect_home(tmp_path_factory) -> Path:
-    """A PREFECT_HOME whose database is migrated once, copied wherever a server needs one."""
-    home = tmp_path_factory.mktemp("prefect-home-template")
-    subprocess.run([str(BIN / "prefect"), "server", "database", "upgrade", "-y"], env=environment(home),
-                   check=True, capture_output=True, timeout=TIMEOUT)
-    return home
-
-
-@pytest.fixture
-def prefect_home(tmp_path, migrated_prefect_home) -> Path:
-    return Path(shutil.copytree(migrated_prefect_home, tmp_path / "prefect-home"))
-
-
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

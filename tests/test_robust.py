@@ -125,19 +125,6 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def migrated_home(tmp_path_factory) -> Path:
-    home = tmp_path_factory.mktemp("prefect-home-template")
-    subprocess.run([str(BIN / "prefect"), "server", "database", "upgrade", "-y"], env=environment(home),
-                   check=True, capture_output=True, timeout=TIMEOUT)
-    return home
-
-
-@pytest.fixture
-def home(tmp_path, migrated_home) -> Path:
-    return Path(shutil.copytree(migrated_home, tmp_path / "prefect-home"))
-
-
 # -- 1. many runs at once on a loaded machine; an API that does not answer -------------------------------------
 
 
@@ -237,9 +224,9 @@ def servers_of(home: Path) -> list[int]:
 
 
 @pytest.mark.slow
-def test_a_server_whose_runs_were_all_killed_exits_by_itself(tmp_path, home, start, long_input):
-    run = start(run_args([long_input], tmp_path / "cache"), home, "killed")
-    state = home / "sft-tokenize-server.json"
+def test_a_server_whose_runs_were_all_killed_exits_by_itself(tmp_path, prefect_home, start, long_input):
+    run = start(run_args([long_input], tmp_path / "cache"), prefect_home, "killed")
+    state = prefect_home / "sft-tokenize-server.json"
     deadline = time.monotonic() + TIMEOUT
     while not (state.exists() and list((tmp_path / "cache" / ".shards").glob("*.json"))):
         assert run.process.poll() is None and time.monotonic() < deadline, run.stderr
@@ -280,7 +267,7 @@ def alpaca_csv() -> bytes:
 
 
 @pytest.mark.slow
-def test_compressed_inputs_give_the_uncompressed_files_rows(tmp_path, home, start):
+def test_compressed_inputs_give_the_uncompressed_files_rows(tmp_path, prefect_home, start):
     from backports import zstd
 
     plain = EXAMPLE_DATA / "chat-00001.jsonl"
@@ -298,9 +285,9 @@ def test_compressed_inputs_give_the_uncompressed_files_rows(tmp_path, home, star
     truncated = d / "t.jsonl.gz"
     truncated.write_bytes(gzip.compress(data)[:-3000])
 
-    chats = start(run_args(chat, tmp_path / "chats", "-q"), home, "chats")
-    csvs = start(run_args([d / "a.csv", d / "a.csv.gz"], tmp_path / "csvs", "-q"), home, "csvs")
-    broken = start(run_args([truncated], tmp_path / "broken", "-q"), home, "broken")
+    chats = start(run_args(chat, tmp_path / "chats", "-q"), prefect_home, "chats")
+    csvs = start(run_args([d / "a.csv", d / "a.csv.gz"], tmp_path / "csvs", "-q"), prefect_home, "csvs")
+    broken = start(run_args([truncated], tmp_path / "broken", "-q"), prefect_home, "broken")
     assert chats.wait() == 0, chats.stderr
     assert csvs.wait() == 0, csvs.stderr
     assert broken.wait() == 2
@@ -337,14 +324,14 @@ def anonymous_bytes(processes: list[psutil.Process]) -> int:
 
 
 @pytest.mark.slow
-def test_a_50_mb_row_is_refused_or_counted_without_exhausting_memory(tmp_path, home, start):
+def test_a_50_mb_row_is_refused_or_counted_without_exhausting_memory(tmp_path, prefect_home, start):
     rows = example_rows()[:100]
     huge = {"messages": [{"role": "user", "content": "Repeat after me."},
                          {"role": "assistant", "content": "word " * 10_000_000}]}  # 50 MB
     source = write_jsonl(tmp_path / "huge.jsonl", rows[:50] + [huge] + rows[50:])
-    skipping = start(run_args([source], tmp_path / "skip", "--on-bad-row", "skip", "--max-length", "512"), home,
+    skipping = start(run_args([source], tmp_path / "skip", "--on-bad-row", "skip", "--max-length", "512"), prefect_home,
                      "skip")
-    raising = start(run_args([source], tmp_path / "raise"), home, "raise")
+    raising = start(run_args([source], tmp_path / "raise"), prefect_home, "raise")
     peak = 0
     while skipping.process.poll() is None:
         peak = max(peak, anonymous_bytes(skipping.tree()))
@@ -398,15 +385,15 @@ class Interrupted:
 
 
 @pytest.mark.slow
-def test_sigint_and_sigterm_stop_the_run_and_the_same_command_resumes(tmp_path, migrated_home, start, long_input,
-                                                                     long_reference):
+def test_sigint_and_sigterm_stop_the_run_and_the_same_command_resumes(tmp_path, migrated_prefect_home, start,
+                                                                     long_input, long_reference):
     """threads and processes, SIGINT and SIGTERM: the four runs side by side, each with its own PREFECT_HOME so
     that each run's process tree holds its own embedded server."""
     cases = []
     for runner in ("threads", "processes"):
         for signum in (signal.SIGINT, signal.SIGTERM):
             name = f"{runner}-{signum.name}"
-            home = Path(shutil.copytree(migrated_home, tmp_path / name / "home"))
+            home = Path(shutil.copytree(migrated_prefect_home, tmp_path / name / "home"))
             cache_root = tmp_path / name / "cache"
             args = run_args([long_input], cache_root, "--runner", runner)
             cases.append(Interrupted(name, signum, home, cache_root, args, start(args, home, name)))
