@@ -386,6 +386,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def write_results(report: dict, out: Path) -> None:
+    report["targets"] = [asdict(t) for t in targets(report["results"])]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "results.md").write_text(markdown(report))
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     os.environ.update(ENV)
@@ -419,11 +426,8 @@ def main(argv: list[str] | None = None) -> None:
                 run.vs_ceiling = run.tokens_per_second / runs["ceiling"].tokens_per_second
         report["results"].append({"size": size, "reference": reference,
                                   "runs": {name: asdict(run) for name, run in runs.items()}})
+        write_results(report, out)  # after every size: a later failure keeps what was measured
 
-    report["targets"] = [asdict(t) for t in targets(report["results"])]
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "results.md").write_text(markdown(report))
     chart(report, out / "chart.png")
     print()
     print(markdown(report))
