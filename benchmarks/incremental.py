@@ -1,10 +1,13 @@
 """Incremental rebuild benchmark: what a 1 % growth of the corpus costs against a cold run.
 
     python benchmarks/incremental.py                            # 8 units (~219M tokens), grown by 1 %
+    python benchmarks/incremental.py --server                   # the same against a running Prefect server
     python benchmarks/incremental.py --scale 0.05 --units 2 --verify --out /tmp/incremental   # a small run
 
 On the benchmark corpus (build_inputs.py; the sweep's units, linked into a scratch directory), as a user
-runs it, each step a timed `sft-tokenize run` subprocess on Prefect's embedded server:
+runs it, each step a timed `sft-tokenize run` subprocess, on Prefect's embedded server (an ad-hoc run), or
+with --server against a `prefect server start` that this script starts first, untimed (where the nightly
+deployment runs: its runs never boot a server):
 
     cold         every slice tokenized
     hit          the same command again: a cache hit
@@ -16,17 +19,22 @@ runs it, each step a timed `sft-tokenize run` subprocess on Prefect's embedded s
 Target: grown ≤ 5 % of cold. The grown run pays what any run pays (interpreter start, Prefect's embedded
 server, the plan hashing every input file) plus tokenizing only the new slices; on a small corpus that fixed
 part dominates, so the ratio is only meaningful at the real size. Results go to --out as incremental.json
-and incremental.md.
+and incremental.md (incremental-server.* with --server).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
+import socket
+import subprocess
 import sys
 import time
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -57,6 +65,37 @@ def grow(data: Path, spec: CorpusSpec, units: list[Path], growth: float, how: st
     return rows
 
 
+@contextlib.contextmanager
+def prefect_server(home: Path, logs: Path) -> Iterator[str]:
+    """`prefect server start` on 127.0.0.1 with its own PREFECT_HOME, until it answers; its API URL."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    home.mkdir(parents=True, exist_ok=True)
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}, **ENV, "PREFECT_HOME": str(home)}
+    url = f"http://127.0.0.1:{port}/api"
+    with (logs / "prefect-server.log").open("wb") as log:
+        server = subprocess.Popen([str(Path(sys.executable).parent / "prefect"), "server", "start", "--host",
+                                   "127.0.0.1", "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            with contextlib.suppress(OSError):
+                if urllib.request.urlopen(f"{url}/health", timeout=2).status == 200:
+                    break
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"prefect server start did not answer on {url} (log: {logs / 'prefect-server.log'})")
+            time.sleep(0.5)
+        yield url
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
 def timed_run(name: str, data: Path, tokenizer: Path, cache: Path, workers: int, env: dict, logs: Path) -> dict:
     command = project_command([data], tokenizer, cache, workers, ["--name", "bench"])
     run = measure(command, env=env, cwd=ROOT, log=logs / f"incremental-{name}.log")
@@ -76,6 +115,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="add a new file (default) or append to the last one")
     parser.add_argument("--workers", type=int, default=2, help="--workers of every run (default 2)")
     parser.add_argument("--verify", action="store_true", help="also build the grown corpus from scratch and compare")
+    parser.add_argument("--server", action="store_true",
+                        help="run against a `prefect server start` (started first, untimed), not the embedded one")
     parser.add_argument("--out", type=Path, default=HERE / "results", help="where the results go")
     parser.add_argument("--work", type=Path, default=HERE / "work", help="scratch space, logs and Prefect's home")
     args = parser.parse_args(argv)
@@ -87,21 +128,32 @@ def main(argv: list[str] | None = None) -> None:
     env = {**ENV, "PREFECT_HOME": str(work / "prefect-home"), "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120"}
     spec = CorpusSpec(scale=args.scale)
     tokenizer, units = build(spec, args.units)
-    warm_up_prefect(env, work)
     scratch, logs = work / "incremental", work / "logs"
     shutil.rmtree(scratch, ignore_errors=True)
     data = scratch / "data"
     data.mkdir(parents=True)
     logs.mkdir(parents=True, exist_ok=True)
+    with contextlib.ExitStack() as stack:
+        if args.server:
+            env["PREFECT_API_URL"] = stack.enter_context(prefect_server(work / "prefect-server-home", logs))
+        else:
+            warm_up_prefect(env, work)
+        report = run_steps(args, spec, units, tokenizer, data, scratch, logs, env)
+    write_report(report, args, out)
+
+
+def run_steps(args: argparse.Namespace, spec: CorpusSpec, units: list[Path], tokenizer: Path, data: Path,
+              scratch: Path, logs: Path, env: dict[str, str]) -> dict:
     for unit in units:  # linked, not copied; the file appended to (--grow append) is a copy
         if args.grow == "append" and unit == units[-1]:
             shutil.copyfile(unit, data / unit.name)
         else:
             os.link(unit, data / unit.name)
 
-    report = {"command": " ".join(["python", "benchmarks/incremental.py", *(sys.argv[1:] if argv is None else argv)]),
+    report = {"command": " ".join(["python", "benchmarks/incremental.py", *sys.argv[1:]]),
               "machine": machine(), "scale": args.scale, "units": args.units, "growth": args.growth,
-              "grow": args.grow, "workers": args.workers, "runs": {}}
+              "grow": args.grow, "workers": args.workers, "prefect": "server" if args.server else "embedded",
+              "runs": {}}
     runs = report["runs"]
     for step in ("cold", "hit", "grown"):
         if step == "grown":
@@ -119,18 +171,24 @@ def main(argv: list[str] | None = None) -> None:
         report["identical_to_scratch"] = (cache_digest(Path(runs["grown"]["cache"]))
                                           == cache_digest(Path(runs["scratch"]["cache"])))
         print(f"{runs['scratch']['seconds']:.1f} s, identical: {report['identical_to_scratch']}", flush=True)
+    return report
 
+
+def write_report(report: dict, args: argparse.Namespace, out: Path) -> None:
+    runs = report["runs"]
     ratio = runs["grown"]["seconds"] / runs["cold"]["seconds"]
     report["grown_vs_cold"] = round(ratio, 4)
     report["target"] = {"name": f"a {args.growth:.0%} growth costs <= {TARGET:.0%} of a cold run",
                         "ok": ratio <= TARGET, "detail": f"{ratio:.1%} ({runs['grown']['seconds']:.1f} s against "
                                                         f"{runs['cold']['seconds']:.1f} s)"}
     out.mkdir(parents=True, exist_ok=True)
-    (out / "incremental.json").write_text(json.dumps(report, indent=2) + "\n")
+    name = "incremental-server" if args.server else "incremental"
+    (out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
     lines = [f"# Incremental rebuild: `{report['command']}`", "",
              f"{args.units} units at scale {args.scale}, {args.workers} workers, grown by {args.growth:.0%} "
              f"({report['rows_added']} conversations, as a {'new file' if args.grow == 'file' else 'tail'}) on "
-             f"{report['machine']['cores']} cores ({report['machine']['cpu']}).", "",
+             f"{report['machine']['cores']} cores ({report['machine']['cpu']}), Prefect: "
+             f"{'a running `prefect server start`' if args.server else 'the embedded server'}.", "",
              "| run | wall s | plan s | tokenize s | tokens | slices | tokenized | reused |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for step, run in runs.items():
@@ -144,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
                   f"{report['target']['detail']}"]
     if "identical_to_scratch" in report:
         lines.append(f"identical to a build from scratch: {report['identical_to_scratch']}")
-    (out / "incremental.md").write_text("\n".join(lines) + "\n")
+    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
