@@ -87,6 +87,11 @@ def _start_time(pid: int) -> int | None:
     return None if fields[0] == "Z" else int(fields[19])
 
 
+def _running(pid: int, started: int | None) -> bool:
+    """The process recorded as (`pid`, `started`) is still running (a server that died at once has no start)."""
+    return started is not None and _start_time(pid) == started
+
+
 def _health(url: str, client: httpx.Client) -> bool:
     try:
         return client.get(f"{url}/health", timeout=2).status_code == 200
@@ -130,7 +135,7 @@ class EmbeddedServer:
         home = get_current_settings().home
         self.lock_path, self.state_path, self.lease_path = _paths(home)
         self.log_path = Path(home) / "embedded-server.log"
-        self.pid = self.started = 0
+        self.pid, self.started = 0, None
         self.url: str | None = None
         self.process: subprocess.Popen | None = None  # set when this run launched the server
         self.answered = False  # this run has seen it answer
@@ -145,7 +150,7 @@ class EmbeddedServer:
     def _read_state(self) -> dict | None:
         try:
             state = json.loads(self.state_path.read_text())
-            return state if _start_time(state["pid"]) == state["started"] else None
+            return state if _running(state["pid"], state["started"]) else None
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
@@ -206,7 +211,7 @@ class EmbeddedServer:
     def _alive(self) -> bool:
         if self.process is not None:
             return self.process.poll() is None
-        return _start_time(self.pid) == self.started
+        return _running(self.pid, self.started)
 
     def wait_until_ready(self) -> None:
         timeout = max(STARTUP_TIMEOUT, get_current_settings().server.ephemeral.startup_timeout_seconds)

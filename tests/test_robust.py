@@ -179,6 +179,24 @@ def test_a_server_just_launched_is_the_one_the_next_run_joins(tmp_path):
             burner.wait()
 
 
+def test_only_the_recorded_process_itself_counts_as_the_running_server(tmp_path):
+    """A recorded server is joined only if its pid still names the process that was launched (same start time);
+    one that is gone, died before its start was read, or whose pid now names another process is replaced."""
+    from prefect.settings import PREFECT_HOME, temporary_settings
+
+    from flows.embedded_server import EmbeddedServer, _start_time
+
+    with temporary_settings(updates={PREFECT_HOME: tmp_path}):
+        server = EmbeddedServer()
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    me = os.getpid()
+    for pid, started, joined in ((me, _start_time(me), True), (me, _start_time(me) - 1, False), (me, None, False),
+                                 (gone.pid, None, False), (gone.pid, _start_time(me), False)):
+        server.state_path.write_text(json.dumps({"pid": pid, "started": started, "port": 1, "url": "http://x/api"}))
+        assert (server._read_state() is not None) is joined, (pid, started)
+
+
 def test_a_server_that_ends_itself_keeps_new_runs_out_until_it_is_gone(tmp_path):
     """A server that finds no run left holds the join lock until its process has exited: a run arriving meanwhile
     waits, rather than launching a second server on the database that the first still writes to."""
