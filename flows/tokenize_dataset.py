@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -37,7 +35,7 @@ from sft_cache.plan import Plan
 from sft_cache.publish import building, is_published
 from sft_cache.reader import read_manifest
 from sft_cache.shard import finished_shard
-from sft_cache.store import collect_garbage, discard_shards, leased
+from sft_cache.store import collect_garbage, discard_shards, leased, remove_cache
 from tasks.pack_cache import pack_cache
 from tasks.plan_slices import plan_slices
 from tasks.publish_cache import publish_cache
@@ -170,9 +168,7 @@ def discard_previous_output(plan: Plan, options: TokenizeRun) -> Plan:
     """`force`: delete the published cache and this plan's shards in the store (other caches keep their
     links to them), planning again if the cache was there."""
     if plan.cache_path.exists():
-        doomed = plan.cache_path.with_name(f".{plan.cache_path.name}.deleting-{uuid.uuid4().hex[:8]}")
-        os.rename(plan.cache_path, doomed)  # readers see the whole cache or none of it, never a half-deleted one
-        shutil.rmtree(doomed)
+        remove_cache(plan.cache_path)
         get_run_logger().info("force: deleted the published cache %s", plan.cache_path)
     if plan.cached:
         plan = plan_slices(options, min_slices=options.worker_count)

@@ -116,9 +116,10 @@ class Collected:
     bytes_freed: int = 0  # of shards no cache held a link to, and of removed versions' files no other name held
 
 
-def _remove_tree(path: Path, root: Path) -> int:
-    """Rename aside, then delete (readers see a whole cache or none); returns the bytes actually freed."""
-    doomed = root / f".{path.name}.deleting-{uuid.uuid4().hex[:8]}"
+def remove_cache(path: Path) -> int:
+    """Rename aside, then delete (readers see a whole cache or none, and gc finishes a deletion a kill cut
+    short); returns the bytes actually freed."""
+    doomed = path.with_name(f".{path.name}.deleting-{uuid.uuid4().hex[:8]}")
     os.rename(path, doomed)
     freed = sum(f.stat().st_size for f in doomed.iterdir() if f.is_file() and f.stat().st_nlink == 1)
     shutil.rmtree(doomed)
@@ -152,7 +153,7 @@ def collect_garbage(root: Path, keep: int = 1, names: set[str] | None = None) ->
                     done.kept.append(path.name)
                     referenced.update(s["key"] for s in manifest["shards"] if "key" in s)
                 else:
-                    done.bytes_freed += _remove_tree(path, root)
+                    done.bytes_freed += remove_cache(path)
                     done.removed.append(path.name)
         for shard in sorted(store.iterdir()):
             if shard.name.startswith("."):
