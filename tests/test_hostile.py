@@ -496,6 +496,14 @@ def test_a_row_without_an_assistant_turn_is_a_counted_drop_not_an_error(bad_rows
     assert [meta["dropped"] for meta in sidecars if meta["dropped"]] == [{"no_assistant_turn": 1}]
 
 
+def built_skipping(data: Path, cache_root: Path, home: Path, api_url: str) -> tuple[Path, dict]:
+    """`sft-tokenize run --on-bad-row skip` that succeeds: the cache's path and its manifest."""
+    result = cli(*run_args([data], cache_root, "--on-bad-row", "skip"), home=home, api_url=api_url)
+    assert result.returncode == 0, result.stderr
+    cache_path = Path(result.stdout.splitlines()[-1])
+    return cache_path, json.loads((cache_path / "manifest.json").read_text())
+
+
 @pytest.mark.slow
 def test_skipped_bad_rows_are_counted_in_the_manifest(tmp_path, api_url):
     good = [json.dumps(row) for row in example_rows()[:10]]
@@ -503,10 +511,7 @@ def test_skipped_bad_rows_are_counted_in_the_manifest(tmp_path, api_url):
     mixed = [line for pair in zip(good[:len(bad)], bad, strict=True) for line in pair] + good[len(bad):]
     data = write_lines(tmp_path / "messy.jsonl", mixed)  # a bad row after each of the first good ones
     cache_root = tmp_path / "cache"
-    result = cli(*run_args([data], cache_root, "--on-bad-row", "skip"), home=tmp_path / "home", api_url=api_url)
-    assert result.returncode == 0, result.stderr
-    cache_path = Path(result.stdout.splitlines()[-1])
-    manifest = json.loads((cache_path / "manifest.json").read_text())
+    cache_path, manifest = built_skipping(data, cache_root, tmp_path / "home", api_url)
     assert manifest["rows"] == len(good) == len(open_cache(cache_path))
     assert manifest["dropped"] == {"bad_message": 3, "bad_messages": 1, "malformed_json": 2, "no_assistant_turn": 1,
                                    "not_unicode": 1, "not_utf8": 1, "unknown_role": 1}
@@ -971,10 +976,7 @@ def test_a_skip_built_cache_is_not_served_to_a_raise_run(tmp_path, api_url):
     lines = [BAD_LINE, good[0], ROW_ERRORS["lone-surrogate"][0], good[1], ROW_ERRORS["deep-nesting"][0], *good[2:]]
     data = write_lines(tmp_path / "messy.jsonl", lines)
     cache_root = tmp_path / "cache"
-    skipped = cli(*run_args([data], cache_root, "--on-bad-row", "skip"), home=tmp_path / "home", api_url=api_url)
-    assert skipped.returncode == 0, skipped.stderr
-    cache_path = Path(skipped.stdout.splitlines()[-1])
-    manifest = json.loads((cache_path / "manifest.json").read_text())
+    cache_path, manifest = built_skipping(data, cache_root, tmp_path / "home", api_url)
     assert manifest["rows"] == len(good) == len(open_cache(cache_path))
     assert manifest["dropped"] == {"malformed_json": 2, "not_unicode": 1}  # the bad line 1 is skipped like any
     assert manifest["fingerprint_inputs"]["on_bad_row"] == "skip"
