@@ -22,6 +22,7 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from sft_cache.encode_pool import tokenizer_env
 from sft_cache.errors import BadInput
 
 if TYPE_CHECKING:  # workers import this module for `probe`: keep it light
@@ -44,13 +45,6 @@ def require_extra(runner: str) -> None:
     except ImportError as error:
         raise BadInput(f"runner {runner!r} needs the {runner} extra, which is not installed ({error}): "
                        f"pip install 'sft-tokenize[{runner}]'") from None
-
-
-def tokenizer_env(tokenizer_threads: int) -> dict[str, str]:
-    """HF tokenizers size their Rust (rayon) thread pool from these at first use; by default every worker
-    process would take all the cores."""
-    return {"RAYON_NUM_THREADS": str(tokenizer_threads),
-            "TOKENIZERS_PARALLELISM": "true" if tokenizer_threads > 1 else "false"}
 
 
 def dask_runner(address: str | None, workers: int, tokenizer_threads: int) -> TaskRunner:

@@ -11,7 +11,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Literal
 
@@ -23,10 +23,11 @@ from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_se
 from prefect.task_runners import ProcessPoolTaskRunner, TaskRunner, ThreadPoolTaskRunner
 from pydantic import Field, ValidationInfo, field_validator
 
-from flows.cluster import check_workers, dask_runner, ray_runner, tokenizer_env
+from flows.cluster import check_workers, dask_runner, ray_runner
 from flows.console import configure_console
 from flows.interrupts import ignore_sigint, stopping_workers
 from flows.report import markdown_table, packing_summary, summary
+from sft_cache.encode_pool import tokenizer_env
 from sft_cache.errors import BadInput
 from sft_cache.memory import limit_malloc_arenas
 from sft_cache.options import TokenizeOptions
@@ -34,7 +35,7 @@ from sft_cache.packing import PackOptions
 from sft_cache.plan import Plan
 from sft_cache.publish import building, is_published
 from sft_cache.reader import read_manifest
-from sft_cache.shard import finished_shard
+from sft_cache.shard import encoding_processes, finished_shard
 from sft_cache.store import collect_garbage, discard_shards, leased, remove_cache
 from tasks.pack_cache import pack_cache
 from tasks.plan_slices import plan_slices
@@ -192,7 +193,10 @@ def tokenize_all(plan: Plan, options: TokenizeRun, staged: set[int]) -> dict:
     _notify(0, total, 0)
     started = time.monotonic()
     rows, finished, failures = 0, 0, {}
-    with started_task_runner(options.runner, workers, options.cluster_address) as runner, \
+    # Threads share one GIL: their batches are rendered, encoded and masked by a process per core instead.
+    encoding = (encoding_processes(plan.job, available_cores()) if options.runner == "threads" and len(staged) < total
+                else nullcontext())
+    with encoding, started_task_runner(options.runner, workers, options.cluster_address) as runner, \
             stopping_workers(runner, [plan.job.shard_path(s) for s in plan.slices]):
         if options.runner in ("dask", "ray"):
             checked = check_workers(options.runner, runner, plan)

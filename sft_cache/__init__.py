@@ -4,6 +4,7 @@ plan.py     resolve sources, validate them, fingerprint the run, cut byte-balanc
 slicing.py  cut the inputs into slices whose boundaries stay put as the data grows
 content.py  a slice's content key: the bytes it reads and how they are tokenized
 shard.py    tokenize one slice and stream it into its own Arrow shard, in the shard store
+encode_pool.py  the threads runner's encoder processes: a slice's batches rendered and masked on every core
 template.py a chat template: rendered as apply_chat_template does, probed once for its turn shapes
 turns.py    where each trained assistant turn lies in the rendered text
 chat.py     tokenizer loading and encoding: text, trained spans and max_length become ids and masks

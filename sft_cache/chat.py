@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import chain
 from pathlib import Path
 from typing import Any
@@ -42,6 +42,10 @@ class EncodedBatch:
     offsets: np.ndarray  # int64, kept rows + 1: row k is [offsets[k], offsets[k+1])
     outcomes: list  # per candidate: its kept row's number, a drop reason (str), or the BadRow it raised
     origins: list[int]  # per candidate: the index of the example it came from
+    rows_exact: int = 0  # rows whose mask took the exact (prefix-rendering) path
+    rows_expanded: int = 0  # extra rows made by --reasoning-turns expand
+    rows_special_text: int = 0  # rows with a control token's text inside a message, encoded as plain text
+    rows_verified: int = 0  # rows the fast encoder gave that HF encoded too, and agreed on
 
     @property
     def rows(self) -> int:
@@ -156,8 +160,8 @@ class ChatEncoder:
         self.special = special_pattern(tokenizer)
         self._literal = None  # a copy of the tokenizer that encodes control-token text as plain text
         self.fast = fast  # ids (and token positions) from a faster exact encoder; HF checks its first rows
-        self._rows_to_verify = VERIFY_ROWS
-        self.rows_exact = self.rows_expanded = self.rows_special_text = 0
+        self.rows_to_verify = VERIFY_ROWS  # the fast encoder's next rows that HF encodes too, to compare
+        self.rows_exact = self.rows_expanded = self.rows_special_text = 0  # running totals of its batches
 
     def template_overhead(self) -> int:
         """Tokens the template adds around an empty exchange: max_length must leave room past it."""
@@ -208,6 +212,8 @@ class ChatEncoder:
 
     def encode_batch(self, examples: Sequence[Conversation | str]) -> EncodedBatch:
         """Render and mask every example, then one tokenizer call for the batch's ordinary rows."""
+        counts = dict.fromkeys(("rows_exact", "rows_expanded", "rows_special_text"), 0)
+        verify_before = self.rows_to_verify
         outcomes: list[int | str | BadRow | None] = []
         origins: list[int] = []
         rows: list[tuple[int, Rendered, bool]] = []  # (candidate, row, encode control-token text literally)
@@ -228,9 +234,9 @@ class ChatEncoder:
                 outcomes.append(None)
                 if isinstance(result, Rendered):
                     rows.append((len(outcomes) - 1, result, literal))
-                    self.rows_exact += result.exact
-                    self.rows_expanded += result.expanded
-                    self.rows_special_text += literal
+                    counts["rows_exact"] += result.exact
+                    counts["rows_expanded"] += result.expanded
+                    counts["rows_special_text"] += literal
                 else:
                     outcomes[-1] = result
         encodings = self._encode(rows)
@@ -250,7 +256,11 @@ class ChatEncoder:
         for (_, rendered, _), enc, offset, length in zip(rows, encodings, starts[:-1], lengths, strict=True):
             for first, stop in self._token_spans(rendered, enc, int(length)):
                 loss_mask[offset + first:offset + stop] = 1
-        return self._apply_max_length(outcomes, origins, [c for c, _, _ in rows], input_ids, loss_mask, starts)
+        self.rows_exact += counts["rows_exact"]
+        self.rows_expanded += counts["rows_expanded"]
+        self.rows_special_text += counts["rows_special_text"]
+        batch = self._apply_max_length(outcomes, origins, [c for c, _, _ in rows], input_ids, loss_mask, starts)
+        return replace(batch, **counts, rows_verified=verify_before - self.rows_to_verify)
 
     def _token_spans(self, rendered: Rendered, enc, length: int) -> list[tuple[int, int]]:
         """Token index ranges [first, stop) trained for a row's character regions."""
@@ -307,7 +317,7 @@ class ChatEncoder:
                 placed = self.fast.encode([rows[k][1].text for k in chosen], add_special_tokens=add_special)
                 for k, enc in zip(chosen, placed, strict=True):
                     encodings[k] = enc
-                verify = max(self._rows_to_verify, 0)
+                verify = max(self.rows_to_verify, 0)
                 self._verify([rows[k][1] for k in chosen[:verify]], placed[:verify], add_special)
                 chosen = [k for k in chosen if encodings[k] is None]  # rows it could not place: HF's
             if chosen:
@@ -323,7 +333,7 @@ class ChatEncoder:
         """The first rows the fast encoder gives: the same ids and trained spans as HF's, or a loud failure."""
         if not rendered:
             return
-        self._rows_to_verify -= len(rendered)
+        self.rows_to_verify -= len(rendered)
         reference = self.backend.encode_batch([r.text for r in rendered], add_special_tokens=add_special)
         for k, (row, fast, hf) in enumerate(zip(rendered, placed, reference, strict=True)):
             if fast is None:

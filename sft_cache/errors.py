@@ -17,6 +17,9 @@ class BadRow(ValueError):
         self.detail = detail
         super().__init__(detail)
 
+    def __reduce__(self):  # rows are encoded in other processes too: rebuild it with both fields
+        return type(self), (self.reason, self.detail)
+
     def at(self, where: str) -> BadInput:
         return BadInput(f"{where}: {self.detail}")
 

@@ -13,17 +13,22 @@ import json
 import os
 import time
 import uuid
-from collections import Counter
+from collections import Counter, deque
+from collections.abc import Iterator
+from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
 from .chat import ChatEncoder, EncodedBatch, load_tokenizer
 from .content import slice_key
-from .encoders import choose_encoder
+from .encode_pool import DEPTH, EncodePool
+from .encoders import VERIFY_ROWS, choose_encoder
 from .errors import BadInput, BadRow, OutOfSpace
 from .formats import ColumnMap, to_example
 from .layouts import COLUMN_TYPES, column_values, layout_columns
@@ -141,6 +146,9 @@ class ShardStats:
 
     def add(self, batch: EncodedBatch) -> None:
         self.rows += batch.rows
+        self.rows_exact += batch.rows_exact
+        self.rows_expanded += batch.rows_expanded
+        self.rows_special_text += batch.rows_special_text
         self.tokens += len(batch.input_ids)
         self.trained_tokens += int(batch.loss_mask.sum(dtype=np.int64))
         if batch.rows and not self.trains_every_token:  # every kept row has a token
@@ -195,11 +203,61 @@ def process_fast_encoder(tokenizer_dir: str, chat_template: str | None, trust_re
     return choose_encoder(process_tokenizer(tokenizer_dir, chat_template, trust_remote_code), encoder)
 
 
+def encoder_settings(job: Job) -> dict:
+    """The job's ChatEncoder arguments besides the tokenizer and the fast encoder."""
+    return {"train_on": job.train_on, "max_length": job.max_length, "truncation": job.truncation,
+            "template_kwargs": job.template_kwargs, "reasoning_turns": job.reasoning_turns,
+            "special_text": job.special_text}
+
+
 def encoder_for(job: Job) -> ChatEncoder:
     tokenizer = process_tokenizer(job.tokenizer_dir, job.chat_template, job.trust_remote_code)
     fast = process_fast_encoder(job.tokenizer_dir, job.chat_template, job.trust_remote_code, job.encoder)
-    return ChatEncoder(tokenizer, job.train_on, job.max_length, job.truncation, job.template_kwargs,
-                       job.reasoning_turns, job.special_text, fast)
+    return ChatEncoder(tokenizer, fast=fast, **encoder_settings(job))
+
+
+_pools: list[tuple[Job, EncodePool]] = []  # the encode pools of this process's runs in progress
+
+
+@contextmanager
+def encoding_processes(job: Job, processes: int) -> Iterator[None]:
+    """While in it, this process's slices of `job` have their batches encoded by `processes` processes (see
+    encode_pool.py); they are terminated if it ends with an error or an interrupt."""
+    tokenizer = process_tokenizer(job.tokenizer_dir, job.chat_template, job.trust_remote_code)
+    fast = process_fast_encoder(job.tokenizer_dir, job.chat_template, job.trust_remote_code, job.encoder)
+    entry = (job, EncodePool(tokenizer, "fastokens" if fast else "hf", encoder_settings(job), processes))
+    _pools.append(entry)
+    ended = False
+    try:
+        yield
+        ended = True
+    finally:
+        _pools.remove(entry)
+        entry[1].close(now=not ended)
+
+
+class _InlineEncoding:
+    """A slice's batches encoded in its own thread, with the pool's interface."""
+
+    def __init__(self, encoder: ChatEncoder):
+        self.encoder = encoder
+
+    def submit(self, examples: list, verify_rows: int) -> Future:
+        done: Future = Future()
+        self.encoder.rows_to_verify = verify_rows
+        try:
+            done.set_result(self.encoder.encode_batch(examples))
+        except Exception as error:  # raised where the pool's future would raise it
+            done.set_exception(error)
+        return done
+
+
+def _encoding(job: Job) -> tuple[EncodePool | _InlineEncoding, int]:
+    """Where this slice's batches are encoded, and how many may be in flight."""
+    for pool_job, pool in _pools:
+        if pool_job == job:
+            return pool, DEPTH
+    return _InlineEncoding(encoder_for(job)), 0
 
 
 def _write_atomically(path: Path, data: bytes) -> None:
@@ -212,28 +270,23 @@ def _write_atomically(path: Path, data: bytes) -> None:
 
 
 def _stream_rows(job: Job, slice_: Slice, stream) -> ShardStats:
-    """Read, tokenize and write the slice's rows batch by batch; bad rows raise or are counted."""
-    encoder = encoder_for(job)
+    """Read, tokenize and write the slice's rows batch by batch, in order; bad rows raise or are counted."""
+    encoding, depth = _encoding(job)
     stats = ShardStats(trains_every_token=job.train_on == "all")
+    writer = ShardWriter(stream, job.extra_columns, job.writer_batch_rows, job.writer_batch_bytes, job.layout)
+    in_flight: deque[tuple[Future, list[int], Any]] = deque()  # (encoded batch, its rows' positions, locate)
+    verified = 0  # the slice's rows the fast encoder gave that HF checked: VERIFY_ROWS, then no more
 
     def reject(bad: BadRow, locate, i: int) -> None:
         if job.on_bad_row == "raise":
             raise bad.at(locate(i))
         stats.dropped[bad.reason] += 1
 
-    writer = ShardWriter(stream, job.extra_columns, job.writer_batch_rows, job.writer_batch_bytes, job.layout)
-    for rows, locate in read_slice(slice_, job.columns.names, job.storage_options, job.max_row_bytes):
-        raise_if_stopping()
-        examples, positions = [], []
-        for i, row in enumerate(rows):
-            try:
-                if isinstance(row, BadRow):
-                    raise row
-                examples.append(to_example(row, job.columns))
-                positions.append(i)
-            except BadRow as bad:
-                reject(bad, locate, i)
-        batch = encoder.encode_batch(examples)
+    def write_oldest() -> None:
+        nonlocal verified
+        encoded, positions, locate = in_flight.popleft()
+        batch = encoded.result()
+        verified += batch.rows_verified
         for outcome, origin in zip(batch.outcomes, batch.origins, strict=True):
             if isinstance(outcome, BadRow):
                 reject(outcome, locate, positions[origin])
@@ -241,10 +294,28 @@ def _stream_rows(job: Job, slice_: Slice, stream) -> ShardStats:
                 stats.dropped[outcome] += 1
         writer.add(batch)
         stats.add(batch)
+
+    try:
+        for rows, locate in read_slice(slice_, job.columns.names, job.storage_options, job.max_row_bytes):
+            raise_if_stopping()
+            examples, positions = [], []
+            for i, row in enumerate(rows):
+                try:
+                    if isinstance(row, BadRow):
+                        raise row
+                    examples.append(to_example(row, job.columns))
+                    positions.append(i)
+                except BadRow as bad:
+                    reject(bad, locate, i)
+            in_flight.append((encoding.submit(examples, max(0, VERIFY_ROWS - verified)), positions, locate))
+            while len(in_flight) > depth:
+                write_oldest()
+        while in_flight:
+            write_oldest()
+    finally:
+        for encoded, _, _ in in_flight:
+            encoded.cancel()
     writer.close()
-    stats.rows_exact = encoder.rows_exact
-    stats.rows_expanded = encoder.rows_expanded
-    stats.rows_special_text = encoder.rows_special_text
     stats.max_buffered_rows = writer.max_buffered_rows
     return stats
 

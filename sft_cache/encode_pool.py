@@ -1,0 +1,144 @@
+"""Every core does a slice's Python work: encoder processes, started once per run.
+
+On the threads runner every slice runs in the flow's process, where template rendering, turn finding and
+mask placement would share one GIL. While such a run tokenizes, an `EncodePool` keeps one process per core.
+Each slice's thread still reads its rows and writes its shard; it hands its batches of examples to the
+pool, at most `DEPTH` in flight, and takes the encoded batches back in order, so the shard's bytes are the
+ones the thread would have written itself. Examples go out and encoded batches (numpy arrays, drop reasons)
+come back pickled; nothing is shared. The other runners already give each worker its own process.
+
+The processes import neither transformers' tokenizer classes nor torch. Each is given the tokenizer as its
+parts (`TokenizerParts`: the Rust tokenizer's JSON, the chat template, the special tokens: all that encoding
+reads of it), builds its `ChatEncoder` once, and checks the fast encoder the planner chose, as every worker
+process does. A process that dies (killed, out of memory) fails the batches it held: their slices fail and
+are retried, and the next batch submitted starts a new set of processes.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import threading
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+from typing import Any
+
+from .chat import ChatEncoder, EncodedBatch
+from .encoders import choose_encoder
+from .memory import limit_malloc_arenas
+
+DEPTH = 2  # a slice's batches in flight: one being encoded while its thread reads the next
+
+# Imported once by the fork server, before it forks the processes: their start is then the tokenizer's load.
+PRELOAD = [__name__, "transformers.utils.chat_template_utils", "tokenizers", "fastokens"]
+
+
+def tokenizer_env(tokenizer_threads: int) -> dict[str, str]:
+    """HF tokenizers and fastokens size their Rust (rayon) thread pool from these at first use; by default
+    every process would take all the cores."""
+    return {"RAYON_NUM_THREADS": str(tokenizer_threads),
+            "TOKENIZERS_PARALLELISM": "true" if tokenizer_threads > 1 else "false"}
+
+
+@dataclass(frozen=True)
+class TokenizerParts:
+    """What encoding reads of a transformers fast tokenizer, as plain data (picklable, about its JSON's size)."""
+
+    backend_json: str
+    chat_template: str | None
+    special_tokens_map: dict
+    eos_token: str | None
+    eos_token_id: int | None
+    special_tokens: tuple[str, ...]  # the contents of its added tokens marked special
+
+    @classmethod
+    def of(cls, tokenizer: Any) -> TokenizerParts:
+        template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
+        specials = tuple(t.content for t in tokenizer.added_tokens_decoder.values() if t.special)
+        return cls(tokenizer.backend_tokenizer.to_str(), template, dict(tokenizer.special_tokens_map),
+                   tokenizer.eos_token, tokenizer.eos_token_id, specials)
+
+
+@dataclass(frozen=True)
+class _AddedToken:
+    content: str
+    special: bool = True
+
+
+class PartsTokenizer:
+    """The attributes `ChatEncoder`, `ChatTemplate` and `choose_encoder` read of a transformers tokenizer."""
+
+    def __init__(self, parts: TokenizerParts):
+        from tokenizers import Tokenizer
+
+        self.backend_tokenizer = Tokenizer.from_str(parts.backend_json)
+        self.chat_template = parts.chat_template
+        self.special_tokens_map = parts.special_tokens_map
+        self.eos_token, self.eos_token_id = parts.eos_token, parts.eos_token_id
+        self.added_tokens_decoder = {k: _AddedToken(content) for k, content in enumerate(parts.special_tokens)}
+
+
+_encoder: ChatEncoder | None = None  # in a pool process: the run's encoder
+
+
+def _start(parts: TokenizerParts, encoder_name: str, settings: dict, tokenizer_threads: int) -> None:
+    global _encoder
+    os.environ.update(tokenizer_env(tokenizer_threads))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the group; the run closes the pool
+    limit_malloc_arenas()
+    tokenizer = PartsTokenizer(parts)
+    _encoder = ChatEncoder(tokenizer, fast=choose_encoder(tokenizer, encoder_name), **settings)
+
+
+def _encode(examples: list, verify_rows: int) -> EncodedBatch:
+    _encoder.rows_to_verify = verify_rows
+    return _encoder.encode_batch(examples)
+
+
+def _ready() -> None:
+    """Submitted once per process at the start, so that they start while the run submits its slices."""
+
+
+class EncodePool:
+    """`processes` processes that encode batches with the ChatEncoder of `settings` (its keyword arguments)."""
+
+    def __init__(self, tokenizer: Any, encoder_name: str, settings: dict, processes: int):
+        self.processes = processes
+        threads = max(1, (os.cpu_count() or 1) // processes)
+        self._initargs = (TokenizerParts.of(tokenizer), encoder_name, settings, threads)
+        self._lock = threading.Lock()
+        self._executor = self._start()
+
+    def _start(self) -> ProcessPoolExecutor:
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(PRELOAD)  # and not __main__, which would bring the CLI's imports along
+        executor = ProcessPoolExecutor(self.processes, context, initializer=_start, initargs=self._initargs)
+        for _ in range(self.processes):
+            executor.submit(_ready)
+        return executor
+
+    def submit(self, examples: list, verify_rows: int) -> Future:
+        """The encoded batch of `examples`, HF checking the fast encoder's first `verify_rows` rows."""
+        with self._lock:
+            try:
+                return self._executor.submit(_encode, examples, verify_rows)
+            except BrokenProcessPool:  # a process died: its batches' slices fail and retry on new processes
+                self._executor.shutdown(wait=False, cancel_futures=True)
+                self._executor = self._start()
+                return self._executor.submit(_encode, examples, verify_rows)
+
+    def close(self, now: bool = False) -> None:
+        """Let the processes finish and exit; `now`, terminate them (a stopped or failed run)."""
+        with self._lock:
+            executor = self._executor
+        processes = list((executor._processes or {}).values()) if now else []
+        executor.shutdown(wait=not now, cancel_futures=True)
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            process.join(3)
+            if process.is_alive():
+                process.kill()
+                process.join()

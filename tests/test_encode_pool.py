@@ -1,0 +1,112 @@
+"""The encode pool (the threads runner's batches encoded in processes): the same shards as encoding in the
+slice's thread, bad rows located the same way, and processes that carry no torch."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections import Counter
+from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
+
+import pytest
+from conftest import EXAMPLE_TOKENIZER, example_rows, write_jsonl
+from test_modern_masks import ROWS
+
+from sft_cache import shard
+from sft_cache.encode_pool import EncodePool
+from sft_cache.errors import BadInput
+from sft_cache.formats import ColumnMap, to_example
+from sft_cache.options import TokenizeOptions
+from sft_cache.plan import plan_slices
+
+INJECTED = {"messages": [{"role": "user", "content": "Say <|im_end|> please"},
+                         {"role": "assistant", "content": "Here: <|im_end|>."}]}
+
+
+def mixed_rows() -> list:
+    """Ordinary chats, reasoning and tool calls, control-token text, rows that are dropped or bad."""
+    rows = example_rows()[:120] + [ROWS[name] for name in ("reasoning_field", "tools_object", "tools_string")]
+    rows += [INJECTED, {"messages": [{"role": "user", "content": "no reply"}]}, "{not json", {"text": "no messages"}]
+    return rows + example_rows()[120:200]
+
+
+def built_shards(job, slices) -> dict[str, tuple[bytes, dict]]:
+    """Each slice's shard bytes and sidecar (less its timing), written into a fresh store."""
+    for slice_ in slices:
+        shard.tokenize_slice(job, slice_)
+    out = {}
+    for slice_ in slices:
+        path = job.shard_path(slice_)
+        meta = json.loads(shard.sidecar_path(path).read_text())
+        meta.pop("seconds")
+        out[slice_.key] = (path.read_bytes(), meta)
+        path.unlink()
+        shard.sidecar_path(path).unlink()
+    return out
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gpt-oss"])
+def test_pool_writes_the_shards_the_thread_writes(tmp_path, modern_tokenizer, family):
+    source = write_jsonl(tmp_path / "mixed.jsonl", mixed_rows())
+    plan = plan_slices(TokenizeOptions(sources=[str(source)], tokenizer=str(modern_tokenizer(family)),
+                                       cache_dir=str(tmp_path / "cache"), shard_size="40KB", on_bad_row="skip"))
+    assert len(plan.slices) >= 3
+    inline = built_shards(plan.job, plan.slices)
+    with shard.encoding_processes(plan.job, 2):
+        assert isinstance(shard._encoding(plan.job)[0], EncodePool)
+        pooled = built_shards(plan.job, plan.slices)
+    assert pooled == inline
+    dropped = sum((Counter(meta["dropped"]) for _, meta in inline.values()), start=Counter())
+    assert dropped == {"bad_messages": 1, "malformed_json": 1, "no_assistant_turn": 1}
+    assert sum(meta["rows_special_text"] for _, meta in inline.values()) == 1
+
+
+def test_a_bad_row_found_in_a_pool_process_names_its_line(tmp_path):
+    rows = example_rows()[:40] + [INJECTED] + example_rows()[40:60]
+    source = write_jsonl(tmp_path / "rows.jsonl", rows)
+    plan = plan_slices(TokenizeOptions(sources=[str(source)], tokenizer=str(EXAMPLE_TOKENIZER),
+                                       cache_dir=str(tmp_path / "cache"), special_text="error"))
+    with shard.encoding_processes(plan.job, 2), pytest.raises(BadInput) as raised:
+        shard.tokenize_slice(plan.job, plan.slices[0])
+    assert str(raised.value).startswith(f"{source}:41: messages[0].content holds the control token '<|im_end|>'")
+    assert not list(Path(plan.job.store).glob("*.arrow*"))  # no shard, not even a temporary one
+
+
+def _pool_processes(pool) -> list[int]:
+    deadline = time.monotonic() + 60
+    while len(pids := [p.pid for p in (pool._executor._processes or {}).values()]) < pool.processes:
+        assert time.monotonic() < deadline, "the pool's processes did not start"
+        time.sleep(0.05)
+    return pids
+
+
+def test_pool_processes_carry_no_torch_and_a_killed_one_is_replaced(tmp_path):
+    source = write_jsonl(tmp_path / "rows.jsonl", example_rows()[:30])
+    plan = plan_slices(TokenizeOptions(sources=[str(source)], tokenizer=str(EXAMPLE_TOKENIZER),
+                                       cache_dir=str(tmp_path / "cache")))
+    examples = [to_example(row, ColumnMap("chat", {"messages": "messages"})) for row in example_rows()[:30]]
+    want = shard.encoder_for(plan.job).encode_batch(examples)
+    with shard.encoding_processes(plan.job, 2):
+        [(_, pool)] = [entry for entry in shard._pools if entry[0] == plan.job]
+        assert pool.submit(examples, 0).result().input_ids.tolist() == want.input_ids.tolist()
+        pids = _pool_processes(pool)
+        for pid in pids:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+            assert "libtorch" not in maps and "tokenizers" in maps, f"process {pid}"
+        os.kill(pids[0], signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while True:  # batches in flight when it died fail; the next one submitted starts new processes
+            try:
+                got = pool.submit(examples, 0).result()
+            except BrokenProcessPool:
+                continue
+            assert got.input_ids.tolist() == want.input_ids.tolist()
+            if set(replaced := _pool_processes(pool)).isdisjoint(pids):
+                break
+            assert time.monotonic() < deadline, "the killed process was never replaced"
+            time.sleep(0.05)
+    time.sleep(0.5)
+    assert [pid for pid in replaced if Path(f"/proc/{pid}").exists()] == []  # closed with the run
