@@ -9,9 +9,10 @@ come back pickled; nothing is shared. The other runners already give each worker
 
 The processes import neither transformers' tokenizer classes nor torch. Each is given the tokenizer as its
 parts (`TokenizerParts`: the Rust tokenizer's JSON, the chat template, the special tokens: all that encoding
-reads of it), builds its `ChatEncoder` once, and checks the fast encoder the planner chose, as every worker
-process does. A process that dies (killed, out of memory) fails the batches it held: their slices fail and
-are retried, and the next batch submitted starts a new set of processes.
+reads of it) and the fast encoder this process chose and checked, and builds its `ChatEncoder` once; each
+slice's first rows are still checked against HF's in the process that encodes them. A process that dies
+(killed, out of memory) fails the batches it held: their slices fail and are retried, and the next batch
+submitted starts a new set of processes.
 """
 
 from __future__ import annotations
@@ -25,20 +26,19 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from .chat import ChatEncoder, EncodedBatch
-from .encoders import choose_encoder
+from .encoders import FastEncoder, rebuilt_encoder
 from .memory import limit_malloc_arenas
 
 DEPTH = 2  # a slice's batches in flight: one being encoded while its thread reads the next
 
-# Imported once by the fork server, before it forks the processes: their start is then the tokenizer's load.
-PRELOAD = [__name__, "transformers.utils.chat_template_utils", "tokenizers", "fastokens"]
-
 
 def tokenizer_env(tokenizer_threads: int) -> dict[str, str]:
-    """HF tokenizers and fastokens size their Rust (rayon) thread pool from these at first use; by default
-    every process would take all the cores."""
-    return {"RAYON_NUM_THREADS": str(tokenizer_threads),
+    """HF tokenizers (rayon) and fastokens size their thread pools from these; by default every process would
+    take all the cores, and each fastokens thread keeps its own buffers (~30 MiB on a 32k vocabulary)."""
+    return {"RAYON_NUM_THREADS": str(tokenizer_threads), "FASTOKENS_BPE_THREADS": str(tokenizer_threads),
             "TOKENIZERS_PARALLELISM": "true" if tokenizer_threads > 1 else "false"}
 
 
@@ -52,13 +52,15 @@ class TokenizerParts:
     eos_token: str | None
     eos_token_id: int | None
     special_tokens: tuple[str, ...]  # the contents of its added tokens marked special
+    fast: tuple[np.ndarray, bool] | None  # the checked fast encoder's byte lengths and NFC flag, or HF's
 
     @classmethod
-    def of(cls, tokenizer: Any) -> TokenizerParts:
+    def of(cls, tokenizer: Any, fast: FastEncoder | None) -> TokenizerParts:
         template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
         specials = tuple(t.content for t in tokenizer.added_tokens_decoder.values() if t.special)
         return cls(tokenizer.backend_tokenizer.to_str(), template, dict(tokenizer.special_tokens_map),
-                   tokenizer.eos_token, tokenizer.eos_token_id, specials)
+                   tokenizer.eos_token, tokenizer.eos_token_id, specials,
+                   (fast.byte_lengths, fast.nfc) if fast else None)
 
 
 @dataclass(frozen=True)
@@ -83,13 +85,13 @@ class PartsTokenizer:
 _encoder: ChatEncoder | None = None  # in a pool process: the run's encoder
 
 
-def _start(parts: TokenizerParts, encoder_name: str, settings: dict, tokenizer_threads: int) -> None:
+def _start(parts: TokenizerParts, settings: dict, tokenizer_threads: int) -> None:
     global _encoder
     os.environ.update(tokenizer_env(tokenizer_threads))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the group; the run closes the pool
     limit_malloc_arenas()
-    tokenizer = PartsTokenizer(parts)
-    _encoder = ChatEncoder(tokenizer, fast=choose_encoder(tokenizer, encoder_name), **settings)
+    fast = rebuilt_encoder(parts.backend_json, *parts.fast) if parts.fast else None
+    _encoder = ChatEncoder(PartsTokenizer(parts), fast=fast, **settings)
 
 
 def _encode(examples: list, verify_rows: int) -> EncodedBatch:
@@ -104,16 +106,18 @@ def _ready() -> None:
 class EncodePool:
     """`processes` processes that encode batches with the ChatEncoder of `settings` (its keyword arguments)."""
 
-    def __init__(self, tokenizer: Any, encoder_name: str, settings: dict, processes: int):
+    def __init__(self, tokenizer: Any, fast: FastEncoder | None, settings: dict, processes: int):
         self.processes = processes
-        threads = max(1, (os.cpu_count() or 1) // processes)
-        self._initargs = (TokenizerParts.of(tokenizer), encoder_name, settings, threads)
+        threads = max(1, len(os.sched_getaffinity(0)) // processes)
+        self._initargs = (TokenizerParts.of(tokenizer, fast), settings, threads)
         self._lock = threading.Lock()
         self._executor = self._start()
 
     def _start(self) -> ProcessPoolExecutor:
         context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(PRELOAD)  # and not __main__, which would bring the CLI's imports along
+        # Nothing preloaded: not __main__, the default, which would bring the CLI's imports (Prefect) along, and
+        # not the encoder's modules either, whose memory each process would then count as its own as well.
+        context.set_forkserver_preload([])
         executor = ProcessPoolExecutor(self.processes, context, initializer=_start, initargs=self._initargs)
         for _ in range(self.processes):
             executor.submit(_ready)

@@ -151,6 +151,14 @@ class FastEncoder:
         return IdsEncoding(ids.tolist(), starts, char_of_byte[ends - 1] + 1 if len(ids) else starts)
 
 
+def rebuilt_encoder(tokenizer_json: str, byte_lengths: np.ndarray, nfc: bool) -> FastEncoder:
+    """The FastEncoder that another process of this install chose and checked for this tokenizer JSON (the
+    same JSON, the same fastokens): rebuilt without checking it again."""
+    import fastokens
+
+    return FastEncoder(fastokens.Tokenizer.from_json_str(tokenizer_json), byte_lengths, nfc)
+
+
 def _check_strings(backend) -> list[str]:
     added = [token.content for token in backend.get_added_tokens_decoder().values()]
     mixed = [f"{a}{text}{a}{text[:7]} {a} x{a}\n" for text in HARD_STRINGS[:12] for a in added[:64]]

@@ -225,7 +225,7 @@ def encoding_processes(job: Job, processes: int) -> Iterator[None]:
     encode_pool.py); they are terminated if it ends with an error or an interrupt."""
     tokenizer = process_tokenizer(job.tokenizer_dir, job.chat_template, job.trust_remote_code)
     fast = process_fast_encoder(job.tokenizer_dir, job.chat_template, job.trust_remote_code, job.encoder)
-    entry = (job, EncodePool(tokenizer, "fastokens" if fast else "hf", encoder_settings(job), processes))
+    entry = (job, EncodePool(tokenizer, fast, encoder_settings(job), processes))
     _pools.append(entry)
     ended = False
     try:
