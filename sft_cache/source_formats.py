@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from functools import cached_property
 from typing import Any
 
+import orjson
 import pyarrow as pa
 import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
@@ -186,6 +187,13 @@ TOO_DEEP = BadRow("malformed_json", "not valid JSON: nested too deeply (more tha
 
 def _parse_line(line: bytes) -> dict | BadRow:
     line = line.removeprefix(codecs.BOM_UTF8)  # a byte order mark opens files written by some Windows tools
+    try:
+        row = orjson.loads(line)  # ~3x faster; strict: no lone surrogate, NaN, invalid UTF-8 or huge integer
+    except orjson.JSONDecodeError:
+        pass  # the standard library's answer, its row or its error message, is the row's
+    else:
+        if isinstance(row, dict):
+            return row
     try:
         text = line.decode("utf-8")
     except UnicodeDecodeError as error:
