@@ -133,8 +133,9 @@ class _Segments:
         self.ids, self.offsets = ids, offsets
         self._starts = np.array([start for start, _ in offsets], dtype=np.int64)
 
-    def first_at_or_after(self, position: int) -> int:
-        return int(np.searchsorted(self._starts, position, side="left"))
+    def first_at_or_after(self, positions: np.ndarray) -> np.ndarray:
+        """For each character position, the index of the first token starting at or after it."""
+        return np.searchsorted(self._starts, positions, side="left")
 
 
 class ChatEncoder:
@@ -275,13 +276,13 @@ class ChatEncoder:
                 if chosen:
                     spans.append((chosen[0], chosen[-1] + 1))
             return spans
-        for begin, end in rendered.regions:
-            if isinstance(enc, _Segments | IdsEncoding):
-                first, stop = enc.first_at_or_after(begin), enc.first_at_or_after(end)
-            else:
-                first = _first_token_at_or_after(enc, begin, n_tokens, n_chars)
-                stop = _first_token_at_or_after(enc, end, n_tokens, n_chars)
-            spans.append((first, stop))
+        if isinstance(enc, _Segments | IdsEncoding):
+            edges = enc.first_at_or_after(np.array(rendered.regions, dtype=np.int64).reshape(-1)).tolist()
+            spans = list(zip(edges[0::2], edges[1::2], strict=True))
+        else:
+            for begin, end in rendered.regions:
+                spans.append((_first_token_at_or_after(enc, begin, n_tokens, n_chars),
+                              _first_token_at_or_after(enc, end, n_tokens, n_chars)))
         if rendered.append_eos and self.eos_id is not None:
             spans.append((n_tokens, n_tokens + 1))
         return spans

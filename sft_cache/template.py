@@ -26,6 +26,7 @@ from .formats import REASONING_FIELDS, Conversation
 MARK_BASE = 0xF1000
 MARK_LIMIT = 0xFFFFE
 MARKS = re.compile("[\U000f1000-\U000ffffd]")
+MARK_SPLIT = re.compile(f"({MARKS.pattern})")  # split() keeps each marker between the text around it
 GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 # What marking can wrap. Each kind is used only where probing showed the template renders it unchanged.
 FIELD_KINDS = ("content", "reasoning", "tool_name", "tool_arguments", "tool_id")
@@ -50,12 +51,15 @@ class Marked:
 
 def _wrap(text: str, fid: int) -> str:
     """Markers inside the text's surrounding whitespace, so that templates that trim it trim the same."""
+    opening, closing = chr(MARK_BASE + 2 * fid), chr(MARK_BASE + 2 * fid + 1)
     core = text.strip()
+    if len(core) == len(text):
+        return f"{opening}{text}{closing}"
     if not core:
-        return f"{text}{chr(MARK_BASE + 2 * fid)}{chr(MARK_BASE + 2 * fid + 1)}"
+        return f"{text}{opening}{closing}"
     head = text[: len(text) - len(text.lstrip())]
     tail = text[len(text.rstrip()):]
-    return f"{head}{chr(MARK_BASE + 2 * fid)}{core}{chr(MARK_BASE + 2 * fid + 1)}{tail}"
+    return f"{head}{opening}{core}{closing}{tail}"
 
 
 def mark(messages: Sequence[dict[str, Any]], kinds: frozenset[str], empty: bool = False) -> Marked | None:
@@ -78,8 +82,10 @@ def mark(messages: Sequence[dict[str, Any]], kinds: frozenset[str], empty: bool 
         marked["content"] = wrap(message.get("content"), index, "content")
         if "content" not in message:
             del marked["content"]
-        reasoning = next((message[key] for key in REASONING_FIELDS if isinstance(message.get(key), str)), None)
-        if reasoning is not None and message.get("role") == "assistant":
+        reasoning = None
+        if message.get("role") == "assistant":
+            reasoning = next((message[key] for key in REASONING_FIELDS if isinstance(message.get(key), str)), None)
+        if reasoning is not None:
             wrapped = wrap(reasoning, index, "reasoning")
             for key in REASONING_FIELDS:
                 if key in message:

@@ -28,11 +28,12 @@ from __future__ import annotations
 import bisect
 import os
 from dataclasses import dataclass, replace
+from itertools import accumulate
 from typing import Literal
 
 from .errors import BadRow
 from .formats import REASONING_FIELDS, Conversation
-from .template import MARK_BASE, MARKS, ChatTemplate, mark, token_boundaries
+from .template import MARK_BASE, MARK_SPLIT, ChatTemplate, mark, token_boundaries
 
 # How trained character spans become trained tokens: "start", a token is trained when it starts inside a
 # span (the definition); "overlap", when it overlaps one (transformers' return_assistant_tokens_mask);
@@ -113,22 +114,23 @@ class TurnFinder:
         marked = mark(conv.messages, template.markable, empty=blank)
         if marked is None or not marked.owners:
             return None
-        marked_text = template.render(marked.messages, conv.tools)
+        pieces = MARK_SPLIT.split(template.render(marked.messages, conv.tools))  # text, mark, text, ..., text
+        if "".join(pieces[0::2]) != text:
+            return None
         # Each field's first rendering locates it: a template may copy a field into a later message (gpt-oss
         # repeats a tool call's name in the tool reply's header), and that copy belongs to the later message.
         opened: dict[int, int] = {}
         closed: dict[int, int] = {}
-        for removed, found in enumerate(MARKS.finditer(marked_text)):
-            fid, closing = divmod(ord(found.group()) - MARK_BASE, 2)
-            if fid >= len(marked.owners):
+        fields_marked = len(marked.owners)
+        for position, found in zip(accumulate(map(len, pieces[0:-1:2])), pieces[1::2], strict=True):
+            code = ord(found) - MARK_BASE
+            fid = code >> 1
+            if fid >= fields_marked:
                 return None  # the data itself holds marker characters
-            position = found.start() - removed
-            if not closing:
+            if not code & 1:
                 opened.setdefault(fid, position)
             elif fid not in closed and position >= opened.get(fid, -1):
                 closed[fid] = position
-        if MARKS.sub("", marked_text) != text:
-            return None
         fields = []  # (message, start, end) of every rendered field
         for fid in sorted(opened.keys() | closed.keys()):
             start, end = opened.get(fid, closed.get(fid)), closed.get(fid, opened.get(fid))
@@ -178,9 +180,8 @@ class TurnFinder:
             for end in reversed(ends):
                 found = gap.rfind(header[:end])
                 if found >= 0:
-                    at = gap_start + found
-                    agreed = len(os.path.commonprefix([header, text[at:at + len(header)]]))
-                    return found + max(e for e in ends if e <= agreed)
+                    agreed = _agreeing_length(header, text, gap_start + found)
+                    return found + ends[bisect.bisect_right(ends, agreed) - 1]  # ends ascend; ends[k] <= agreed
             return len(gap)
         # No generation prompt: the longest run of the last tokens of what a prompt ends with after that role.
         role = conv.messages[previous]["role"] if previous is not None else "user"
@@ -275,6 +276,13 @@ class _Anchors:
         while k < len(self.positions) and self.owners[k] == message:
             k += 1
         return self.positions[k] if k < len(self.positions) else default
+
+
+def _agreeing_length(prefix: str, text: str, at: int) -> int:
+    """len(os.path.commonprefix([prefix, text[at:at + len(prefix)]])), at once in the usual case."""
+    if text.startswith(prefix, at):
+        return len(prefix)
+    return len(os.path.commonprefix([prefix, text[at:at + len(prefix)]]))
 
 
 def _has_text(message: dict) -> bool:

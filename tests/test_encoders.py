@@ -92,8 +92,9 @@ def test_token_positions_from_byte_lengths_equal_hfs_rule_at_every_character(fam
         return
     assert placed.ids == list(enc.ids)
     assert placed.offsets == [tuple(o) for o in enc.offsets]
-    for position in range(len(text) + 1):
-        assert placed.first_at_or_after(position) == _first_token_at_or_after(enc, position, len(enc.ids), len(text))
+    positions = range(len(text) + 1)
+    assert placed.first_at_or_after(np.array(positions)).tolist() == [
+        _first_token_at_or_after(enc, position, len(enc.ids), len(text)) for position in positions]
 
 
 _loaded = {}
