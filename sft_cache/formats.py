@@ -147,6 +147,8 @@ def _tool_calls(raw: Any, where: str) -> list[dict[str, Any]]:
 
 
 def _message(raw: Any, index: int) -> dict[str, Any]:
+    if type(raw) is dict and len(raw) == 2 and raw.get("role") in ROLES and type(raw.get("content")) is str:
+        return dict(raw)  # {role, content}, as most messages are: already what the checks below would return
     if not isinstance(raw, Mapping):
         raise BadRow("bad_message", f"messages[{index}] must be an object, got {_type_name(raw)}")
     message = dict(raw)
