@@ -2,7 +2,6 @@
 
     python benchmarks/stages.py limits FILE... --tokenizer DIR    # render once; then HF, fastokens on that text
     python benchmarks/stages.py stages FILE... --tokenizer DIR [--encoder auto|hf|fastokens]
-    python benchmarks/stages.py pooled FILE... --tokenizer DIR [--processes 2]   # item 3's design, measured
 
 `limits` renders every conversation once with the project's template (timed: rendering alone) and times,
 on the same rendered text, HF `encode_batch`, fastokens `encode_batch_flat` (ids only) and the project's
@@ -140,77 +139,21 @@ def stages(files: list[str], tokenizer_dir: str, encoder_name: str) -> dict:
             "seconds": {k: round(v, 3) for k, v in stage.items()}, "total_seconds": round(sum(stage.values()), 3)}
 
 
-_worker_encoder: ChatEncoder | None = None
-
-
-def _start_worker(tokenizer_dir: str, encoder_name: str) -> None:
-    global _worker_encoder
-    tokenizer = load_tokenizer(tokenizer_dir)
-    _worker_encoder = ChatEncoder(tokenizer, fast=choose_encoder(tokenizer, encoder_name))
-
-
-def _encode_in_worker(examples):
-    return _worker_encoder.encode_batch(examples)
-
-
-def pooled(files: list[str], tokenizer_dir: str, encoder_name: str, processes: int) -> dict:
-    """The design of the issue's item 3, measured here only: this process reads and writes, a pool of worker
-    processes started once (each loading the tokenizer once) renders, encodes and masks the batches it is
-    fed, and the results come back in order. Timed from before the pool starts to the shard's close."""
-    import multiprocessing
-    from collections import deque
-    from concurrent.futures import ProcessPoolExecutor
-
-    started = time.perf_counter()
-    columns = ColumnMap("chat", {"messages": "messages"})
-    sources = resolve(files)
-    rows = tokens = 0
-    context = multiprocessing.get_context("forkserver")
-    with ProcessPoolExecutor(processes, context, initializer=_start_worker,
-                             initargs=(tokenizer_dir, encoder_name)) as pool, \
-            tempfile.TemporaryDirectory() as scratch, open(Path(scratch) / "shard.arrow", "wb") as stream:
-        list(pool.map(_encode_in_worker, [[]] * processes))  # the workers' start (imports, tokenizer), timed apart
-        ready = time.perf_counter()
-        writer = ShardWriter(stream, (), 1000, 64_000_000, "skyrl")
-        pending: deque = deque()
-
-        def drain(keep: int) -> None:
-            nonlocal rows, tokens
-            while len(pending) > keep:
-                batch = pending.popleft().result()
-                writer.add(batch)
-                rows += batch.rows
-                tokens += len(batch.input_ids)
-
-        for slice_ in cut_slices(sources, sum(f.size for f in sources) + 1):
-            for batch_rows, _ in read_slice(slice_, columns.names):
-                pending.append(pool.submit(_encode_in_worker, [to_example(row, columns) for row in batch_rows]))
-                drain(2 * processes)  # a bounded queue: memory stays flat
-        drain(0)
-        writer.close()
-    done = time.perf_counter()
-    return {"rows": rows, "tokens": tokens, "processes": processes, "start_seconds": round(ready - started, 3),
-            "work_seconds": round(done - ready, 3), "seconds": round(done - started, 3)}
-
-
 def main() -> None:
     from pipelines import encode_batch_rows
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["limits", "stages", "pooled"])
+    parser.add_argument("what", choices=["limits", "stages"])
     parser.add_argument("files", nargs="+")
     parser.add_argument("--tokenizer", required=True)
     parser.add_argument("--encoder", default="auto", choices=["auto", "hf", "fastokens"])
     parser.add_argument("--rows", type=int, help="the files' row count, if known")
-    parser.add_argument("--processes", type=int, default=2, help="pooled: worker processes (default 2)")
     args = parser.parse_args()
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     if args.what == "limits":
         result = limits(args.files, args.tokenizer, encode_batch_rows(args.files, args.rows))
-    elif args.what == "stages":
-        result = stages(args.files, args.tokenizer, args.encoder)
     else:
-        result = pooled(args.files, args.tokenizer, args.encoder, args.processes)
+        result = stages(args.files, args.tokenizer, args.encoder)
     print(json.dumps(result))
 
 
