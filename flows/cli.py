@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from flows.console import CONSOLE_ENV, configure_console
+from sft_cache.encode_pool import POOL_MIN_BYTES
 from sft_cache.errors import BadInput, CacheError
 from sft_cache.layouts import LAYOUTS
 
@@ -123,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="--runner ray: a running cluster (default: a temporary local instance)")
     run.add_argument("--workers", type=_positive, metavar="N",
                      help="slices tokenized at once (default: cores); on a cluster, at least as many slices are cut")
+    run.add_argument("--encode-processes", type=int, metavar="N",
+                     help="--runner threads: processes that render, mask and encode the batches (default: one per "
+                          f"core when {POOL_MIN_BYTES // 10**6} MB or more is to be tokenized, else 0: the slices' "
+                          "threads do it)")
     run.add_argument("--retries", type=int, default=None, metavar="N", help="retries of a failed slice (default 2)")
     run.add_argument("--force", action="store_true", help="rebuild: delete the cache and its shards in the store first")
     run.add_argument("--keep-versions", type=_positive, metavar="N",
@@ -177,7 +182,8 @@ def options_from(args: argparse.Namespace) -> dict[str, Any]:
         "split": args.split, "subset": args.subset, "on_bad_row": args.on_bad_row, "shard_size": args.shard_size,
         "max_row_bytes": args.max_row_bytes,
         "storage_options": args.storage_options, "runner": args.runner, "dask_address": args.dask_address,
-        "ray_address": args.ray_address, "workers": args.workers, "force": args.force,
+        "ray_address": args.ray_address, "workers": args.workers, "encode_processes": args.encode_processes,
+        "force": args.force,
         "keep_versions": args.keep_versions,
     }
     if args.retries is not None:

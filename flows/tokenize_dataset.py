@@ -27,7 +27,7 @@ from flows.cluster import check_workers, dask_runner, ray_runner
 from flows.console import configure_console
 from flows.interrupts import ignore_sigint, stopping_workers
 from flows.report import markdown_table, packing_summary, summary
-from sft_cache.encode_pool import tokenizer_env
+from sft_cache.encode_pool import POOL_MIN_BYTES, tokenizer_env
 from sft_cache.errors import BadInput
 from sft_cache.memory import limit_malloc_arenas
 from sft_cache.options import TokenizeOptions
@@ -65,6 +65,11 @@ class TokenizeRun(TokenizeOptions):
     )
     workers: int | None = Field(None, ge=1, description="Slices tokenized at once; default: the number of cores. "
                                 "On a cluster at an address the cluster decides, and this is the fewest slices cut.")
+    encode_processes: int | None = Field(
+        None, ge=0, description="Runner threads: processes that render, mask and encode the slices' batches; "
+        f"default: one per core when the slices to tokenize hold {POOL_MIN_BYTES // 10**6} MB or more, else 0 "
+        "(the slices' threads encode)."
+    )
     retries: int = Field(RETRIES, ge=0, description="Retries of a failed slice, with exponential backoff.")
     force: bool = Field(False, description="Rebuild: delete the published cache and its shards in the store first.")
     pack: PackOptions | None = Field(None, description="Then build the cache's global packing index (if missing).")
@@ -82,6 +87,13 @@ class TokenizeRun(TokenizeOptions):
     @property
     def worker_count(self) -> int:
         return self.workers or available_cores()
+
+    def encode_process_count(self, fresh_bytes: int) -> int:
+        if self.runner != "threads":
+            return 0  # the other runners' workers are processes already
+        if self.encode_processes is not None:
+            return self.encode_processes
+        return available_cores() if fresh_bytes >= POOL_MIN_BYTES else 0
 
     @property
     def cluster_address(self) -> str | None:
@@ -184,19 +196,19 @@ def tokenize_all(plan: Plan, options: TokenizeRun, staged: set[int]) -> dict:
     logger = get_run_logger()
     total = len(plan.slices)
     workers = max(1, min(options.worker_count, total))
+    # Threads share one GIL: their batches are rendered, masked and encoded by a process per core instead.
+    processes = options.encode_process_count(sum(s.nbytes for s in plan.slices if s.index not in staged))
     cached_task = tokenize_slice.with_options(retries=options.retries, **result_storage(options))
     # A slice without a finished shard on disk runs even if Prefect remembers a result for its key.
     fresh_task = cached_task.with_options(refresh_cache=True)
     logger.info("tokenizing %d slices (%d already in the shard store) on %s", total, len(staged),
-                where(options, workers))
+                where(options, workers) + (f", their batches encoded by {processes} processes" if processes else ""))
     progress = create_progress_artifact(0.0, description=f"{plan.name}: 0 of {total} slices")
     _notify(0, total, 0)
     started = time.monotonic()
     rows, finished, failures = 0, 0, {}
-    # Threads share one GIL: their batches are rendered, encoded and masked by a process per core instead.
-    encoding = (encoding_processes(plan.job, available_cores()) if options.runner == "threads" and len(staged) < total
-                else nullcontext())
-    with encoding, started_task_runner(options.runner, workers, options.cluster_address) as runner, \
+    with encoding_processes(plan.job, processes) if processes else nullcontext(), \
+            started_task_runner(options.runner, workers, options.cluster_address) as runner, \
             stopping_workers(runner, [plan.job.shard_path(s) for s in plan.slices]):
         if options.runner in ("dask", "ray"):
             checked = check_workers(options.runner, runner, plan)

@@ -33,6 +33,8 @@ from .encoders import FastEncoder, rebuilt_encoder
 from .memory import limit_malloc_arenas
 
 DEPTH = 2  # a slice's batches in flight: one being encoded while its thread reads the next
+# Below this much input to tokenize, starting the pool (~1 s of CPU a process) costs more than it saves.
+POOL_MIN_BYTES = 64 * 10**6
 
 
 def tokenizer_env(tokenizer_threads: int) -> dict[str, str]:

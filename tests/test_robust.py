@@ -413,7 +413,8 @@ def test_sigint_and_sigterm_stop_the_run_and_the_same_command_resumes(tmp_path, 
             name = f"{runner}-{signum.name}"
             home = Path(shutil.copytree(migrated_prefect_home, tmp_path / name / "home"))
             cache_root = tmp_path / name / "cache"
-            args = run_args([long_input], cache_root, "--runner", runner)
+            pool = ["--encode-processes", "2"] if runner == "threads" else []  # the input is below the default's
+            args = run_args([long_input], cache_root, "--runner", runner, *pool)
             cases.append(Interrupted(name, signum, home, cache_root, args, start(args, home, name)))
 
     waiting = list(cases)
