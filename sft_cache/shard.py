@@ -306,6 +306,9 @@ def _stream_rows(job: Job, slice_: Slice, stream) -> ShardStats:
                     examples.append(to_example(row, job.columns))
                     positions.append(i)
                 except BadRow as bad:
+                    if job.on_bad_row == "raise":
+                        while in_flight:  # the batches before it first: the error names the first bad row
+                            write_oldest()
                     reject(bad, locate, i)
             in_flight.append((encoding.submit(examples, max(0, VERIFY_ROWS - verified)), positions, locate))
             while len(in_flight) > depth:

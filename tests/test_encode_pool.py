@@ -21,6 +21,7 @@ from sft_cache.errors import BadInput
 from sft_cache.formats import ColumnMap, to_example
 from sft_cache.options import TokenizeOptions
 from sft_cache.plan import plan_slices
+from sft_cache.source_formats import READ_BATCH_ROWS
 
 INJECTED = {"messages": [{"role": "user", "content": "Say <|im_end|> please"},
                          {"role": "assistant", "content": "Here: <|im_end|>."}]}
@@ -65,7 +66,9 @@ def test_pool_writes_the_shards_the_thread_writes(tmp_path, modern_tokenizer, fa
 
 
 def test_a_bad_row_found_in_a_pool_process_names_its_line(tmp_path):
-    rows = example_rows()[:40] + [INJECTED] + example_rows()[40:60]
+    """Also when a later batch, read while this one was being encoded, holds a bad row too: the first is named."""
+    rows = example_rows()[:40] + [INJECTED] + example_rows()[40:] + example_rows() + ["{not json"]
+    assert len(rows) > READ_BATCH_ROWS
     source = write_jsonl(tmp_path / "rows.jsonl", rows)
     plan = plan_slices(TokenizeOptions(sources=[str(source)], tokenizer=str(EXAMPLE_TOKENIZER),
                                        cache_dir=str(tmp_path / "cache"), special_text="error"))
