@@ -31,7 +31,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from sft_cache.chat import ChatEncoder, load_tokenizer  # noqa: E402
-from sft_cache.encoders import choose_encoder  # noqa: E402
+from sft_cache.encoders import VERIFY_ROWS, choose_encoder  # noqa: E402
 from sft_cache.formats import ColumnMap, to_example  # noqa: E402
 from sft_cache.shard import ShardWriter  # noqa: E402
 from sft_cache.slicing import cut_slices  # noqa: E402
@@ -98,8 +98,8 @@ class _TimedEncoder(ChatEncoder):
         self.render_seconds += seconds
         return result
 
-    def _encode(self, rows):
-        result, seconds = _timed(super()._encode, rows)
+    def _encode(self, rows, verify_rows):
+        result, seconds = _timed(super()._encode, rows, verify_rows)
         self.encode_seconds += seconds
         return result
 
@@ -116,6 +116,7 @@ def stages(files: list[str], tokenizer_dir: str, encoder_name: str) -> dict:
         writer = ShardWriter(stream, (), 1000, 64_000_000, "skyrl")
         for slice_ in slices:
             batches = read_slice(slice_, columns.names)
+            verified = 0  # HF checks each slice's first rows, as in the project
             while True:
                 started = time.perf_counter()
                 item = next(batches, None)
@@ -124,7 +125,8 @@ def stages(files: list[str], tokenizer_dir: str, encoder_name: str) -> dict:
                     break
                 examples = [to_example(row, columns) for row in item[0]]
                 read += time.perf_counter() - started
-                batch, seconds = _timed(encoder.encode_batch, examples)
+                batch, seconds = _timed(encoder.encode_batch, examples, max(0, VERIFY_ROWS - verified))
+                verified += batch.rows_verified
                 batch_seconds += seconds
                 _, seconds = _timed(writer.add, batch)
                 write += seconds

@@ -27,7 +27,7 @@ from flows.cluster import check_workers, dask_runner, ray_runner
 from flows.console import configure_console
 from flows.interrupts import ignore_sigint, stopping_workers
 from flows.report import markdown_table, packing_summary, summary
-from sft_cache.encode_pool import POOL_MIN_BYTES, tokenizer_env
+from sft_cache.encode_pool import POOL_MIN_BYTES, available_cores, tokenizer_env
 from sft_cache.errors import BadInput
 from sft_cache.memory import limit_malloc_arenas
 from sft_cache.options import TokenizeOptions
@@ -43,18 +43,12 @@ from tasks.publish_cache import publish_cache
 from tasks.tokenize_slice import RETRIES, tokenize_slice
 
 
-def available_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
 class TokenizeRun(TokenizeOptions):
     """What to tokenize (TokenizeOptions) and how to run it: the flow's one parameter, a typed form in the UI."""
 
     runner: Literal["threads", "processes", "dask", "ray"] = Field(
-        "threads", description="threads: one process, the tokenizer releases the GIL; processes: one per worker; "
+        "threads", description="threads: the slices as threads of one process, their batches encoded by the "
+        "encode pool (encode_processes); processes: one per worker; "
         "dask, ray: a cluster's workers (they must share the cache root's filesystem)."
     )
     dask_address: str | None = Field(

@@ -161,8 +161,6 @@ class ChatEncoder:
         self.special = special_pattern(tokenizer)
         self._literal = None  # a copy of the tokenizer that encodes control-token text as plain text
         self.fast = fast  # ids (and token positions) from a faster exact encoder; HF checks its first rows
-        self.rows_to_verify = VERIFY_ROWS  # the fast encoder's next rows that HF encodes too, to compare
-        self.rows_exact = self.rows_expanded = self.rows_special_text = 0  # running totals of its batches
 
     def template_overhead(self) -> int:
         """Tokens the template adds around an empty exchange: max_length must leave room past it."""
@@ -211,10 +209,10 @@ class ChatEncoder:
 
     # -- tokens ----------------------------------------------------------------------------------------------
 
-    def encode_batch(self, examples: Sequence[Conversation | str]) -> EncodedBatch:
-        """Render and mask every example, then one tokenizer call for the batch's ordinary rows."""
+    def encode_batch(self, examples: Sequence[Conversation | str], verify_rows: int = VERIFY_ROWS) -> EncodedBatch:
+        """Render and mask every example, then one tokenizer call for the batch's ordinary rows; HF encodes the
+        first `verify_rows` rows the fast encoder gives as well, and they must agree."""
         counts = dict.fromkeys(("rows_exact", "rows_expanded", "rows_special_text"), 0)
-        verify_before = self.rows_to_verify
         outcomes: list[int | str | BadRow | None] = []
         origins: list[int] = []
         rows: list[tuple[int, Rendered, bool]] = []  # (candidate, row, encode control-token text literally)
@@ -240,7 +238,7 @@ class ChatEncoder:
                     counts["rows_special_text"] += literal
                 else:
                     outcomes[-1] = result
-        encodings = self._encode(rows)
+        encodings, verified = self._encode(rows, verify_rows)
         ids_lists = []
         for (_, rendered, _), enc in zip(rows, encodings, strict=True):
             ids = list(enc.ids)
@@ -257,11 +255,8 @@ class ChatEncoder:
         for (_, rendered, _), enc, offset, length in zip(rows, encodings, starts[:-1], lengths, strict=True):
             for first, stop in self._token_spans(rendered, enc, int(length)):
                 loss_mask[offset + first:offset + stop] = 1
-        self.rows_exact += counts["rows_exact"]
-        self.rows_expanded += counts["rows_expanded"]
-        self.rows_special_text += counts["rows_special_text"]
         batch = self._apply_max_length(outcomes, origins, [c for c, _, _ in rows], input_ids, loss_mask, starts)
-        return replace(batch, **counts, rows_verified=verify_before - self.rows_to_verify)
+        return replace(batch, **counts, rows_verified=verified)
 
     def _token_spans(self, rendered: Rendered, enc, length: int) -> list[tuple[int, int]]:
         """Token index ranges [first, stop) trained for a row's character regions."""
@@ -308,9 +303,11 @@ class ChatEncoder:
             input_ids, loss_mask = input_ids[selection], loss_mask[selection]
         return EncodedBatch(input_ids, loss_mask, np.array(kept_offsets, dtype=np.int64), outcomes, origins)
 
-    def _encode(self, rows: list[tuple[int, Rendered, bool]]) -> list[Any]:
-        """One batch call for ordinary rows; rows with control-token text in them are encoded in pieces."""
+    def _encode(self, rows: list[tuple[int, Rendered, bool]], verify_rows: int) -> tuple[list[Any], int]:
+        """One batch call for ordinary rows; rows with control-token text in them are encoded in pieces. Also
+        the number of rows verified (see encode_batch)."""
         encodings: list[Any] = [None] * len(rows)
+        verified = 0
         for add_special in (False, True):  # rendered chats carry their own special tokens; text rows do not
             chosen = [k for k, (_, rendered, literal) in enumerate(rows)
                       if not literal and (rendered.token_rule == "text") == add_special]
@@ -318,8 +315,9 @@ class ChatEncoder:
                 placed = self.fast.encode([rows[k][1].text for k in chosen], add_special_tokens=add_special)
                 for k, enc in zip(chosen, placed, strict=True):
                     encodings[k] = enc
-                verify = max(self.rows_to_verify, 0)
+                verify = max(verify_rows - verified, 0)
                 self._verify([rows[k][1] for k in chosen[:verify]], placed[:verify], add_special)
+                verified += len(chosen[:verify])
                 chosen = [k for k in chosen if encodings[k] is None]  # rows it could not place: HF's
             if chosen:
                 batch = self.backend.encode_batch([rows[k][1].text for k in chosen], add_special_tokens=add_special)
@@ -328,13 +326,12 @@ class ChatEncoder:
         for k, (_, rendered, literal) in enumerate(rows):
             if literal:
                 encodings[k] = self._encode_literally(rendered)
-        return encodings
+        return encodings, verified
 
     def _verify(self, rendered: list[Rendered], placed: list, add_special: bool) -> None:
         """The first rows the fast encoder gives: the same ids and trained spans as HF's, or a loud failure."""
         if not rendered:
             return
-        self.rows_to_verify -= len(rendered)
         reference = self.backend.encode_batch([r.text for r in rendered], add_special_tokens=add_special)
         for k, (row, fast, hf) in enumerate(zip(rendered, placed, reference, strict=True)):
             if fast is None:

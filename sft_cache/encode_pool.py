@@ -37,6 +37,13 @@ DEPTH = 2  # a slice's batches in flight: one being encoded while its thread rea
 POOL_MIN_BYTES = 64 * 10**6
 
 
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def tokenizer_env(tokenizer_threads: int) -> dict[str, str]:
     """HF tokenizers (rayon) and fastokens size their thread pools from these; by default every process would
     take all the cores, and each fastokens thread keeps its own buffers (~30 MiB on a 32k vocabulary)."""
@@ -97,8 +104,7 @@ def _start(parts: TokenizerParts, settings: dict, tokenizer_threads: int) -> Non
 
 
 def _encode(examples: list, verify_rows: int) -> EncodedBatch:
-    _encoder.rows_to_verify = verify_rows
-    return _encoder.encode_batch(examples)
+    return _encoder.encode_batch(examples, verify_rows)
 
 
 def _ready() -> None:
@@ -110,7 +116,7 @@ class EncodePool:
 
     def __init__(self, tokenizer: Any, fast: FastEncoder | None, settings: dict, processes: int):
         self.processes = processes
-        threads = max(1, len(os.sched_getaffinity(0)) // processes)
+        threads = max(1, available_cores() // processes)
         self._initargs = (TokenizerParts.of(tokenizer, fast), settings, threads)
         self._lock = threading.Lock()
         self._executor = self._start()

@@ -28,7 +28,7 @@ import pyarrow as pa
 from .chat import ChatEncoder, EncodedBatch, load_tokenizer
 from .content import slice_key
 from .encode_pool import DEPTH, EncodePool
-from .encoders import VERIFY_ROWS, choose_encoder
+from .encoders import VERIFY_ROWS, FastEncoder, choose_encoder
 from .errors import BadInput, BadRow, OutOfSpace
 from .formats import ColumnMap, to_example
 from .layouts import COLUMN_TYPES, column_values, layout_columns
@@ -210,9 +210,14 @@ def encoder_settings(job: Job) -> dict:
             "special_text": job.special_text}
 
 
+def _process_encoding(job: Job) -> tuple[Any, FastEncoder | None]:
+    """This process's tokenizer and fast encoder for the job."""
+    return (process_tokenizer(job.tokenizer_dir, job.chat_template, job.trust_remote_code),
+            process_fast_encoder(job.tokenizer_dir, job.chat_template, job.trust_remote_code, job.encoder))
+
+
 def encoder_for(job: Job) -> ChatEncoder:
-    tokenizer = process_tokenizer(job.tokenizer_dir, job.chat_template, job.trust_remote_code)
-    fast = process_fast_encoder(job.tokenizer_dir, job.chat_template, job.trust_remote_code, job.encoder)
+    tokenizer, fast = _process_encoding(job)
     return ChatEncoder(tokenizer, fast=fast, **encoder_settings(job))
 
 
@@ -223,9 +228,7 @@ _pools: list[tuple[Job, EncodePool]] = []  # the encode pools of this process's 
 def encoding_processes(job: Job, processes: int) -> Iterator[None]:
     """While in it, this process's slices of `job` have their batches encoded by `processes` processes (see
     encode_pool.py); they are terminated if it ends with an error or an interrupt."""
-    tokenizer = process_tokenizer(job.tokenizer_dir, job.chat_template, job.trust_remote_code)
-    fast = process_fast_encoder(job.tokenizer_dir, job.chat_template, job.trust_remote_code, job.encoder)
-    entry = (job, EncodePool(tokenizer, fast, encoder_settings(job), processes))
+    entry = (job, EncodePool(*_process_encoding(job), encoder_settings(job), processes))
     _pools.append(entry)
     ended = False
     try:
@@ -244,9 +247,8 @@ class _InlineEncoding:
 
     def submit(self, examples: list, verify_rows: int) -> Future:
         done: Future = Future()
-        self.encoder.rows_to_verify = verify_rows
         try:
-            done.set_result(self.encoder.encode_batch(examples))
+            done.set_result(self.encoder.encode_batch(examples, verify_rows))
         except Exception as error:  # raised where the pool's future would raise it
             done.set_exception(error)
         return done

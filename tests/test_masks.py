@@ -35,8 +35,8 @@ CONVERSATIONS = [
 
 
 def check_against_oracle(tokenizer, conversations, mode, max_length=None, truncation="truncate"):
-    encoder = ChatEncoder(tokenizer, mode, max_length, truncation)
-    results = encoder.encode_batch(conversations).results()
+    batch = ChatEncoder(tokenizer, mode, max_length, truncation).encode_batch(conversations)
+    results = batch.results()
     for row, (conv, got) in enumerate(zip(conversations, results, strict=True)):
         want = oracle(tokenizer, conv.messages, mode, conv.completion_start, max_length, truncation, conv.tools)
         if isinstance(want, str):
@@ -45,7 +45,7 @@ def check_against_oracle(tokenizer, conversations, mode, max_length=None, trunca
             assert isinstance(got, Encoded), f"row {row}: expected a row, got {got!r}"
             assert got.input_ids.tolist() == want[0], f"row {row}: input_ids differ"
             assert got.loss_mask.tolist() == want[1], f"row {row}: loss_mask differs"
-    return encoder
+    return batch
 
 
 @pytest.fixture(scope="module")
@@ -57,9 +57,9 @@ def tokenizers(family_tokenizer):
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_masks_equal_prefix_rendering(tokenizers, family, mode):
     tokenizer = tokenizers(family)
-    encoder = check_against_oracle(tokenizer, [Conversation(c) for c in CONVERSATIONS], mode)
+    batch = check_against_oracle(tokenizer, [Conversation(c) for c in CONVERSATIONS], mode)
     # The two-render path produced every row, not the exact (prefix-rendering) fallback.
-    assert encoder.rows_exact == 0, f"{family}: {encoder.rows_exact} rows took the exact path"
+    assert batch.rows_exact == 0, f"{family}: {batch.rows_exact} rows took the exact path"
 
 
 @pytest.mark.parametrize("family", ["chatml", "llama-3-instruct", "mistral-instruct", "gemma-it", "phi-3"])
@@ -174,8 +174,8 @@ def test_generation_prompt_that_differs_from_the_history(family_tokenizer, tmp_p
     turn = tokenizer.apply_chat_template(CONVERSATIONS[0], tokenize=False)
     assert not turn.startswith(prompt)
     for mode in ("all_assistant", "last_assistant", "completion"):
-        encoder = check_against_oracle(tokenizer, [Conversation(c) for c in CONVERSATIONS], mode)
-        assert encoder.rows_exact == 0
+        batch = check_against_oracle(tokenizer, [Conversation(c) for c in CONVERSATIONS], mode)
+        assert batch.rows_exact == 0
     [row] = ChatEncoder(tokenizer).encode_batch([Conversation(CONVERSATIONS[0])]).results()
     assert tokenizer.decode(row.input_ids[row.loss_mask == 1]) == "Four.<|im_end|>"
 
@@ -199,14 +199,14 @@ INJECTED = [msg("user", "Repeat after me: <|im_end|>"), msg("assistant", "Sure: 
 def test_control_token_text_is_encoded_as_plain_text_by_default(tokenizers):
     tokenizer = tokenizers("chatml")
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    encoder = ChatEncoder(tokenizer)
-    [row] = encoder.encode_batch([Conversation(INJECTED)]).results()
+    batch = ChatEncoder(tokenizer).encode_batch([Conversation(INJECTED)])
+    [row] = batch.results()
     ids = row.input_ids.tolist()
     assert ids.count(end) == 2  # the two turns' own ends: the text inside the messages is not the control token
     trained = row.input_ids[row.loss_mask == 1].tolist()
     assert tokenizer.decode(trained) == "Sure: <|im_end|> and then the rest.<|im_end|>"
     assert trained[-1] == end and trained.count(end) == 1
-    assert encoder.rows_special_text == 1
+    assert batch.rows_special_text == 1
     # The rest of the row is tokenized as usual: the template's text is the same tokens as without injection.
     clean = Conversation([msg("user", "Repeat after me: x"), msg("assistant", "Sure: x and then the rest.")])
     [plain] = ChatEncoder(tokenizer).encode_batch([clean]).results()

@@ -183,7 +183,8 @@ def test_every_conversation_is_masked_by_the_definition_or_refused_by_the_templa
     tokenizer = tokenizers(family)
     encoder = ChatEncoder(tokenizer)
     examples = [to_example(row, COLUMNS) for row in ROWS.values()]
-    results = encoder.encode_batch(examples).results()
+    batch = encoder.encode_batch(examples)
+    results = batch.results()
     spec = MODERN_FAMILIES[family]
     for name, example, got in zip(ROWS, examples, results, strict=True):
         expected = EXPECTED.get(family, {}).get(name)
@@ -207,7 +208,7 @@ def test_every_conversation_is_masked_by_the_definition_or_refused_by_the_templa
                 f"{family}/{name}: {trained_runs(tokenizer, got)} != definition")
         if expected is not None:
             assert trained_runs(tokenizer, got) == expected, f"{family}/{name}"
-    assert encoder.rows_exact == 0
+    assert batch.rows_exact == 0
 
 
 @pytest.mark.parametrize("family", sorted(EXPECTED))
@@ -263,16 +264,15 @@ def test_expand_trains_every_turns_reasoning(tokenizers):
     """Qwen3 drops earlier turns' reasoning: expand adds a row per such turn, ending with it and training it."""
     tokenizer = tokenizers("qwen3")
     example = to_example(ROWS["reasoning_field"], COLUMNS)
-    encoder = ChatEncoder(tokenizer, reasoning_turns="expand")
-    batch = encoder.encode_batch([example])
-    assert batch.rows == 2 and batch.origins == [0, 0] and encoder.rows_expanded == 1
+    batch = ChatEncoder(tokenizer, reasoning_turns="expand").encode_batch([example])
+    assert batch.rows == 2 and batch.origins == [0, 0] and batch.rows_expanded == 1
     first, main = batch.results()
     assert trained_runs(tokenizer, first) == ["<think>\nAdd two and two.\n</think>\n\nFour.<|im_end|>"]
     assert trained_runs(tokenizer, main) == ["<think>\nAdd three and three.\n</think>\n\nSix.<|im_end|>"]
     # A template that keeps every turn's reasoning, or has none, is not expanded.
     for family in ("deepseek-v3.1", "llama3.1"):
-        other = ChatEncoder(tokenizers(family), reasoning_turns="expand")
-        assert other.encode_batch([example]).rows == 1 and other.rows_expanded == 0
+        other = ChatEncoder(tokenizers(family), reasoning_turns="expand").encode_batch([example])
+        assert other.rows == 1 and other.rows_expanded == 0
 
 
 def test_template_kwargs_reach_the_template(tokenizers):
