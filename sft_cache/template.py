@@ -14,19 +14,13 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
+from . import twins
 from .errors import BadInput, BadRow
 from .formats import REASONING_FIELDS, Conversation
+from .marks import MARK_BASE, MARKS, mark
 
-# Markers are characters of Unicode's plane-15 private use area: field k opens with MARK_BASE + 2k and closes
-# with MARK_BASE + 2k + 1 (above U+F0000-F0001, which transformers' sanitize_control_tokens uses). Real text
-# never holds them; a row that does takes the exact path.
-MARK_BASE = 0xF1000
-MARK_LIMIT = 0xFFFFE
-MARKS = re.compile("[\U000f1000-\U000ffffd]")
-MARK_SPLIT = re.compile(f"({MARKS.pattern})")  # split() keeps each marker between the text around it
 GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 # What marking can wrap. Each kind is used only where probing showed the template renders it unchanged.
 FIELD_KINDS = ("content", "reasoning", "tool_name", "tool_arguments", "tool_id")
@@ -38,72 +32,6 @@ PROBE_CALL_ID = "call12345"  # nine alphanumerics, as Mistral's templates requir
 
 def _probe_call(arguments: Any) -> dict:
     return {"id": PROBE_CALL_ID, "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
-
-
-@dataclass
-class Marked:
-    """A conversation's messages with chosen fields wrapped in markers, and which message owns each field."""
-
-    messages: list[dict[str, Any]]
-    owners: list[int] = field(default_factory=list)  # field id -> message index
-    kinds: list[str] = field(default_factory=list)  # field id -> kind
-
-
-def _wrap(text: str, fid: int) -> str:
-    """Markers inside the text's surrounding whitespace, so that templates that trim it trim the same."""
-    opening, closing = chr(MARK_BASE + 2 * fid), chr(MARK_BASE + 2 * fid + 1)
-    core = text.strip()
-    if len(core) == len(text):
-        return f"{opening}{text}{closing}"
-    if not core:
-        return f"{text}{opening}{closing}"
-    head = text[: len(text) - len(text.lstrip())]
-    tail = text[len(text.rstrip()):]
-    return f"{head}{opening}{core}{closing}{tail}"
-
-
-def mark(messages: Sequence[dict[str, Any]], kinds: frozenset[str], empty: bool = False) -> Marked | None:
-    """Wrap every field of `kinds` in markers (None if the conversation has more fields than markers).
-
-    Blank text is marked only with `empty`: templates often branch on whether a field is empty, which marking
-    would change, so it is asked for only where a turn would have nothing else to locate it by."""
-    out = Marked([])
-
-    def wrap(text: Any, index: int, kind: str) -> Any:
-        if not isinstance(text, str) or kind not in kinds or not (empty or text.strip()):
-            return text
-        fid = len(out.owners)
-        out.owners.append(index)
-        out.kinds.append(kind)
-        return _wrap(text, fid)
-
-    for index, message in enumerate(messages):
-        marked = dict(message)
-        marked["content"] = wrap(message.get("content"), index, "content")
-        if "content" not in message:
-            del marked["content"]
-        reasoning = None
-        if message.get("role") == "assistant":
-            reasoning = next((message[key] for key in REASONING_FIELDS if isinstance(message.get(key), str)), None)
-        if reasoning is not None:
-            wrapped = wrap(reasoning, index, "reasoning")
-            for key in REASONING_FIELDS:
-                if key in message:
-                    marked[key] = wrapped
-        if message.get("tool_calls"):
-            calls = []
-            for call in message["tool_calls"]:
-                call = dict(call)
-                if "id" in call:
-                    call["id"] = wrap(call["id"], index, "tool_id")
-                function = dict(call.get("function") or {})
-                function["name"] = wrap(function.get("name"), index, "tool_name")
-                function["arguments"] = wrap(function.get("arguments"), index, "tool_arguments")
-                call["function"] = function
-                calls.append(call)
-            marked["tool_calls"] = calls
-        out.messages.append(marked)
-    return out if MARK_BASE + 2 * len(out.owners) <= MARK_LIMIT else None
 
 
 def special_pattern(tokenizer) -> re.Pattern | None:
@@ -124,24 +52,32 @@ _DICT_ATTRIBUTES = frozenset(dir(dict))
 _WRAPPED = ("format", "format_map")  # the sandbox hands these out wrapped
 
 
-def _fast_sandbox(environment):
+def _fast_sandbox(environment, for_twins: bool = False):
     """transformers' sandboxed environment, with exact shortcuts for what a chat template does most. Whether an
     attribute is safe depends only on the object's type and the attribute's name, so it is decided once per
     pair; an attribute found safe is then read directly, and a message's own key (where the sandbox ends up
-    after getattr() fails on a dict) at once. The same templates render the same text, in a third of the time."""
+    after getattr() fails on a dict) at once. The same templates render the same text, in a third of the time.
+    `for_twins`: the environment also renders `twins.Twin` values (see twins.py)."""
     overlay = environment.overlay()
     checked: dict[tuple[type, str], bool] = {}
-    base_getattr, base_is_safe = overlay.getattr, overlay.is_safe_attribute
+    base_getattr, base_getitem, base_is_safe = overlay.getattr, overlay.getitem, overlay.is_safe_attribute
+    undefined = overlay.undefined
+    Twin = twins.Twin
 
     def getattr_(obj, attribute):
-        if type(obj) is dict and attribute in obj and attribute not in _DICT_ATTRIBUTES:
-            return obj[attribute]
+        if type(obj) is dict and attribute not in _DICT_ATTRIBUTES:
+            return obj[attribute] if attribute in obj else undefined(obj=obj, name=attribute)
+        if for_twins and type(obj) is Twin:
+            return twins.twin_attribute(obj, attribute, undefined)
         if checked.get((type(obj), attribute)) and attribute not in _WRAPPED:
             try:
                 return getattr(obj, attribute)
             except AttributeError:
                 pass
         return base_getattr(obj, attribute)
+
+    def getitem(obj, argument):
+        return base_getitem(obj, argument.plain if type(argument) is Twin else argument)
 
     def is_safe_attribute(obj, attribute, value):
         key = (type(obj), attribute)
@@ -150,7 +86,19 @@ def _fast_sandbox(environment):
         return checked[key]
 
     overlay.getattr, overlay.is_safe_attribute = getattr_, is_safe_attribute
+    if for_twins:
+        overlay.getitem, overlay.concat = getitem, twins.join
+        overlay.filters, overlay.tests = twins.twin_filters(overlay.filters), twins.twin_tests(overlay.tests)
     return overlay
+
+
+def _compiled_for_twins(environment, source: str):
+    """The template compiled so that its output and `~` keep Twins (jinja's generated code calls `str` and
+    `str_join` from its own namespace)."""
+    compiled = _fast_sandbox(environment, for_twins=True).from_string(source)
+    namespace = compiled.root_render_func.__globals__
+    namespace["str"], namespace["str_join"] = twins.output, twins.join
+    return compiled
 
 
 class ChatTemplate:
@@ -161,7 +109,9 @@ class ChatTemplate:
 
         self.source = source
         try:
-            self.compiled = _fast_sandbox(_compile_jinja_template(source).environment).from_string(source)
+            environment = _compile_jinja_template(source).environment
+            self.compiled = _fast_sandbox(environment).from_string(source)
+            self.compiled_for_twins = _compiled_for_twins(environment, source)
         except Exception as error:  # jinja2.TemplateSyntaxError and friends
             line = getattr(error, "lineno", None)
             raise BadInput(f"the chat template does not compile{f' (line {line})' if line else ''}: "
@@ -180,6 +130,12 @@ class ChatTemplate:
         reasoning aliased as transformers aliases it, so the compiled template is called directly."""
         return self.compiled.render(messages=messages, tools=tools, documents=None,
                                     add_generation_prompt=add_generation_prompt, **self.kwargs)
+
+    def render_marked(self, messages: Sequence[dict], tools: list | None = None) -> tuple[str, str] | None:
+        """(text, marked text) in one render of messages whose marked fields are Twins, or None where the two
+        could differ (the caller then renders twice)."""
+        return twins.render_twins(self.compiled_for_twins, dict(
+            messages=messages, tools=tools, documents=None, add_generation_prompt=False, **self.kwargs))
 
     def render_generation(self, messages: Sequence[dict], tools: list | None = None) -> tuple[str, list]:
         """The text and the character spans of its `{% generation %}` blocks, as transformers records them."""

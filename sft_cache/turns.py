@@ -33,7 +33,9 @@ from typing import Literal
 
 from .errors import BadRow
 from .formats import REASONING_FIELDS, Conversation
-from .template import MARK_BASE, MARK_SPLIT, ChatTemplate, mark, token_boundaries
+from .marks import MARK_BASE, MARK_SPLIT, mark
+from .template import ChatTemplate, token_boundaries
+from .twins import Twin
 
 # How trained character spans become trained tokens: "start", a token is trained when it starts inside a
 # span (the definition); "overlap", when it overlaps one (transformers' return_assistant_tokens_mask);
@@ -109,12 +111,18 @@ class TurnFinder:
     def _by_markers(self, conv: Conversation, targets: list[int]) -> tuple[Rendered, list[int]] | None:
         """(the row, targets whose reasoning the template dropped), or None when marking changes the render."""
         template = self.template
-        text = template.render(conv.messages, conv.tools)
         blank = any(not _has_text(conv.messages[i]) for i in targets)
-        marked = mark(conv.messages, template.markable, empty=blank)
+        marked = mark(conv.messages, template.markable, empty=blank, twin=Twin)
         if marked is None or not marked.owners:
+            template.render(conv.messages, conv.tools)  # the template's own error, if it has one, is the row's
             return None
-        pieces = MARK_SPLIT.split(template.render(marked.messages, conv.tools))  # text, mark, text, ..., text
+        rendered = template.render_marked(marked.messages, conv.tools)
+        if rendered is None:  # the template reads a field in a way Twins cannot follow: render twice
+            text = template.render(conv.messages, conv.tools)
+            marked_text = template.render(mark(conv.messages, template.markable, empty=blank).messages, conv.tools)
+        else:
+            text, marked_text = rendered
+        pieces = MARK_SPLIT.split(marked_text)  # text, mark, text, ..., text
         if "".join(pieces[0::2]) != text:
             return None
         # Each field's first rendering locates it: a template may copy a field into a later message (gpt-oss

@@ -1,0 +1,90 @@
+"""Position markers: message fields wrapped in characters that real text never holds.
+
+Rendering a conversation with its fields wrapped shows where the template put each of them (`turns.py`).
+A field can be wrapped as marked text (a str) or as a `Twin` that also carries the plain text (`twins.py`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .formats import REASONING_FIELDS
+
+# Markers are characters of Unicode's plane-15 private use area: field k opens with MARK_BASE + 2k and closes
+# with MARK_BASE + 2k + 1 (above U+F0000-F0001, which transformers' sanitize_control_tokens uses). Real text
+# never holds them; a row that does takes the exact path.
+MARK_BASE = 0xF1000
+MARK_LIMIT = 0xFFFFE
+MARKS = re.compile("[\U000f1000-\U000ffffd]")
+MARK_SPLIT = re.compile(f"({MARKS.pattern})")  # split() keeps each marker between the text around it
+
+
+@dataclass
+class Marked:
+    """A conversation's messages with chosen fields wrapped in markers, and which message owns each field."""
+
+    messages: list[dict[str, Any]]
+    owners: list[int] = field(default_factory=list)  # field id -> message index
+    kinds: list[str] = field(default_factory=list)  # field id -> kind
+
+
+def _wrap(text: str, fid: int) -> str:
+    """Markers inside the text's surrounding whitespace, so that templates that trim it trim the same."""
+    opening, closing = chr(MARK_BASE + 2 * fid), chr(MARK_BASE + 2 * fid + 1)
+    core = text.strip()
+    if len(core) == len(text):
+        return f"{opening}{text}{closing}"
+    if not core:
+        return f"{text}{opening}{closing}"
+    head = text[: len(text) - len(text.lstrip())]
+    tail = text[len(text.rstrip()):]
+    return f"{head}{opening}{core}{closing}{tail}"
+
+
+def mark(messages: Sequence[dict[str, Any]], kinds: frozenset[str], empty: bool = False,
+         twin: Callable[[str, str], Any] | None = None) -> Marked | None:
+    """Wrap every field of `kinds` in markers (None if the conversation has more fields than markers): each
+    becomes its marked text, or `twin(marked, plain)` (see `twins.Twin`).
+
+    Blank text is marked only with `empty`: templates often branch on whether a field is empty, which marking
+    would change, so it is asked for only where a turn would have nothing else to locate it by."""
+    out = Marked([])
+
+    def wrap(text: Any, index: int, kind: str) -> Any:
+        if not isinstance(text, str) or kind not in kinds or not (empty or text.strip()):
+            return text
+        fid = len(out.owners)
+        out.owners.append(index)
+        out.kinds.append(kind)
+        return twin(_wrap(text, fid), text) if twin else _wrap(text, fid)
+
+    for index, message in enumerate(messages):
+        marked = dict(message)
+        marked["content"] = wrap(message.get("content"), index, "content")
+        if "content" not in message:
+            del marked["content"]
+        reasoning = None
+        if message.get("role") == "assistant":
+            reasoning = next((message[key] for key in REASONING_FIELDS if isinstance(message.get(key), str)), None)
+        if reasoning is not None:
+            wrapped = wrap(reasoning, index, "reasoning")
+            for key in REASONING_FIELDS:
+                if key in message:
+                    marked[key] = wrapped
+        if message.get("tool_calls"):
+            calls = []
+            for call in message["tool_calls"]:
+                call = dict(call)
+                if "id" in call:
+                    call["id"] = wrap(call["id"], index, "tool_id")
+                function = dict(call.get("function") or {})
+                function["name"] = wrap(function.get("name"), index, "tool_name")
+                function["arguments"] = wrap(function.get("arguments"), index, "tool_arguments")
+                call["function"] = function
+                calls.append(call)
+            marked["tool_calls"] = calls
+        out.messages.append(marked)
+    return out if MARK_BASE + 2 * len(out.owners) <= MARK_LIMIT else None

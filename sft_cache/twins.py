@@ -1,0 +1,247 @@
+"""One render for two: marked field values that carry their unmarked twins.
+
+Locating turns needs the conversation rendered twice, as it is and with its fields wrapped in markers, and
+the marked render must equal the plain one once the markers are removed (`turns.py`). A `Twin` is a field's
+marked text and its plain text together. The template sees the plain text wherever it looks (truth, length,
+comparisons, `in`, `startswith`, hashing), so it takes the branches the plain render takes, and the string
+operations templates apply to fields (`+`, `~`, strip, split, replace, trim, tojson) are done on both texts,
+each result kept only if removing the markers from the marked result gives the plain result. So one render
+gives both texts, and they agree by construction.
+
+Anything else that would read the marked text (`str()`, iteration, indexing, `%`, `format`, a filter or
+test not listed here) raises `Diverged`, and the row is rendered twice as before. A `Twin` is not a `str`,
+so code that expects one fails loudly rather than reading the markers.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from .marks import MARKS
+
+
+class Diverged(Exception):
+    """The marked render could differ from the plain one: render the row twice instead."""
+
+
+_state = threading.local()  # set on any divergence, in case code between here and the render swallows it
+
+
+def _diverge(*_: Any, **__: Any):
+    _state.diverged = True
+    raise Diverged
+
+
+def _plain(value: Any) -> Any:
+    return value.plain if type(value) is Twin else value
+
+
+def _derived(marked: str, plain: str) -> str | Twin:
+    """The result of an operation done on both texts: a Twin, or plain text once the markers are gone."""
+    if marked == plain:
+        return plain
+    if MARKS.sub("", marked) != plain:
+        _diverge()
+    return Twin(marked, plain)
+
+
+class Twin:
+    """A field's text with markers (`marked`) and without (`plain`); see the module docstring."""
+
+    __slots__ = ("marked", "plain")
+
+    def __init__(self, marked: str, plain: str):
+        self.marked, self.plain = marked, plain
+
+    # What the template sees is the plain text.
+    def __bool__(self) -> bool:
+        return bool(self.plain)
+
+    def __len__(self) -> int:
+        return len(self.plain)
+
+    def __hash__(self) -> int:
+        return hash(self.plain)
+
+    def __eq__(self, other: Any) -> bool:
+        return self.plain == _plain(other)
+
+    def __ne__(self, other: Any) -> bool:
+        return self.plain != _plain(other)
+
+    def __lt__(self, other: Any) -> bool:
+        return self.plain < _plain(other)
+
+    def __le__(self, other: Any) -> bool:
+        return self.plain <= _plain(other)
+
+    def __gt__(self, other: Any) -> bool:
+        return self.plain > _plain(other)
+
+    def __ge__(self, other: Any) -> bool:
+        return self.plain >= _plain(other)
+
+    def __contains__(self, item: Any) -> bool:
+        return _plain(item) in self.plain
+
+    def startswith(self, *args: Any) -> bool:
+        return self.plain.startswith(*args)
+
+    def endswith(self, *args: Any) -> bool:
+        return self.plain.endswith(*args)
+
+    # Text made from it is made from both.
+    def __add__(self, other: Any) -> Twin:
+        if type(other) is Twin:
+            return Twin(self.marked + other.marked, self.plain + other.plain)
+        if isinstance(other, str):
+            return Twin(self.marked + other, self.plain + other)
+        return NotImplemented
+
+    def __radd__(self, other: Any) -> Twin:
+        if isinstance(other, str):
+            return Twin(other + self.marked, other + self.plain)
+        return NotImplemented
+
+    def strip(self, chars: str | None = None) -> str | Twin:
+        return _derived(self.marked.strip(chars), self.plain.strip(chars))
+
+    def lstrip(self, chars: str | None = None) -> str | Twin:
+        return _derived(self.marked.lstrip(chars), self.plain.lstrip(chars))
+
+    def rstrip(self, chars: str | None = None) -> str | Twin:
+        return _derived(self.marked.rstrip(chars), self.plain.rstrip(chars))
+
+    def split(self, sep: str | None = None, maxsplit: int = -1) -> list:
+        return _pieces(self.marked.split(sep, maxsplit), self.plain.split(sep, maxsplit))
+
+    def rsplit(self, sep: str | None = None, maxsplit: int = -1) -> list:
+        return _pieces(self.marked.rsplit(sep, maxsplit), self.plain.rsplit(sep, maxsplit))
+
+    def replace(self, old: str, new: Any, count: int = -1) -> str | Twin:
+        if type(old) is Twin:
+            _diverge()
+        return _derived(self.marked.replace(old, _marked(new), count), self.plain.replace(old, _plain(new), count))
+
+    # Whatever else would read the marked text.
+    __str__ = __repr__ = __format__ = __iter__ = __reversed__ = __getitem__ = _diverge
+    __mod__ = __rmod__ = __mul__ = __rmul__ = _diverge
+
+
+METHODS = frozenset({"startswith", "endswith", "strip", "lstrip", "rstrip", "split", "rsplit", "replace"})
+_STR_ATTRIBUTES = frozenset(dir(str))
+
+
+def _marked(value: Any) -> Any:
+    return value.marked if type(value) is Twin else value
+
+
+def _pieces(marked: list[str], plain: list[str]) -> list:
+    if len(marked) != len(plain):
+        _diverge()
+    return [_derived(m, p) for m, p in zip(marked, plain, strict=True)]
+
+
+def twin_attribute(twin: Twin, attribute: str, undefined: Callable[..., Any]) -> Any:
+    """What `twin.attribute` is in a template: one of METHODS, undefined as on a str, or a divergence."""
+    if attribute in METHODS:
+        return getattr(twin, attribute)
+    if attribute in _STR_ATTRIBUTES:
+        _diverge()
+    return undefined(obj=twin, name=attribute)
+
+
+def output(value: Any) -> str | Twin:
+    """Jinja's `str()` of an output: a Twin stays one, so the pieces can be joined twice."""
+    return value if type(value) is Twin else str(value)
+
+
+def join(pieces: Iterable[Any]) -> str | Twin:
+    """Jinja's `concat` and `~`: the marked and the plain pieces each joined, when any piece is a Twin."""
+    items = [output(piece) for piece in pieces]
+    try:
+        return "".join(items)
+    except TypeError:
+        return Twin("".join(map(_marked, items)), "".join(map(_plain, items)))
+
+
+def holds_twin(value: Any, depth: int = 8) -> bool:
+    """Whether a Twin is in the value, in its containers to a few levels."""
+    if type(value) is Twin:
+        return True
+    if depth and isinstance(value, dict):
+        return any(holds_twin(k, depth - 1) or holds_twin(v, depth - 1) for k, v in value.items())
+    if depth and isinstance(value, list | tuple):
+        return any(holds_twin(v, depth - 1) for v in value)
+    return False
+
+
+def swapped(value: Any, side: str, depth: int = 8) -> Any:
+    """A copy of the value with every Twin replaced by one of its texts (`marked` or `plain`)."""
+    if type(value) is Twin:
+        return getattr(value, side)
+    if depth and isinstance(value, dict):
+        return {swapped(k, side, depth - 1): swapped(v, side, depth - 1) for k, v in value.items()}
+    if depth and isinstance(value, list | tuple):
+        return type(value)(swapped(v, side, depth - 1) for v in value)
+    return value
+
+
+# Filters that read a Twin only through what it offers (len, truth, the environment's own getattr and tests)
+# or that fail on it (through str()); every other filter given a Twin diverges.
+SAFE_FILTERS = frozenset({"length", "count", "default", "d", "items", "map", "select", "reject", "selectattr",
+                          "rejectattr", "attr", "first", "last", "list", "join", "safe", "reverse", "batch"})
+
+
+def twin_filters(filters: dict[str, Callable]) -> dict[str, Callable]:
+    """The environment's filters, made to handle Twins (trim, string, tojson) or to diverge on them."""
+    out = {}
+    for name, function in filters.items():
+        out[name] = function if name in SAFE_FILTERS else _guarded(function)
+    trim, tojson = filters["trim"], filters.get("tojson")
+    out["trim"] = lambda value, chars=None: value.strip(chars) if type(value) is Twin else trim(value, chars)
+    string = filters["string"]
+    out["string"] = lambda value: value if type(value) is Twin else string(value)
+    if tojson is not None:
+        def twin_tojson(value, *args, **kwargs):
+            if not holds_twin(value):
+                return tojson(value, *args, **kwargs)
+            return _derived(tojson(swapped(value, "marked"), *args, **kwargs),
+                            tojson(swapped(value, "plain"), *args, **kwargs))
+        out["tojson"] = twin_tojson
+    return out
+
+
+def twin_tests(tests: dict[str, Callable]) -> dict[str, Callable]:
+    """The environment's tests: `string` and `iterable` hold for a Twin as for a str; `sameas` diverges."""
+    string, iterable = tests["string"], tests["iterable"]
+    return {**tests, "string": lambda value: type(value) is Twin or string(value),
+            "iterable": lambda value: type(value) is Twin or iterable(value),
+            "sameas": _guarded(tests["sameas"])}
+
+
+def _guarded(function: Callable) -> Callable:
+    def guarded(*args, **kwargs):
+        if holds_twin(args) or holds_twin(kwargs):
+            _diverge()
+        return function(*args, **kwargs)
+
+    for attribute in ("jinja_pass_arg",):  # keep @pass_context / @pass_environment working
+        if hasattr(function, attribute):
+            setattr(guarded, attribute, getattr(function, attribute))
+    return guarded
+
+
+def render_twins(template, variables: dict[str, Any]) -> tuple[str, str] | None:
+    """(plain text, marked text) of one render of a template compiled for Twins, or None if it diverged
+    or failed (the caller renders twice, and meets the template's own error there)."""
+    _state.diverged = False
+    try:
+        result = join(template.root_render_func(template.new_context(variables)))
+    except Exception:
+        return None
+    if _state.diverged:
+        return None
+    return (result.plain, result.marked) if type(result) is Twin else (result, result)
