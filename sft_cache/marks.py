@@ -20,6 +20,7 @@ MARK_BASE = 0xF1000
 MARK_LIMIT = 0xFFFFE
 MARKS = re.compile("[\U000f1000-\U000ffffd]")
 MARK_SPLIT = re.compile(f"({MARKS.pattern})")  # split() keeps each marker between the text around it
+_NO_REASONING = frozenset({"role", "content", "tool_calls", "name", "tool_call_id"})  # keys of most messages
 
 
 @dataclass
@@ -31,10 +32,10 @@ class Marked:
     kinds: list[str] = field(default_factory=list)  # field id -> kind
 
 
-def _wrap(text: str, fid: int) -> str:
-    """Markers inside the text's surrounding whitespace, so that templates that trim it trim the same."""
+def _wrap(text: str, core: str, fid: int) -> str:
+    """Markers inside the text's surrounding whitespace (`core` is the text stripped), so that templates that
+    trim it trim the same."""
     opening, closing = chr(MARK_BASE + 2 * fid), chr(MARK_BASE + 2 * fid + 1)
-    core = text.strip()
     if len(core) == len(text):
         return f"{opening}{text}{closing}"
     if not core:
@@ -52,28 +53,30 @@ def mark(messages: Sequence[dict[str, Any]], kinds: frozenset[str], empty: bool 
     Blank text is marked only with `empty`: templates often branch on whether a field is empty, which marking
     would change, so it is asked for only where a turn would have nothing else to locate it by."""
     out = Marked([])
+    owners, field_kinds = out.owners, out.kinds
 
     def wrap(text: Any, index: int, kind: str) -> Any:
-        if not isinstance(text, str) or kind not in kinds or not (empty or text.strip()):
+        if type(text) is not str or kind not in kinds:
             return text
-        fid = len(out.owners)
-        out.owners.append(index)
-        out.kinds.append(kind)
-        return twin(_wrap(text, fid), text) if twin else _wrap(text, fid)
+        core = text.strip()
+        if not (core or empty):
+            return text
+        fid = len(owners)
+        owners.append(index)
+        field_kinds.append(kind)
+        return twin(_wrap(text, core, fid), text) if twin else _wrap(text, core, fid)
 
     for index, message in enumerate(messages):
         marked = dict(message)
-        marked["content"] = wrap(message.get("content"), index, "content")
-        if "content" not in message:
-            del marked["content"]
-        reasoning = None
-        if message.get("role") == "assistant":
+        if "content" in message:
+            marked["content"] = wrap(message["content"], index, "content")
+        if message.get("role") == "assistant" and not _NO_REASONING.issuperset(message):
             reasoning = next((message[key] for key in REASONING_FIELDS if isinstance(message.get(key), str)), None)
-        if reasoning is not None:
-            wrapped = wrap(reasoning, index, "reasoning")
-            for key in REASONING_FIELDS:
-                if key in message:
-                    marked[key] = wrapped
+            if reasoning is not None:
+                wrapped = wrap(reasoning, index, "reasoning")
+                for key in REASONING_FIELDS:
+                    if key in message:
+                        marked[key] = wrapped
         if message.get("tool_calls"):
             calls = []
             for call in message["tool_calls"]:

@@ -76,8 +76,11 @@ def _fast_sandbox(environment, for_twins: bool = False):
                 pass
         return base_getattr(obj, attribute)
 
-    def getitem(obj, argument):
-        return base_getitem(obj, argument.plain if type(argument) is Twin else argument)
+    def getitem(obj, argument):  # a Twin key finds what its plain text finds
+        try:
+            return obj[argument]
+        except (TypeError, LookupError):
+            return base_getitem(obj, argument.plain if type(argument) is Twin else argument)
 
     def is_safe_attribute(obj, attribute, value):
         key = (type(obj), attribute)
@@ -87,7 +90,7 @@ def _fast_sandbox(environment, for_twins: bool = False):
 
     overlay.getattr, overlay.is_safe_attribute = getattr_, is_safe_attribute
     if for_twins:
-        overlay.getitem, overlay.concat = getitem, twins.join
+        overlay.getitem, overlay.concat = getitem, twins.concat
         overlay.filters, overlay.tests = twins.twin_filters(overlay.filters), twins.twin_tests(overlay.tests)
     return overlay
 
@@ -97,7 +100,7 @@ def _compiled_for_twins(environment, source: str):
     `str_join` from its own namespace)."""
     compiled = _fast_sandbox(environment, for_twins=True).from_string(source)
     namespace = compiled.root_render_func.__globals__
-    namespace["str"], namespace["str_join"] = twins.output, twins.join
+    namespace["str"], namespace["str_join"] = twins.output, twins.str_join
     return compiled
 
 
@@ -131,9 +134,9 @@ class ChatTemplate:
         return self.compiled.render(messages=messages, tools=tools, documents=None,
                                     add_generation_prompt=add_generation_prompt, **self.kwargs)
 
-    def render_marked(self, messages: Sequence[dict], tools: list | None = None) -> tuple[str, str] | None:
-        """(text, marked text) in one render of messages whose marked fields are Twins, or None where the two
-        could differ (the caller then renders twice)."""
+    def render_marked(self, messages: Sequence[dict], tools: list | None = None) -> str | None:
+        """The marked text, in one render of messages whose marked fields are Twins (the text is the marked
+        text without its markers), or None where the two could differ (the caller then renders twice)."""
         return twins.render_twins(self.compiled_for_twins, dict(
             messages=messages, tools=tools, documents=None, add_generation_prompt=False, **self.kwargs))
 

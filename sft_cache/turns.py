@@ -116,15 +116,16 @@ class TurnFinder:
         if marked is None or not marked.owners:
             template.render(conv.messages, conv.tools)  # the template's own error, if it has one, is the row's
             return None
-        rendered = template.render_marked(marked.messages, conv.tools)
-        if rendered is None:  # the template reads a field in a way Twins cannot follow: render twice
+        marked_text = template.render_marked(marked.messages, conv.tools)
+        if marked_text is None:  # the template reads a field in a way Twins cannot follow: render twice
             text = template.render(conv.messages, conv.tools)
             marked_text = template.render(mark(conv.messages, template.markable, empty=blank).messages, conv.tools)
+            pieces = MARK_SPLIT.split(marked_text)  # text, mark, text, ..., text
+            if "".join(pieces[0::2]) != text:
+                return None
         else:
-            text, marked_text = rendered
-        pieces = MARK_SPLIT.split(marked_text)  # text, mark, text, ..., text
-        if "".join(pieces[0::2]) != text:
-            return None
+            pieces = MARK_SPLIT.split(marked_text)
+            text = "".join(pieces[0::2])
         # Each field's first rendering locates it: a template may copy a field into a later message (gpt-oss
         # repeats a tool call's name in the tool reply's header), and that copy belongs to the later message.
         opened: dict[int, int] = {}

@@ -4,17 +4,18 @@ Locating turns needs the conversation rendered twice, as it is and with its fiel
 the marked render must equal the plain one once the markers are removed (`turns.py`). A `Twin` is a field's
 marked text and its plain text together. The template sees the plain text wherever it looks (truth, length,
 comparisons, `in`, `startswith`, hashing), so it takes the branches the plain render takes, and the string
-operations templates apply to fields (`+`, `~`, strip, split, replace, trim, tojson) are done on both texts,
+operations templates apply to fields (`+`, `~`, slices, strip, split, replace, trim, tojson) are done on both texts,
 each result kept only if removing the markers from the marked result gives the plain result. So one render
 gives both texts, and they agree by construction.
 
-Anything else that would read the marked text (`str()`, iteration, indexing, `%`, `format`, a filter or
+Anything else that would read the marked text (`str()`, iteration, an index, `%`, `format`, a filter or
 test not listed here) raises `Diverged`, and the row is rendered twice as before. A `Twin` is not a `str`,
 so code that expects one fails loudly rather than reading the markers.
 """
 
 from __future__ import annotations
 
+import bisect
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -48,12 +49,19 @@ def _derived(marked: str, plain: str) -> str | Twin:
 
 
 class Twin:
-    """A field's text with markers (`marked`) and without (`plain`); see the module docstring."""
+    """A field's text with markers (`marked`) and without (`plain`, derived from `marked` when not given);
+    see the module docstring."""
 
-    __slots__ = ("marked", "plain")
+    __slots__ = ("marked", "_plain")
 
-    def __init__(self, marked: str, plain: str):
-        self.marked, self.plain = marked, plain
+    def __init__(self, marked: str, plain: str | None = None):
+        self.marked, self._plain = marked, plain
+
+    @property
+    def plain(self) -> str:
+        if self._plain is None:
+            self._plain = MARKS.sub("", self.marked)
+        return self._plain
 
     # What the template sees is the plain text.
     def __bool__(self) -> bool:
@@ -92,17 +100,17 @@ class Twin:
     def endswith(self, *args: Any) -> bool:
         return self.plain.endswith(*args)
 
-    # Text made from it is made from both.
+    # Text made from it is made from both (the marked text, which gives the plain one).
     def __add__(self, other: Any) -> Twin:
         if type(other) is Twin:
-            return Twin(self.marked + other.marked, self.plain + other.plain)
+            return Twin(self.marked + other.marked)
         if isinstance(other, str):
-            return Twin(self.marked + other, self.plain + other)
+            return Twin(self.marked + other)
         return NotImplemented
 
     def __radd__(self, other: Any) -> Twin:
         if isinstance(other, str):
-            return Twin(other + self.marked, other + self.plain)
+            return Twin(other + self.marked)
         return NotImplemented
 
     def strip(self, chars: str | None = None) -> str | Twin:
@@ -125,8 +133,20 @@ class Twin:
             _diverge()
         return _derived(self.marked.replace(old, _marked(new), count), self.plain.replace(old, _plain(new), count))
 
+    def __getitem__(self, key: Any) -> str | Twin:
+        """A slice of the plain text, with the markers inside it and at its two ends (an index diverges)."""
+        if type(key) is not slice or key.step not in (None, 1):
+            _diverge()
+        start, stop, _ = key.indices(len(self.plain))
+        if stop <= start:
+            return ""
+        # Where each marker sits in the plain text, counted in plain characters before it.
+        at = [found.start() - k for k, found in enumerate(MARKS.finditer(self.marked))]
+        return _derived(self.marked[start + bisect.bisect_left(at, start):stop + bisect.bisect_right(at, stop)],
+                        self.plain[start:stop])
+
     # Whatever else would read the marked text.
-    __str__ = __repr__ = __format__ = __iter__ = __reversed__ = __getitem__ = _diverge
+    __str__ = __repr__ = __format__ = __iter__ = __reversed__ = _diverge
     __mod__ = __rmod__ = __mul__ = __rmul__ = _diverge
 
 
@@ -158,13 +178,18 @@ def output(value: Any) -> str | Twin:
     return value if type(value) is Twin else str(value)
 
 
-def join(pieces: Iterable[Any]) -> str | Twin:
-    """Jinja's `concat` and `~`: the marked and the plain pieces each joined, when any piece is a Twin."""
-    items = [output(piece) for piece in pieces]
+def concat(pieces: Iterable[str | Twin]) -> str | Twin:
+    """Jinja's `concat` of outputs: a Twin when any piece is one."""
+    items = list(pieces)
     try:
         return "".join(items)
     except TypeError:
-        return Twin("".join(map(_marked, items)), "".join(map(_plain, items)))
+        return Twin("".join([piece.marked if type(piece) is Twin else piece for piece in items]))
+
+
+def str_join(values: Iterable[Any]) -> str | Twin:
+    """Jinja's `~`."""
+    return concat(map(output, values))
 
 
 def holds_twin(value: Any, depth: int = 8) -> bool:
@@ -234,14 +259,15 @@ def _guarded(function: Callable) -> Callable:
     return guarded
 
 
-def render_twins(template, variables: dict[str, Any]) -> tuple[str, str] | None:
-    """(plain text, marked text) of one render of a template compiled for Twins, or None if it diverged
-    or failed (the caller renders twice, and meets the template's own error there)."""
+def render_twins(template, variables: dict[str, Any]) -> str | None:
+    """The marked text of one render of a template compiled for Twins (without its markers, it is the plain
+    render), or None if it diverged or failed (the caller renders twice, and meets the template's own error
+    there)."""
     _state.diverged = False
     try:
-        result = join(template.root_render_func(template.new_context(variables)))
+        result = concat(template.root_render_func(template.new_context(variables)))
     except Exception:
         return None
     if _state.diverged:
         return None
-    return (result.plain, result.marked) if type(result) is Twin else (result, result)
+    return result.marked if type(result) is Twin else result

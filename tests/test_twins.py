@@ -1,0 +1,96 @@
+"""One render for two (sft_cache/twins.py): the marked render of Twins equals the two renders it replaces, on
+every reference template, and a template that reads a field in any other way falls back to two renders."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import FAMILIES, MODERN_FAMILIES
+from mask_oracle import oracle
+from test_masks import CONVERSATIONS
+from test_modern_masks import COLUMNS, ROWS
+
+from sft_cache.chat import ChatEncoder, Encoded, load_tokenizer
+from sft_cache.formats import Conversation, to_example
+from sft_cache.marks import MARKS, mark
+from sft_cache.twins import Twin
+
+
+def renders(template, conversation: Conversation):
+    """(one render of Twins, the plain render, the render of marked text), or None where the template refuses."""
+    prepared = template.prepare(conversation)
+    try:
+        plain = template.render(prepared.messages, prepared.tools)
+    except Exception:  # noqa: BLE001 - the template's own refusal: nothing to compare
+        return None
+    twins = mark(prepared.messages, template.markable, twin=Twin)
+    marked = mark(prepared.messages, template.markable)
+    return (template.render_marked(twins.messages, prepared.tools), plain,
+            template.render(marked.messages, prepared.tools))
+
+
+@pytest.mark.parametrize("family", sorted(MODERN_FAMILIES))
+def test_one_render_equals_the_two_renders_on_every_modern_template(modern_tokenizers, family):
+    template = ChatEncoder(modern_tokenizers(family)).template
+    compared = 0
+    for name, row in ROWS.items():
+        found = renders(template, to_example(row, COLUMNS))
+        if found is None:
+            continue
+        one, plain, marked = found
+        assert one is not None, f"{family}/{name}: the one render diverged"
+        assert one == marked, f"{family}/{name}: the markers land elsewhere than in the marked render"
+        assert MARKS.sub("", one) == plain, f"{family}/{name}"
+        compared += 1
+    assert compared >= 3
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_one_render_equals_the_two_renders_on_the_older_templates(family_tokenizer, family):
+    template = ChatEncoder(load_tokenizer(family_tokenizer(family))).template
+    for messages in CONVERSATIONS:
+        found = renders(template, Conversation(messages))
+        if found is not None:
+            one, plain, marked = found
+            assert one == marked and MARKS.sub("", one) == plain, f"{family}: {messages}"
+
+
+CHATML_WITH = ("{{% for message in messages %}}<|im_start|>{{{{ message['role'] }}}}\n{body}<|im_end|>\n"
+               "{{% endfor %}}{{% if add_generation_prompt %}}<|im_start|>assistant\n{{% endif %}}")
+# Ways of reading a field that a Twin does not follow: each makes the row render twice, and the mask is the same.
+DIVERGING = {
+    "index": "{{ message['content'][0] }}{{ message['content'][1:] }}",
+    "iteration": "{% for c in message['content'] %}{{ c }}{% endfor %}",
+    "upper": "{{ (message['content']|upper)|lower }}",
+    "percent": "{{ '%s' % message['content'] }}",
+    "format": "{{ '{}'.format(message['content']) }}",
+    "int": "{{ message['content'] }}{% if message['content']|int > 0 %}!{% endif %}",
+    "sort": "{{ message['content'] }}{{ [message['content'], 'b']|sort|length }}",
+    "title_method": "{{ message['content'].title().lower() and message['content'] }}",
+    "center": "{{ message['content']|center(3) }}",
+}
+
+
+@pytest.mark.parametrize("name", sorted(DIVERGING))
+def test_other_readings_of_a_field_render_twice_with_the_same_mask(family_tokenizer, name):
+    tokenizer = load_tokenizer(family_tokenizer("chatml"), chat_template=CHATML_WITH.format(body=DIVERGING[name]))
+    encoder = ChatEncoder(tokenizer)
+    conversation = Conversation(CONVERSATIONS[1])
+    prepared = encoder.template.prepare(conversation)
+    twins = mark(prepared.messages, encoder.template.markable, twin=Twin)
+    assert encoder.template.render_marked(twins.messages) is None
+    [got] = encoder.encode_batch([conversation]).results()
+    want = oracle(tokenizer, conversation.messages)
+    assert isinstance(got, Encoded) and (got.input_ids.tolist(), got.loss_mask.tolist()) == want
+
+
+def test_the_template_takes_the_branches_of_the_plain_text(family_tokenizer):
+    """Marked text starts with a marker; the template must still see a field that starts with '<tool>'."""
+    body = ("{% if message['content'].startswith('<tool>') and '</tool>' in message['content'] "
+            "and message['content']|length > 6 and message['content'] != 'x' %}[T]{% endif %}"
+            "{{ message['content']|trim }}")
+    tokenizer = load_tokenizer(family_tokenizer("chatml"), chat_template=CHATML_WITH.format(body=body))
+    template = ChatEncoder(tokenizer).template
+    messages = [{"role": "user", "content": "<tool>q</tool>"}, {"role": "assistant", "content": " <tool>a</tool> "}]
+    one = template.render_marked(mark(messages, template.markable, twin=Twin).messages)
+    assert MARKS.sub("", one) == template.render(messages)
+    assert one.count("[T]") == 1 and len(MARKS.findall(one)) == 4  # " <tool>" does not start with "<tool>"
