@@ -1,6 +1,7 @@
 """A history-rewriting template against ChatML: the same corpus and tokenizer, masked by each, side by side.
 
     python benchmarks/templates.py                    # 1x (~27M tokens), 2 workers, ChatML vs Qwen3, twice each
+    python benchmarks/templates.py --units 8 --repeats 1     # the sweep's 8x (~219M tokens)
     python benchmarks/templates.py --scale 0.1 --repeats 1     # a quick check
 
 The benchmark tokenizer (build_inputs.py, ChatML template) is copied with another template, by default
@@ -47,6 +48,7 @@ def with_template(tokenizer_dir: Path, template: Path, out: Path) -> Path:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scale", type=float, default=1.0, help="corpus unit size (1 = ~27M tokens)")
+    parser.add_argument("--units", type=int, default=1, help="corpus units, as the sweep's sizes (default 1)")
     parser.add_argument("--template", type=Path, default=DEFAULT_TEMPLATE, help="the template set against ChatML")
     parser.add_argument("--repeats", type=int, default=2, help="cold runs of each template (default 2)")
     parser.add_argument("--workers", type=int, default=2)
@@ -58,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.template.is_file():
         parser.error(f"template not found: {args.template} (pass --template FILE)")
 
-    chatml, [unit] = build(CorpusSpec(scale=args.scale), 1)
+    chatml, units = build(CorpusSpec(scale=args.scale), args.units)
     other = with_template(chatml, args.template, args.work / f"tokenizer-{args.template.stem}")
     env = {"PREFECT_HOME": str(args.work / "prefect-home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
            "HF_HUB_OFFLINE": "1"}
@@ -68,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
         for name, tokenizer in (("chatml", chatml), (args.template.stem, other)):
             cache_dir = args.work / f"templates-{name}"
             shutil.rmtree(cache_dir, ignore_errors=True)
-            measured = measure(project_command([unit], tokenizer, cache_dir, args.workers,
+            measured = measure(project_command(units, tokenizer, cache_dir, args.workers,
                                                ["-q", *shlex.split(args.project_args)]), env=env, cwd=ROOT,
                                log=args.work / "logs" / f"templates-{name}-{repeat}.log")
             manifest = json.loads((Path(measured.stdout.strip().splitlines()[-1]) / "manifest.json").read_text())
@@ -86,12 +88,12 @@ def main(argv: list[str] | None = None) -> None:
         summary[name] = {"median_seconds": seconds, "tokens_per_second": round(measured_runs[0]["tokens"] / seconds),
                          "runs": measured_runs}
     ratio = summary[args.template.stem]["tokens_per_second"] / summary["chatml"]["tokens_per_second"]
-    report = {"scale": args.scale, "workers": args.workers, "template": args.template.name,
+    report = {"scale": args.scale, "units": args.units, "workers": args.workers, "template": args.template.name,
               "project_args": args.project_args, "runs": summary,
               "throughput_ratio": round(ratio, 3)}
     args.out.mkdir(parents=True, exist_ok=True)
-    name = "templates" + ("-" + "".join(c if c.isalnum() else "-" for c in args.project_args).strip("-")
-                          if args.project_args else "")
+    flags = "".join(c if c.isalnum() else "-" for c in args.project_args).strip("-")
+    name = "templates" + (f"-{args.units}x" if args.units != 1 else "") + (f"-{flags}" if flags else "")
     (args.out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
     verdict = "PASS" if ratio >= 0.9 else "MISS"
     print(f"{verdict}: {args.template.stem} at {ratio:.2f}x ChatML's throughput (target >= 0.90x)")
