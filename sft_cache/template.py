@@ -56,7 +56,8 @@ def _fast_sandbox(environment, for_twins: bool = False):
     """transformers' sandboxed environment, with exact shortcuts for what a chat template does most. Whether an
     attribute is safe depends only on the object's type and the attribute's name, so it is decided once per
     pair; an attribute found safe is then read directly, and a message's own key (where the sandbox ends up
-    after getattr() fails on a dict) at once. The same templates render the same text, in a third of the time.
+    after getattr() fails on a dict) at once, as is the undefined value of a key it lacks. The same templates
+    render the same text, in a third of the time.
     `for_twins`: the environment also renders `twins.Twin` values (see twins.py)."""
     overlay = environment.overlay()
     checked: dict[tuple[type, str], bool] = {}

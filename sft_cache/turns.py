@@ -6,11 +6,13 @@ token: its content, its reasoning block where the template renders one, and its 
 other messages and what follows the end-of-turn token are not trained. A turn the template rewrites in
 history is trained as rendered there.
 
-How it is found, in two renders per row whatever the number of turns:
-1. the conversation is rendered as it is (the row's text), and once more with every field that probing
-   showed safe (content, reasoning, tool-call names, ids, string arguments) wrapped in private-use marker
-   characters. With the markers removed the second render must equal the first; it then tells where every
-   message's fields are, even when the template moves, trims or drops them.
+How it is found, in one render per row whatever the number of turns:
+1. the conversation is rendered with every field that probing showed safe (content, reasoning, tool-call
+   names, ids, string arguments) wrapped in private-use marker characters, as Twins of marked and plain text
+   (`twins.py`), so that without the markers the render is exactly the plain one (the row's text); it tells
+   where every message's fields are, even when the template moves, trims or drops them. Where a template
+   reads a field in a way Twins do not follow, the row is rendered twice, plain and marked, and the two must
+   agree once the markers are removed.
 2. A turn starts after the generation prompt's header that precedes its first field (matched by whole
    tokens of the generation prompt, so a start never falls inside a token), or, for templates without a
    generation prompt, after the text a prompt ends with after the previous message's role.

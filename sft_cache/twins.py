@@ -241,8 +241,8 @@ def twin_filters(filters: dict[str, Callable]) -> dict[str, Callable]:
 
 def twin_tests(tests: dict[str, Callable]) -> dict[str, Callable]:
     """The environment's tests: `string` and `iterable` hold for a Twin as for a str; `sameas` diverges."""
-    string, iterable = tests["string"], tests["iterable"]
-    return {**tests, "string": lambda value: type(value) is Twin or string(value),
+    iterable = tests["iterable"]
+    return {**tests, "string": lambda value: isinstance(value, str | Twin),
             "iterable": lambda value: type(value) is Twin or iterable(value),
             "sameas": _guarded(tests["sameas"])}
 
