@@ -113,14 +113,21 @@ class Twin:
             return Twin(other + self.marked)
         return NotImplemented
 
-    def strip(self, chars: str | None = None) -> str | Twin:
-        return _derived(self.marked.strip(chars), self.plain.strip(chars))
+    def strip(self, chars: str | None = None) -> Twin:
+        return self._trimmed(chars, self.marked.strip(chars), self.plain.strip(chars))
 
-    def lstrip(self, chars: str | None = None) -> str | Twin:
-        return _derived(self.marked.lstrip(chars), self.plain.lstrip(chars))
+    def lstrip(self, chars: str | None = None) -> Twin:
+        return self._trimmed(chars, self.marked.lstrip(chars), self.plain.lstrip(chars))
 
-    def rstrip(self, chars: str | None = None) -> str | Twin:
-        return _derived(self.marked.rstrip(chars), self.plain.rstrip(chars))
+    def rstrip(self, chars: str | None = None) -> Twin:
+        return self._trimmed(chars, self.marked.rstrip(chars), self.plain.rstrip(chars))
+
+    def _trimmed(self, chars: str | None, marked: str, plain: str) -> Twin:
+        """A strip's results agree when both texts lost as many characters: stripping stops at a marker (if
+        `chars` holds none), so the marked text lost only characters the plain one lost too."""
+        if len(self.marked) - len(marked) != len(self.plain) - len(plain) or (chars and MARKS.search(chars)):
+            _diverge()
+        return Twin(marked, plain)
 
     def split(self, sep: str | None = None, maxsplit: int = -1) -> list:
         return _pieces(self.marked.split(sep, maxsplit), self.plain.split(sep, maxsplit))
