@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import bisect
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, MappingView, Set
 from typing import Any
 
 from .marks import MARKS
@@ -199,14 +199,15 @@ def str_join(values: Iterable[Any]) -> str | Twin:
     return concat(map(output, values))
 
 
-def holds_twin(value: Any, depth: int = 8) -> bool:
-    """Whether a Twin is in the value, in its containers to a few levels."""
+def holds_twin(value: Any, depth: int = 16) -> bool:
+    """Whether a Twin is in the value or its containers (a container nested deeper than `depth` counts as
+    holding one)."""
     if type(value) is Twin:
         return True
-    if depth and isinstance(value, dict):
-        return any(holds_twin(k, depth - 1) or holds_twin(v, depth - 1) for k, v in value.items())
-    if depth and isinstance(value, list | tuple):
-        return any(holds_twin(v, depth - 1) for v in value)
+    if isinstance(value, Mapping):
+        return not depth or any(holds_twin(k, depth - 1) or holds_twin(v, depth - 1) for k, v in value.items())
+    if isinstance(value, list | tuple | Set | MappingView):
+        return not depth or any(holds_twin(v, depth - 1) for v in value)
     return False
 
 
