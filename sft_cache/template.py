@@ -19,7 +19,7 @@ from typing import Any
 from . import twins
 from .errors import BadInput, BadRow
 from .formats import REASONING_FIELDS, Conversation
-from .marks import MARK_BASE, MARKS, mark
+from .marks import MARK_BASE, MARKS, Marked, mark
 
 GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 # What marking can wrap. Each kind is used only where probing showed the template renders it unchanged.
@@ -32,6 +32,12 @@ PROBE_CALL_ID = "call12345"  # nine alphanumerics, as Mistral's templates requir
 
 def _probe_call(arguments: Any) -> dict:
     return {"id": PROBE_CALL_ID, "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+
+
+def _owner(marked: Marked, character: str) -> int | None:
+    """The message whose field a marker character belongs to (None for a character no field was given)."""
+    fid = (ord(character) - MARK_BASE) // 2
+    return marked.owners[fid] if fid < len(marked.owners) else None
 
 
 def special_pattern(tokenizer) -> re.Pattern | None:
@@ -115,7 +121,8 @@ class ChatTemplate:
         try:
             environment = _compile_jinja_template(source).environment
             self.compiled = _fast_sandbox(environment).from_string(source)
-            self.compiled_for_twins = _compiled_for_twins(environment, source)
+            # A template that writes characters of the markers' range itself is rendered twice, always.
+            self.compiled_for_twins = None if MARKS.search(source) else _compiled_for_twins(environment, source)
         except Exception as error:  # jinja2.TemplateSyntaxError and friends
             line = getattr(error, "lineno", None)
             raise BadInput(f"the chat template does not compile{f' (line {line})' if line else ''}: "
@@ -137,7 +144,11 @@ class ChatTemplate:
 
     def render_marked(self, messages: Sequence[dict], tools: list | None = None) -> str | None:
         """The marked text, in one render of messages whose marked fields are Twins (the text is the marked
-        text without its markers), or None where the two could differ (the caller then renders twice)."""
+        text without its markers), or None where the two could differ (the caller then renders twice): the
+        template reads a field in a way Twins do not follow, or its text or the row's holds characters of the
+        markers' range."""
+        if self.compiled_for_twins is None:
+            return None
         return twins.render_twins(self.compiled_for_twins, dict(
             messages=messages, tools=tools, documents=None, add_generation_prompt=False, **self.kwargs))
 
@@ -225,7 +236,7 @@ class ChatTemplate:
         text = self._try(marked.messages, tools, add_generation_prompt=True) if marked else None
         if not text:
             return ""
-        ends = [m.end() for m in MARKS.finditer(text) if marked.owners[(ord(m.group()) - MARK_BASE) // 2] == last]
+        ends = [m.end() for m in MARKS.finditer(text) if _owner(marked, m.group()) == last]
         return MARKS.sub("", text[ends[-1]:]) if ends else ""
 
     def _trailing_specials(self, messages: list[dict], tools: list | None) -> set[str]:
@@ -235,7 +246,7 @@ class ChatTemplate:
         marked = mark(messages, self.markable)
         text = self._try(marked.messages, tools) if marked else None
         found = list(MARKS.finditer(text or ""))
-        if not found or marked.owners[(ord(found[-1].group()) - MARK_BASE) // 2] != len(messages) - 1:
+        if not found or _owner(marked, found[-1].group()) != len(messages) - 1:
             return set()
         specials = self.special.findall(text, found[-1].end())
         return set(specials[-1:])

@@ -267,10 +267,26 @@ def _guarded(function: Callable) -> Callable:
     return guarded
 
 
+def holds_marker_text(value: Any) -> bool:
+    """Whether any text in the value (plain texts of Twins included) holds a character of the markers' range:
+    the one render could not tell it from a marker."""
+    if type(value) is str:
+        return MARKS.search(value) is not None
+    if type(value) is Twin:
+        return MARKS.search(value.plain) is not None
+    if isinstance(value, Mapping):
+        return any(holds_marker_text(k) or holds_marker_text(v) for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return any(map(holds_marker_text, value))
+    return False
+
+
 def render_twins(template, variables: dict[str, Any]) -> str | None:
     """The marked text of one render of a template compiled for Twins (without its markers, it is the plain
     render), or None if it diverged or failed (the caller renders twice, and meets the template's own error
-    there)."""
+    there), or if the variables' text holds characters of the markers' range."""
+    if holds_marker_text(variables):
+        return None
     _state.diverged = False
     try:
         result = concat(template.root_render_func(template.new_context(variables)))

@@ -94,3 +94,25 @@ def test_the_template_takes_the_branches_of_the_plain_text(family_tokenizer):
     one = template.render_marked(mark(messages, template.markable, twin=Twin).messages)
     assert MARKS.sub("", one) == template.render(messages)
     assert one.count("[T]") == 1 and len(MARKS.findall(one)) == 4  # " <tool>" does not start with "<tool>"
+
+
+@pytest.mark.parametrize("where", ["content", "template"])
+def test_text_that_holds_marker_characters_is_rendered_twice(family_tokenizer, where):
+    """U+F1001 and U+F1003 are the codes of the first markers (icon fonts use that range): a one render could not
+    tell them from markers, so such a row, or every row of such a template, renders twice and stays exact."""
+    icon = "\U000f1001"
+    template = CHATML_WITH.format(body="{{ message['content'] }}" + (icon if where == "template" else ""))
+    tokenizer = load_tokenizer(family_tokenizer("chatml"), chat_template=template)
+    encoder = ChatEncoder(tokenizer)
+    messages = [{"role": "user", "content": f"icon {icon} here"},
+                {"role": "assistant", "content": "ok \U000f1003 done"},
+                {"role": "user", "content": "again"}, {"role": "assistant", "content": "fine"}]
+    if where == "template":
+        messages = [{**m, "content": m["content"].replace(icon, "").replace("\U000f1003", "")} for m in messages]
+    if where == "template":
+        assert encoder.template.compiled_for_twins is None
+    else:
+        twins = mark(messages, encoder.template.markable, twin=Twin)
+        assert twins.owners and encoder.template.render_marked(twins.messages) is None
+    [got] = encoder.encode_batch([Conversation(messages)]).results()
+    assert isinstance(got, Encoded) and (got.input_ids.tolist(), got.loss_mask.tolist()) == oracle(tokenizer, messages)
