@@ -10,7 +10,8 @@ gives both texts, and they agree by construction.
 
 Anything else that would read the marked text (`str()`, iteration, an index, `%`, `format`, a filter or
 test not listed here) raises `Diverged`, and the row is rendered twice as before. A `Twin` is not a `str`,
-so code that expects one fails loudly rather than reading the markers.
+so code that expects one fails loudly rather than reading the markers. Text that holds characters of the
+markers' range (the row's or the template's own) is rendered twice too: one render could not tell them apart.
 """
 
 from __future__ import annotations
