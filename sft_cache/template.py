@@ -118,16 +118,17 @@ class ChatTemplate:
         from transformers.utils.chat_template_utils import _compile_jinja_template
 
         self.source = source
+        self.kwargs = {**tokenizer.special_tokens_map, **(template_kwargs or {})}
         try:
             environment = _compile_jinja_template(source).environment
             self.compiled = _fast_sandbox(environment).from_string(source)
-            # A template that writes characters of the markers' range itself is rendered twice, always.
-            self.compiled_for_twins = None if MARKS.search(source) else _compiled_for_twins(environment, source)
+            # A template, or arguments, that hold characters of the markers' range are rendered twice, always.
+            self.compiled_for_twins = (None if MARKS.search(source) or twins.holds_marker_text(self.kwargs)
+                                       else _compiled_for_twins(environment, source))
         except Exception as error:  # jinja2.TemplateSyntaxError and friends
             line = getattr(error, "lineno", None)
             raise BadInput(f"the chat template does not compile{f' (line {line})' if line else ''}: "
                            f"{str(error).splitlines()[0] if str(error) else type(error).__name__}") from None
-        self.kwargs = {**tokenizer.special_tokens_map, **(template_kwargs or {})}
         self.backend = tokenizer.backend_tokenizer
         self.special = special_pattern(tokenizer)
         self.eos_token: str | None = tokenizer.eos_token
@@ -147,7 +148,7 @@ class ChatTemplate:
         text without its markers), or None where the two could differ (the caller then renders twice): the
         template reads a field in a way Twins do not follow, or its text or the row's holds characters of the
         markers' range."""
-        if self.compiled_for_twins is None:
+        if self.compiled_for_twins is None or twins.holds_marker_text((messages, tools)):
             return None
         return twins.render_twins(self.compiled_for_twins, dict(
             messages=messages, tools=tools, documents=None, add_generation_prompt=False, **self.kwargs))

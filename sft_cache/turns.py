@@ -37,7 +37,7 @@ from .errors import BadRow
 from .formats import REASONING_FIELDS, Conversation
 from .marks import MARK_BASE, MARK_SPLIT, mark
 from .template import ChatTemplate, token_boundaries
-from .twins import Twin
+from .twins import Twin, swapped
 
 # How trained character spans become trained tokens: "start", a token is trained when it starts inside a
 # span (the definition); "overlap", when it overlaps one (transformers' return_assistant_tokens_mask);
@@ -119,15 +119,14 @@ class TurnFinder:
             template.render(conv.messages, conv.tools)  # the template's own error, if it has one, is the row's
             return None
         marked_text = template.render_marked(marked.messages, conv.tools)
+        plain_text = None
         if marked_text is None:  # the template reads a field in a way Twins cannot follow: render twice
-            text = template.render(conv.messages, conv.tools)
-            marked_text = template.render(mark(conv.messages, template.markable, empty=blank).messages, conv.tools)
-            pieces = MARK_SPLIT.split(marked_text)  # text, mark, text, ..., text
-            if "".join(pieces[0::2]) != text:
-                return None
-        else:
-            pieces = MARK_SPLIT.split(marked_text)
-            text = "".join(pieces[0::2])
+            plain_text = template.render(conv.messages, conv.tools)
+            marked_text = template.render(swapped(marked.messages, "marked"), conv.tools)
+        pieces = MARK_SPLIT.split(marked_text)  # text, mark, text, ..., text
+        text = "".join(pieces[0::2])
+        if plain_text is not None and text != plain_text:
+            return None  # marking changed the render
         # Each field's first rendering locates it: a template may copy a field into a later message (gpt-oss
         # repeats a tool call's name in the tool reply's header), and that copy belongs to the later message.
         opened: dict[int, int] = {}

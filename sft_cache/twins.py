@@ -106,12 +106,12 @@ class Twin:
         if type(other) is Twin:
             return Twin(self.marked + other.marked)
         if isinstance(other, str):
-            return Twin(self.marked + other)
+            return Twin(self.marked + _unmarked(other))
         return NotImplemented
 
     def __radd__(self, other: Any) -> Twin:
         if isinstance(other, str):
-            return Twin(other + self.marked)
+            return Twin(_unmarked(other) + self.marked)
         return NotImplemented
 
     def strip(self, chars: str | None = None) -> Twin:
@@ -166,6 +166,14 @@ def _marked(value: Any) -> Any:
     return value.marked if type(value) is Twin else value
 
 
+def _unmarked(text: str) -> str:
+    """Text joined to a marked text: the template's own (a string literal may spell a marker-range character
+    as an escape, which the source check does not see), which must hold no marker."""
+    if MARKS.search(text):
+        _diverge()
+    return text
+
+
 def _pieces(marked: list[str], plain: list[str]) -> list:
     if len(marked) != len(plain):
         _diverge()
@@ -192,7 +200,9 @@ def concat(pieces: Iterable[str | Twin]) -> str | Twin:
     try:
         return "".join(items)
     except TypeError:
-        return Twin("".join([piece.marked if type(piece) is Twin else piece for piece in items]))
+        pass
+    _unmarked("".join([piece for piece in items if type(piece) is not Twin]))
+    return Twin("".join([piece.marked if type(piece) is Twin else piece for piece in items]))
 
 
 def str_join(values: Iterable[Any]) -> str | Twin:
@@ -200,16 +210,34 @@ def str_join(values: Iterable[Any]) -> str | Twin:
     return concat(map(output, values))
 
 
-def holds_twin(value: Any, depth: int = 16) -> bool:
-    """Whether a Twin is in the value or its containers (a container nested deeper than `depth` counts as
-    holding one)."""
-    if type(value) is Twin:
-        return True
+def _found(value: Any, leaf: Callable[[Any], bool], depth: int = 16) -> bool:
+    """Whether `leaf` holds for the value or anything in its containers (a container nested deeper than `depth`
+    counts as holding it: the caller then takes the safe way)."""
     if isinstance(value, Mapping):
-        return not depth or any(holds_twin(k, depth - 1) or holds_twin(v, depth - 1) for k, v in value.items())
+        return not depth or any(_found(k, leaf, depth - 1) or _found(v, leaf, depth - 1) for k, v in value.items())
     if isinstance(value, list | tuple | Set | MappingView):
-        return not depth or any(holds_twin(v, depth - 1) for v in value)
-    return False
+        return not depth or any(_found(v, leaf, depth - 1) for v in value)
+    return leaf(value)
+
+
+def _is_twin(value: Any) -> bool:
+    return type(value) is Twin
+
+
+def _holds_marks(value: Any) -> bool:
+    text = value.plain if type(value) is Twin else value
+    return type(text) is str and MARKS.search(text) is not None
+
+
+def holds_twin(value: Any) -> bool:
+    """Whether a Twin is in the value or its containers."""
+    return _found(value, _is_twin)
+
+
+def holds_marker_text(value: Any) -> bool:
+    """Whether any text in the value (plain texts of Twins included) holds a character of the markers' range:
+    the one render could not tell it from a marker."""
+    return _found(value, _holds_marks)
 
 
 def swapped(value: Any, side: str, depth: int = 8) -> Any:
@@ -268,26 +296,10 @@ def _guarded(function: Callable) -> Callable:
     return guarded
 
 
-def holds_marker_text(value: Any) -> bool:
-    """Whether any text in the value (plain texts of Twins included) holds a character of the markers' range:
-    the one render could not tell it from a marker."""
-    if type(value) is str:
-        return MARKS.search(value) is not None
-    if type(value) is Twin:
-        return MARKS.search(value.plain) is not None
-    if isinstance(value, Mapping):
-        return any(holds_marker_text(k) or holds_marker_text(v) for k, v in value.items())
-    if isinstance(value, list | tuple):
-        return any(map(holds_marker_text, value))
-    return False
-
-
 def render_twins(template, variables: dict[str, Any]) -> str | None:
     """The marked text of one render of a template compiled for Twins (without its markers, it is the plain
     render), or None if it diverged or failed (the caller renders twice, and meets the template's own error
-    there), or if the variables' text holds characters of the markers' range."""
-    if holds_marker_text(variables):
-        return None
+    there). The caller has checked that no text in the variables holds characters of the markers' range."""
     _state.diverged = False
     try:
         result = concat(template.root_render_func(template.new_context(variables)))
@@ -295,4 +307,6 @@ def render_twins(template, variables: dict[str, Any]) -> str | None:
         return None
     if _state.diverged:
         return None
-    return result.marked if type(result) is Twin else result
+    if type(result) is Twin:
+        return result.marked
+    return None if MARKS.search(result) else result  # no field was rendered, but the template wrote a marker

@@ -96,23 +96,37 @@ def test_the_template_takes_the_branches_of_the_plain_text(family_tokenizer):
     assert one.count("[T]") == 1 and len(MARKS.findall(one)) == 4  # " <tool>" does not start with "<tool>"
 
 
-@pytest.mark.parametrize("where", ["content", "template"])
+# Where a marker-range character can come from: the row's text, the template's source, a string literal that
+# spells it as an escape (seen only while rendering, here on a row the probes do not make), written out or
+# joined to a field, or a template argument.
+CONTENT = "{{ message['content'] }}"
+ICON_BODIES = {"content": CONTENT, "template": CONTENT + "\U000f1001",
+               "escape": CONTENT + "{% if message['content'] == 'again' %}{{ '\\U000f1001' }}{% endif %}",
+               "escape_joined": "{{ message['content'] + ('\\U000f1001' if message['content'] == 'fine' else '') }}",
+               "argument": CONTENT + "{{ icon }}"}
+
+
+@pytest.mark.parametrize("where", sorted(ICON_BODIES))
 def test_text_that_holds_marker_characters_is_rendered_twice(family_tokenizer, where):
     """U+F1001 and U+F1003 are the codes of the first markers (icon fonts use that range): a one render could not
     tell them from markers, so such a row, or every row of such a template, renders twice and stays exact."""
     icon = "\U000f1001"
-    template = CHATML_WITH.format(body="{{ message['content'] }}" + (icon if where == "template" else ""))
+    template = CHATML_WITH.format(body=ICON_BODIES[where])
     tokenizer = load_tokenizer(family_tokenizer("chatml"), chat_template=template)
-    encoder = ChatEncoder(tokenizer)
+    encoder = ChatEncoder(tokenizer, template_kwargs={"icon": icon} if where == "argument" else None)
     messages = [{"role": "user", "content": f"icon {icon} here"},
                 {"role": "assistant", "content": "ok \U000f1003 done"},
                 {"role": "user", "content": "again"}, {"role": "assistant", "content": "fine"}]
-    if where == "template":
+    if where != "content":
         messages = [{**m, "content": m["content"].replace(icon, "").replace("\U000f1003", "")} for m in messages]
-    if where == "template":
+    if where in ("template", "argument"):
         assert encoder.template.compiled_for_twins is None
     else:
         twins = mark(messages, encoder.template.markable, twin=Twin)
         assert twins.owners and encoder.template.render_marked(twins.messages) is None
+    # The oracle renders with apply_chat_template, which takes no template arguments: the icon goes in the source.
+    reference = load_tokenizer(family_tokenizer("chatml"), chat_template=CHATML_WITH.format(
+        body=CONTENT + icon)) if where == "argument" else tokenizer
+    want = oracle(reference, messages)
     [got] = encoder.encode_batch([Conversation(messages)]).results()
-    assert isinstance(got, Encoded) and (got.input_ids.tolist(), got.loss_mask.tolist()) == oracle(tokenizer, messages)
+    assert isinstance(got, Encoded) and (got.input_ids.tolist(), got.loss_mask.tolist()) == want
