@@ -15,7 +15,7 @@ from pathlib import Path
 
 from . import CACHE_FORMAT_VERSION
 from .chat import ChatEncoder, read_chat_template, resolve_tokenizer
-from .content import slice_key
+from .content import Digests, slice_key
 from .errors import BadInput
 from .fingerprint import fingerprint, hash_directory, hash_text, tokenization_inputs
 from .formats import REQUIRED, ColumnMap, resolve_columns
@@ -189,8 +189,9 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable
         target //= 2
     slices = cut_slices(files, target, options.storage_options)
     if content_keys:
-        memo: dict = {}
-        slices = [replace(s, key=slice_key(s, job.tokenization, options.storage_options, memo)) for s in slices]
+        digests = Digests(book=job.digest_book)
+        slices = [replace(s, key=slice_key(s, job.tokenization, options.storage_options, digests)) for s in slices]
+        digests.save()
     return Plan(job, slices, name, cache_path, inputs, cached=False)
 
 

@@ -26,14 +26,14 @@ import numpy as np
 import pyarrow as pa
 
 from .chat import ChatEncoder, EncodedBatch, load_tokenizer
-from .content import slice_key
+from .content import DIGEST_BOOK, forget, slice_key
 from .encode_pool import DEPTH, EncodePool
 from .encoders import VERIFY_ROWS, FastEncoder, choose_encoder
 from .errors import BadInput, BadRow, OutOfSpace
 from .formats import ColumnMap, to_example
 from .layouts import COLUMN_TYPES, column_values, layout_columns
 from .source_formats import read_slice
-from .sources import Slice
+from .sources import Slice, filesystem
 from .stopping import raise_if_stopping
 
 
@@ -66,6 +66,10 @@ class Job:
 
     def shard_path(self, slice_: Slice) -> Path:
         return Path(self.store) / f"{slice_.key}.arrow"
+
+    @property
+    def digest_book(self) -> Path:
+        return Path(self.store) / DIGEST_BOOK
 
 
 def features(extra_columns: tuple[str, ...] = (), layout: str = "skyrl"):
@@ -341,6 +345,8 @@ def tokenize_slice(job: Job, slice_: Slice) -> int:
             os.fsync(stream.fileno())
         # A shard is stored under the key of the bytes the plan hashed: if they changed since, it must not be.
         if slice_key(slice_, job.tokenization, job.storage_options) != slice_.key:
+            for part in slice_.parts:  # the plan's digest is not the bytes' now: the next plan hashes them
+                forget(job.digest_book, filesystem(part.url, job.storage_options)[1])
             raise BadInput(f"{slice_.parts[0].url}: changed while it was being tokenized; run again")
         os.replace(tmp, shard)
         meta = {"key": slice_.key, "slice": slice_.describe(), "bytes": shard.stat().st_size,

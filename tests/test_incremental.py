@@ -17,6 +17,8 @@ import datasets
 import pytest
 from conftest import EXAMPLE_TOKENIZER, ROOT, example_rows, write_jsonl
 
+from sft_cache import content
+from sft_cache.errors import BadInput
 from sft_cache.options import TokenizeOptions
 from sft_cache.plan import plan_slices, run_locally
 from sft_cache.publish import building, publish_cache
@@ -169,6 +171,41 @@ def test_a_changed_tokenizer_or_template_retokenizes_everything(grown, tmp_path)
     _, manifest_k, written = build(data, cache, tokenizer=str(tokenizer))
     assert manifest_k["build"]["slices_reused"] == 0 and written == set(keys_of(manifest_k))
     assert not set(keys_of(manifest_k)) & (set(keys_of(manifest_a)) | set(keys_of(manifest_t)))
+
+
+def test_the_digest_book_spares_rereading_unchanged_files_and_a_stale_digest_is_caught(grown, monkeypatch):
+    """A plan keys a file whose stat is unchanged by the digest the book remembers, without reading it; a file
+    written just before it was hashed is hashed again; and a remembered digest that is not the bytes' (here
+    planted) makes its slice fail its check after tokenizing, and is forgotten, so the next run is right."""
+    data, cache, _, manifest_a = grown
+    book = store_dir(cache) / content.DIGEST_BOOK
+    victim = str(data / "part-000.jsonl")
+
+    def plant() -> None:
+        entries = json.loads(book.read_text())
+        assert set(entries) == {str(p) for p in data.glob("*.jsonl")}
+        assert len(entries[victim]["spans"]) == len(slices_of(manifest_a, Path(victim)))
+        entries[victim]["spans"] = dict.fromkeys(entries[victim]["spans"], "0" * 32)  # not these bytes' digests
+        book.write_text(json.dumps(entries))
+
+    # A file written within RACY_NS of its hashing (here: as if RACY_NS were long) is read again.
+    plant()
+    with monkeypatch.context() as patched:
+        patched.setattr(content, "RACY_NS", 10**15)
+        assert [s.key for s in plan_slices(options(data, cache, name="again")).slices] == keys_of(manifest_a)
+
+    plant()
+    monkeypatch.setattr(content, "RACY_NS", 0)  # written long before the first plan hashed them
+    trusted = [s.key for s in plan_slices(options(data, cache, name="again")).slices]
+    victim_keys = {s["key"] for s in slices_of(manifest_a, Path(victim))}
+    changed = {a for a, b in zip(keys_of(manifest_a), trusted, strict=True) if a != b}
+    assert changed == victim_keys  # only the planted file's keys moved: no other file was read
+
+    with pytest.raises(BadInput, match="part-000.jsonl: changed while it was being tokenized"):
+        run_locally(options(data, cache, name="again"))
+    assert victim not in json.loads(book.read_text())
+    _, manifest_b, written = build(data, cache, name="again")
+    assert keys_of(manifest_b) == keys_of(manifest_a) and written == set()
 
 
 def test_a_small_file_added_disturbs_only_the_group_it_lands_in(tmp_path):
