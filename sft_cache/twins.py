@@ -212,10 +212,13 @@ def str_join(values: Iterable[Any]) -> str | Twin:
 
 def _found(value: Any, leaf: Callable[[Any], bool], depth: int = 16) -> bool:
     """Whether `leaf` holds for the value or anything in its containers (a container nested deeper than `depth`
-    counts as holding it: the caller then takes the safe way)."""
-    if isinstance(value, Mapping):
+    counts as holding it: the caller then takes the safe way). Exact types first: an ABC check costs more."""
+    kind = type(value)
+    if kind is str or kind is Twin:
+        return leaf(value)
+    if kind is dict or (kind is not list and kind is not tuple and isinstance(value, Mapping)):
         return not depth or any(_found(k, leaf, depth - 1) or _found(v, leaf, depth - 1) for k, v in value.items())
-    if isinstance(value, list | tuple | Set | MappingView):
+    if kind is list or kind is tuple or isinstance(value, Set | MappingView):
         return not depth or any(_found(v, leaf, depth - 1) for v in value)
     return leaf(value)
 
