@@ -30,6 +30,7 @@ class Marked:
     messages: list[dict[str, Any]]
     owners: list[int] = field(default_factory=list)  # field id -> message index
     kinds: list[str] = field(default_factory=list)  # field id -> kind
+    marker_text: bool = False  # a marked field's own text holds characters of the markers' range
 
 
 def _wrap(text: str, core: str, fid: int) -> str:
@@ -64,6 +65,8 @@ def mark(messages: Sequence[dict[str, Any]], kinds: frozenset[str], empty: bool 
         fid = len(owners)
         owners.append(index)
         field_kinds.append(kind)
+        if not text.isascii() and MARKS.search(text):  # isascii() is O(1) in CPython
+            out.marker_text = True
         return twin(_wrap(text, core, fid), text) if twin else _wrap(text, core, fid)
 
     for index, message in enumerate(messages):

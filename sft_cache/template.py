@@ -122,9 +122,8 @@ class ChatTemplate:
         try:
             environment = _compile_jinja_template(source).environment
             self.compiled = _fast_sandbox(environment).from_string(source)
-            # A template, or arguments, that hold characters of the markers' range are rendered twice, always.
-            self.compiled_for_twins = (None if MARKS.search(source) or twins.holds_marker_text(self.kwargs)
-                                       else _compiled_for_twins(environment, source))
+            # A template that writes characters of the markers' range would diverge on every row: skip Twins.
+            self.compiled_for_twins = None if MARKS.search(source) else _compiled_for_twins(environment, source)
         except Exception as error:  # jinja2.TemplateSyntaxError and friends
             line = getattr(error, "lineno", None)
             raise BadInput(f"the chat template does not compile{f' (line {line})' if line else ''}: "
@@ -143,15 +142,15 @@ class ChatTemplate:
         return self.compiled.render(messages=messages, tools=tools, documents=None,
                                     add_generation_prompt=add_generation_prompt, **self.kwargs)
 
-    def render_marked(self, messages: Sequence[dict], tools: list | None = None) -> str | None:
+    def render_marked(self, marked: Marked, tools: list | None = None) -> str | None:
         """The marked text, in one render of messages whose marked fields are Twins (the text is the marked
         text without its markers), or None where the two could differ (the caller then renders twice): the
-        template reads a field in a way Twins do not follow, or its text or the row's holds characters of the
-        markers' range."""
-        if self.compiled_for_twins is None or twins.holds_marker_text((messages, tools)):
+        template reads a field in a way Twins do not follow, or text the render meets (the template's, a
+        field's, any variable's) holds characters of the markers' range."""
+        if self.compiled_for_twins is None or marked.marker_text:
             return None
         return twins.render_twins(self.compiled_for_twins, dict(
-            messages=messages, tools=tools, documents=None, add_generation_prompt=False, **self.kwargs))
+            messages=marked.messages, tools=tools, documents=None, add_generation_prompt=False, **self.kwargs))
 
     def render_generation(self, messages: Sequence[dict], tools: list | None = None) -> tuple[str, list]:
         """The text and the character spans of its `{% generation %}` blocks, as transformers records them."""

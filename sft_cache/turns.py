@@ -118,7 +118,7 @@ class TurnFinder:
         if marked is None or not marked.owners:
             template.render(conv.messages, conv.tools)  # the template's own error, if it has one, is the row's
             return None
-        marked_text = template.render_marked(marked.messages, conv.tools)
+        marked_text = template.render_marked(marked, conv.tools)
         plain_text = None
         if marked_text is None:  # the template reads a field in a way Twins cannot follow: render twice
             plain_text = template.render(conv.messages, conv.tools)

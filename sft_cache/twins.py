@@ -11,7 +11,8 @@ gives both texts, and they agree by construction.
 Anything else that would read the marked text (`str()`, iteration, an index, `%`, `format`, a filter or
 test not listed here) raises `Diverged`, and the row is rendered twice as before. A `Twin` is not a `str`,
 so code that expects one fails loudly rather than reading the markers. Text that holds characters of the
-markers' range (the row's or the template's own) is rendered twice too: one render could not tell them apart.
+markers' range (a field's, any other variable's, the template's own) is rendered twice too: one render could
+not tell them apart.
 """
 
 from __future__ import annotations
@@ -167,9 +168,9 @@ def _marked(value: Any) -> Any:
 
 
 def _unmarked(text: str) -> str:
-    """Text joined to a marked text: the template's own (a string literal may spell a marker-range character
-    as an escape, which the source check does not see), which must hold no marker."""
-    if MARKS.search(text):
+    """Text joined to a marked text, which must hold no marker-range character: the template's own (a string
+    literal may spell one as an escape, which the source check does not see) or a variable's."""
+    if not text.isascii() and MARKS.search(text):  # isascii() is O(1) in CPython
         _diverge()
     return text
 
@@ -210,37 +211,19 @@ def str_join(values: Iterable[Any]) -> str | Twin:
     return concat(map(output, values))
 
 
-def _found(value: Any, leaf: Callable[[Any], bool], depth: int = 16) -> bool:
-    """Whether `leaf` holds for the value or anything in its containers (a container nested deeper than `depth`
-    counts as holding it: the caller then takes the safe way). Exact types first: an ABC check costs more."""
+def holds_twin(value: Any, depth: int = 16) -> bool:
+    """Whether a Twin is in the value or its containers (a container nested deeper than `depth` counts as
+    holding one). Exact types first: an ABC check costs more."""
     kind = type(value)
-    if kind is str or kind is Twin:
-        return leaf(value)
+    if kind is Twin:
+        return True
+    if kind is str:
+        return False
     if kind is dict or (kind is not list and kind is not tuple and isinstance(value, Mapping)):
-        return not depth or any(_found(k, leaf, depth - 1) or _found(v, leaf, depth - 1) for k, v in value.items())
+        return not depth or any(holds_twin(k, depth - 1) or holds_twin(v, depth - 1) for k, v in value.items())
     if kind is list or kind is tuple or isinstance(value, Set | MappingView):
-        return not depth or any(_found(v, leaf, depth - 1) for v in value)
-    return leaf(value)
-
-
-def _is_twin(value: Any) -> bool:
-    return type(value) is Twin
-
-
-def _holds_marks(value: Any) -> bool:
-    text = value.plain if type(value) is Twin else value
-    return type(text) is str and MARKS.search(text) is not None
-
-
-def holds_twin(value: Any) -> bool:
-    """Whether a Twin is in the value or its containers."""
-    return _found(value, _is_twin)
-
-
-def holds_marker_text(value: Any) -> bool:
-    """Whether any text in the value (plain texts of Twins included) holds a character of the markers' range:
-    the one render could not tell it from a marker."""
-    return _found(value, _holds_marks)
+        return not depth or any(holds_twin(v, depth - 1) for v in value)
+    return False
 
 
 def swapped(value: Any, side: str, depth: int = 8) -> Any:
@@ -302,7 +285,8 @@ def _guarded(function: Callable) -> Callable:
 def render_twins(template, variables: dict[str, Any]) -> str | None:
     """The marked text of one render of a template compiled for Twins (without its markers, it is the plain
     render), or None if it diverged or failed (the caller renders twice, and meets the template's own error
-    there). The caller has checked that no text in the variables holds characters of the markers' range."""
+    there). The Twins' own plain texts must hold no marker-range character (`marks.Marked.marker_text`);
+    any other text that reaches the output is checked on its way in."""
     _state.diverged = False
     try:
         result = concat(template.root_render_func(template.new_context(variables)))

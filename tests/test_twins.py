@@ -24,7 +24,7 @@ def renders(template, conversation: Conversation):
         return None
     twins = mark(prepared.messages, template.markable, twin=Twin)
     marked = mark(prepared.messages, template.markable)
-    return (template.render_marked(twins.messages, prepared.tools), plain,
+    return (template.render_marked(twins, prepared.tools), plain,
             template.render(marked.messages, prepared.tools))
 
 
@@ -77,7 +77,7 @@ def test_other_readings_of_a_field_render_twice_with_the_same_mask(family_tokeni
     conversation = Conversation(CONVERSATIONS[1])
     prepared = encoder.template.prepare(conversation)
     twins = mark(prepared.messages, encoder.template.markable, twin=Twin)
-    assert encoder.template.render_marked(twins.messages) is None
+    assert encoder.template.render_marked(twins) is None
     [got] = encoder.encode_batch([conversation]).results()
     want = oracle(tokenizer, conversation.messages)
     assert isinstance(got, Encoded) and (got.input_ids.tolist(), got.loss_mask.tolist()) == want
@@ -91,7 +91,7 @@ def test_the_template_takes_the_branches_of_the_plain_text(family_tokenizer):
     tokenizer = load_tokenizer(family_tokenizer("chatml"), chat_template=CHATML_WITH.format(body=body))
     template = ChatEncoder(tokenizer).template
     messages = [{"role": "user", "content": "<tool>q</tool>"}, {"role": "assistant", "content": " <tool>a</tool> "}]
-    one = template.render_marked(mark(messages, template.markable, twin=Twin).messages)
+    one = template.render_marked(mark(messages, template.markable, twin=Twin))
     assert MARKS.sub("", one) == template.render(messages)
     assert one.count("[T]") == 1 and len(MARKS.findall(one)) == 4  # " <tool>" does not start with "<tool>"
 
@@ -103,7 +103,7 @@ CONTENT = "{{ message['content'] }}"
 ICON_BODIES = {"content": CONTENT, "template": CONTENT + "\U000f1001",
                "escape": CONTENT + "{% if message['content'] == 'again' %}{{ '\\U000f1001' }}{% endif %}",
                "escape_joined": "{{ message['content'] + ('\\U000f1001' if message['content'] == 'fine' else '') }}",
-               "argument": CONTENT + "{{ icon }}"}
+               "argument": CONTENT + "{% if message['content'] == 'again' %}{{ icon }}{% endif %}"}
 
 
 @pytest.mark.parametrize("where", sorted(ICON_BODIES))
@@ -119,14 +119,15 @@ def test_text_that_holds_marker_characters_is_rendered_twice(family_tokenizer, w
                 {"role": "user", "content": "again"}, {"role": "assistant", "content": "fine"}]
     if where != "content":
         messages = [{**m, "content": m["content"].replace(icon, "").replace("\U000f1003", "")} for m in messages]
-    if where in ("template", "argument"):
+    if where == "template":
         assert encoder.template.compiled_for_twins is None
     else:
         twins = mark(messages, encoder.template.markable, twin=Twin)
-        assert twins.owners and encoder.template.render_marked(twins.messages) is None
+        assert twins.owners and twins.marker_text == (where == "content")
+        assert encoder.template.render_marked(twins) is None
     # The oracle renders with apply_chat_template, which takes no template arguments: the icon goes in the source.
     reference = load_tokenizer(family_tokenizer("chatml"), chat_template=CHATML_WITH.format(
-        body=CONTENT + icon)) if where == "argument" else tokenizer
+        body=ICON_BODIES["argument"].replace("{{ icon }}", icon))) if where == "argument" else tokenizer
     want = oracle(reference, messages)
     [got] = encoder.encode_batch([Conversation(messages)]).results()
     assert isinstance(got, Encoded) and (got.input_ids.tolist(), got.loss_mask.tolist()) == want
