@@ -17,8 +17,9 @@ deployment runs: its runs never boot a server):
                  masks must equal the incremental build's
 
 Target: grown ≤ 5 % of cold. The grown run pays what any run pays (interpreter start, Prefect's embedded
-server, the plan hashing every input file) plus tokenizing only the new slices; on a small corpus that fixed
-part dominates, so the ratio is only meaningful at the real size. Results go to --out as incremental.json
+server, loading and checking the tokenizer) plus hashing and tokenizing only the new files' slices (the
+others' digests are in the digest book); on a small corpus that fixed part dominates, so the ratio is only
+meaningful at the real size. Results go to --out as incremental.json
 and incremental.md (incremental-server.* with --server).
 """
 
