@@ -29,6 +29,7 @@ from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFi
 from flows.cli import build_parser, main, options_from
 from flows.console import CONSOLE_ENV
 from flows.tokenize_dataset import TokenizeRun, tokenize_dataset
+from sft_cache.content import DIGEST_BOOK
 from sft_cache.shard import process_tokenizer
 from sft_cache.store import collect_garbage
 from tasks.tokenize_slice import FAULT_FILE_ENV
@@ -251,7 +252,8 @@ def test_workers_that_cannot_write_to_the_cache_root_fail_the_run_before_any_sli
     assert f"cannot write to the shard store {store} (Read-only file system)" in state.message
     assert f"cannot find {tokenizer}: the tokenizer and local inputs must be at the same paths" in state.message
     assert not [name for name in task_runs if name.startswith("tokenize-")]
-    assert [p.name for p in store.iterdir()] == [".gc.lock"]  # the probe's files are gone, no shard was started
+    # The probe's files are gone and no shard was started: the store holds its lock and the plan's digest book.
+    assert sorted(p.name for p in store.iterdir()) == sorted([".gc.lock", DIGEST_BOOK])
 
 
 @pytest.mark.usefixtures("prefect_harness")
