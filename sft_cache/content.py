@@ -12,7 +12,7 @@ chat template, options, format version; not the sources' names or mtimes) with w
 Hashing is xxh3-128, which streams at memory speed (several GB/s), far below what tokenizing the same bytes
 costs; the key itself is a SHA-256 of those digests, so the same bytes under another name share a shard.
 
-A plan remembers the digests it computed in a digest book (`.shards/.digests.json`), each under its file's
+A plan remembers the digests it computed in a digest book (`.shards/.digests`), each under its file's
 stat (device, inode, size, mtime_ns, ctime_ns), as git's index remembers a file's hash: the next plan reads
 only the files whose stat changed, so a nightly run on a grown corpus reads the new bytes, not all of them.
 Any write changes a file's ctime, which user space cannot set back; a file changed within `RACY_NS` of
@@ -36,7 +36,7 @@ from .sources import Part, Slice, _identity, _is_local, filesystem
 
 HASH_CHUNK_BYTES = 1 << 20
 KEY_DIGITS = 32
-DIGEST_BOOK = ".digests.json"  # in the shard store, whose garbage collector leaves dot files alone
+DIGEST_BOOK = ".digests"  # JSON, in the shard store: a dot file (gc leaves it), not matched by `*.json` (sidecars)
 RACY_NS = 2 * 10**9  # a file changed this close before its hashing is hashed again by the next plan
 
 
