@@ -20,6 +20,7 @@ from . import twins
 from .errors import BadInput, BadRow
 from .formats import REASONING_FIELDS, Conversation
 from .marks import MARK_BASE, MARKS, Marked, mark
+from .sandbox import compile_template
 
 GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 # What marking can wrap. Each kind is used only where probing showed the template renders it unchanged.
@@ -54,63 +55,6 @@ def token_boundaries(backend, text: str) -> list[int]:
     return sorted({end for _, end in encoding.offsets if end > 0} | {len(text)})
 
 
-_DICT_ATTRIBUTES = frozenset(dir(dict))
-_WRAPPED = ("format", "format_map")  # the sandbox hands these out wrapped
-
-
-def _fast_sandbox(environment, for_twins: bool = False):
-    """transformers' sandboxed environment, with exact shortcuts for what a chat template does most. Whether an
-    attribute is safe depends only on the object's type and the attribute's name, so it is decided once per
-    pair; an attribute found safe is then read directly, and a message's own key (where the sandbox ends up
-    after getattr() fails on a dict) at once, as is the undefined value of a key it lacks. The same templates
-    render the same text, in a third of the time.
-    `for_twins`: the environment also renders `twins.Twin` values (see twins.py)."""
-    overlay = environment.overlay()
-    checked: dict[tuple[type, str], bool] = {}
-    base_getattr, base_getitem, base_is_safe = overlay.getattr, overlay.getitem, overlay.is_safe_attribute
-    undefined = overlay.undefined
-    Twin = twins.Twin
-
-    def getattr_(obj, attribute):
-        if type(obj) is dict and attribute not in _DICT_ATTRIBUTES:
-            return obj[attribute] if attribute in obj else undefined(obj=obj, name=attribute)
-        if for_twins and type(obj) is Twin:
-            return twins.twin_attribute(obj, attribute, undefined)
-        if checked.get((type(obj), attribute)) and attribute not in _WRAPPED:
-            try:
-                return getattr(obj, attribute)
-            except AttributeError:
-                pass
-        return base_getattr(obj, attribute)
-
-    def getitem(obj, argument):  # a Twin key finds what its plain text finds
-        try:
-            return obj[argument]
-        except (TypeError, LookupError):
-            return base_getitem(obj, argument.plain if type(argument) is Twin else argument)
-
-    def is_safe_attribute(obj, attribute, value):
-        key = (type(obj), attribute)
-        if key not in checked:
-            checked[key] = base_is_safe(obj, attribute, value)
-        return checked[key]
-
-    overlay.getattr, overlay.is_safe_attribute = getattr_, is_safe_attribute
-    if for_twins:
-        overlay.getitem, overlay.concat = getitem, twins.concat
-        overlay.filters, overlay.tests = twins.twin_filters(overlay.filters), twins.twin_tests(overlay.tests)
-    return overlay
-
-
-def _compiled_for_twins(environment, source: str):
-    """The template compiled so that its output and `~` keep Twins (jinja's generated code calls `str` and
-    `str_join` from its own namespace)."""
-    compiled = _fast_sandbox(environment, for_twins=True).from_string(source)
-    namespace = compiled.root_render_func.__globals__
-    namespace["str"], namespace["str_join"] = twins.output, twins.str_join
-    return compiled
-
-
 class ChatTemplate:
     """One chat template with its render arguments, compiled once; see the module docstring."""
 
@@ -121,9 +65,9 @@ class ChatTemplate:
         self.kwargs = {**tokenizer.special_tokens_map, **(template_kwargs or {})}
         try:
             environment = _compile_jinja_template(source).environment
-            self.compiled = _fast_sandbox(environment).from_string(source)
+            self.compiled = compile_template(environment, source)
             # A template that writes characters of the markers' range would diverge on every row: skip Twins.
-            self.compiled_for_twins = None if MARKS.search(source) else _compiled_for_twins(environment, source)
+            self.compiled_for_twins = None if MARKS.search(source) else compile_template(environment, source, True)
         except Exception as error:  # jinja2.TemplateSyntaxError and friends
             line = getattr(error, "lineno", None)
             raise BadInput(f"the chat template does not compile{f' (line {line})' if line else ''}: "

@@ -94,7 +94,7 @@ class Twin:
         return self.plain >= _plain(other)
 
     def __contains__(self, item: Any) -> bool:
-        return _plain(item) in self.plain
+        return (item.plain if type(item) is Twin else item) in (self._plain or self.plain)
 
     def startswith(self, *args: Any) -> bool:
         return self.plain.startswith(*args)
@@ -159,6 +159,7 @@ class Twin:
     __mod__ = __rmod__ = __mul__ = __rmul__ = _diverge
 
 
+_TEXT = (str, Twin)
 METHODS = frozenset({"startswith", "endswith", "strip", "lstrip", "rstrip", "split", "rsplit", "replace"})
 _STR_ATTRIBUTES = frozenset(dir(str))
 
@@ -262,10 +263,15 @@ def twin_filters(filters: dict[str, Callable]) -> dict[str, Callable]:
     return out
 
 
+def is_text(value: Any) -> bool:
+    """The `string` test: a str, or a Twin (whose text is one)."""
+    return isinstance(value, _TEXT)
+
+
 def twin_tests(tests: dict[str, Callable]) -> dict[str, Callable]:
     """The environment's tests: `string` and `iterable` hold for a Twin as for a str; `sameas` diverges."""
     iterable = tests["iterable"]
-    return {**tests, "string": lambda value: isinstance(value, str | Twin),
+    return {**tests, "string": is_text,
             "iterable": lambda value: type(value) is Twin or iterable(value),
             "sameas": _guarded(tests["sameas"])}
 
