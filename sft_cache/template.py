@@ -19,7 +19,7 @@ from typing import Any
 from . import twins
 from .errors import BadInput, BadRow
 from .formats import REASONING_FIELDS, Conversation
-from .marks import MARK_BASE, MARKS, Marked, mark
+from .marks import MARK_BASE, MARKS, Marked, holds_marks, mark
 from .sandbox import compile_template
 
 GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -67,7 +67,7 @@ class ChatTemplate:
             environment = _compile_jinja_template(source).environment
             self.compiled = compile_template(environment, source)
             # A template that writes characters of the markers' range would diverge on every row: skip Twins.
-            self.compiled_for_twins = None if MARKS.search(source) else compile_template(environment, source, True)
+            self.compiled_for_twins = None if holds_marks(source) else compile_template(environment, source, True)
         except Exception as error:  # jinja2.TemplateSyntaxError and friends
             line = getattr(error, "lineno", None)
             raise BadInput(f"the chat template does not compile{f' (line {line})' if line else ''}: "

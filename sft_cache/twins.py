@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable, Iterable, Mapping, MappingView, Set
 from typing import Any
 
-from .marks import MARKS
+from .marks import MARKS, holds_marks
 
 
 class Diverged(Exception):
@@ -127,7 +127,7 @@ class Twin:
     def _trimmed(self, chars: str | None, marked: str, plain: str) -> Twin:
         """A strip's results agree when both texts lost as many characters: stripping stops at a marker (if
         `chars` holds none), so the marked text lost only characters the plain one lost too."""
-        if len(self.marked) - len(marked) != len(self.plain) - len(plain) or (chars and MARKS.search(chars)):
+        if len(self.marked) - len(marked) != len(self.plain) - len(plain) or (chars and holds_marks(chars)):
             _diverge()
         return Twin(marked, plain)
 
@@ -171,7 +171,7 @@ def _marked(value: Any) -> Any:
 def _unmarked(text: str) -> str:
     """Text joined to a marked text, which must hold no marker-range character: the template's own (a string
     literal may spell one as an escape, which the source check does not see) or a variable's."""
-    if not text.isascii() and MARKS.search(text):  # isascii() is O(1) in CPython
+    if holds_marks(text):
         _diverge()
     return text
 
@@ -302,4 +302,4 @@ def render_twins(template, variables: dict[str, Any]) -> str | None:
         return None
     if type(result) is Twin:
         return result.marked
-    return None if MARKS.search(result) else result  # no field was rendered, but the template wrote a marker
+    return None if holds_marks(result) else result  # no field was rendered, but the template wrote a marker
