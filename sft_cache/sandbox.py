@@ -7,10 +7,11 @@ A template renders one row at a time, so the cost of Jinja's generic paths is pa
 - the environment (`_fast_sandbox`) decides whether an attribute is safe once per (type, name) pair and
   reads a dict's key at once, as the sandbox ends up doing after `getattr()` fails on a dict;
 - the code generator (`FastCodeGenerator`) writes those cases into the compiled template itself, guarded by
-  the exact type of the value, so they cost no call at all: a dict's key (`message.role`,
-  `message['role']`), a loop's counters (`loop.index0`, `loop.last`), a namespace's attribute (`ns.x`), and a
-  safe method of a str (`content.startswith(...)`). Any other type, or a name a dict or str holds as a
-  method, takes the environment's path as before.
+  the exact type (or identity) of the value, so they cost no call into the environment: a dict's key
+  (`message.role`, `message['role']`), a loop's counters (`loop.index0`, `loop.last`), a namespace's
+  attribute (`ns.x`), a safe method of a str (`content.startswith(...)`), the `string` test, and
+  `namespace(...)` itself; loops step through a generator. Any other type, or a name a dict or str holds as
+  a method, takes the environment's path as before.
 
 Each shortcut returns what the sandbox returns for that case (the same value, or the same Undefined), so
 the same templates render the same text, errors included (tests/test_sandbox.py checks every reference
@@ -20,6 +21,7 @@ template against transformers' own renderer).
 from __future__ import annotations
 
 import itertools
+import logging
 
 from jinja2 import nodes
 from jinja2.compiler import CodeGenerator, Frame, optimizeconst
@@ -28,6 +30,8 @@ from jinja2.tests import test_string
 from jinja2.utils import Namespace
 
 from . import twins
+
+logger = logging.getLogger("sft_cache")
 
 _DICT_ATTRIBUTES = frozenset(dir(dict))
 _WRAPPED = ("format", "format_map")  # the sandbox hands these out wrapped
@@ -112,7 +116,9 @@ def compile_template(environment, source: str, for_twins: bool = False):
     overlay = _fast_sandbox(environment, for_twins)
     try:
         compiled = overlay.from_string(source)
-    except SyntaxError:  # Python's, not the template's: code this generator wrote badly; jinja's own is exact too
+    except SyntaxError as error:  # Python's, not the template's: code this generator wrote badly
+        logger.warning("the chat template renders through jinja's own compiled code, slower: the fast code "
+                       "generator wrote invalid Python for it (%s)", error)
         overlay.code_generator_class = CodeGenerator
         compiled = overlay.from_string(source)
     namespace = compiled.root_render_func.__globals__  # the generated module's, shared by its blocks and macros
@@ -178,9 +184,23 @@ class FastCodeGenerator(CodeGenerator):
     @optimizeconst
     def visit_Call(self, node: nodes.Call, frame: Frame, forward_caller: bool = False) -> None:
         target = node.node
-        if (self.environment.is_async or forward_caller or node.dyn_args or node.dyn_kwargs
-                or not isinstance(target, nodes.Getattr) or target.attr not in _STR_METHODS):
+        if self.environment.is_async or forward_caller or node.dyn_args or node.dyn_kwargs:
             return super().visit_Call(node, frame, forward_caller=forward_caller)
+        if isinstance(target, nodes.Getattr) and target.attr in _STR_METHODS:
+            return self._str_method(node, target, frame)
+        if isinstance(target, nodes.Name) and target.name == "namespace":
+            value = self._local()
+            self.write(f"({value}(*()")
+            self.signature(node, frame)
+            self.write(f") if ({value} := ")
+            self.visit(target, frame)
+            self.write(f") is _Namespace else environment.call(context, {value}")
+            self.signature(node, frame, self._call_extra(frame))
+            self.write("))")
+            return None
+        return super().visit_Call(node, frame, forward_caller=forward_caller)
+
+    def _str_method(self, node: nodes.Call, target: nodes.Getattr, frame: Frame) -> None:
         method, value, kind = target.attr, self._local(), self._local()
         # The method is looked up before the arguments are evaluated, as in the environment's path.
         self.write(f"({value}.{method}(*()")
@@ -191,10 +211,15 @@ class FastCodeGenerator(CodeGenerator):
         if method in self.twin_methods:
             self.write(f" or {kind} is _Twin")
         self.write(f" else environment.call(context, environment.getattr({value}, {method!r})")
+        self.signature(node, frame, self._call_extra(frame))
+        self.write("))")
+
+    @staticmethod
+    def _call_extra(frame: Frame) -> dict[str, str] | None:
+        """The keyword arguments jinja passes `environment.call` inside loops and blocks."""
         extra = {**({"_loop_vars": "_loop_vars"} if frame.loop_frame else {}),
                  **({"_block_vars": "_block_vars"} if frame.block_frame else {})}
-        self.signature(node, frame, extra or None)
-        self.write("))")
+        return extra or None
 
 
 class TwinCodeGenerator(FastCodeGenerator):

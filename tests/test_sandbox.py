@@ -92,11 +92,18 @@ def test_the_namespace_and_loop_shortcuts_are_taken():
     assert calls == []
 
 
-def test_code_the_generator_writes_badly_falls_back_to_jinjas(monkeypatch):
+def test_code_the_generator_writes_badly_falls_back_to_jinjas_and_says_so(monkeypatch, caplog):
     source = "{% for m in messages %}{{ m.role }}{% endfor %}"
     monkeypatch.setattr(sandbox.FastCodeGenerator, "visit_Getattr", lambda self, node, frame: self.write("(]"))
     template = sandbox.compile_template(_compile_jinja_template(source).environment, source)
     assert template.render(messages=[{"role": "user"}]) == "user"
+    assert "jinja's own compiled code" in caplog.text
+
+
+@pytest.mark.parametrize("family", sorted(MODERN_FAMILIES))
+def test_every_modern_template_compiles_to_the_fast_code(modern_tokenizers, family, caplog):
+    ChatEncoder(modern_tokenizers(family))
+    assert "jinja's own compiled code" not in caplog.text
 
 
 def _same_text_as_transformers(tokenizer, template, conversation: Conversation) -> int:
