@@ -20,13 +20,13 @@ MARK_BASE = 0xF1000
 MARK_LIMIT = 0xFFFFE
 MARKS = re.compile("[\U000f1000-\U000ffffd]")
 MARK_SPLIT = re.compile(f"({MARKS.pattern})")  # split() keeps each marker between the text around it
+_NO_REASONING = frozenset({"role", "content", "tool_calls", "name", "tool_call_id"})  # keys of most messages
 
 
 def holds_marks(text: str) -> bool:
     """Whether the text holds a character of the markers' range (ASCII text, the usual case, is not scanned:
     isascii() is O(1) in CPython)."""
     return not text.isascii() and MARKS.search(text) is not None
-_NO_REASONING = frozenset({"role", "content", "tool_calls", "name", "tool_call_id"})  # keys of most messages
 
 
 @dataclass
