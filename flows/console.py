@@ -1,4 +1,5 @@
-"""Prefect's console logging under the CLI, in the CLI's process and in its process-pool workers.
+"""The CLI's console: Prefect's run logs, in the CLI's process and in its process-pool workers, and the progress
+bar drawn among them.
 
 The CLI picks a mode and exports it in SFT_TOKENIZE_CONSOLE, so spawned workers (which print their own
 task-run logs) follow it too. Without the variable (a deployment run, a test) nothing changes.
@@ -49,3 +50,39 @@ def configure_console(worker: bool = False):
     if mode == "quiet" or (worker and mode != "verbose"):
         handler.setLevel(logging.CRITICAL + 1)
     return handler.console
+
+
+def progress_console():
+    """Prefect's console, so log lines print above the progress bar instead of through it."""
+    from rich.console import Console
+    from rich.theme import Theme
+
+    console = configure_console()
+    if console is None:
+        return Console(stderr=True)
+    console.push_theme(Theme())  # Prefect's console theme lacks rich's default styles, which the bar needs
+    return console
+
+
+class ProgressBar:
+    """Slices finished and rows so far, drawn on stderr once the flow has planned its slices."""
+
+    def __init__(self, console):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.progress = Progress(TextColumn("tokenizing"), BarColumn(), MofNCompleteColumn(), TextColumn("slices"),
+                                 TextColumn("{task.fields[rows]:,} rows"), TimeElapsedColumn(), console=console)
+        self.task_id = None
+
+    def update(self, finished: int, total: int, rows: int) -> None:
+        if self.task_id is None:
+            self.progress.start()
+            self.task_id = self.progress.add_task("tokenizing", total=total, rows=0)
+        self.progress.update(self.task_id, total=total, completed=finished, rows=rows)
+
+    def __enter__(self) -> ProgressBar:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        if self.task_id is not None:
+            self.progress.stop()

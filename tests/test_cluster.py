@@ -26,7 +26,8 @@ from conftest import EXAMPLE_DATA, EXAMPLE_TOKENIZER
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterFlowRunId
 
-from flows.cli import build_parser, main, options_from
+from flows.arguments import build_parser, options_from
+from flows.cli import main
 from flows.console import CONSOLE_ENV
 from flows.tokenize_dataset import TokenizeRun, tokenize_dataset
 from sft_cache.content import DIGEST_BOOK
