@@ -128,7 +128,7 @@ def compile_template(environment, source: str, for_twins: bool = False):
     namespace["_Namespace"] = namespace_class if plain_reads else _NoNamespace
     namespace["LoopContext"] = _Loop
     namespace["_Str"] = str  # the twins' template has its own `str` (below)
-    namespace["_Text"] = (str, twins.Twin) if for_twins else str
+    namespace["_Text"] = twins.TEXT if for_twins else str
     if for_twins:
         namespace["str"], namespace["str_join"], namespace["_Twin"] = twins.output, twins.str_join, twins.Twin
     return compiled

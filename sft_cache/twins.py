@@ -159,7 +159,7 @@ class Twin:
     __mod__ = __rmod__ = __mul__ = __rmul__ = _diverge
 
 
-_TEXT = (str, Twin)
+TEXT = (str, Twin)  # what the `string` test accepts
 METHODS = frozenset({"startswith", "endswith", "strip", "lstrip", "rstrip", "split", "rsplit", "replace"})
 _STR_ATTRIBUTES = frozenset(dir(str))
 
@@ -265,7 +265,7 @@ def twin_filters(filters: dict[str, Callable]) -> dict[str, Callable]:
 
 def is_text(value: Any) -> bool:
     """The `string` test: a str, or a Twin (whose text is one)."""
-    return isinstance(value, _TEXT)
+    return isinstance(value, TEXT)
 
 
 def twin_tests(tests: dict[str, Callable]) -> dict[str, Callable]:
