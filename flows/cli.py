@@ -25,6 +25,7 @@ from pathlib import Path
 from flows.arguments import EXIT_BAD_INPUT, PROG, build_parser, options_from
 from flows.console import CONSOLE_ENV, ProgressBar, progress_console
 from sft_cache.errors import BadInput, CacheError
+from sft_cache.timeline import mark
 
 EXIT_OK, EXIT_FAILED = 0, 1
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a writer whose reader left
@@ -58,9 +59,19 @@ def prefect_home_problem() -> str | None:
     return None
 
 
+def keep_torch_out() -> None:
+    """transformers imports torch wherever it is installed (its rope utilities, which AutoTokenizer's config
+    import reaches), though tokenizing never uses it: over a second and ~190 MB of a run's process. An entry of
+    None in sys.modules makes `import torch` fail and its find_spec answer None, so transformers and datasets
+    take torch as absent. Only in the `run` command's own process: a training script that imports sft_cache
+    keeps its torch."""
+    sys.modules.setdefault("torch", None)
+
+
 def run(args: argparse.Namespace) -> int:
     from flows.interrupts import EXIT_CODES, raise_on_sigterm, signal_of
 
+    keep_torch_out()
     raise_on_sigterm()
     try:
         return _run(args)
@@ -132,6 +143,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         if server:
             server.use()
+        mark("server")
         # The bar closes, showing its last state, before an error is reported below it.
         with ProgressBar(progress_console()) as bar, on_progress(bar.update):
             cache_path = tokenize_dataset(options)
@@ -245,8 +257,10 @@ def main(argv: list[str] | None = None) -> int:
         warnings.filterwarnings("ignore", message="Failed to create the Prefect home directory")
         if args.command == "run":  # inherited by process-pool workers, which print their own logs
             os.environ[CONSOLE_ENV] = "quiet" if args.quiet else "verbose" if args.verbose else "plain"
+        mark("imports")
         code = {"run": run, "inspect": inspect, "pack": pack, "gc": gc}[args.command](args)
         sys.stdout.flush()
+        mark("exit")
         return code
     except BrokenPipeError:
         # The reader of stdout left (`sft-tokenize inspect ... | head`): stop quietly, as a shell tool does.

@@ -14,11 +14,12 @@ import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-
-from prefect.exceptions import TerminationSignal
-from prefect.task_runners import ProcessPoolTaskRunner, TaskRunner
+from typing import TYPE_CHECKING
 
 from sft_cache.stopping import request_stop
+
+if TYPE_CHECKING:
+    from prefect.task_runners import TaskRunner
 
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}  # 128 + the signal, as a shell reports it
 
@@ -70,6 +71,9 @@ def _terminate_processes(runner: TaskRunner, grace: float = 3.0) -> None:
 def stopping_workers(runner: TaskRunner, shards: list[Path]) -> Iterator[None]:
     """Around the slices' submission and wait: on Ctrl-C or SIGTERM, stop the workers first, then remove what
     they were writing: the temporary files of this run's `shards` (the store is shared with other runs)."""
+    from prefect.exceptions import TerminationSignal
+    from prefect.task_runners import ProcessPoolTaskRunner
+
     try:
         yield
     except (KeyboardInterrupt, TerminationSignal):

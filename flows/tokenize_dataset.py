@@ -37,6 +37,7 @@ from sft_cache.publish import building, is_published
 from sft_cache.reader import read_manifest
 from sft_cache.shard import encoding_processes, finished_shard
 from sft_cache.store import collect_garbage, discard_shards, leased, remove_cache
+from sft_cache.timeline import mark
 from tasks.pack_cache import pack_cache
 from tasks.plan_slices import plan_slices
 from tasks.publish_cache import publish_cache
@@ -275,6 +276,7 @@ def report_packing(index_path: Path) -> None:
 @flow(name="tokenize-dataset", description="Tokenize an SFT dataset into a memory-mapped Arrow cache.")
 def tokenize_dataset(options: TokenizeRun) -> str:
     """Plan, tokenize every slice into its own shard, publish the shards as the cache; return its path."""
+    mark("flow")
     logger = get_run_logger()
     started = time.monotonic()
     plan = plan_slices(options, min_slices=options.worker_count)  # small inputs still give every worker a slice
@@ -295,6 +297,7 @@ def tokenize_dataset(options: TokenizeRun) -> str:
                     timings = {"plan_seconds": plan_seconds, **tokenize_all(plan, options, reused)}
                     publish_cache(plan.job, plan.slices, plan.cache_path, plan.inputs, plan.name, timings,
                                   len(reused))
+                mark("published")
                 logger.info("published %s (%d slices reused, %d tokenized)", plan.cache_path, len(reused),
                             len(plan.slices) - len(reused))
                 if options.keep_versions:

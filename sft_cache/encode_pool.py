@@ -8,7 +8,7 @@ ones the thread would have written itself. Examples go out and encoded batches (
 come back pickled; nothing is shared. The other runners already give each worker its own process.
 
 The processes import neither transformers' tokenizer classes nor torch. Each is given the tokenizer as its
-parts (`TokenizerParts`: the Rust tokenizer's JSON, the chat template, the special tokens: all that encoding
+parts (`prepared.TokenizerParts`: the Rust tokenizer's JSON, the chat template, the special tokens: all that encoding
 reads of it) and the fast encoder this process chose and checked, and builds its `ChatEncoder` once; each
 slice's first rows are still checked against HF's in the process that encodes them. A process that dies
 (killed, out of memory) fails the batches it held: their slices fail and are retried, and the next batch
@@ -23,14 +23,12 @@ import signal
 import threading
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
 from typing import Any
-
-import numpy as np
 
 from .chat import ChatEncoder, EncodedBatch
 from .encoders import FastEncoder, rebuilt_encoder
 from .memory import limit_malloc_arenas
+from .prepared import PartsTokenizer, TokenizerParts
 
 DEPTH = 2  # a slice's batches in flight: one being encoded while its thread reads the next
 # Below this much input to tokenize, starting the pool (~1 s of CPU a process) costs more than it saves.
@@ -49,46 +47,6 @@ def tokenizer_env(tokenizer_threads: int) -> dict[str, str]:
     take all the cores, and each fastokens thread keeps its own buffers (~30 MiB on a 32k vocabulary)."""
     return {"RAYON_NUM_THREADS": str(tokenizer_threads), "FASTOKENS_BPE_THREADS": str(tokenizer_threads),
             "TOKENIZERS_PARALLELISM": "true" if tokenizer_threads > 1 else "false"}
-
-
-@dataclass(frozen=True)
-class TokenizerParts:
-    """What encoding reads of a transformers fast tokenizer, as plain data (picklable, about its JSON's size)."""
-
-    backend_json: str
-    chat_template: str | None
-    special_tokens_map: dict
-    eos_token: str | None
-    eos_token_id: int | None
-    special_tokens: tuple[str, ...]  # the contents of its added tokens marked special
-    fast: tuple[np.ndarray, bool] | None  # the checked fast encoder's byte lengths and NFC flag, or HF's
-
-    @classmethod
-    def of(cls, tokenizer: Any, fast: FastEncoder | None) -> TokenizerParts:
-        template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
-        specials = tuple(t.content for t in tokenizer.added_tokens_decoder.values() if t.special)
-        return cls(tokenizer.backend_tokenizer.to_str(), template, dict(tokenizer.special_tokens_map),
-                   tokenizer.eos_token, tokenizer.eos_token_id, specials,
-                   (fast.byte_lengths, fast.nfc) if fast else None)
-
-
-@dataclass(frozen=True)
-class _AddedToken:
-    content: str
-    special: bool = True
-
-
-class PartsTokenizer:
-    """The attributes `ChatEncoder`, `ChatTemplate` and `choose_encoder` read of a transformers tokenizer."""
-
-    def __init__(self, parts: TokenizerParts):
-        from tokenizers import Tokenizer
-
-        self.backend_tokenizer = Tokenizer.from_str(parts.backend_json)
-        self.chat_template = parts.chat_template
-        self.special_tokens_map = parts.special_tokens_map
-        self.eos_token, self.eos_token_id = parts.eos_token, parts.eos_token_id
-        self.added_tokens_decoder = {k: _AddedToken(content) for k, content in enumerate(parts.special_tokens)}
 
 
 _encoder: ChatEncoder | None = None  # in a pool process: the run's encoder

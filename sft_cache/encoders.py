@@ -15,6 +15,7 @@ import json
 import logging
 import threading
 import unicodedata
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -129,7 +130,14 @@ class FastEncoder:
     name = "fastokens"
 
     def __init__(self, native, byte_lengths: np.ndarray, nfc: bool):
-        self.native, self.byte_lengths, self.nfc = native, byte_lengths, nfc
+        self._native, self.byte_lengths, self.nfc = native, byte_lengths, nfc
+
+    @property
+    def native(self):
+        """fastokens' tokenizer; one still being built (a Future, see prepared.py) is waited for here."""
+        if isinstance(self._native, Future):
+            self._native = self._native.result()
+        return self._native
 
     def encode(self, texts: list[str], add_special_tokens: bool) -> list[IdsEncoding | None]:
         flat, bounds = self.native.encode_batch_flat(texts, add_special_tokens=add_special_tokens)
@@ -197,17 +205,18 @@ def _fastokens_or_refusal(backend) -> tuple[FastEncoder | None, str]:
     return encoder, ""
 
 
-_chosen: dict[tuple[str, str], FastEncoder | None] = {}
+_chosen: dict[tuple[str, str], tuple[FastEncoder | None, str]] = {}
 _choosing = threading.Lock()
 
 
-def choose_encoder(tokenizer: Any, requested: str) -> FastEncoder | None:
-    """The fast encoder for this tokenizer, or None for HF `tokenizers`; says in the log why it was refused.
-    Chosen once per process and tokenizer (the planner and every worker thread share the choice)."""
+def check_encoder(tokenizer: Any, requested: str) -> tuple[FastEncoder | None, str]:
+    """The fast encoder for this tokenizer, or None for HF `tokenizers` with the reason it was refused (empty
+    when HF was asked for); says in the log why it was refused. Chosen once per process and tokenizer (the
+    planner and every worker thread share the choice)."""
     if requested not in ENCODERS:
         raise BadInput(f"--encoder must be one of {', '.join(ENCODERS)}, not {requested!r}")
     if requested == "hf":
-        return None
+        return None, ""
     backend = tokenizer.backend_tokenizer
     key = (hashlib.sha256(backend.to_str().encode()).hexdigest(), requested)
     with _choosing:
@@ -216,14 +225,24 @@ def choose_encoder(tokenizer: Any, requested: str) -> FastEncoder | None:
         return _chosen[key]
 
 
-def _choose(backend, requested: str) -> FastEncoder | None:
+def choose_encoder(tokenizer: Any, requested: str) -> FastEncoder | None:
+    """The fast encoder for this tokenizer, or None for HF `tokenizers` (see check_encoder)."""
+    return check_encoder(tokenizer, requested)[0]
+
+
+def log_refusal(requested: str, refusal: str) -> None:
+    """Say why HF `tokenizers` encodes instead of fastokens; --encoder fastokens without fastokens is an error."""
+    installed = not refusal.startswith("fastokens is not installed")
+    if requested == "fastokens" and not installed:
+        raise BadInput(f"--encoder fastokens: {refusal}")
+    log = logger.warning if installed or requested == "fastokens" else logger.info
+    log("encoder: HF tokenizers, not fastokens: %s", refusal)
+
+
+def _choose(backend, requested: str) -> tuple[FastEncoder | None, str]:
     encoder, refusal = _fastokens_or_refusal(backend)
     if encoder is None:
-        installed = not refusal.startswith("fastokens is not installed")
-        if requested == "fastokens" and not installed:
-            raise BadInput(f"--encoder fastokens: {refusal}")
-        log = logger.warning if installed or requested == "fastokens" else logger.info
-        log("encoder: HF tokenizers, not fastokens: %s", refusal)
-        return None
+        log_refusal(requested, refusal)
+        return None, refusal
     logger.info("encoder: fastokens (its ids equal tokenizers' on %d check strings)", len(_check_strings(backend)))
-    return encoder
+    return encoder, ""

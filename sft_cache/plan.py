@@ -20,13 +20,15 @@ from .errors import BadInput
 from .fingerprint import fingerprint, hash_directory, hash_text, tokenization_inputs
 from .formats import REQUIRED, ColumnMap, resolve_columns
 from .options import TokenizeOptions, parse_size
+from .prepared import prepared_dir
 from .publish import is_published
-from .shard import Job, process_fast_encoder, process_tokenizer
+from .shard import Job, process_encoding
 from .slicing import cut_slices
 from .source_formats import reader
 from .sources import Slice, SourceFile, resolve
 from .store import store_dir
 from .template_check import check_chat_template
+from .timeline import mark
 
 
 @dataclass(frozen=True)
@@ -113,9 +115,9 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable
                 content_keys: bool = True) -> Plan:
     """Check the inputs, fingerprint them, and cut slices of about `shard_size` bytes (at least
     `min_slices` of them, so every worker gets work), each keyed by the content it reads. A published cache
-    returns before any tokenizer load; otherwise `on_work` is called once the tokenizer and template are
-    checked, so whatever it starts runs while the inputs are cut and hashed, and a refused tokenizer or
-    template starts nothing. `content_keys=False` skips hashing the inputs, for a check that does not
+    returns before any tokenizer load; otherwise `on_work` is called as soon as the cache is known to be
+    missing, so whatever it starts (the Prefect server) runs while the tokenizer is loaded and checked and
+    the inputs are cut and hashed. `content_keys=False` skips hashing the inputs, for a check that does not
     tokenize (its slices have no key)."""
     root = cache_root(options)
     tokenizer_dir = resolve_tokenizer(options.tokenizer, options.tokenizer_revision)
@@ -130,7 +132,7 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable
         "format": columns.format,
         "columns": columns.columns,
         # The tokenizer's own chat template is one of its files; an override is hashed on its own.
-        "tokenizer_files": hash_directory(tokenizer_dir),
+        "tokenizer_files": (tokenizer_files := hash_directory(tokenizer_dir)),
         "chat_template_override": hash_text(template_override),
         "template_kwargs": options.template_kwargs,
         "reasoning_turns": options.reasoning_turns,
@@ -171,16 +173,19 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable
         writer_batch_bytes=parse_size(options.writer_batch_bytes),
         trust_remote_code=options.trust_remote_code,
         storage_options=options.storage_options,
+        prepared=str(prepared_dir(root, tokenizer_files, options.trust_remote_code)),
     )
+    mark("planned")
     if is_published(cache_path):
         return Plan(job, [], name, cache_path, inputs, cached=True)
-    check_chat_template(options, tokenizer_dir, template_override, needed=columns.format != "text")
-    tokenizer = process_tokenizer(job.tokenizer_dir, template_override, options.trust_remote_code)
-    _check_tokenizer(tokenizer, columns, options)
-    # Here too, so that a missing extra or a refusal shows up before any task (and is not done again by them).
-    process_fast_encoder(job.tokenizer_dir, template_override, options.trust_remote_code, options.encoder)
     if on_work is not None:
         on_work()
+    check_chat_template(options, tokenizer_dir, template_override, needed=columns.format != "text")
+    # Here, so that a bad tokenizer, a missing extra or a refusal shows up before any task (and the threads
+    # runner's slices reuse what this process loaded and checked).
+    tokenizer, _ = process_encoding(job.tokenizer_dir, template_override, options.trust_remote_code,
+                                    options.encoder, job.prepared)
+    _check_tokenizer(tokenizer, columns, options)
     total = sum(f.size for f in files)
     # Halving (rather than total / min_slices) keeps the target, and so every cut point, the same while the
     # input grows, until it doubles.

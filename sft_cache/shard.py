@@ -32,9 +32,11 @@ from .encoders import VERIFY_ROWS, FastEncoder, choose_encoder
 from .errors import BadInput, BadRow, OutOfSpace
 from .formats import ColumnMap, to_example
 from .layouts import COLUMN_TYPES, column_values, layout_columns
+from .prepared import prepared_encoding
 from .source_formats import read_slice
 from .sources import Slice, filesystem
 from .stopping import raise_if_stopping
+from .timeline import mark
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,7 @@ class Job:
     storage_options: dict = field(default_factory=dict)
     store: str = ""  # the shard store: finished shards by content key, shared by every cache under the root
     tokenization: str = ""  # the fingerprint of everything that changes how a row is tokenized
+    prepared: str = ""  # where the tokenizer is kept prepared (prepared.py); empty: loaded and checked each time
 
     def shard_path(self, slice_: Slice) -> Path:
         return Path(self.store) / f"{slice_.key}.arrow"
@@ -195,16 +198,23 @@ def finished_shard(job: Job, slice_: Slice) -> dict | None:
 
 
 @lru_cache(maxsize=4)
-def process_tokenizer(tokenizer_dir: str, chat_template: str | None, trust_remote_code: bool):
-    """One tokenizer per process, shared by its threads (encoding does not mutate it), and by the plan that
-    checked it when the slices run in the planning process (the threads runner)."""
-    return load_tokenizer(tokenizer_dir, chat_template, trust_remote_code)
+def process_encoding(tokenizer_dir: str, chat_template: str | None, trust_remote_code: bool, encoder: str,
+                     prepared: str = "") -> tuple[Any, FastEncoder | None]:
+    """One tokenizer and fast encoder per process, shared by its threads (encoding does not mutate them), and by
+    the plan that checked them when the slices run in the planning process (the threads runner). With a
+    `prepared` directory (prepared.py) they come from there, made once per tokenizer content."""
+    def load():
+        return load_tokenizer(tokenizer_dir, None, trust_remote_code)
 
-
-@lru_cache(maxsize=4)
-def process_fast_encoder(tokenizer_dir: str, chat_template: str | None, trust_remote_code: bool, encoder: str):
-    """Chosen and checked once per process, like the tokenizer."""
-    return choose_encoder(process_tokenizer(tokenizer_dir, chat_template, trust_remote_code), encoder)
+    if prepared:
+        tokenizer, fast = prepared_encoding(Path(prepared), load, encoder)
+    else:
+        tokenizer = load()
+        fast = choose_encoder(tokenizer, encoder)
+    mark("encoding")
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return tokenizer, fast
 
 
 def encoder_settings(job: Job) -> dict:
@@ -216,8 +226,7 @@ def encoder_settings(job: Job) -> dict:
 
 def _process_encoding(job: Job) -> tuple[Any, FastEncoder | None]:
     """This process's tokenizer and fast encoder for the job."""
-    return (process_tokenizer(job.tokenizer_dir, job.chat_template, job.trust_remote_code),
-            process_fast_encoder(job.tokenizer_dir, job.chat_template, job.trust_remote_code, job.encoder))
+    return process_encoding(job.tokenizer_dir, job.chat_template, job.trust_remote_code, job.encoder, job.prepared)
 
 
 def encoder_for(job: Job) -> ChatEncoder:
@@ -335,6 +344,7 @@ def tokenize_slice(job: Job, slice_: Slice) -> int:
     if done is not None:
         return done["rows"]
     started = time.monotonic()
+    mark("first_slice")
     shard = job.shard_path(slice_)
     tmp = shard.with_name(f"{shard.name}.tmp-{uuid.uuid4().hex}")
     try:

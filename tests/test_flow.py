@@ -114,10 +114,9 @@ def test_second_run_is_a_cache_hit_that_tokenizes_nothing(threads_run):
 def test_a_threads_run_loads_the_tokenizer_once_for_its_plan_and_slices(tmp_path, monkeypatch):
     from transformers import AutoTokenizer
 
-    from sft_cache.shard import process_fast_encoder, process_tokenizer
+    from sft_cache.shard import process_encoding
 
-    process_tokenizer.cache_clear()
-    process_fast_encoder.cache_clear()
+    process_encoding.cache_clear()
     loads = []
     load = AutoTokenizer.from_pretrained
     monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda *args, **kwargs: loads.append(args) or
@@ -126,7 +125,7 @@ def test_a_threads_run_loads_the_tokenizer_once_for_its_plan_and_slices(tmp_path
     assert state.is_completed() and len(tokenize_runs(task_runs)) == 4
     # The plan checked the tokenizer and chose the encoder; the slices, on threads of the same process, reuse both.
     assert len(loads) == 1, loads
-    assert process_fast_encoder.cache_info().misses == 1
+    assert process_encoding.cache_info().misses == 1
 
 
 def test_force_rebuilds_a_published_cache(tmp_path, reference):

@@ -1,0 +1,180 @@
+"""A tokenizer prepared once per content: what loading and checking it costs, paid by the first run only.
+
+Loading a 151k-vocabulary tokenizer through transformers (whose import alone takes most of a second) and
+checking the fast encoder against `tokenizers` on the hard strings take seconds, and every process of a run
+(the planner, each encode-pool process, each worker of the processes runner or a cluster) used to pay them
+again, as did every later run. What encoding reads of a tokenizer is plain data, so the first process that
+loads a tokenizer keeps it under the cache root (shared by every worker that shares the root):
+
+    CACHE_ROOT/.tokenizers/<key>/
+        backend.json      the Rust tokenizer as transformers built it (`backend_tokenizer.to_str()`)
+        byte_lengths.npy  each id's length in UTF-8 bytes, when the fast encoder was accepted
+        prepared.json     written last (its presence means the rest is complete): the special tokens, the chat
+                          template, the fast encoder's verdict (accepted with its NFC flag, or why it was refused)
+
+`<key>` hashes the SHA-256 of every file of the tokenizer directory (as the fingerprint does) with the
+versions of transformers, tokenizers and fastokens and `PREPARED_VERSION`: an edited tokenizer file or an
+upgraded library gets a new entry, never a stale one. A later process builds a `PartsTokenizer` (the
+attributes `ChatEncoder` reads) from it without importing transformers, and the fast encoder without
+checking it again; each slice's first rows are still encoded by both encoders and compared. A damaged or
+half-written entry is prepared again; losing the directory costs one slow start, so its files are renamed
+into place without an fsync.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .encoders import FastEncoder, check_encoder, log_refusal
+from .fingerprint import fingerprint
+
+logger = logging.getLogger("sft_cache")
+
+PREPARED_VERSION = 1  # bumped whenever what an entry holds, or how it is read, changes
+PREPARED_DIR = ".tokenizers"
+
+
+@dataclass(frozen=True)
+class TokenizerParts:
+    """What encoding reads of a transformers fast tokenizer, as plain data (picklable, about its JSON's size)."""
+
+    backend_json: str
+    chat_template: str | None
+    special_tokens_map: dict
+    eos_token: str | None
+    eos_token_id: int | None
+    special_tokens: tuple[str, ...]  # the contents of its added tokens marked special
+    fast: tuple[np.ndarray, bool] | None  # the checked fast encoder's byte lengths and NFC flag, or HF's
+
+    @classmethod
+    def of(cls, tokenizer: Any, fast: FastEncoder | None) -> TokenizerParts:
+        template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
+        known = getattr(tokenizer, "parts", None)  # a PartsTokenizer: its JSON is at hand, not serialized again
+        if known is not None:
+            return replace(known, chat_template=template, fast=(fast.byte_lengths, fast.nfc) if fast else None)
+        specials = tuple(t.content for t in tokenizer.added_tokens_decoder.values() if t.special)
+        return cls(tokenizer.backend_tokenizer.to_str(), template, dict(tokenizer.special_tokens_map),
+                   tokenizer.eos_token, tokenizer.eos_token_id, specials,
+                   (fast.byte_lengths, fast.nfc) if fast else None)
+
+
+@dataclass(frozen=True)
+class _AddedToken:
+    content: str
+    special: bool = True
+
+
+class PartsTokenizer:
+    """The attributes `ChatEncoder`, `ChatTemplate` and `choose_encoder` read of a transformers tokenizer."""
+
+    def __init__(self, parts: TokenizerParts):
+        from tokenizers import Tokenizer
+
+        self.parts = parts
+        self.backend_tokenizer = Tokenizer.from_str(parts.backend_json)
+        self.chat_template = parts.chat_template
+        self.special_tokens_map = parts.special_tokens_map
+        self.eos_token, self.eos_token_id = parts.eos_token, parts.eos_token_id
+        self.added_tokens_decoder = {k: _AddedToken(content) for k, content in enumerate(parts.special_tokens)}
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def prepared_dir(cache_root: Path, tokenizer_files: dict[str, str], trust_remote_code: bool) -> Path:
+    """Where the tokenizer whose files have these digests is kept prepared, for these library versions."""
+    key = fingerprint({"files": tokenizer_files, "trust_remote_code": trust_remote_code,
+                       "prepared_version": PREPARED_VERSION,
+                       "versions": {name: _version(name) for name in ("transformers", "tokenizers", "fastokens")}})
+    return cache_root / PREPARED_DIR / key
+
+
+def _fastokens_in_background(tokenizer_json: str) -> Future:
+    """fastokens builds its tables (most of a second for a 151k vocabulary) without holding the GIL: in a thread,
+    while this process goes on planning, and waited for only when the first row is encoded."""
+    import fastokens
+
+    done: Future = Future()
+
+    def build() -> None:
+        try:
+            done.set_result(fastokens.Tokenizer.from_json_str(tokenizer_json))
+        except BaseException as error:  # noqa: BLE001 - handed to whoever waits for the encoder
+            done.set_exception(error)
+
+    threading.Thread(target=build, name="fastokens-load", daemon=True).start()
+    return done
+
+
+def _read(directory: Path) -> tuple[TokenizerParts, dict] | None:
+    try:
+        meta = json.loads((directory / "prepared.json").read_text())
+        backend_json = (directory / "backend.json").read_text(encoding="utf-8")
+        lengths = np.load(directory / "byte_lengths.npy") if meta["encoder"].get("accepted") else None
+        parts = TokenizerParts(backend_json, meta["chat_template"], meta["special_tokens_map"], meta["eos_token"],
+                               meta["eos_token_id"], tuple(meta["special_tokens"]),
+                               (lengths, meta["encoder"]["nfc"]) if lengths is not None else None)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return parts, meta["encoder"]
+
+
+def _write(directory: Path, parts: TokenizerParts, verdict: dict) -> None:
+    """Each file renamed into place, prepared.json last; a concurrent writer of the same entry writes the same."""
+    tag = uuid.uuid4().hex[:8]
+
+    def put(name: str, write) -> None:
+        tmp = directory / f".{name}.tmp-{tag}"
+        write(tmp)
+        os.replace(tmp, directory / name)
+
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        put("backend.json", lambda p: p.write_text(parts.backend_json, encoding="utf-8"))
+        if parts.fast is not None:
+            put("byte_lengths.npy", lambda p: np.save(p.open("wb"), parts.fast[0]))
+        meta = {"prepared_version": PREPARED_VERSION, "chat_template": parts.chat_template,
+                "special_tokens_map": parts.special_tokens_map, "eos_token": parts.eos_token,
+                "eos_token_id": parts.eos_token_id, "special_tokens": list(parts.special_tokens), "encoder": verdict}
+        put("prepared.json", lambda p: p.write_text(json.dumps(meta)))
+    except OSError as error:  # a read-only cache root: the next run prepares it again
+        logger.info("tokenizer not kept prepared in %s: %s", directory, error.strerror)
+
+
+def prepared_encoding(directory: Path, load, requested: str) -> tuple[Any, FastEncoder | None]:
+    """The tokenizer and the fast encoder (or None for HF's) kept in `directory`, or, the first time, `load()`'s
+    tokenizer and the encoder checked against it, then kept there. Requested "hf", the check is left for a
+    run that asks for the fast encoder."""
+    found = _read(directory)
+    if found is not None and (requested == "hf" or "accepted" in found[1]):
+        parts, verdict = found
+        tokenizer = PartsTokenizer(parts)
+        if requested == "hf":
+            return tokenizer, None
+        if not verdict["accepted"]:
+            log_refusal(requested, verdict["refusal"])
+            return tokenizer, None
+        logger.info("encoder: fastokens (checked when this tokenizer was first prepared)")
+        native = _fastokens_in_background(parts.backend_json)
+        return tokenizer, FastEncoder(native, parts.fast[0], parts.fast[1])
+    tokenizer = load()
+    fast, refusal = check_encoder(tokenizer, requested)
+    verdict = {} if requested == "hf" else {"accepted": True, "nfc": fast.nfc} if fast else \
+        {"accepted": False, "refusal": refusal}
+    _write(directory, TokenizerParts.of(tokenizer, fast), verdict)
+    return tokenizer, fast

@@ -1,0 +1,134 @@
+"""A tokenizer prepared once per content (sft_cache/prepared.py): later processes skip transformers' load and the
+encoder check, and encode the same bytes; an edited tokenizer or a damaged entry is prepared again."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+
+import numpy as np
+import pytest
+from conftest import EXAMPLE_TOKENIZER, example_rows
+from test_encoders import metaspace_tokenizer  # noqa: F401 - a fixture
+
+from sft_cache import encoders
+from sft_cache.chat import ChatEncoder, load_tokenizer
+from sft_cache.fingerprint import hash_directory
+from sft_cache.formats import ColumnMap, to_example
+from sft_cache.prepared import PartsTokenizer, prepared_dir, prepared_encoding
+
+pytest.importorskip("fastokens")
+
+COLUMNS = ColumnMap("chat", {"messages": "messages"})
+
+
+class Counted:
+    """load() for prepared_encoding, counting the transformers loads; and the encoder checks of this test."""
+
+    def __init__(self, directory, monkeypatch):
+        self.directory, self.loads, self.checks = directory, 0, 0
+        check = encoders._fastokens_or_refusal
+
+        def counted_check(backend):
+            self.checks += 1
+            return check(backend)
+
+        monkeypatch.setattr(encoders, "_fastokens_or_refusal", counted_check)
+        monkeypatch.setattr(encoders, "_chosen", {})  # no choice remembered from other tests
+
+    def __call__(self):
+        self.loads += 1
+        return load_tokenizer(self.directory)
+
+
+def entry(tmp_path, tokenizer_dir):
+    return prepared_dir(tmp_path / "cache", hash_directory(tokenizer_dir), False)
+
+
+def encoded(tokenizer, fast, rows):
+    batch = ChatEncoder(tokenizer, fast=fast).encode_batch([to_example(row, COLUMNS) for row in rows])
+    return batch.input_ids.tobytes(), batch.loss_mask.tobytes(), batch.offsets.tobytes(), batch.rows_verified
+
+
+@pytest.mark.parametrize("requested", ["auto", "hf"])
+def test_a_prepared_tokenizer_skips_the_load_and_the_check_and_encodes_the_same_bytes(tmp_path, monkeypatch,
+                                                                                       requested):
+    directory = entry(tmp_path, EXAMPLE_TOKENIZER)
+    load = Counted(EXAMPLE_TOKENIZER, monkeypatch)
+    first, first_fast = prepared_encoding(directory, load, requested)
+    assert (load.loads, load.checks) == (1, requested != "hf")
+    assert (directory / "prepared.json").is_file() and (directory / "backend.json").is_file()
+    encoders._chosen.clear()
+    again, again_fast = prepared_encoding(directory, load, requested)
+    assert (load.loads, load.checks) == (1, requested != "hf")  # neither loaded nor checked again
+    assert isinstance(again, PartsTokenizer) and (again_fast is None) == (requested == "hf")
+    rows = example_rows()[:40]
+    want = encoded(first, first_fast, rows)
+    assert encoded(again, again_fast, rows) == want
+    assert want[3] == (16 if requested != "hf" else 0)  # a slice's first rows are still checked against HF's
+
+
+def test_an_entry_made_for_hf_is_checked_when_the_fast_encoder_is_asked_for(tmp_path, monkeypatch):
+    directory = entry(tmp_path, EXAMPLE_TOKENIZER)
+    load = Counted(EXAMPLE_TOKENIZER, monkeypatch)
+    prepared_encoding(directory, load, "hf")
+    _, fast = prepared_encoding(directory, load, "auto")
+    assert fast is not None and (load.loads, load.checks) == (2, 1)
+    assert json.loads((directory / "prepared.json").read_text())["encoder"] == {"accepted": True, "nfc": fast.nfc}
+
+
+def test_a_refusal_is_kept_and_said_again_without_checking(tmp_path, monkeypatch, metaspace_tokenizer, caplog):  # noqa: F811
+    source = tmp_path / "metaspace"
+    metaspace_tokenizer.save_pretrained(str(source))
+    directory = entry(tmp_path, source)
+    load = Counted(source, monkeypatch)
+    assert prepared_encoding(directory, load, "auto")[1] is None
+    encoders._chosen.clear()
+    with caplog.at_level(logging.INFO, logger="sft_cache"):
+        tokenizer, fast = prepared_encoding(directory, load, "auto")
+    assert fast is None and (load.loads, load.checks) == (1, 1)
+    assert "not fastokens: its pre-tokenizer (Metaspace) is not byte-level" in caplog.text
+
+
+def test_an_edited_tokenizer_file_or_a_library_version_names_another_entry(tmp_path, monkeypatch):
+    edited = shutil.copytree(EXAMPLE_TOKENIZER, tmp_path / "edited")
+    config = json.loads((edited / "tokenizer_config.json").read_text())
+    (edited / "tokenizer_config.json").write_text(json.dumps({**config, "model_max_length": 77}))
+    assert entry(tmp_path, edited) != entry(tmp_path, EXAMPLE_TOKENIZER)
+    from sft_cache import prepared
+
+    before = entry(tmp_path, EXAMPLE_TOKENIZER)
+    monkeypatch.setattr(prepared, "_version", lambda name: "0.0.1" if name == "fastokens" else None)
+    assert entry(tmp_path, EXAMPLE_TOKENIZER) != before
+
+
+@pytest.mark.parametrize("damage", ["truncated", "no_backend", "no_lengths"])
+def test_a_damaged_entry_is_prepared_again(tmp_path, monkeypatch, damage):
+    directory = entry(tmp_path, EXAMPLE_TOKENIZER)
+    load = Counted(EXAMPLE_TOKENIZER, monkeypatch)
+    want = encoded(*prepared_encoding(directory, load, "auto"), example_rows()[:8])
+    if damage == "truncated":
+        meta = directory / "prepared.json"
+        meta.write_bytes(meta.read_bytes()[:50])
+    else:
+        (directory / ("backend.json" if damage == "no_backend" else "byte_lengths.npy")).unlink()
+    encoders._chosen.clear()
+    tokenizer, fast = prepared_encoding(directory, load, "auto")
+    assert (load.loads, load.checks) == (2, 2)
+    assert encoded(tokenizer, fast, example_rows()[:8]) == want
+    assert np.load(directory / "byte_lengths.npy").shape == fast.byte_lengths.shape
+
+
+def test_a_template_override_applies_to_both_loads_and_the_entry_keeps_the_tokenizers_own(tmp_path):
+    from sft_cache.shard import process_encoding
+
+    directory = entry(tmp_path, EXAMPLE_TOKENIZER)
+    override = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    own = (EXAMPLE_TOKENIZER / "chat_template.jinja").read_text()
+    for _ in range(2):  # prepared, then read from the entry
+        process_encoding.cache_clear()
+        tokenizer, _ = process_encoding(str(EXAMPLE_TOKENIZER), override, False, "auto", str(directory))
+        assert tokenizer.chat_template == override
+    assert isinstance(tokenizer, PartsTokenizer)
+    assert json.loads((directory / "prepared.json").read_text())["chat_template"].strip() == own.strip()
