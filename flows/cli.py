@@ -125,11 +125,14 @@ def _run(args: argparse.Namespace) -> int:
     from flows.embedded_server import EmbeddedServer, ServerUnavailable, check_api_reachable
     from flows.interrupts import Terminated
     from flows.tokenize_dataset import TokenizeRun, first_line, on_progress, tokenize_dataset
+    from sft_cache.shard import warm_encoder
 
     try:
         options = TokenizeRun(**settings)
     except ValidationError as error:
         return _fail("; ".join(map(_as_option_error, error.errors())), EXIT_BAD_INPUT)
+    if options.runner == "threads" and not options.encode_process_count(sum(s.nbytes for s in plan.slices)):
+        warm_encoder(plan.job)  # this process will encode: fastokens builds while Prefect starts the flow
     if server is None and EmbeddedServer.needed():  # --force of a published cache: the plan did no work
         server = EmbeddedServer()
     if server is None:

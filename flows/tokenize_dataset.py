@@ -35,7 +35,7 @@ from sft_cache.packing import PackOptions
 from sft_cache.plan import Plan
 from sft_cache.publish import building, is_published
 from sft_cache.reader import read_manifest
-from sft_cache.shard import encoding_processes, finished_shard
+from sft_cache.shard import encoding_processes, finished_shard, warm_encoder
 from sft_cache.store import collect_garbage, discard_shards, leased, remove_cache
 from sft_cache.timeline import mark
 from tasks.pack_cache import pack_cache
@@ -193,6 +193,8 @@ def tokenize_all(plan: Plan, options: TokenizeRun, staged: set[int]) -> dict:
     workers = max(1, min(options.worker_count, total))
     # Threads share one GIL: their batches are rendered, masked and encoded by a process per core instead.
     processes = options.encode_process_count(sum(s.nbytes for s in plan.slices if s.index not in staged))
+    if options.runner == "threads" and not processes:
+        warm_encoder(plan.job)  # this process encodes: its fast encoder builds while the slices are submitted
     cached_task = tokenize_slice.with_options(retries=options.retries, **result_storage(options))
     # A slice without a finished shard on disk runs even if Prefect remembers a result for its key.
     fresh_task = cached_task.with_options(refresh_cache=True)

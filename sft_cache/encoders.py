@@ -124,6 +124,37 @@ class IdsEncoding:
         return np.searchsorted(self.starts, positions, side="left")
 
 
+class PendingNative:
+    """fastokens' tokenizer for a JSON, not built yet: built in a background thread once `start()`ed (fastokens
+    builds its tables, most of a second for a 151k vocabulary, without holding the GIL), or at first use. A
+    process that never encodes (the planner of a run whose encode pool encodes) never builds it."""
+
+    def __init__(self, tokenizer_json: str):
+        self.tokenizer_json = tokenizer_json
+        self._built: Future | None = None
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        with self._lock:
+            if self._built is not None:
+                return
+            self._built = built = Future()
+
+        def build() -> None:
+            import fastokens
+
+            try:
+                built.set_result(fastokens.Tokenizer.from_json_str(self.tokenizer_json))
+            except BaseException as error:  # noqa: BLE001 - raised to whoever waits for the encoder
+                built.set_exception(error)
+
+        threading.Thread(target=build, name="fastokens-build", daemon=True).start()
+
+    def result(self):
+        self.start()
+        return self._built.result()
+
+
 class FastEncoder:
     """fastokens for one tokenizer, with each id's byte length; `encode` gives None for a row it cannot place."""
 
@@ -134,10 +165,15 @@ class FastEncoder:
 
     @property
     def native(self):
-        """fastokens' tokenizer; one still being built (a Future, see prepared.py) is waited for here."""
-        if isinstance(self._native, Future):
+        """fastokens' tokenizer; a pending one is built, or waited for, here."""
+        if isinstance(self._native, PendingNative):
             self._native = self._native.result()
         return self._native
+
+    def warm(self) -> None:
+        """Start building a pending tokenizer in the background, for a process about to encode."""
+        if isinstance(self._native, PendingNative):
+            self._native.start()
 
     def encode(self, texts: list[str], add_special_tokens: bool) -> list[IdsEncoding | None]:
         flat, bounds = self.native.encode_batch_flat(texts, add_special_tokens=add_special_tokens)

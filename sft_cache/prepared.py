@@ -15,10 +15,10 @@ loads a tokenizer keeps it under the cache root (shared by every worker that sha
 `<key>` hashes the SHA-256 of every file of the tokenizer directory (as the fingerprint does) with the
 versions of transformers, tokenizers and fastokens and `PREPARED_VERSION`: an edited tokenizer file or an
 upgraded library gets a new entry, never a stale one. A later process builds a `PartsTokenizer` (the
-attributes `ChatEncoder` reads) from it without importing transformers, and the fast encoder without
-checking it again; each slice's first rows are still encoded by both encoders and compared. A damaged or
-half-written entry is prepared again; losing the directory costs one slow start, so its files are renamed
-into place without an fsync.
+attributes `ChatEncoder` reads) from it without transformers' tokenizer classes, and the fast encoder without
+checking it again, and only once it is about to encode (`FastEncoder.warm`, in the background); each slice's
+first rows are still encoded by both encoders and compared. A damaged or half-written entry is prepared
+again; losing the directory costs one slow start, so its files are renamed into place without an fsync.
 """
 
 from __future__ import annotations
@@ -26,9 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-import threading
 import uuid
-from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from importlib import metadata
 from pathlib import Path
@@ -36,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from .encoders import FastEncoder, check_encoder, log_refusal
+from .encoders import FastEncoder, PendingNative, check_encoder, log_refusal
 from .fingerprint import fingerprint
 
 logger = logging.getLogger("sft_cache")
@@ -104,23 +102,6 @@ def prepared_dir(cache_root: Path, tokenizer_files: dict[str, str], trust_remote
     return cache_root / PREPARED_DIR / key
 
 
-def _fastokens_in_background(tokenizer_json: str) -> Future:
-    """fastokens builds its tables (most of a second for a 151k vocabulary) without holding the GIL: in a thread,
-    while this process goes on planning, and waited for only when the first row is encoded."""
-    import fastokens
-
-    done: Future = Future()
-
-    def build() -> None:
-        try:
-            done.set_result(fastokens.Tokenizer.from_json_str(tokenizer_json))
-        except BaseException as error:  # noqa: BLE001 - handed to whoever waits for the encoder
-            done.set_exception(error)
-
-    threading.Thread(target=build, name="fastokens-load", daemon=True).start()
-    return done
-
-
 def _read(directory: Path) -> tuple[TokenizerParts, dict] | None:
     try:
         meta = json.loads((directory / "prepared.json").read_text())
@@ -170,8 +151,7 @@ def prepared_encoding(directory: Path, load, requested: str) -> tuple[Any, FastE
             log_refusal(requested, verdict["refusal"])
             return tokenizer, None
         logger.info("encoder: fastokens (checked when this tokenizer was first prepared)")
-        native = _fastokens_in_background(parts.backend_json)
-        return tokenizer, FastEncoder(native, parts.fast[0], parts.fast[1])
+        return tokenizer, FastEncoder(PendingNative(parts.backend_json), parts.fast[0], parts.fast[1])
     tokenizer = load()
     fast, refusal = check_encoder(tokenizer, requested)
     verdict = {} if requested == "hf" else {"accepted": True, "nfc": fast.nfc} if fast else \

@@ -229,6 +229,13 @@ def _process_encoding(job: Job) -> tuple[Any, FastEncoder | None]:
     return process_encoding(job.tokenizer_dir, job.chat_template, job.trust_remote_code, job.encoder, job.prepared)
 
 
+def warm_encoder(job: Job) -> None:
+    """This process is about to encode the job's slices itself: start building its fast encoder now."""
+    fast = _process_encoding(job)[1]
+    if fast is not None:
+        fast.warm()
+
+
 def encoder_for(job: Job) -> ChatEncoder:
     tokenizer, fast = _process_encoding(job)
     return ChatEncoder(tokenizer, fast=fast, **encoder_settings(job))
