@@ -15,6 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 from conftest import EXAMPLE_DATA, EXAMPLE_TOKENIZER, example_rows, write_jsonl
+from datasets import load_from_disk
 
 from sft_cache.options import TokenizeOptions
 from sft_cache.plan import plan_slices
@@ -175,3 +176,35 @@ def test_failed_slice_exits_1_and_the_same_command_resumes(tmp_path, prefect_hom
     for index in (0, 2, 3):  # the published files are the staged shards (hard links), untouched by the rerun
         stat = published[index].stat()
         assert (stat.st_ino, stat.st_mtime_ns) == staged[index]
+
+
+# `sft-tokenize run` in a subprocess that says, on its last stderr line, which of these modules it had loaded.
+PROBE = ("import json, sys\nfrom flows.cli import main\ncode = main(sys.argv[1:])\n"
+         "print(json.dumps(sorted(m for m in ('torch', 'prefect', 'transformers', "
+         "'transformers.models.auto.tokenization_auto') if sys.modules.get(m))), file=sys.stderr)\nsys.exit(code)\n")
+
+
+def probed_run(tmp_path: Path, home: Path, *extra: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+    result = subprocess.run([sys.executable, "-c", PROBE, "run", str(EXAMPLE_DATA), "--tokenizer",
+                             str(EXAMPLE_TOKENIZER), "--cache-dir", str(tmp_path / "cache"), "--workers", "2", *extra],
+                            capture_output=True, text=True, env=environment(home), timeout=300)
+    assert result.returncode == 0, result.stderr
+    return result, json.loads(result.stderr.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_a_run_loads_no_torch_a_later_one_no_tokenizer_classes_and_a_cache_hit_no_prefect(tmp_path, prefect_home):
+    first, loaded = probed_run(tmp_path, prefect_home)
+    assert "torch" not in loaded and "transformers.models.auto.tokenization_auto" in loaded, loaded
+    prepared = list((tmp_path / "cache" / ".tokenizers").iterdir())
+    assert len(prepared) == 1 and (prepared[0] / "prepared.json").is_file()
+    cache = Path(first.stdout.splitlines()[-1])
+    ids = load_from_disk(str(cache))["input_ids"]
+
+    rebuilt, loaded = probed_run(tmp_path, prefect_home, "--force")  # tokenized again, from the prepared entry
+    assert rebuilt.stdout == first.stdout and "tokenizing" in rebuilt.stderr
+    assert loaded == ["prefect", "transformers"], loaded  # the chat template's environment; no tokenizer classes
+    assert load_from_disk(str(cache))["input_ids"] == ids
+
+    hit, loaded = probed_run(tmp_path, prefect_home)
+    assert hit.stdout == first.stdout and loaded == [], loaded
