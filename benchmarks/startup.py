@@ -46,7 +46,7 @@ from build_inputs import CorpusSpec, build, qwen_tokenizer  # noqa: E402
 from measure import measure  # noqa: E402
 from run import ENV, machine  # noqa: E402
 
-EVENTS = ("imports", "planned", "tokenizer", "encoder", "server", "flow", "first_slice", "published", "exit")
+EVENTS = ("imports", "planned", "encoding", "server", "flow", "first_slice", "published", "exit")
 MODES = ("cold", "hit", "warm")
 MODE_LABELS = {"cold": "cold, fresh Prefect home", "hit": "cache hit", "warm": "cold, server warm"}
 TRACE_VARIABLE = "SFT_TOKENIZE_TRACE"
