@@ -173,7 +173,7 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable
         writer_batch_bytes=parse_size(options.writer_batch_bytes),
         trust_remote_code=options.trust_remote_code,
         storage_options=options.storage_options,
-        prepared=str(prepared_dir(root, tokenizer_files, options.trust_remote_code)),
+        prepared=str(prepared_dir(tokenizer_files, options.trust_remote_code)),
     )
     mark("planned")
     if is_published(cache_path):

@@ -4,9 +4,10 @@ Loading a 151k-vocabulary tokenizer through transformers (whose import alone tak
 checking the fast encoder against `tokenizers` on the hard strings take seconds, and every process of a run
 (the planner, each encode-pool process, each worker of the processes runner or a cluster) used to pay them
 again, as did every later run. What encoding reads of a tokenizer is plain data, so the first process that
-loads a tokenizer keeps it under the cache root (shared by every worker that shares the root):
+loads a tokenizer keeps it in this user's cache, for every later process on the machine whatever its cache
+root ($SFT_TOKENIZE_HOME, else $XDG_CACHE_HOME/sft-tokenize, else ~/.cache/sft-tokenize):
 
-    CACHE_ROOT/.tokenizers/<key>/
+    <that directory>/tokenizers/<key>/
         backend.json      the Rust tokenizer as transformers built it (`backend_tokenizer.to_str()`)
         byte_lengths.npy  each id's length in UTF-8 bytes, when the fast encoder was accepted
         prepared.json     written last (its presence means the rest is complete): the special tokens, the chat
@@ -40,7 +41,7 @@ from .fingerprint import fingerprint
 logger = logging.getLogger("sft_cache")
 
 PREPARED_VERSION = 1  # bumped whenever what an entry holds, or how it is read, changes
-PREPARED_DIR = ".tokenizers"
+HOME_ENV = "SFT_TOKENIZE_HOME"
 
 
 @dataclass(frozen=True)
@@ -94,12 +95,19 @@ def _version(package: str) -> str | None:
         return None
 
 
-def prepared_dir(cache_root: Path, tokenizer_files: dict[str, str], trust_remote_code: bool) -> Path:
+def user_cache() -> Path:
+    """This user's sft-tokenize cache directory (see the module docstring)."""
+    if os.environ.get(HOME_ENV):
+        return Path(os.environ[HOME_ENV]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "sft-tokenize"
+
+
+def prepared_dir(tokenizer_files: dict[str, str], trust_remote_code: bool) -> Path:
     """Where the tokenizer whose files have these digests is kept prepared, for these library versions."""
     key = fingerprint({"files": tokenizer_files, "trust_remote_code": trust_remote_code,
                        "prepared_version": PREPARED_VERSION,
                        "versions": {name: _version(name) for name in ("transformers", "tokenizers", "fastokens")}})
-    return cache_root / PREPARED_DIR / key
+    return user_cache() / "tokenizers" / key
 
 
 def _read(directory: Path) -> tuple[TokenizerParts, dict] | None:
@@ -133,7 +141,7 @@ def _write(directory: Path, parts: TokenizerParts, verdict: dict) -> None:
                 "special_tokens_map": parts.special_tokens_map, "eos_token": parts.eos_token,
                 "eos_token_id": parts.eos_token_id, "special_tokens": list(parts.special_tokens), "encoder": verdict}
         put("prepared.json", lambda p: p.write_text(json.dumps(meta)))
-    except OSError as error:  # a read-only cache root: the next run prepares it again
+    except OSError as error:  # an unwritable home: the next process prepares it again
         logger.info("tokenizer not kept prepared in %s: %s", directory, error.strerror)
 
 

@@ -3,17 +3,23 @@ Prefect home for the CLI's subprocesses."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# Prepared tokenizers (sft_cache/prepared.py) in one directory of this test run, not in the user's cache.
+if "SFT_TOKENIZE_HOME" not in os.environ:
+    os.environ["SFT_TOKENIZE_HOME"] = tempfile.mkdtemp(prefix="sft-tokenize-home-")
+    atexit.register(shutil.rmtree, os.environ["SFT_TOKENIZE_HOME"], True)
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE_DATA = ROOT / "examples" / "data"

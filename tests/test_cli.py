@@ -187,7 +187,8 @@ PROBE = ("import json, sys\nfrom flows.cli import main\ncode = main(sys.argv[1:]
 def probed_run(tmp_path: Path, home: Path, *extra: str) -> tuple[subprocess.CompletedProcess, list[str]]:
     result = subprocess.run([sys.executable, "-c", PROBE, "run", str(EXAMPLE_DATA), "--tokenizer",
                              str(EXAMPLE_TOKENIZER), "--cache-dir", str(tmp_path / "cache"), "--workers", "2", *extra],
-                            capture_output=True, text=True, env=environment(home), timeout=300)
+                            capture_output=True, text=True, timeout=300,
+                            env=environment(home, SFT_TOKENIZE_HOME=str(tmp_path / "sft-home")))
     assert result.returncode == 0, result.stderr
     return result, json.loads(result.stderr.strip().splitlines()[-1])
 
@@ -196,7 +197,7 @@ def probed_run(tmp_path: Path, home: Path, *extra: str) -> tuple[subprocess.Comp
 def test_a_run_loads_no_torch_a_later_one_no_tokenizer_classes_and_a_cache_hit_no_prefect(tmp_path, prefect_home):
     first, loaded = probed_run(tmp_path, prefect_home)
     assert "torch" not in loaded and "transformers.models.auto.tokenization_auto" in loaded, loaded
-    prepared = list((tmp_path / "cache" / ".tokenizers").iterdir())
+    prepared = list((tmp_path / "sft-home" / "tokenizers").iterdir())
     assert len(prepared) == 1 and (prepared[0] / "prepared.json").is_file()
     cache = Path(first.stdout.splitlines()[-1])
     ids = load_from_disk(str(cache))["input_ids"]

@@ -117,6 +117,7 @@ def test_a_threads_run_loads_the_tokenizer_once_for_its_plan_and_slices(tmp_path
     from sft_cache.shard import process_encoding
 
     process_encoding.cache_clear()
+    monkeypatch.setenv("SFT_TOKENIZE_HOME", str(tmp_path / "home"))  # not prepared yet: loaded by transformers
     loads = []
     load = AutoTokenizer.from_pretrained
     monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda *args, **kwargs: loads.append(args) or

@@ -43,7 +43,12 @@ class Counted:
 
 
 def entry(tmp_path, tokenizer_dir):
-    return prepared_dir(tmp_path / "cache", hash_directory(tokenizer_dir), False)
+    return prepared_dir(hash_directory(tokenizer_dir), False)
+
+
+@pytest.fixture(autouse=True)
+def own_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("SFT_TOKENIZE_HOME", str(tmp_path / "home"))
 
 
 def encoded(tokenizer, fast, rows):
@@ -99,6 +104,7 @@ def test_an_edited_tokenizer_file_or_a_library_version_names_another_entry(tmp_p
     from sft_cache import prepared
 
     before = entry(tmp_path, EXAMPLE_TOKENIZER)
+    assert before.parent == tmp_path / "home" / "tokenizers"
     monkeypatch.setattr(prepared, "_version", lambda name: "0.0.1" if name == "fastokens" else None)
     assert entry(tmp_path, EXAMPLE_TOKENIZER) != before
 
