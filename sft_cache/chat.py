@@ -46,6 +46,8 @@ class EncodedBatch:
     rows_expanded: int = 0  # extra rows made by --reasoning-turns expand
     rows_special_text: int = 0  # rows with a control token's text inside a message, encoded as plain text
     rows_verified: int = 0  # rows the fast encoder gave that HF encoded too, and agreed on
+    # With verify="defer": the rows to check, as (rendered rows, the fast encoder's encodings, add_special_tokens)
+    unverified: tuple = ()
 
     @property
     def rows(self) -> int:
@@ -149,7 +151,6 @@ class ChatEncoder:
                  reasoning_turns: str = "as-rendered", special_text: str = "literal",
                  fast: FastEncoder | None = None):
         self.tokenizer = tokenizer
-        self.backend = tokenizer.backend_tokenizer
         source = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
         self.template = ChatTemplate(source, tokenizer, template_kwargs) if source else None
         self.turns = TurnFinder(self.template, train_on, reasoning_turns) if self.template else None
@@ -161,6 +162,11 @@ class ChatEncoder:
         self.special = special_pattern(tokenizer)
         self._literal = None  # a copy of the tokenizer that encodes control-token text as plain text
         self.fast = fast  # ids (and token positions) from a faster exact encoder; HF checks its first rows
+
+    @property
+    def backend(self):
+        """HF's tokenizer: the reference, and the encoder of rows the fast one cannot place."""
+        return self.tokenizer.backend_tokenizer
 
     def template_overhead(self) -> int:
         """Tokens the template adds around an empty exchange: max_length must leave room past it."""
@@ -209,9 +215,12 @@ class ChatEncoder:
 
     # -- tokens ----------------------------------------------------------------------------------------------
 
-    def encode_batch(self, examples: Sequence[Conversation | str], verify_rows: int = VERIFY_ROWS) -> EncodedBatch:
+    def encode_batch(self, examples: Sequence[Conversation | str], verify_rows: int = VERIFY_ROWS,
+                     defer_verify: bool = False) -> EncodedBatch:
         """Render and mask every example, then one tokenizer call for the batch's ordinary rows; HF encodes the
-        first `verify_rows` rows the fast encoder gives as well, and they must agree."""
+        first `verify_rows` rows the fast encoder gives as well, and they must agree. `defer_verify`: those rows
+        come back in `unverified`, for `verify` in another process (the encode pool's processes need no HF
+        tokenizer then)."""
         counts = dict.fromkeys(("rows_exact", "rows_expanded", "rows_special_text"), 0)
         outcomes: list[int | str | BadRow | None] = []
         origins: list[int] = []
@@ -238,7 +247,8 @@ class ChatEncoder:
                     counts["rows_special_text"] += literal
                 else:
                     outcomes[-1] = result
-        encodings, verified = self._encode(rows, verify_rows)
+        unverified: list[tuple] = []
+        encodings, verified = self._encode(rows, verify_rows, unverified if defer_verify else None)
         ids_lists = []
         for (_, rendered, _), enc in zip(rows, encodings, strict=True):
             ids = list(enc.ids)
@@ -256,7 +266,13 @@ class ChatEncoder:
             for first, stop in self._token_spans(rendered, enc, int(length)):
                 loss_mask[offset + first:offset + stop] = 1
         batch = self._apply_max_length(outcomes, origins, [c for c, _, _ in rows], input_ids, loss_mask, starts)
-        return replace(batch, **counts, rows_verified=verified)
+        return replace(batch, **counts, rows_verified=verified, unverified=tuple(unverified))
+
+    def verify(self, batch: EncodedBatch) -> EncodedBatch:
+        """Check the rows another process's encoder deferred (see encode_batch) against HF's."""
+        for rendered, placed, add_special in batch.unverified:
+            self._verify(rendered, placed, add_special)
+        return replace(batch, unverified=())
 
     def _token_spans(self, rendered: Rendered, enc, length: int) -> list[tuple[int, int]]:
         """Token index ranges [first, stop) trained for a row's character regions."""
@@ -303,9 +319,10 @@ class ChatEncoder:
             input_ids, loss_mask = input_ids[selection], loss_mask[selection]
         return EncodedBatch(input_ids, loss_mask, np.array(kept_offsets, dtype=np.int64), outcomes, origins)
 
-    def _encode(self, rows: list[tuple[int, Rendered, bool]], verify_rows: int) -> tuple[list[Any], int]:
+    def _encode(self, rows: list[tuple[int, Rendered, bool]], verify_rows: int,
+                deferred: list[tuple] | None = None) -> tuple[list[Any], int]:
         """One batch call for ordinary rows; rows with control-token text in them are encoded in pieces. Also
-        the number of rows verified (see encode_batch)."""
+        the number of rows verified (see encode_batch), or put in `deferred` to be verified elsewhere."""
         encodings: list[Any] = [None] * len(rows)
         verified = 0
         for add_special in (False, True):  # rendered chats carry their own special tokens; text rows do not
@@ -316,7 +333,11 @@ class ChatEncoder:
                 for k, enc in zip(chosen, placed, strict=True):
                     encodings[k] = enc
                 verify = max(verify_rows - verified, 0)
-                self._verify([rows[k][1] for k in chosen[:verify]], placed[:verify], add_special)
+                checked = ([rows[k][1] for k in chosen[:verify]], placed[:verify], add_special)
+                if deferred is None:
+                    self._verify(*checked)
+                elif checked[0]:
+                    deferred.append(checked)
                 verified += len(chosen[:verify])
                 chosen = [k for k in chosen if encodings[k] is None]  # rows it could not place: HF's
             if chosen:

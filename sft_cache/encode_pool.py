@@ -8,9 +8,11 @@ ones the thread would have written itself. Examples go out and encoded batches (
 come back pickled; nothing is shared. The other runners already give each worker its own process.
 
 The processes import neither transformers' tokenizer classes nor torch. Each is given the tokenizer as its
-parts (`prepared.TokenizerParts`: the Rust tokenizer's JSON, the chat template, the special tokens: all that encoding
-reads of it) and the fast encoder this process chose and checked, and builds its `ChatEncoder` once; each
-slice's first rows are still checked against HF's in the process that encodes them. A process that dies
+parts (`prepared.TokenizerParts`: the Rust tokenizer's JSON, the chat template, the special tokens, the token
+boundaries the template learned: all that encoding reads of it) and the fast encoder this process chose and
+checked, and builds its `ChatEncoder` once. HF's tokenizer (~110 MB for a 151k vocabulary) is built there only
+for a row the fast encoder cannot place: each slice's first rows, which are checked against HF's, come back
+unchecked and are checked here, in the slice's thread, by this process's encoder. A process that dies
 (killed, out of memory) fails the batches it held: their slices fail and are retried, and the next batch
 submitted starts a new set of processes.
 """
@@ -62,11 +64,24 @@ def _start(parts: TokenizerParts, settings: dict, tokenizer_threads: int) -> Non
 
 
 def _encode(examples: list, verify_rows: int) -> EncodedBatch:
-    return _encoder.encode_batch(examples, verify_rows)
+    return _encoder.encode_batch(examples, verify_rows, defer_verify=True)
 
 
 def _ready() -> None:
     """Submitted once per process at the start, so that they start while the run submits its slices."""
+
+
+class _Checked:
+    """A pool's encoded batch, its first rows checked against HF's in the thread that takes it."""
+
+    def __init__(self, encoded: Future, checker: ChatEncoder):
+        self.encoded, self.checker = encoded, checker
+
+    def result(self) -> EncodedBatch:
+        return self.checker.verify(self.encoded.result())
+
+    def cancel(self) -> bool:
+        return self.encoded.cancel()
 
 
 class EncodePool:
@@ -75,7 +90,11 @@ class EncodePool:
     def __init__(self, tokenizer: Any, fast: FastEncoder | None, settings: dict, processes: int):
         self.processes = processes
         threads = max(1, available_cores() // processes)
-        self._initargs = (TokenizerParts.of(tokenizer, fast), settings, threads)
+        # This process's encoder checks the processes' first rows of each slice, and lends them what its template
+        # learned with HF's tokenizer: they build HF's only for a row the fast encoder cannot place.
+        self._checker = ChatEncoder(tokenizer, fast=fast, **settings)
+        learned = self._checker.template.learned_boundaries if self._checker.template else {}
+        self._initargs = (TokenizerParts.of(tokenizer, fast, learned), settings, threads)
         self._lock = threading.Lock()
         self._executor = self._start()
 
@@ -89,15 +108,16 @@ class EncodePool:
             executor.submit(_ready)
         return executor
 
-    def submit(self, examples: list, verify_rows: int) -> Future:
+    def submit(self, examples: list, verify_rows: int) -> _Checked:
         """The encoded batch of `examples`, HF checking the fast encoder's first `verify_rows` rows."""
         with self._lock:
             try:
-                return self._executor.submit(_encode, examples, verify_rows)
+                encoded = self._executor.submit(_encode, examples, verify_rows)
             except BrokenProcessPool:  # a process died: its batches' slices fail and retry on new processes
                 self._executor.shutdown(wait=False, cancel_futures=True)
                 self._executor = self._start()
-                return self._executor.submit(_encode, examples, verify_rows)
+                encoded = self._executor.submit(_encode, examples, verify_rows)
+        return _Checked(encoded, self._checker)
 
     def close(self, now: bool = False) -> None:
         """Let the processes finish and exit; `now`, terminate them (a stopped or failed run)."""

@@ -27,8 +27,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -55,17 +56,18 @@ class TokenizerParts:
     eos_token_id: int | None
     special_tokens: tuple[str, ...]  # the contents of its added tokens marked special
     fast: tuple[np.ndarray, bool] | None  # the checked fast encoder's byte lengths and NFC flag, or HF's
+    boundaries: dict = field(default_factory=dict)  # token boundaries of template text, by text (template.py)
 
     @classmethod
-    def of(cls, tokenizer: Any, fast: FastEncoder | None) -> TokenizerParts:
+    def of(cls, tokenizer: Any, fast: FastEncoder | None, boundaries: dict | None = None) -> TokenizerParts:
         template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
+        checked = (fast.byte_lengths, fast.nfc) if fast else None
         known = getattr(tokenizer, "parts", None)  # a PartsTokenizer: its JSON is at hand, not serialized again
         if known is not None:
-            return replace(known, chat_template=template, fast=(fast.byte_lengths, fast.nfc) if fast else None)
+            return replace(known, chat_template=template, fast=checked, boundaries=boundaries or {})
         specials = tuple(t.content for t in tokenizer.added_tokens_decoder.values() if t.special)
         return cls(tokenizer.backend_tokenizer.to_str(), template, dict(tokenizer.special_tokens_map),
-                   tokenizer.eos_token, tokenizer.eos_token_id, specials,
-                   (fast.byte_lengths, fast.nfc) if fast else None)
+                   tokenizer.eos_token, tokenizer.eos_token_id, specials, checked, boundaries or {})
 
 
 @dataclass(frozen=True)
@@ -75,17 +77,27 @@ class _AddedToken:
 
 
 class PartsTokenizer:
-    """The attributes `ChatEncoder`, `ChatTemplate` and `choose_encoder` read of a transformers tokenizer."""
+    """The attributes `ChatEncoder`, `ChatTemplate` and `choose_encoder` read of a transformers tokenizer. HF's
+    Rust tokenizer is built at its first use: a process whose rows the fast encoder places may never need it."""
 
     def __init__(self, parts: TokenizerParts):
-        from tokenizers import Tokenizer
-
         self.parts = parts
-        self.backend_tokenizer = Tokenizer.from_str(parts.backend_json)
+        self.known_boundaries = parts.boundaries
+        self._backend = None
+        self._building = threading.Lock()  # the slices' threads share it
         self.chat_template = parts.chat_template
         self.special_tokens_map = parts.special_tokens_map
         self.eos_token, self.eos_token_id = parts.eos_token, parts.eos_token_id
         self.added_tokens_decoder = {k: _AddedToken(content) for k, content in enumerate(parts.special_tokens)}
+
+    @property
+    def backend_tokenizer(self):
+        with self._building:
+            if self._backend is None:
+                from tokenizers import Tokenizer
+
+                self._backend = Tokenizer.from_str(self.parts.backend_json)
+        return self._backend
 
 
 def _version(package: str) -> str | None:

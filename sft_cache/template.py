@@ -72,7 +72,10 @@ class ChatTemplate:
             line = getattr(error, "lineno", None)
             raise BadInput(f"the chat template does not compile{f' (line {line})' if line else ''}: "
                            f"{str(error).splitlines()[0] if str(error) else type(error).__name__}") from None
-        self.backend = tokenizer.backend_tokenizer
+        self.tokenizer = tokenizer
+        # Token boundaries of the template's own text, by text: what it learned with HF's tokenizer, handed to the
+        # encode pool's processes (prepared.TokenizerParts) so that they need not build that tokenizer.
+        self.learned_boundaries: dict[str, list[int]] = {}
         self.special = special_pattern(tokenizer)
         self.eos_token: str | None = tokenizer.eos_token
         self.has_generation_blocks = bool(GENERATION_BLOCK.search(source))
@@ -133,7 +136,7 @@ class ChatTemplate:
         plain = self._try([user]) or ""
         prompt = self._try([user], add_generation_prompt=True) or ""
         self.generation_prompt = prompt[len(plain):] if prompt.startswith(plain) else ""
-        self.generation_prompt_ends = token_boundaries(self.backend, self.generation_prompt)
+        self.generation_prompt_ends = self.boundaries(self.generation_prompt)
         # Without a generation prompt (Phi-4, Mistral), a turn starts where the prompt after its previous
         # message ends: learned per role of that message.
         self.prompt_tails = {"user": self._prompt_tail([user], 0)}
@@ -243,6 +246,17 @@ class ChatTemplate:
         else:
             return call
         return {**call, "function": {**function, "arguments": arguments}}
+
+    @property
+    def backend(self):
+        return self.tokenizer.backend_tokenizer
+
+    def boundaries(self, text: str) -> list[int]:
+        """token_boundaries of the template's own text, from what the tokenizer was given learned if it has it."""
+        known = getattr(self.tokenizer, "known_boundaries", {}).get(text)
+        ends = list(known) if known is not None else token_boundaries(self.backend, text)
+        self.learned_boundaries[text] = ends
+        return ends
 
     def overhead(self) -> int:
         """Tokens the template adds around an empty exchange: max_length must leave room past it."""

@@ -36,7 +36,7 @@ from typing import Literal
 from .errors import BadRow
 from .formats import REASONING_FIELDS, Conversation
 from .marks import MARK_BASE, MARK_SPLIT, mark
-from .template import ChatTemplate, token_boundaries
+from .template import ChatTemplate
 from .twins import Twin, swapped
 
 # How trained character spans become trained tokens: "start", a token is trained when it starts inside a
@@ -65,8 +65,7 @@ class TurnFinder:
         self.template = template
         self.train_on = train_on
         self.reasoning_turns = reasoning_turns
-        self._tail_ends = {role: token_boundaries(template.backend, tail)
-                           for role, tail in template.prompt_tails.items()}
+        self._tail_ends = {role: template.boundaries(tail) for role, tail in template.prompt_tails.items()}
 
     def targets(self, conv: Conversation) -> list[int]:
         """Indices of the assistant messages whose turns are trained."""

@@ -98,7 +98,7 @@ def test_pool_processes_carry_no_torch_and_a_killed_one_is_replaced(tmp_path):
         pids = _pool_processes(pool)
         for pid in pids:
             maps = Path(f"/proc/{pid}/maps").read_text()
-            assert "libtorch" not in maps and "tokenizers" in maps, f"process {pid}"
+            assert "libtorch" not in maps and "fastokens" in maps, f"process {pid}"
         os.kill(pids[0], signal.SIGKILL)
         deadline = time.monotonic() + 60
         while True:  # batches in flight when it died fail; the next one submitted starts new processes
@@ -113,3 +113,38 @@ def test_pool_processes_carry_no_torch_and_a_killed_one_is_replaced(tmp_path):
             time.sleep(0.05)
     time.sleep(0.5)
     assert [pid for pid in replaced if Path(f"/proc/{pid}").exists()] == []  # closed with the run
+
+
+def _built_hf_tokenizer() -> bool:
+    """In a pool process: whether its encoder has built HF's tokenizer."""
+    from sft_cache import encode_pool
+
+    return encode_pool._encoder.tokenizer._backend is not None
+
+
+def test_pool_processes_build_no_hf_tokenizer_and_their_first_rows_are_checked_here(tmp_path, monkeypatch):
+    from sft_cache.chat import ChatEncoder
+    from sft_cache.encoders import EncoderMismatch, IdsEncoding
+
+    source = write_jsonl(tmp_path / "rows.jsonl", example_rows()[:30])
+    plan = plan_slices(TokenizeOptions(sources=[str(source)], tokenizer=str(EXAMPLE_TOKENIZER),
+                                       cache_dir=str(tmp_path / "cache")))
+    examples = [to_example(row, ColumnMap("chat", {"messages": "messages"})) for row in example_rows()[:30]]
+    want = shard.encoder_for(plan.job).encode_batch(examples)
+    assert want.rows_verified == 16
+    checked = []
+    verify = ChatEncoder._verify
+    monkeypatch.setattr(ChatEncoder, "_verify", lambda self, rendered, placed, special: checked.append(
+        len(rendered)) or verify(self, rendered, placed, special))
+    with shard.encoding_processes(plan.job, 2):
+        [(_, pool)] = [entry for entry in shard._pools if entry[0] == plan.job]
+        got = pool.submit(examples, 16).result()
+        assert got.input_ids.tolist() == want.input_ids.tolist() and got.rows_verified == 16
+        assert checked == [16] and got.unverified == ()  # checked in this process, by its HF tokenizer
+        _pool_processes(pool)
+        assert [pool._executor.submit(_built_hf_tokenizer).result() for _ in range(4)] == [False] * 4
+        # A pool whose rows disagree with HF's fails in the thread that takes the batch.
+        monkeypatch.setattr(ChatEncoder, "_token_spans",
+                            lambda self, row, enc, n: [(0, 1 if isinstance(enc, IdsEncoding) else 2)])
+        with pytest.raises(EncoderMismatch, match="disagree on row 0"):
+            pool.submit(examples, 16).result()
