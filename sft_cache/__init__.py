@@ -8,6 +8,8 @@ encode_pool.py  the threads runner's encoder processes: a slice's batches render
 template.py a chat template: rendered as apply_chat_template does, probed once for its turn shapes
 turns.py    where each trained assistant turn lies in the rendered text
 chat.py     tokenizer loading and encoding: text, trained spans and max_length become ids and masks
+encoders.py the fastest exact encoder for a tokenizer (fastokens or HF), checked
+prepared.py a tokenizer prepared once per content, for every later process and run
 publish.py  turn the finished shards into a `datasets.load_from_disk` cache (a new version)
 store.py    the shard store's build leases, and gc of old versions and unused shards
 reader.py   open a published cache, memory-mapped, for a trainer
