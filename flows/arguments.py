@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 from typing import Any
 
 from sft_cache.encode_pool import POOL_MIN_BYTES
@@ -14,6 +16,8 @@ from sft_cache.layouts import LAYOUTS
 
 PROG = "sft-tokenize"
 EXIT_BAD_INPUT = 2
+SERVER_IDLE_ENV = "SFT_TOKENIZE_SERVER_IDLE"  # the default of --server-idle (the test suite sets 0)
+DEFAULT_SERVER_IDLE = 300
 
 
 def _column(spec: str) -> tuple[str, str]:
@@ -30,6 +34,16 @@ def _positive(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"expected 0 or more seconds, got {text!r}")
     return value
 
 
@@ -115,6 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--force", action="store_true", help="rebuild: delete the cache and its shards in the store first")
     run.add_argument("--keep-versions", type=_positive, metavar="N",
                      help="after publishing, keep the newest N versions of this name (see gc)")
+    run.add_argument("--server-idle", type=_seconds, default=os.environ.get(SERVER_IDLE_ENV, str(DEFAULT_SERVER_IDLE)),
+                     metavar="SECONDS",
+                     help="how long the embedded Prefect server stays up once its last run leaves, for the next run "
+                          f"(default {DEFAULT_SERVER_IDLE}, or ${SERVER_IDLE_ENV}; 0: it stops with the last run)")
     noise = run.add_mutually_exclusive_group()
     noise.add_argument("-q", "--quiet", action="store_true", help="no Prefect run logs on stderr")
     noise.add_argument("-v", "--verbose", action="store_true", help="Prefect run logs with tracebacks")
@@ -148,6 +166,16 @@ def build_parser() -> argparse.ArgumentParser:
                                          "every stored shard that no kept version and no running build uses.")
     gc.add_argument("cache_dir", metavar="CACHE_DIR")
     gc.add_argument("--keep", type=_positive, default=1, metavar="N", help="versions kept per name (default 1)")
+
+    server = commands.add_parser("server", help="the embedded Prefect server that runs share: status, stop",
+                                 description="The embedded Prefect server of this PREFECT_HOME, which ad-hoc runs "
+                                             "share and which stays up for --server-idle seconds after the last.")
+    actions = server.add_subparsers(dest="action", required=True, metavar="ACTION")
+    actions.add_parser("status", help="whether it runs, its pid, URL, uptime, runs using it, idle time left, log",
+                       description="One line per fact; exit 0 whether it runs or not.")
+    stop = actions.add_parser("stop", help="stop it (refused while runs use it, unless --force)",
+                              description="Stop the server and wait until its process is gone.")
+    stop.add_argument("--force", action="store_true", help="stop it even while runs use it (they fail)")
     return parser
 
 

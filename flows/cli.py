@@ -5,6 +5,7 @@
     sft-tokenize inspect /data/cache/data-3f2a9c1d0b7e4f65 [--json]
     sft-tokenize pack /data/cache/data-3f2a9c1d0b7e4f65 --length 4096 --data-parallel 8
     sft-tokenize gc /data/cache [--keep N]
+    sft-tokenize server status|stop [--force]
 
 stdout carries only the result (the cache path or the packing index path as its last line, or the inspect
 table), so scripts can read it; the progress bar and Prefect's run logs go to stderr. Exit codes: 0 success,
@@ -22,7 +23,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from flows.arguments import EXIT_BAD_INPUT, PROG, build_parser, options_from
+from flows.arguments import EXIT_BAD_INPUT, PROG, SERVER_IDLE_ENV, build_parser, options_from
 from flows.console import CONSOLE_ENV, ProgressBar, progress_console
 from sft_cache.errors import BadInput, CacheError
 from sft_cache.timeline import mark
@@ -246,6 +247,21 @@ def gc(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def server(args: argparse.Namespace) -> int:
+    """`server status` / `server stop`: the embedded Prefect server of this PREFECT_HOME."""
+    from flows.embedded_server import ServerInUse, server_status, stop_server
+
+    if args.action == "status":
+        for name, value in server_status():
+            print(f"{name}: {value}")
+        return EXIT_OK
+    try:
+        print(stop_server(force=args.force))
+    except ServerInUse as error:
+        return _fail(str(error), EXIT_FAILED)
+    return EXIT_OK
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         try:
@@ -260,8 +276,9 @@ def main(argv: list[str] | None = None) -> int:
         warnings.filterwarnings("ignore", message="Failed to create the Prefect home directory")
         if args.command == "run":  # inherited by process-pool workers, which print their own logs
             os.environ[CONSOLE_ENV] = "quiet" if args.quiet else "verbose" if args.verbose else "plain"
+            os.environ[SERVER_IDLE_ENV] = str(args.server_idle)  # read by flows.embedded_server.EmbeddedServer
         mark("imports")
-        code = {"run": run, "inspect": inspect, "pack": pack, "gc": gc}[args.command](args)
+        code = {"run": run, "inspect": inspect, "pack": pack, "gc": gc, "server": server}[args.command](args)
         sys.stdout.flush()
         mark("exit")
         return code

@@ -13,17 +13,42 @@ PREFECT_HOME and lets every run on that home use it:
     sft-tokenize-server.lock   an flock held while a run joins or leaves (guards the two files below), and by
                                a server that ends itself until its process is gone: no second server ever
                                opens the database while the first still writes to it
-    sft-tokenize-server.json   the server's pid, start time, port and URL
+    sft-tokenize-server.json   the server's pid, start time, port and URL; its idle time ("idle", seconds) and,
+                               while no run uses it, since when ("idle_since", wall clock)
     sft-tokenize-server.lease  every run using the server holds a shared flock on it; the run that leaves
-                               last (its exclusive flock succeeds) stops the server and removes the .json
+                               last (its exclusive flock succeeds) leaves the server idle, or stops it
+
+A warm server: once its last run has left, the server stays up for an idle time (`run --server-idle SECONDS`,
+default 300, or SFT_TOKENIZE_SERVER_IDLE), so that run, inspect, edit, run pays the boot once; a run that joins
+meanwhile uses it. The idle time reaches the server through the .json: every run writes its own there when it
+joins and when it leaves (the last writer wins), and the last to leave also writes "idle_since". The server
+itself checks every second, under the join lock, whether some run holds a lease; once none has for "idle"
+seconds it ends (no .json of its own, or idle 0: at once). With idle 0 the last run to leave stops the server
+itself, as does the last run of a server that never answered it (bad input found while it booted) whatever the
+idle time: it is killed at once, before it creates or migrates its database. An idle server is a process of
+about 175 MiB (215 MiB after a full boot, below). `sft-tokenize server status` reports it, `sft-tokenize server
+stop` stops it (refused while runs use it, unless --force).
 
 The kernel drops a lease when its process dies, however it dies, and the server checks every second that some
-run still holds one: a server whose runs were all killed (SIGKILL, the OOM killer) exits by itself. A server
-whose process is gone (the same pid with another start time is another process) is replaced by the next run.
-The first run launches the server as soon as it knows there is work, so the server boots while this process
+run still holds one: a server whose runs were all killed (SIGKILL, the OOM killer) exits by itself, after its idle
+time. A server whose process is gone (the same pid with another start time is another process) is replaced by the
+next run. The first run launches the server as soon as it knows there is work, so the server boots while this process
 loads the tokenizer and cuts the slices, and waits for it up to STARTUP_TIMEOUT seconds (longer if Prefect's own
 setting says so), failing at once if the server process exits. The server runs in its own session, so Ctrl-C
 in one run's terminal does not stop the server under another run.
+
+Its boot (Prefect 3.9, two cores, a migrated database: 2.65 s to /health, of which 1.8 s is importing prefect and
+its server and 0.25 s building the app, which no setting avoids) is cut to 2.25 s where an ad-hoc run loses
+nothing. The launched server runs without the automations' triggers and actions (about 0.2 s: ReactiveTriggers,
+Actions, the proactive-triggers service) and without telemetry; the perpetual services of a full server (scheduler,
+late runs, foreman, pause expirations, cancellation cleanup, repossessor) do not run in an ephemeral server and are
+disabled explicitly. It keeps what run records, retries, artifacts, logs, events and the UI read: the task run
+recorder, the event persister, the event distributor, the log endpoints, the docket worker. The migrations (0.08
+s) and the block-type registration check (0.18 s, and 30 MiB: it imports the Prefect collections, dask and ray) run
+only when this server's database is not the one a full boot left: sft-tokenize-server-boot.json records, after a
+full boot, this Prefect's version and collections, the SQLite file, its Alembic revision and its number of block
+types, all read again in a few milliseconds before the next boot (never skipped for a database other than a local
+SQLite file). What the user sets in the environment or the profile wins over these defaults.
 
 The server's own output (its services complain when they are stopped mid-flush, e.g. `task_run_recorder - Error
 flushing ... CancelledError`) goes to PREFECT_HOME/embedded-server.log, not to any run's stderr: a successful
@@ -57,6 +82,15 @@ SERVER_APP = "prefect.server.api.server:create_app"
 STARTUP_TIMEOUT = 180.0
 API_CHECK_TIMEOUT = 10.0
 SHUTDOWN_TIMEOUT = 30.0  # a server that ends itself is killed by itself after this
+BOOT_RECORD = "sft-tokenize-server-boot.json"
+# Services that an ad-hoc run does not use. The first does run in an ephemeral server (0.2 s of its boot); the
+# perpetual ones do not (Prefect 3.9) and are disabled should a later Prefect run them there.
+SERVER_CUTS = {f"PREFECT_SERVER_SERVICES_{name}_ENABLED": "false" for name in (
+    "TRIGGERS", "SCHEDULER", "LATE_RUNS", "FOREMAN", "PAUSE_EXPIRATIONS", "CANCELLATION_CLEANUP", "REPOSSESSOR")}
+SERVER_CUTS["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+# What a boot on the database that a full boot of this Prefect left behind can skip (see _boot_facts).
+KNOWN_DATABASE = {"PREFECT_API_DATABASE_MIGRATE_ON_START": "false", "PREFECT_API_BLOCKS_REGISTER_ON_START": "false",
+                  "PREFECT_MEMOIZE_BLOCK_AUTO_REGISTRATION": "false"}
 
 
 class ServerUnavailable(RuntimeError):
@@ -92,11 +126,53 @@ def _running(pid: int, started: int | None) -> bool:
     return started is not None and _start_time(pid) == started
 
 
-def _health(url: str, client: httpx.Client) -> bool:
+def _health(url: str, client: httpx.Client, timeout: float = 2) -> bool:
     try:
-        return client.get(f"{url}/health", timeout=2).status_code == 200
+        return client.get(f"{url}/health", timeout=timeout).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def _recorded(state_path: Path) -> dict | None:
+    """The server recorded in `state_path`, if its process still runs."""
+    try:
+        state = json.loads(state_path.read_text())
+        return state if _running(state["pid"], state["started"]) else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _write_state(state_path: Path, state: dict) -> None:
+    tmp = state_path.with_name(f"{state_path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.write_text(json.dumps(state))
+    os.replace(tmp, state_path)
+
+
+def _leases(lease_path: Path) -> int:
+    """How many runs hold a lease now: the shared flocks on the lease file (/proc/locks), waiters not counted."""
+    try:
+        info = os.stat(lease_path)
+        lines = Path("/proc/locks").read_text().splitlines()
+    except OSError:
+        return 0
+    ident = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}:{info.st_ino}"
+    return sum(1 for fields in map(str.split, lines) if fields[1:2] == ["FLOCK"] and fields[3:4] == ["READ"]
+               and fields[5:6] == [ident])
+
+
+def _terminate(pid: int, started: int | None, stop: int = signal.SIGTERM, timeout: float = 10) -> None:
+    """Signal the process (`pid`, `started`) and wait until it is gone, killing it after `timeout` seconds."""
+    if not _running(pid, started):
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, stop)
+    deadline = time.monotonic() + timeout
+    while _running(pid, started):
+        if time.monotonic() > deadline:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            deadline = float("inf")
+        time.sleep(0.05)
 
 
 def check_api_reachable(url: str, timeout: float = API_CHECK_TIMEOUT) -> None:
@@ -131,7 +207,17 @@ def _locked(path: Path) -> Iterator[None]:
 class EmbeddedServer:
     """The shared Prefect API on 127.0.0.1 of every ad-hoc run on this PREFECT_HOME."""
 
-    def __init__(self) -> None:
+    def __init__(self, idle: float | None = None) -> None:
+        """`idle`: seconds the server stays up once this run leaves it last (default SFT_TOKENIZE_SERVER_IDLE, the
+        CLI's --server-idle, or 300)."""
+        if idle is None:
+            from flows.arguments import DEFAULT_SERVER_IDLE, SERVER_IDLE_ENV
+
+            try:
+                idle = float(os.environ.get(SERVER_IDLE_ENV) or DEFAULT_SERVER_IDLE)
+            except ValueError:
+                idle = DEFAULT_SERVER_IDLE
+        self.idle = idle
         home = get_current_settings().home
         self.lock_path, self.state_path, self.lease_path = _paths(home)
         self.log_path = Path(home) / "embedded-server.log"
@@ -148,27 +234,24 @@ class EmbeddedServer:
         return not settings.api.url and settings.server.ephemeral.enabled
 
     def _read_state(self) -> dict | None:
-        try:
-            state = json.loads(self.state_path.read_text())
-            return state if _running(state["pid"], state["started"]) else None
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
+        return _recorded(self.state_path)
+
+    def _own_state(self) -> dict | None:
+        """The recorded server, if it is still the one this run joined."""
+        state = self._read_state()
+        return state if state is not None and (state["pid"], state["started"]) == (self.pid, self.started) else None
 
     def _launch(self) -> dict:
         port = _free_port()
-        env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1",
+        env = {**SERVER_CUTS, **os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1",
                "PREFECT__SERVER_FINAL": "1", **get_current_settings().to_environment_variables(exclude_unset=True)}
         with self._open_log(port) as log:  # the child keeps its own copy of the descriptor
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "flows.embedded_server", SERVER_APP, "--port", str(port)],
                 env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             )
-        state = {"pid": self.process.pid, "started": _start_time(self.process.pid), "port": port,
-                 "url": f"http://127.0.0.1:{port}/api"}
-        tmp = self.state_path.with_name(f"{self.state_path.name}.tmp-{uuid.uuid4().hex[:8]}")
-        tmp.write_text(json.dumps(state))
-        os.replace(tmp, self.state_path)
-        return state
+        return {"pid": self.process.pid, "started": _start_time(self.process.pid), "port": port,
+                "url": f"http://127.0.0.1:{port}/api"}
 
     def _open_log(self, port: int):
         """PREFECT_HOME/embedded-server.log, appended to (a temporary file if PREFECT_HOME is not writable)."""
@@ -205,6 +288,9 @@ class EmbeddedServer:
             self._lease = open(self.lease_path, "a")  # noqa: SIM115 - held until release()
             fcntl.flock(self._lease, fcntl.LOCK_SH)
             state = self._read_state() or self._launch()
+            # In use again; the run that joined or left last sets how long it idles once no run uses it.
+            state = {key: value for key, value in state.items() if key != "idle_since"}
+            _write_state(self.state_path, {**state, "idle": self.idle})
         self.pid, self.started, self.url = state["pid"], state["started"], state["url"]
         atexit.register(self.release)
 
@@ -244,8 +330,15 @@ class EmbeddedServer:
         temporary_settings(updates={PREFECT_API_URL: self.url, PREFECT_UI_URL: ""}).__enter__()
         return self.url
 
+    def _answers(self) -> bool:
+        """The server has booted: this run saw it answer, or it answers now (a warm server this run joined)."""
+        if not self.answered and self.url is not None:
+            with httpx.Client() as client:
+                self.answered = _health(self.url, client, timeout=1)
+        return self.answered
+
     def release(self) -> None:
-        """Leave the server; the last run to leave stops it."""
+        """Leave the server; the last run to leave leaves it idle (stops it if idle is 0 or it never answered)."""
         if self._lease is None:
             return
         with _locked(self.lock_path):
@@ -253,10 +346,17 @@ class EmbeddedServer:
             try:
                 fcntl.flock(self._lease, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                pass  # other runs still use it
+                last = False  # other runs still use it
             else:
+                last = True
+            state = self._own_state()
+            if last and (self.idle <= 0 or not self._answers()):
                 self._stop()
-                self.state_path.unlink(missing_ok=True)
+                if state is not None:
+                    self.state_path.unlink(missing_ok=True)
+            elif state is not None:
+                _write_state(self.state_path, {**state, "idle": self.idle, **({"idle_since": time.time()} if last
+                                                                               else {})})
             self._lease.close()
             self._lease = None
 
@@ -272,38 +372,182 @@ class EmbeddedServer:
                 self.process.kill()
                 self.process.wait()
             return
-        if not self._alive():
-            return
-        os.kill(self.pid, stop)
-        deadline = time.monotonic() + 10
-        while self._alive():
-            if time.monotonic() > deadline:
-                os.kill(self.pid, signal.SIGKILL)
-                deadline = float("inf")
-            time.sleep(0.05)
+        _terminate(self.pid, self.started, stop)
+
+
+class ServerInUse(RuntimeError):
+    """`server stop` without --force while runs use the server."""
+
+
+def _seconds(value: float) -> str:
+    return f"{max(0, round(value))} s"
+
+
+def server_status() -> list[tuple[str, str]]:
+    """`sft-tokenize server status`: the facts about this PREFECT_HOME's embedded server, one per line."""
+    home = Path(get_current_settings().home)
+    _, state_path, lease_path = _paths(home)
+    where = [("PREFECT_HOME", str(home)), ("log", str(home / "embedded-server.log"))]
+    state = _recorded(state_path)
+    if state is None:
+        return [("embedded server", "not running"), *where]
+    with httpx.Client() as client:
+        answering = _health(state["url"], client, timeout=1)
+    runs, idle = _leases(lease_path), float(state.get("idle", 0))
+    if runs:
+        left = "in use"
+    elif idle <= 0:
+        left = "none: stopping"
+    else:
+        left = f"{_seconds(idle - (time.time() - state.get('idle_since', time.time())))} left of {_seconds(idle)}"
+    uptime = float(Path("/proc/uptime").read_text().split()[0]) - state["started"] / os.sysconf("SC_CLK_TCK")
+    return [("embedded server", "running" if answering else "running, starting (not answering yet)"),
+            ("pid", str(state["pid"])), ("url", state["url"]), ("uptime", _seconds(uptime)),
+            ("runs using it", str(runs)), ("idle time", left), *where]
+
+
+def stop_server(force: bool = False) -> str:
+    """`sft-tokenize server stop`: stop this PREFECT_HOME's embedded server and wait until its process is gone.
+    Refused (ServerInUse) while runs use it, unless `force` (those runs then fail)."""
+    home = Path(get_current_settings().home)
+    lock_path, state_path, lease_path = _paths(home)
+    if not state_path.exists():
+        return "no embedded server is running"
+    with _locked(lock_path):  # no run joins meanwhile; a server ending itself holds it until it is gone
+        state = _recorded(state_path)
+        if state is None:
+            return "no embedded server is running"
+        with open(lease_path, "a") as lease:
+            try:
+                fcntl.flock(lease, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                runs = 0
+            except BlockingIOError:
+                runs = max(1, _leases(lease_path))
+            if runs and not force:
+                raise ServerInUse(f"the embedded server (pid {state['pid']}) is in use by "
+                                  f"{'1 run: let it' if runs == 1 else f'{runs} runs: let them'} finish, or pass "
+                                  "--force (they fail)")
+            _terminate(state["pid"], state["started"], timeout=SHUTDOWN_TIMEOUT)
+            state_path.unlink(missing_ok=True)
+    used = "" if not runs else "; 1 run was using it" if runs == 1 else f"; {runs} runs were using it"
+    return f"stopped the embedded server (pid {state['pid']}) of PREFECT_HOME {home}{used}"
+
+
+def _boot_facts() -> dict | None:
+    """What a full boot leaves behind, read in a few milliseconds: this Prefect and its collections, the SQLite
+    file, its Alembic revision and its number of block types. None for a database that is not a local SQLite file
+    (or cannot be read): its server always boots in full."""
+    import sqlite3
+    from importlib.metadata import entry_points
+
+    import prefect
+
+    url = get_current_settings().server.database.connection_url
+    url = url.get_secret_value() if hasattr(url, "get_secret_value") else str(url or "")
+    prefix = "sqlite+aiosqlite:///"
+    if not url.startswith(prefix) or ":memory:" in url or "?" in url:
+        return None
+    path = Path(url.removeprefix(prefix)).resolve()
+    try:
+        with contextlib.closing(sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True, timeout=5)) as db:
+            ((revision,),) = db.execute("SELECT version_num FROM alembic_version").fetchall()
+            (block_types,) = db.execute("SELECT count(*) FROM block_type").fetchone()
+    except (sqlite3.Error, ValueError):
+        return None
+    collections = sorted(f"{point.dist.name}=={point.dist.version}"
+                         for point in entry_points(group="prefect.collections") if point.dist)
+    return {"prefect": prefect.__version__, "collections": collections, "database": str(path),
+            "revision": revision, "block_types": block_types}
+
+
+def _boot_in_full(record: Path) -> bool:
+    """Whether this server must migrate its database and check its block types (it is not the database that the
+    last full boot recorded); if not, the settings that skip both, unless the user set them."""
+    try:
+        known = json.loads(record.read_text())
+    except (OSError, ValueError):
+        known = None
+    if known is None or _boot_facts() != known:
+        return True
+    for name, value in KNOWN_DATABASE.items():
+        os.environ.setdefault(name, value)
+    refresh_global_settings_context()
+    return False
+
+
+def _record_boot(record: Path) -> None:
+    """After a full boot that migrated and registered: what the next boot checks (best effort: a boot that is not
+    recorded is only done in full again)."""
+    settings = get_current_settings().server
+    if not (settings.database.migrate_on_start and settings.register_blocks_on_start):
+        return
+    try:
+        if (facts := _boot_facts()) is not None:
+            _write_state(record, facts)
+    except Exception as error:  # noqa: BLE001 - never the end of the thread that ends the server
+        print(f"not recorded: {record}: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+
+
+def _in_use(state_path: Path) -> None:
+    """A run uses this server (called under the join lock): its idle time starts again when none does."""
+    with contextlib.suppress(Exception):
+        state = _recorded(state_path)
+        if state is not None and state["pid"] == os.getpid() and "idle_since" in state:
+            del state["idle_since"]
+            _write_state(state_path, state)
+
+
+def _idling(state_path: Path) -> bool:
+    """This server, which no run uses, is within its idle time (called under the join lock)."""
+    try:
+        state = _recorded(state_path)
+        if state is None or state["pid"] != os.getpid() or not float(state.get("idle", 0)) > 0:
+            return False
+        if "idle_since" not in state:  # its runs were killed (none left it): idle from now
+            state["idle_since"] = time.time()
+            _write_state(state_path, state)
+        return time.time() - float(state["idle_since"]) < float(state["idle"])
+    except Exception as error:  # noqa: BLE001 - the thread that ends this server must not die: it ends now
+        print(f"idle time unknown, ending: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+        return False
 
 
 def serve(port: int) -> None:
-    """The server process: Prefect's app under uvicorn, and a thread that ends it once no run holds a lease."""
+    """The server process: Prefect's app under uvicorn, and a thread that ends it once no run has held a lease for
+    its idle time."""
     import threading
 
     import uvicorn
 
-    lock_path, state_path, lease_path = _paths(get_current_settings().home)
+    home = Path(get_current_settings().home)
+    lock_path, state_path, lease_path = _paths(home)
+    try:
+        in_full = _boot_in_full(home / BOOT_RECORD)
+    except Exception:  # noqa: BLE001 - whatever the record says, a full boot is correct
+        in_full = True
     server = uvicorn.Server(uvicorn.Config(SERVER_APP, factory=True, host="127.0.0.1", port=port, log_level="error",
                                            lifespan="on"))
 
     def end_when_unused() -> None:
+        booted = False
         while not server.should_exit:
             time.sleep(1)
+            if server.started and not booted:
+                booted = True
+                if in_full:
+                    _record_boot(home / BOOT_RECORD)
             lock = open(lock_path, "a")  # noqa: SIM115 - kept locked until this process is gone, if it ends
             fcntl.flock(lock, fcntl.LOCK_EX)
             with open(lease_path, "a") as lease:
                 try:
                     fcntl.flock(lease, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
-                    lock.close()  # a run uses this server
+                    _in_use(state_path)
+                    lock.close()
                     continue
+            if _idling(state_path):
+                lock.close()
+                continue
             with contextlib.suppress(OSError, ValueError):
                 if json.loads(state_path.read_text())["pid"] == os.getpid():
                     state_path.unlink()

@@ -16,6 +16,9 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# The CLI's runs stop their embedded server as they leave (`--server-idle 0`): none outlives its test, nor the suite.
+# The tests of the warm server pass --server-idle themselves, and stop what they start.
+os.environ["SFT_TOKENIZE_SERVER_IDLE"] = "0"
 # Prepared tokenizers (sft_cache/prepared.py) in one directory of this test run, not in the user's cache.
 if "SFT_TOKENIZE_HOME" not in os.environ:
     os.environ["SFT_TOKENIZE_HOME"] = tempfile.mkdtemp(prefix="sft-tokenize-home-")

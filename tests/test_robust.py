@@ -16,9 +16,11 @@ import os
 import shutil
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -258,6 +260,96 @@ def test_a_server_whose_runs_were_all_killed_exits_by_itself(tmp_path, prefect_h
         assert time.monotonic() < deadline, "the server outlived every run that used it"
         time.sleep(0.1)
     assert not state.exists()
+
+
+def cli(home: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "sft-tokenize"), *args], capture_output=True, text=True,
+                          env=environment(home, **env), timeout=TIMEOUT)
+
+
+def server_facts(home: Path) -> dict[str, str]:
+    """`sft-tokenize server status`, one `name: value` per line."""
+    status = cli(home, "server", "status")
+    assert status.returncode == 0 and status.stderr == "", status.stderr
+    return dict(line.split(": ", 1) for line in status.stdout.splitlines())
+
+
+def flow_runs_of(url: str) -> list[str]:
+    import httpx
+
+    return [run["state_type"] for run in httpx.post(f"{url}/flow_runs/filter", json={}, timeout=30).json()]
+
+
+@pytest.mark.slow
+def test_a_warm_server_serves_the_next_run_until_server_stop_stops_it(tmp_path, prefect_home):
+    """After its last run, the server idles for --server-idle seconds: the next run uses it (no second boot);
+    `server status` reports it, `server stop` refuses while a run holds a lease, and stops it once none does."""
+    import fcntl
+
+    first = cli(prefect_home, *run_args([EXAMPLE_DATA], tmp_path / "cache", "-q", "--server-idle", "120"))
+    assert first.returncode == 0, first.stderr
+    state_path = prefect_home / "sft-tokenize-server.json"
+    state = json.loads(state_path.read_text())
+    pid = state["pid"]
+    try:
+        assert running(pid) and state["idle"] == 120
+        facts = server_facts(prefect_home)
+        assert (facts["embedded server"], facts["pid"], facts["url"], facts["runs using it"]) == \
+            ("running", str(pid), state["url"], "0")
+        assert facts["idle time"].endswith(" s left of 120 s") and facts["log"] == str(prefect_home /
+                                                                                       "embedded-server.log")
+
+        second = cli(prefect_home, *run_args([EXAMPLE_DATA], tmp_path / "cache", "-q", "--force",
+                                             "--server-idle", "120"))
+        assert second.returncode == 0, second.stderr
+        assert json.loads(state_path.read_text())["pid"] == pid
+        assert (prefect_home / "embedded-server.log").read_text().count("--- embedded server on port") == 1
+        assert flow_runs_of(state["url"]) == ["COMPLETED", "COMPLETED"]  # both recorded by the server it kept
+
+        with open(prefect_home / "sft-tokenize-server.lease", "a") as lease:  # as a run holds it
+            fcntl.flock(lease, fcntl.LOCK_SH)
+            facts = server_facts(prefect_home)
+            assert (facts["runs using it"], facts["idle time"]) == ("1", "in use")
+            refused = cli(prefect_home, "server", "stop")
+            assert refused.returncode == 1 and refused.stdout == ""
+            assert f"the embedded server (pid {pid}) is in use by 1 run" in error_line(refused.stderr)
+            assert running(pid)
+        stopped = cli(prefect_home, "server", "stop")
+        assert (stopped.returncode, stopped.stderr) == (0, "")
+        assert stopped.stdout.startswith(f"stopped the embedded server (pid {pid})")
+        assert not running(pid) and not state_path.exists()
+        assert server_facts(prefect_home)["embedded server"] == "not running"
+        assert cli(prefect_home, "server", "stop").stdout == "no embedded server is running\n"
+    finally:
+        if running(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_server_idle_0_stops_the_server_with_its_run_and_an_idle_server_ends_by_itself(tmp_path, prefect_home):
+    state_path = prefect_home / "sft-tokenize-server.json"
+    args = run_args([EXAMPLE_DATA], tmp_path / "cache", "-q", "--force")
+    at_once = cli(prefect_home, *args, "--server-idle", "0", SFT_TOKENIZE_SERVER_IDLE="300")  # the option wins
+    assert at_once.returncode == 0, at_once.stderr
+    assert servers_of(prefect_home) == [] and not state_path.exists()
+    # The full boot was recorded: the next one skips the migrations and the block-type check.
+    assert json.loads((prefect_home / "sft-tokenize-server-boot.json").read_text())["block_types"] > 0
+
+    idling = cli(prefect_home, *args, "--server-idle", "2")
+    left = time.monotonic()
+    assert idling.returncode == 0, idling.stderr
+    pid = json.loads(state_path.read_text())["pid"]
+    try:
+        assert running(pid)
+        while running(pid):
+            assert time.monotonic() - left < 30, "the idle server did not end by itself"
+            time.sleep(0.1)
+        assert time.monotonic() - left > 1.5 and not state_path.exists()
+    finally:
+        if running(pid):
+            os.kill(pid, signal.SIGKILL)
+    with closing(sqlite3.connect(prefect_home / "prefect.db")) as db:  # the second server recorded its run
+        assert [state for (state,) in db.execute("SELECT state_type FROM flow_run")] == ["COMPLETED", "COMPLETED"]
 
 
 def test_an_unreachable_api_url_is_one_line_and_exit_1(tmp_path):
