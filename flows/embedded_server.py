@@ -7,7 +7,7 @@ machine), and every run boots its own server on the same SQLite database. Runs s
 busy machine then time out one after another.
 
 Instead, the CLI launches Prefect's own server app (`prefect.server.api.server:create_app` under uvicorn,
-ephemeral mode, no UI; `python -m flows.embedded_server` adds only the lease check below) once per
+ephemeral mode, no UI; `python -m flows.server_process` adds only the lease check below) once per
 PREFECT_HOME and lets every run on that home use it:
 
     sft-tokenize-server.lock   an flock held while a run joins or leaves (guards the two files below), and by
@@ -82,22 +82,18 @@ SERVER_APP = "prefect.server.api.server:create_app"
 STARTUP_TIMEOUT = 180.0
 API_CHECK_TIMEOUT = 10.0
 SHUTDOWN_TIMEOUT = 30.0  # a server that ends itself is killed by itself after this
-BOOT_RECORD = "sft-tokenize-server-boot.json"
 # Services that an ad-hoc run does not use. The first does run in an ephemeral server (0.2 s of its boot); the
 # perpetual ones do not (Prefect 3.9) and are disabled should a later Prefect run them there.
 SERVER_CUTS = {f"PREFECT_SERVER_SERVICES_{name}_ENABLED": "false" for name in (
     "TRIGGERS", "SCHEDULER", "LATE_RUNS", "FOREMAN", "PAUSE_EXPIRATIONS", "CANCELLATION_CLEANUP", "REPOSSESSOR")}
 SERVER_CUTS["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
-# What a boot on the database that a full boot of this Prefect left behind can skip (see _boot_facts).
-KNOWN_DATABASE = {"PREFECT_API_DATABASE_MIGRATE_ON_START": "false", "PREFECT_API_BLOCKS_REGISTER_ON_START": "false",
-                  "PREFECT_MEMOIZE_BLOCK_AUTO_REGISTRATION": "false"}
 
 
 class ServerUnavailable(RuntimeError):
     """No Prefect API answers: the embedded server could not start, or PREFECT_API_URL is not reachable."""
 
 
-def _paths(home: Path) -> tuple[Path, Path, Path]:
+def server_paths(home: Path) -> tuple[Path, Path, Path]:
     """The lock, the state file and the lease file of a PREFECT_HOME's shared server."""
     return (home / "sft-tokenize-server.lock", home / "sft-tokenize-server.json",
             home / "sft-tokenize-server.lease")
@@ -133,7 +129,7 @@ def _health(url: str, client: httpx.Client, timeout: float = 2) -> bool:
         return False
 
 
-def _recorded(state_path: Path) -> dict | None:
+def recorded_server(state_path: Path) -> dict | None:
     """The server recorded in `state_path`, if its process still runs."""
     try:
         state = json.loads(state_path.read_text())
@@ -142,7 +138,7 @@ def _recorded(state_path: Path) -> dict | None:
         return None
 
 
-def _write_state(state_path: Path, state: dict) -> None:
+def write_state(state_path: Path, state: dict) -> None:
     tmp = state_path.with_name(f"{state_path.name}.tmp-{uuid.uuid4().hex[:8]}")
     tmp.write_text(json.dumps(state))
     os.replace(tmp, state_path)
@@ -219,7 +215,7 @@ class EmbeddedServer:
                 idle = DEFAULT_SERVER_IDLE
         self.idle = idle
         home = get_current_settings().home
-        self.lock_path, self.state_path, self.lease_path = _paths(home)
+        self.lock_path, self.state_path, self.lease_path = server_paths(home)
         self.log_path = Path(home) / "embedded-server.log"
         self.pid, self.started = 0, None
         self.url: str | None = None
@@ -234,7 +230,7 @@ class EmbeddedServer:
         return not settings.api.url and settings.server.ephemeral.enabled
 
     def _read_state(self) -> dict | None:
-        return _recorded(self.state_path)
+        return recorded_server(self.state_path)
 
     def _own_state(self) -> dict | None:
         """The recorded server, if it is still the one this run joined."""
@@ -247,7 +243,7 @@ class EmbeddedServer:
                "PREFECT__SERVER_FINAL": "1", **get_current_settings().to_environment_variables(exclude_unset=True)}
         with self._open_log(port) as log:  # the child keeps its own copy of the descriptor
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "flows.embedded_server", SERVER_APP, "--port", str(port)],
+                [sys.executable, "-m", "flows.server_process", SERVER_APP, "--port", str(port)],
                 env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             )
         return {"pid": self.process.pid, "started": _start_time(self.process.pid), "port": port,
@@ -290,7 +286,7 @@ class EmbeddedServer:
             state = self._read_state() or self._launch()
             # In use again; the run that joined or left last sets how long it idles once no run uses it.
             state = {key: value for key, value in state.items() if key != "idle_since"}
-            _write_state(self.state_path, {**state, "idle": self.idle})
+            write_state(self.state_path, {**state, "idle": self.idle})
         self.pid, self.started, self.url = state["pid"], state["started"], state["url"]
         atexit.register(self.release)
 
@@ -355,7 +351,7 @@ class EmbeddedServer:
                 if state is not None:
                     self.state_path.unlink(missing_ok=True)
             elif state is not None:
-                _write_state(self.state_path, {**state, "idle": self.idle, **({"idle_since": time.time()} if last
+                write_state(self.state_path, {**state, "idle": self.idle, **({"idle_since": time.time()} if last
                                                                                else {})})
             self._lease.close()
             self._lease = None
@@ -386,9 +382,9 @@ def _seconds(value: float) -> str:
 def server_status() -> list[tuple[str, str]]:
     """`sft-tokenize server status`: the facts about this PREFECT_HOME's embedded server, one per line."""
     home = Path(get_current_settings().home)
-    _, state_path, lease_path = _paths(home)
+    _, state_path, lease_path = server_paths(home)
     where = [("PREFECT_HOME", str(home)), ("log", str(home / "embedded-server.log"))]
-    state = _recorded(state_path)
+    state = recorded_server(state_path)
     if state is None:
         return [("embedded server", "not running"), *where]
     with httpx.Client() as client:
@@ -410,11 +406,11 @@ def stop_server(force: bool = False) -> str:
     """`sft-tokenize server stop`: stop this PREFECT_HOME's embedded server and wait until its process is gone.
     Refused (ServerInUse) while runs use it, unless `force` (those runs then fail)."""
     home = Path(get_current_settings().home)
-    lock_path, state_path, lease_path = _paths(home)
+    lock_path, state_path, lease_path = server_paths(home)
     if not state_path.exists():
         return "no embedded server is running"
     with _locked(lock_path):  # no run joins meanwhile; a server ending itself holds it until it is gone
-        state = _recorded(state_path)
+        state = recorded_server(state_path)
         if state is None:
             return "no embedded server is running"
         with open(lease_path, "a") as lease:
@@ -431,136 +427,3 @@ def stop_server(force: bool = False) -> str:
             state_path.unlink(missing_ok=True)
     used = "" if not runs else "; 1 run was using it" if runs == 1 else f"; {runs} runs were using it"
     return f"stopped the embedded server (pid {state['pid']}) of PREFECT_HOME {home}{used}"
-
-
-def _boot_facts() -> dict | None:
-    """What a full boot leaves behind, read in a few milliseconds: this Prefect and its collections, the SQLite
-    file, its Alembic revision and its number of block types. None for a database that is not a local SQLite file
-    (or cannot be read): its server always boots in full."""
-    import sqlite3
-    from importlib.metadata import entry_points
-
-    import prefect
-
-    url = get_current_settings().server.database.connection_url
-    url = url.get_secret_value() if hasattr(url, "get_secret_value") else str(url or "")
-    prefix = "sqlite+aiosqlite:///"
-    if not url.startswith(prefix) or ":memory:" in url or "?" in url:
-        return None
-    path = Path(url.removeprefix(prefix)).resolve()
-    try:
-        with contextlib.closing(sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True, timeout=5)) as db:
-            ((revision,),) = db.execute("SELECT version_num FROM alembic_version").fetchall()
-            (block_types,) = db.execute("SELECT count(*) FROM block_type").fetchone()
-    except (sqlite3.Error, ValueError):
-        return None
-    collections = sorted(f"{point.dist.name}=={point.dist.version}"
-                         for point in entry_points(group="prefect.collections") if point.dist)
-    return {"prefect": prefect.__version__, "collections": collections, "database": str(path),
-            "revision": revision, "block_types": block_types}
-
-
-def _boot_in_full(record: Path) -> bool:
-    """Whether this server must migrate its database and check its block types (it is not the database that the
-    last full boot recorded); if not, the settings that skip both, unless the user set them."""
-    try:
-        known = json.loads(record.read_text())
-    except (OSError, ValueError):
-        known = None
-    if known is None or _boot_facts() != known:
-        return True
-    for name, value in KNOWN_DATABASE.items():
-        os.environ.setdefault(name, value)
-    refresh_global_settings_context()
-    return False
-
-
-def _record_boot(record: Path) -> None:
-    """After a full boot that migrated and registered: what the next boot checks (best effort: a boot that is not
-    recorded is only done in full again)."""
-    settings = get_current_settings().server
-    if not (settings.database.migrate_on_start and settings.register_blocks_on_start):
-        return
-    try:
-        if (facts := _boot_facts()) is not None:
-            _write_state(record, facts)
-    except Exception as error:  # noqa: BLE001 - never the end of the thread that ends the server
-        print(f"not recorded: {record}: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
-
-
-def _in_use(state_path: Path) -> None:
-    """A run uses this server (called under the join lock): its idle time starts again when none does."""
-    with contextlib.suppress(Exception):
-        state = _recorded(state_path)
-        if state is not None and state["pid"] == os.getpid() and "idle_since" in state:
-            del state["idle_since"]
-            _write_state(state_path, state)
-
-
-def _idling(state_path: Path) -> bool:
-    """This server, which no run uses, is within its idle time (called under the join lock)."""
-    try:
-        state = _recorded(state_path)
-        if state is None or state["pid"] != os.getpid() or not float(state.get("idle", 0)) > 0:
-            return False
-        if "idle_since" not in state:  # its runs were killed (none left it): idle from now
-            state["idle_since"] = time.time()
-            _write_state(state_path, state)
-        return time.time() - float(state["idle_since"]) < float(state["idle"])
-    except Exception as error:  # noqa: BLE001 - the thread that ends this server must not die: it ends now
-        print(f"idle time unknown, ending: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
-        return False
-
-
-def serve(port: int) -> None:
-    """The server process: Prefect's app under uvicorn, and a thread that ends it once no run has held a lease for
-    its idle time."""
-    import threading
-
-    import uvicorn
-
-    home = Path(get_current_settings().home)
-    lock_path, state_path, lease_path = _paths(home)
-    try:
-        in_full = _boot_in_full(home / BOOT_RECORD)
-    except Exception:  # noqa: BLE001 - whatever the record says, a full boot is correct
-        in_full = True
-    server = uvicorn.Server(uvicorn.Config(SERVER_APP, factory=True, host="127.0.0.1", port=port, log_level="error",
-                                           lifespan="on"))
-
-    def end_when_unused() -> None:
-        booted = False
-        while not server.should_exit:
-            time.sleep(1)
-            if server.started and not booted:
-                booted = True
-                if in_full:
-                    _record_boot(home / BOOT_RECORD)
-            lock = open(lock_path, "a")  # noqa: SIM115 - kept locked until this process is gone, if it ends
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            with open(lease_path, "a") as lease:
-                try:
-                    fcntl.flock(lease, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    _in_use(state_path)
-                    lock.close()
-                    continue
-            if _idling(state_path):
-                lock.close()
-                continue
-            with contextlib.suppress(OSError, ValueError):
-                if json.loads(state_path.read_text())["pid"] == os.getpid():
-                    state_path.unlink()
-            # The join lock stays held while this server shuts down, so that no run launches another server on
-            # the same database meanwhile (it would migrate it while this one still writes to it). The kernel
-            # drops it when this process exits; a shutdown that hangs is cut short.
-            server.should_exit = True
-            time.sleep(SHUTDOWN_TIMEOUT)
-            os._exit(0)
-
-    threading.Thread(target=end_when_unused, daemon=True).start()
-    server.run()
-
-
-if __name__ == "__main__":
-    serve(int(sys.argv[sys.argv.index("--port") + 1]))
