@@ -75,7 +75,13 @@ from pathlib import Path
 
 import httpx
 from prefect.context import refresh_global_settings_context
-from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL, get_current_settings, temporary_settings
+from prefect.settings import (
+    PREFECT_API_URL,
+    PREFECT_FLOWS_HEARTBEAT_FREQUENCY,
+    PREFECT_UI_URL,
+    get_current_settings,
+    temporary_settings,
+)
 
 SERVER_APP = "prefect.server.api.server:create_app"
 # Prefect's default (20 s) is too short for a boot beside a training job, a pip install or other runs.
@@ -222,6 +228,7 @@ class EmbeddedServer:
         self.process: subprocess.Popen | None = None  # set when this run launched the server
         self.answered = False  # this run has seen it answer
         self._lease = None
+        self._settings = None
 
     @staticmethod
     def needed() -> bool:
@@ -323,7 +330,15 @@ class EmbeddedServer:
         # global settings, which come from the environment: without this, each would boot a server of its own.
         os.environ["PREFECT_API_URL"] = self.url
         refresh_global_settings_context()
-        temporary_settings(updates={PREFECT_API_URL: self.url, PREFECT_UI_URL: ""}).__enter__()
+        updates = {PREFECT_API_URL: self.url, PREFECT_UI_URL: ""}
+        if get_current_settings().flows.model_fields_set.isdisjoint({"heartbeat_frequency"}):
+            # Heartbeats let a worker's server mark a crashed deployment run; this server has no automations to
+            # read them, and Prefect's heartbeat thread sleeps in whole seconds, so the flow's end waited up to 1 s
+            # for it to notice the stop.
+            updates[PREFECT_FLOWS_HEARTBEAT_FREQUENCY] = None
+        # Kept: a context manager that is garbage-collected is exited, and its settings with it.
+        self._settings = temporary_settings(updates=updates)
+        self._settings.__enter__()
         return self.url
 
     def _answers(self) -> bool:

@@ -25,10 +25,9 @@ import signal
 import threading
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from typing import Any
 
 from .chat import ChatEncoder, EncodedBatch
-from .encoders import FastEncoder, rebuilt_encoder
+from .encoders import rebuilt_encoder
 from .memory import limit_malloc_arenas
 from .prepared import PartsTokenizer, TokenizerParts
 
@@ -87,14 +86,15 @@ class _Checked:
 class EncodePool:
     """`processes` processes that encode batches with the ChatEncoder of `settings` (its keyword arguments)."""
 
-    def __init__(self, tokenizer: Any, fast: FastEncoder | None, settings: dict, processes: int):
+    def __init__(self, encoder: ChatEncoder, settings: dict, processes: int):
+        """`encoder`: this process's, made with `settings`. It checks the processes' first rows of each slice, and
+        lends them what its template learned with HF's tokenizer: they build HF's only for a row the fast encoder
+        cannot place."""
         self.processes = processes
         threads = max(1, available_cores() // processes)
-        # This process's encoder checks the processes' first rows of each slice, and lends them what its template
-        # learned with HF's tokenizer: they build HF's only for a row the fast encoder cannot place.
-        self._checker = ChatEncoder(tokenizer, fast=fast, **settings)
-        learned = self._checker.template.learned_boundaries if self._checker.template else {}
-        self._initargs = (TokenizerParts.of(tokenizer, fast, learned), settings, threads)
+        self._checker = encoder
+        learned = encoder.template.learned_boundaries if encoder.template else {}
+        self._initargs = (TokenizerParts.of(encoder.tokenizer, encoder.fast, learned), settings, threads)
         self._lock = threading.Lock()
         self._executor = self._start()
 

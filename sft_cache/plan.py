@@ -16,6 +16,7 @@ from pathlib import Path
 from . import CACHE_FORMAT_VERSION
 from .chat import ChatEncoder, read_chat_template, resolve_tokenizer
 from .content import Digests, slice_key
+from .encode_pool import POOL_MIN_BYTES
 from .errors import BadInput
 from .fingerprint import fingerprint, hash_directory, hash_text, tokenization_inputs
 from .formats import REQUIRED, ColumnMap, resolve_columns
@@ -180,13 +181,15 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable
         return Plan(job, [], name, cache_path, inputs, cached=True)
     if on_work is not None:
         on_work()
-    check_chat_template(options, tokenizer_dir, template_override, needed=columns.format != "text")
     # Here, so that a bad tokenizer, a missing extra or a refusal shows up before any task (and the threads
     # runner's slices reuse what this process loaded and checked).
-    tokenizer, _ = process_encoding(job.tokenizer_dir, template_override, options.trust_remote_code,
-                                    options.encoder, job.prepared)
-    _check_tokenizer(tokenizer, columns, options)
+    tokenizer, fast = process_encoding(job.tokenizer_dir, template_override, options.trust_remote_code,
+                                       options.encoder, job.prepared)
     total = sum(f.size for f in files)
+    if fast is not None and total < POOL_MIN_BYTES:
+        fast.warm()  # an input this small is encoded by this process: fastokens builds while the checks run
+    check_chat_template(options, tokenizer_dir, template_override, needed=columns.format != "text")
+    _check_tokenizer(tokenizer, columns, options)
     # Halving (rather than total / min_slices) keeps the target, and so every cut point, the same while the
     # input grows, until it doubles.
     target = max(1, parse_size(options.shard_size))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import threading
 import time
 import uuid
 from collections import Counter, deque
@@ -236,9 +237,22 @@ def warm_encoder(job: Job) -> None:
         fast.warm()
 
 
+_encoders: dict[str, ChatEncoder] = {}
+_making_encoder = threading.Lock()
+
+
 def encoder_for(job: Job) -> ChatEncoder:
-    tokenizer, fast = _process_encoding(job)
-    return ChatEncoder(tokenizer, fast=fast, **encoder_settings(job))
+    """This process's ChatEncoder for the job, made once (compiling and probing a template takes a few hundred
+    ms) and shared by its slices' threads: it holds no state between batches."""
+    key = json.dumps([job.tokenizer_dir, job.chat_template, job.trust_remote_code, job.encoder, job.prepared,
+                      encoder_settings(job)], sort_keys=True, default=str)
+    with _making_encoder:
+        if key not in _encoders:
+            if len(_encoders) >= 4:  # as many as process_encoding keeps: a long-lived worker's jobs come and go
+                _encoders.pop(next(iter(_encoders)))
+            tokenizer, fast = _process_encoding(job)
+            _encoders[key] = ChatEncoder(tokenizer, fast=fast, **encoder_settings(job))
+        return _encoders[key]
 
 
 _pools: list[tuple[Job, EncodePool]] = []  # the encode pools of this process's runs in progress
@@ -248,7 +262,7 @@ _pools: list[tuple[Job, EncodePool]] = []  # the encode pools of this process's 
 def encoding_processes(job: Job, processes: int) -> Iterator[None]:
     """While in it, this process's slices of `job` have their batches encoded by `processes` processes (see
     encode_pool.py); they are terminated if it ends with an error or an interrupt."""
-    entry = (job, EncodePool(*_process_encoding(job), encoder_settings(job), processes))
+    entry = (job, EncodePool(encoder_for(job), encoder_settings(job), processes))
     _pools.append(entry)
     ended = False
     try:
