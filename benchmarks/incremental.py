@@ -44,7 +44,7 @@ sys.path.insert(0, str(HERE))
 
 from build_inputs import CorpusSpec, build, generator  # noqa: E402
 from measure import measure  # noqa: E402
-from run import ENV, machine, project_command, warm_up_prefect  # noqa: E402
+from run import ENV, PREFECT_MODES, machine, prefect_env, project_command, stop_server, warm_up_prefect  # noqa: E402
 
 TARGET = 0.05
 GROWTH_SEED = 900_000  # far from the corpus's own unit seeds, so the new conversations are new
@@ -118,6 +118,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--verify", action="store_true", help="also build the grown corpus from scratch and compare")
     parser.add_argument("--server", action="store_true",
                         help="run against a `prefect server start` (started first, untimed), not the embedded one")
+    parser.add_argument("--prefect", choices=PREFECT_MODES, default="fresh",
+                        help="the embedded server: fresh, each run boots it (default); warm, the runs find it up")
     parser.add_argument("--out", type=Path, default=HERE / "results", help="where the results go")
     parser.add_argument("--work", type=Path, default=HERE / "work", help="scratch space, logs and Prefect's home")
     args = parser.parse_args(argv)
@@ -126,7 +128,8 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.pop("PREFECT_API_URL", None)
     work, out = args.work.absolute(), args.out.absolute()
     # A busy machine can take longer than Prefect's default 20 s to start the embedded server.
-    env = {**ENV, "PREFECT_HOME": str(work / "prefect-home"), "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120"}
+    env = prefect_env({**ENV, "PREFECT_HOME": str(work / "prefect-home"),
+                       "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120"}, args.prefect, work)
     spec = CorpusSpec(scale=args.scale)
     tokenizer, units = build(spec, args.units)
     scratch, logs = work / "incremental", work / "logs"
@@ -138,8 +141,9 @@ def main(argv: list[str] | None = None) -> None:
         if args.server:
             env["PREFECT_API_URL"] = stack.enter_context(prefect_server(work / "prefect-server-home", logs))
         else:
-            warm_up_prefect(env, work)
+            warm_up_prefect(env, work, tokenizer)
         report = run_steps(args, spec, units, tokenizer, data, scratch, logs, env)
+        stop_server(env)
     write_report(report, args, out)
 
 
@@ -153,7 +157,8 @@ def run_steps(args: argparse.Namespace, spec: CorpusSpec, units: list[Path], tok
 
     report = {"command": " ".join(["python", "benchmarks/incremental.py", *sys.argv[1:]]),
               "machine": machine(), "scale": args.scale, "units": args.units, "growth": args.growth,
-              "grow": args.grow, "workers": args.workers, "prefect": "server" if args.server else "embedded",
+              "grow": args.grow, "workers": args.workers,
+              "prefect": "server" if args.server else f"embedded, {args.prefect}",
               "runs": {}}
     runs = report["runs"]
     for step in ("cold", "hit", "grown"):
@@ -183,7 +188,7 @@ def write_report(report: dict, args: argparse.Namespace, out: Path) -> None:
                         "ok": ratio <= TARGET, "detail": f"{ratio:.1%} ({runs['grown']['seconds']:.1f} s against "
                                                         f"{runs['cold']['seconds']:.1f} s)"}
     out.mkdir(parents=True, exist_ok=True)
-    name = "incremental-server" if args.server else "incremental"
+    name = "incremental-server" if args.server else "incremental-warm" if args.prefect == "warm" else "incremental"
     (out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
     lines = [f"# Incremental rebuild: `{report['command']}`", "",
              f"{args.units} units at scale {args.scale}, {args.workers} workers, grown by {args.growth:.0%} "

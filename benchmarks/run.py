@@ -30,6 +30,7 @@ import os
 import platform
 import shlex
 import shutil
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -92,16 +93,33 @@ def project_command(files: list[Path], tokenizer: Path, cache_dir: Path, workers
             "--workers", str(workers), *extra]
 
 
-def warm_up_prefect(env: dict[str, str], work: Path) -> None:
-    """Create the Prefect database once, untimed, as on any machine where Prefect is already in use."""
+PREFECT_MODES = ("fresh", "warm")
+
+
+def prefect_env(env: dict[str, str], mode: str, work: Path) -> dict[str, str]:
+    """The runs' environment for `--prefect`: `fresh`, each run boots the embedded server and stops it as it leaves
+    (`--server-idle 0`); `warm`, they find it up (the warm-up leaves it, idle for 600 s). Either way the tokenizer is
+    prepared in a user cache of the work directory (sft_cache/prepared.py), as on a machine where it was used."""
+    return {**env, "SFT_TOKENIZE_SERVER_IDLE": "0" if mode == "fresh" else "600",
+            "SFT_TOKENIZE_HOME": str(work / "sft-home")}
+
+
+def warm_up_prefect(env: dict[str, str], work: Path, tokenizer: Path | None = None) -> None:
+    """Untimed, as on any machine where Prefect and this tokenizer are already in use: create the Prefect database,
+    prepare the tokenizer, and (SFT_TOKENIZE_SERVER_IDLE above 0) leave the embedded server up."""
     home = Path(env["PREFECT_HOME"])
-    if (home / "prefect.db").exists():
-        return
     home.mkdir(parents=True, exist_ok=True)  # SQLite cannot create the database under a missing directory
-    print("creating the Prefect database (once, untimed) ...", flush=True)
-    command = project_command([ROOT / "examples" / "data"], ROOT / "examples" / "tokenizer", work / "warm-up", 1, [])
+    print("warming up: the Prefect database, the tokenizer, the server (untimed) ...", flush=True)
+    command = project_command([ROOT / "examples" / "data"], tokenizer or ROOT / "examples" / "tokenizer",
+                              work / "warm-up", 1, [])
     measure(command, env=env, cwd=ROOT, log=work / "logs" / "prefect-warm-up.log")
     shutil.rmtree(work / "warm-up", ignore_errors=True)
+
+
+def stop_server(env: dict[str, str]) -> None:
+    """Stop the embedded server a warm run left (nothing to do after fresh runs)."""
+    script = Path(sys.executable).with_name("sft-tokenize")
+    subprocess.run([str(script), "server", "stop"], env={**os.environ, **env}, cwd=ROOT, capture_output=True)
 
 
 def mib(processes: list[tuple[str, int]]) -> list:
@@ -409,6 +427,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--work", type=Path, default=HERE / "work",
                         help="scratch space for outputs (deleted after each check), logs and Prefect's home "
                              "(default benchmarks/work)")
+    parser.add_argument("--prefect", choices=PREFECT_MODES, default="fresh",
+                        help="fresh: each project run boots the embedded Prefect server (default); warm: the runs "
+                             "find it up, as runs a few minutes apart do (--server-idle)")
     parser.add_argument("--project-args", default="", metavar="ARGS",
                         help="extra flags for `sft-tokenize run`, e.g. '--shard-size 64MB' (default none)")
     args = parser.parse_args(argv)
@@ -424,7 +445,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--sizes, --workers and --scale must be positive")
     if args.out is None:
         default = args.shape == "long" and args.tokenizer == "bench"
-        args.out = HERE / "results" if default else HERE / "results" / f"{args.shape}-{args.tokenizer}"
+        name = f"{args.shape}-{args.tokenizer}" + ("-warm" if args.prefect == "warm" else "")
+        args.out = HERE / "results" if default and args.prefect == "fresh" else HERE / "results" / name
     return args
 
 
@@ -440,16 +462,16 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.update(ENV)
     os.environ.pop("PREFECT_API_URL", None)  # an ad-hoc run on the embedded server, whatever the shell points at
     work, out = args.work.absolute(), args.out.absolute()
-    env = {**ENV, "PREFECT_HOME": str(work / "prefect-home")}
+    env = prefect_env({**ENV, "PREFECT_HOME": str(work / "prefect-home")}, args.prefect, work)
     spec = CorpusSpec.of(args.shape, args.scale)
     inputs = size_inputs(spec, args.sizes, with_tokenizer=args.tokenizer == "bench")
     tokenizer = qwen_tokenizer() if args.tokenizer == "qwen" else spec.tokenizer_dir
     if any(name.startswith("project") for name in args.only):
-        warm_up_prefect(env, work)
+        warm_up_prefect(env, work, tokenizer)
 
     report = {"command": shlex.join(["python", "benchmarks/run.py", *(sys.argv[1:] if argv is None else argv)]),
               "machine": machine(), "scale": args.scale, "workers": args.workers, "sizes": args.sizes,
-              "shape": args.shape, "tokenizer_name": args.tokenizer,
+              "shape": args.shape, "tokenizer_name": args.tokenizer, "prefect": args.prefect,
               "rows_per_unit": spec.rows_per_unit, "tokenizer": str(tokenizer), "results": []}
     order = [p for p in PIPELINES if p in args.only]
     for size in args.sizes:
@@ -472,6 +494,7 @@ def main(argv: list[str] | None = None) -> None:
         report["results"].append({"size": size, "reference": reference,
                                   "runs": {name: asdict(run) for name, run in runs.items()}})
         write_results(report, out)  # after every size: a later failure keeps what was measured
+    stop_server(env)
 
     try:
         chart(report, out / "chart.png")
