@@ -10,7 +10,7 @@ come back pickled; nothing is shared. The other runners already give each worker
 The processes import neither transformers' tokenizer classes nor torch. Each is given the tokenizer as its
 parts (`prepared.TokenizerParts`: the Rust tokenizer's JSON, the chat template, the special tokens, the token
 boundaries the template learned: all that encoding reads of it) and the fast encoder this process chose and
-checked, and builds its `ChatEncoder` once. HF's tokenizer (~110 MB for a 151k vocabulary) is built there only
+checked, and builds its `ChatEncoder` once. HF's tokenizer (~40 MB a process for a 151k vocabulary) is built there only
 for a row the fast encoder cannot place: each slice's first rows, which are checked against HF's, come back
 unchecked and are checked here, in the slice's thread, by this process's encoder. A process that dies
 (killed, out of memory) fails the batches it held: their slices fail and are retried, and the next batch
