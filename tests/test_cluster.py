@@ -184,11 +184,10 @@ def test_dask_cluster_writes_the_same_bytes_and_loads_the_tokenizer_once_per_wor
     with dask_client(address) as client:
         after = client.run(process_encoding.cache_info)
     assert after.keys() == before.keys()
-    # Each of the four slice tasks called for the tokenizer and its encoder; each worker process loaded them at
-    # most once.
+    # Each worker process that ran slices made its encoder once (shard.encoder_for), loading the tokenizer once.
     calls = {w: (after[w].hits + after[w].misses) - (before[w].hits + before[w].misses) for w in after}
     loads = {w: after[w].misses - before[w].misses for w in after}
-    assert sum(calls.values()) == 4 and max(loads.values()) <= 1, (calls, loads)
+    assert 1 <= sum(calls.values()) <= len(after) and max(loads.values()) <= 1, (calls, loads)
 
 
 @pytest.mark.usefixtures("prefect_harness")
