@@ -59,6 +59,8 @@ def _start(parts: TokenizerParts, settings: dict, tokenizer_threads: int) -> Non
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the group; the run closes the pool
     limit_malloc_arenas()
     fast = rebuilt_encoder(parts.backend_json, *parts.fast) if parts.fast else None
+    if fast is not None:
+        fast.warm()  # this process encodes: its tables build while the encoder below is made
     _encoder = ChatEncoder(PartsTokenizer(parts), fast=fast, **settings)
 
 

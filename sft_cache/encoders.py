@@ -197,11 +197,10 @@ class FastEncoder:
 
 
 def rebuilt_encoder(tokenizer_json: str, byte_lengths: np.ndarray, nfc: bool) -> FastEncoder:
-    """The FastEncoder that another process of this install chose and checked for this tokenizer JSON (the
-    same JSON, the same fastokens): rebuilt without checking it again."""
-    import fastokens
-
-    return FastEncoder(fastokens.Tokenizer.from_json_str(tokenizer_json), byte_lengths, nfc)
+    """The FastEncoder that another process of this install (or an earlier run, prepared.py) chose and checked for
+    this tokenizer JSON (the same JSON, the same fastokens): rebuilt without checking it again, its tables built
+    when it is `warm`ed or first used."""
+    return FastEncoder(PendingNative(tokenizer_json), byte_lengths, nfc)
 
 
 def _check_strings(backend) -> list[str]:

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from .encoders import FastEncoder, PendingNative, check_encoder, log_refusal
+from .encoders import FastEncoder, check_encoder, log_refusal, rebuilt_encoder
 from .fingerprint import fingerprint
 
 logger = logging.getLogger("sft_cache")
@@ -171,7 +171,7 @@ def prepared_encoding(directory: Path, load, requested: str) -> tuple[Any, FastE
             log_refusal(requested, verdict["refusal"])
             return tokenizer, None
         logger.info("encoder: fastokens (checked when this tokenizer was first prepared)")
-        return tokenizer, FastEncoder(PendingNative(parts.backend_json), parts.fast[0], parts.fast[1])
+        return tokenizer, rebuilt_encoder(parts.backend_json, *parts.fast)
     tokenizer = load()
     fast, refusal = check_encoder(tokenizer, requested)
     verdict = {} if requested == "hf" else {"accepted": True, "nfc": fast.nfc} if fast else \
