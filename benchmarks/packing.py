@@ -37,10 +37,10 @@ sys.path.insert(0, str(ROOT))
 
 from build_inputs import CorpusSpec, build  # noqa: E402
 
-from sft_cache.options import TokenizeOptions  # noqa: E402
-from sft_cache.packing import PackOptions, lower_bound_bins, pack_cache, plan  # noqa: E402
-from sft_cache.plan import run_locally  # noqa: E402
-from sft_cache.reader import open_cache  # noqa: E402
+from sft_tokenize.build.options import TokenizeOptions  # noqa: E402
+from sft_tokenize.build.plan import run_locally  # noqa: E402
+from sft_tokenize.read.cache import open_cache  # noqa: E402
+from sft_tokenize.read.packing_index import PackOptions, lower_bound_bins, pack_cache, plan  # noqa: E402
 
 LENGTHS = (4096, 8192)
 REPEATS = 3

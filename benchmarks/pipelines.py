@@ -30,10 +30,10 @@ import pyarrow.compute as pc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # sft_cache, when run from anywhere
 
-from sft_cache.chat import ChatEncoder, EncodedBatch, load_tokenizer  # noqa: E402
-from sft_cache.formats import Conversation  # noqa: E402
-from sft_cache.shard import features  # noqa: E402
-from sft_cache.source_formats import READ_BATCH_BYTES, READ_BATCH_ROWS  # noqa: E402
+from sft_tokenize.build.shard import features  # noqa: E402
+from sft_tokenize.encoding.chat_encoder import ChatEncoder, EncodedBatch, load_tokenizer  # noqa: E402
+from sft_tokenize.sources.conversations import Conversation  # noqa: E402
+from sft_tokenize.sources.readers import READ_BATCH_BYTES, READ_BATCH_ROWS  # noqa: E402
 
 WRITER_BATCH_ROWS = 1000  # SkyRL's _TOKENIZE_WRITER_BATCH_ROWS
 

@@ -88,7 +88,7 @@ class Run:
 
 def project_command(files: list[Path], tokenizer: Path, cache_dir: Path, workers: int, extra: list[str]) -> list[str]:
     script = Path(sys.executable).with_name("sft-tokenize")
-    base = [str(script)] if script.exists() else [sys.executable, "-m", "flows.cli"]
+    base = [str(script)] if script.exists() else [sys.executable, "-m", "sft_tokenize.flows.cli"]
     return [*base, "run", *map(str, files), "--tokenizer", str(tokenizer), "--cache-dir", str(cache_dir),
             "--workers", str(workers), *extra]
 
@@ -99,7 +99,7 @@ PREFECT_MODES = ("fresh", "warm")
 def prefect_env(env: dict[str, str], mode: str, work: Path) -> dict[str, str]:
     """The runs' environment for `--prefect`: `fresh`, each run boots the embedded server and stops it as it leaves
     (`--server-idle 0`); `warm`, they find it up (the warm-up leaves it, idle for 600 s). Either way the tokenizer is
-    prepared in a user cache of the work directory (sft_cache/prepared.py), as on a machine where it was used."""
+    prepared in a user cache of the work directory (encoding/prepared.py), as on a machine where it was used."""
     return {**env, "SFT_TOKENIZE_SERVER_IDLE": "0" if mode == "fresh" else "600",
             "SFT_TOKENIZE_HOME": str(work / "sft-home")}
 

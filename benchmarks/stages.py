@@ -30,13 +30,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from sft_cache.chat import ChatEncoder, load_tokenizer  # noqa: E402
-from sft_cache.encoders import VERIFY_ROWS, choose_encoder  # noqa: E402
-from sft_cache.formats import ColumnMap, to_example  # noqa: E402
-from sft_cache.shard import ShardWriter  # noqa: E402
-from sft_cache.slicing import cut_slices  # noqa: E402
-from sft_cache.source_formats import read_slice  # noqa: E402
-from sft_cache.sources import resolve  # noqa: E402
+from sft_tokenize.build.shard import ShardWriter  # noqa: E402
+from sft_tokenize.encoding.chat_encoder import ChatEncoder, load_tokenizer  # noqa: E402
+from sft_tokenize.encoding.exact import VERIFY_ROWS, choose_encoder  # noqa: E402
+from sft_tokenize.sources.conversations import ColumnMap, to_example  # noqa: E402
+from sft_tokenize.sources.readers import read_slice  # noqa: E402
+from sft_tokenize.sources.resolve import resolve  # noqa: E402
+from sft_tokenize.sources.slicing import cut_slices  # noqa: E402
 
 
 def _timed(function, *args, **kwargs):

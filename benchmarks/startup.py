@@ -58,7 +58,7 @@ def project_command(args: argparse.Namespace) -> list[str]:
     if args.project_cmd:
         return shlex.split(args.project_cmd)
     script = Path(sys.executable).with_name("sft-tokenize")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "flows.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "sft_tokenize.flows.cli"]
 
 
 def prefect_command(project: list[str]) -> list[str]:

@@ -34,7 +34,7 @@ def schedule(entry: dict[str, Any]):
 
 def runner_deployments(prefect_file: Path = PREFECT_FILE) -> list:
     """prefect.yaml's deployments as served ones: same names, parameters, schedules, tags, description."""
-    from flows.tokenize_dataset import tokenize_dataset
+    from sft_tokenize.flows.tokenize_dataset import tokenize_dataset
 
     deployments = []
     for spec in yaml.safe_load(prefect_file.read_text())["deployments"]:

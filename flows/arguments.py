@@ -11,8 +11,8 @@ import math
 import os
 from typing import Any
 
-from sft_cache.encode_pool import POOL_MIN_BYTES
-from sft_cache.layouts import LAYOUTS
+from sft_tokenize.encoding.pool import POOL_MIN_BYTES
+from sft_tokenize.read.layouts import LAYOUTS
 
 PROG = "sft-tokenize"
 EXIT_BAD_INPUT = 2

@@ -24,10 +24,11 @@ import sys
 import warnings
 from pathlib import Path
 
-from flows.arguments import EXIT_BAD_INPUT, PROG, SERVER_IDLE_ENV, build_parser, options_from
-from flows.console import CONSOLE_ENV, ProgressBar, progress_console
-from sft_cache.errors import BadInput, CacheError
-from sft_cache.timeline import mark
+from sft_tokenize.flows.arguments import EXIT_BAD_INPUT, PROG, SERVER_IDLE_ENV, build_parser, options_from
+from sft_tokenize.flows.console import CONSOLE_ENV, ProgressBar, progress_console
+
+from sft_tokenize.build.timeline import mark
+from sft_tokenize.errors import BadInput, CacheError
 
 EXIT_OK, EXIT_FAILED = 0, 1
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a writer whose reader left
@@ -71,7 +72,7 @@ def keep_torch_out() -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from flows.interrupts import EXIT_CODES, raise_on_sigterm, signal_of
+    from sft_tokenize.flows.interrupts import EXIT_CODES, raise_on_sigterm, signal_of
 
     keep_torch_out()
     raise_on_sigterm()
@@ -86,10 +87,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
+    from sft_tokenize.flows.cluster import require_extra
 
-    from flows.cluster import require_extra
-    from sft_cache.options import TokenizeOptions
-    from sft_cache.plan import plan_slices
+    from sft_tokenize.build.options import TokenizeOptions
+    from sft_tokenize.build.plan import plan_slices
 
     settings = options_from(args)
     try:
@@ -102,7 +103,7 @@ def _run(args: argparse.Namespace) -> int:
 
     def start_server() -> None:  # only when there is work: a cache hit needs no Prefect at all
         nonlocal server
-        from flows.embedded_server import EmbeddedServer
+        from sft_tokenize.flows.embedded_server import EmbeddedServer
 
         if EmbeddedServer.needed():
             if problem := prefect_home_problem():
@@ -123,10 +124,9 @@ def _run(args: argparse.Namespace) -> int:
         return EXIT_OK
     from prefect.exceptions import TerminationSignal
     from prefect.settings import get_current_settings
-
-    from flows.embedded_server import EmbeddedServer, ServerUnavailable, check_api_reachable
-    from flows.interrupts import Terminated
-    from flows.tokenize_dataset import TokenizeRun, first_line, on_progress, tokenize_dataset
+    from sft_tokenize.flows.embedded_server import EmbeddedServer, ServerUnavailable, check_api_reachable
+    from sft_tokenize.flows.interrupts import Terminated
+    from sft_tokenize.flows.tokenize_dataset import TokenizeRun, first_line, on_progress, tokenize_dataset
 
     try:
         options = TokenizeRun(**settings)
@@ -160,9 +160,10 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def inspect(args: argparse.Namespace) -> int:
-    from flows.report import fingerprint_inputs, packing_summary, summary, text_table
-    from sft_cache.packing import list_indexes
-    from sft_cache.reader import read_manifest
+    from sft_tokenize.flows.report import fingerprint_inputs, packing_summary, summary, text_table
+
+    from sft_tokenize.read.cache import read_manifest
+    from sft_tokenize.read.packing_index import list_indexes
 
     try:
         manifest = read_manifest(args.cache)
@@ -182,8 +183,9 @@ def inspect(args: argparse.Namespace) -> int:
 
 
 def pack(args: argparse.Namespace) -> int:
-    from flows.report import packing_summary, text_table
-    from sft_cache.packing import PackOptions, pack_cache
+    from sft_tokenize.flows.report import packing_summary, text_table
+
+    from sft_tokenize.read.packing_index import PackOptions, pack_cache
 
     options = PackOptions(length=args.length, data_parallel=args.data_parallel, algorithm=args.algorithm,
                           index_dir=args.index_dir)
@@ -201,9 +203,10 @@ def show_rows(args: argparse.Namespace, manifest: dict) -> int:
     """`inspect --row N` / `--sample K`: rows decoded with their trained tokens highlighted."""
     import random
 
-    from flows.report import show_row
-    from sft_cache.chat import load_tokenizer
-    from sft_cache.reader import open_cache
+    from sft_tokenize.flows.report import show_row
+
+    from sft_tokenize.encoding.chat_encoder import load_tokenizer
+    from sft_tokenize.read.cache import open_cache
 
     cache = open_cache(args.cache)
     bad = [n for n in args.row if not 0 <= n < len(cache)]
@@ -232,7 +235,7 @@ def show_rows(args: argparse.Namespace, manifest: dict) -> int:
 
 
 def gc(args: argparse.Namespace) -> int:
-    from sft_cache.store import collect_garbage
+    from sft_tokenize.build.store import collect_garbage
 
     root = os.path.abspath(args.cache_dir)
     if not os.path.isdir(root):
@@ -247,7 +250,7 @@ def gc(args: argparse.Namespace) -> int:
 
 def server(args: argparse.Namespace) -> int:
     """`server status` / `server stop`: the embedded Prefect server of this PREFECT_HOME."""
-    from flows.embedded_server import ServerInUse, server_status, stop_server
+    from sft_tokenize.flows.embedded_server import ServerInUse, server_status, stop_server
 
     if args.action == "status":
         for name, value in server_status():

@@ -5,7 +5,7 @@ what the description points at. Every worker needs: this package (`pip install '
 `[ray]`, the same versions as the flow's machine), the local inputs and the tokenizer directory at the
 same paths (or inputs on object storage), the cache root on a filesystem it shares with the flow (the
 workers write the shards, the flow publishes them), and the Prefect API (`PREFECT_API_URL`). The
-tokenizer is loaded once per worker process (`sft_cache.shard._tokenizer`), never sent with a task.
+tokenizer is loaded once per worker process (`sft_tokenize.build.shard._tokenizer`), never sent with a task.
 
 A task that raises is retried by Prefect (`retries`). A worker process that dies raises nothing for
 Prefect to see: Dask's nanny restarts the process and the scheduler runs the task again on a live worker,
@@ -22,13 +22,13 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sft_cache.encode_pool import tokenizer_env
-from sft_cache.errors import BadInput
+from sft_tokenize.encoding.pool import tokenizer_env
+from sft_tokenize.errors import BadInput
 
 if TYPE_CHECKING:  # workers import this module for `probe`: keep it light
     from prefect.task_runners import TaskRunner
 
-    from sft_cache.plan import Plan
+    from sft_tokenize.build.plan import Plan
 
 # The runners that need an optional extra, and the module that extra installs.
 EXTRAS = {"dask": "prefect_dask", "ray": "prefect_ray"}

@@ -7,7 +7,7 @@ machine), and every run boots its own server on the same SQLite database. Runs s
 busy machine then time out one after another.
 
 Instead, the CLI launches Prefect's own server app (`prefect.server.api.server:create_app` under uvicorn,
-ephemeral mode, no UI; `python -m flows.server_process` adds only the lease check below) once per
+ephemeral mode, no UI; `python -m sft_tokenize.flows.server_process` adds only the lease check below) once per
 PREFECT_HOME and lets every run on that home use it:
 
     sft-tokenize-server.lock   an flock held while a run joins or leaves (guards the two files below), and by
@@ -213,7 +213,7 @@ class EmbeddedServer:
         """`idle`: seconds the server stays up once this run leaves it last (default SFT_TOKENIZE_SERVER_IDLE, the
         CLI's --server-idle, or 300)."""
         if idle is None:
-            from flows.arguments import DEFAULT_SERVER_IDLE, SERVER_IDLE_ENV
+            from sft_tokenize.flows.arguments import DEFAULT_SERVER_IDLE, SERVER_IDLE_ENV
 
             try:
                 idle = float(os.environ.get(SERVER_IDLE_ENV) or DEFAULT_SERVER_IDLE)
@@ -250,7 +250,7 @@ class EmbeddedServer:
                "PREFECT__SERVER_FINAL": "1", **get_current_settings().to_environment_variables(exclude_unset=True)}
         with self._open_log(port) as log:  # the child keeps its own copy of the descriptor
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "flows.server_process", SERVER_APP, "--port", str(port)],
+                [sys.executable, "-m", "sft_tokenize.flows.server_process", SERVER_APP, "--port", str(port)],
                 env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             )
         return {"pid": self.process.pid, "started": _start_time(self.process.pid), "port": port,

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sft_cache.stopping import request_stop
+from sft_tokenize.build.stopping import request_stop
 
 if TYPE_CHECKING:
     from prefect.task_runners import TaskRunner

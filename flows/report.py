@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from sft_cache.publish import describe_drops
+from sft_tokenize.build.publish import describe_drops
 
 
 def _count(n: int) -> str:

@@ -1,4 +1,4 @@
-"""The embedded Prefect server's own process (`python -m flows.server_process`, launched by
+"""The embedded Prefect server's own process (`python -m sft_tokenize.flows.server_process`, launched by
 flows/embedded_server.py): Prefect's app under uvicorn, a thread that ends it once no run has held a lease for its
 idle time, and the record that lets a boot on a known database skip its migrations and block checks (see
 embedded_server.py's docstring for the protocol and the figures)."""
@@ -15,8 +15,7 @@ from pathlib import Path
 
 from prefect.context import refresh_global_settings_context
 from prefect.settings import get_current_settings
-
-from flows.embedded_server import SERVER_APP, SHUTDOWN_TIMEOUT, recorded_server, server_paths, write_state
+from sft_tokenize.flows.embedded_server import SERVER_APP, SHUTDOWN_TIMEOUT, recorded_server, server_paths, write_state
 
 BOOT_RECORD = "sft-tokenize-server-boot.json"
 # What a boot on the database that a full boot of this Prefect left behind can skip (see _boot_facts).

@@ -22,26 +22,26 @@ from prefect.futures import as_completed
 from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
 from prefect.task_runners import ProcessPoolTaskRunner, TaskRunner, ThreadPoolTaskRunner
 from pydantic import Field, ValidationInfo, field_validator
+from sft_tokenize.flows.cluster import check_workers, dask_runner, ray_runner
+from sft_tokenize.flows.console import configure_console
+from sft_tokenize.flows.interrupts import ignore_sigint, stopping_workers
+from sft_tokenize.flows.report import markdown_table, packing_summary, summary
+from sft_tokenize.tasks.pack_cache import pack_cache
+from sft_tokenize.tasks.plan_slices import plan_slices
+from sft_tokenize.tasks.publish_cache import publish_cache
+from sft_tokenize.tasks.tokenize_slice import RETRIES, tokenize_slice
 
-from flows.cluster import check_workers, dask_runner, ray_runner
-from flows.console import configure_console
-from flows.interrupts import ignore_sigint, stopping_workers
-from flows.report import markdown_table, packing_summary, summary
-from sft_cache.encode_pool import POOL_MIN_BYTES, available_cores, tokenizer_env
-from sft_cache.errors import BadInput
-from sft_cache.memory import limit_malloc_arenas
-from sft_cache.options import TokenizeOptions
-from sft_cache.packing import PackOptions
-from sft_cache.plan import Plan
-from sft_cache.publish import building, is_published
-from sft_cache.reader import read_manifest
-from sft_cache.shard import encoding_processes, finished_shard, warm_encoder
-from sft_cache.store import collect_garbage, discard_shards, leased, remove_cache
-from sft_cache.timeline import mark
-from tasks.pack_cache import pack_cache
-from tasks.plan_slices import plan_slices
-from tasks.publish_cache import publish_cache
-from tasks.tokenize_slice import RETRIES, tokenize_slice
+from sft_tokenize.build.options import TokenizeOptions
+from sft_tokenize.build.plan import Plan
+from sft_tokenize.build.publish import building, is_published
+from sft_tokenize.build.shard import encoding_processes, finished_shard, warm_encoder
+from sft_tokenize.build.store import collect_garbage, discard_shards, leased, remove_cache
+from sft_tokenize.build.timeline import mark
+from sft_tokenize.encoding.memory import limit_malloc_arenas
+from sft_tokenize.encoding.pool import POOL_MIN_BYTES, available_cores, tokenizer_env
+from sft_tokenize.errors import BadInput
+from sft_tokenize.read.cache import read_manifest
+from sft_tokenize.read.packing_index import PackOptions
 
 
 class TokenizeRun(TokenizeOptions):

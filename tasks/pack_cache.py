@@ -7,7 +7,7 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from sft_cache import packing
+from sft_tokenize.read import packing_index as packing
 
 
 # Never cached: the index on disk is the record; a valid one is reused without building.

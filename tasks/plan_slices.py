@@ -5,8 +5,8 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from sft_cache import plan
-from sft_cache.options import TokenizeOptions
+from sft_tokenize.build import plan
+from sft_tokenize.build.options import TokenizeOptions
 
 
 # Never cached: a plan must look at the disk as it is now (edited inputs, a cache published meanwhile).

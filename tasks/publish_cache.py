@@ -7,9 +7,9 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from sft_cache import publish
-from sft_cache.shard import Job
-from sft_cache.sources import Slice
+from sft_tokenize.build import publish
+from sft_tokenize.build.shard import Job
+from sft_tokenize.sources.resolve import Slice
 
 
 # Never cached: publishing checks every shard on disk and must see the state it leaves behind.

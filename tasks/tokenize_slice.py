@@ -1,6 +1,6 @@
 """tokenize_slice: tokenize one slice into its own Arrow shard and return only its row count.
 
-Re-running is cheap and safe at two levels. On disk (the ground truth), `sft_cache.shard.tokenize_slice`
+Re-running is cheap and safe at two levels. On disk (the ground truth), `sft_tokenize.build.shard.tokenize_slice`
 reuses the shard store's finished shard of the slice's content key. In Prefect, the result (an int,
 persisted as JSON) is cached under that same key, which holds no flow-run id and no cache version, so a
 retried, re-run or incremental flow skips the slices already finished. The flow bypasses that cache
@@ -24,11 +24,11 @@ from typing import Any
 from prefect import task
 from prefect.tasks import exponential_backoff
 
-from sft_cache import shard
-from sft_cache.errors import BadInput, OutOfSpace
-from sft_cache.shard import Job
-from sft_cache.sources import Slice
-from sft_cache.stopping import Stopped
+from sft_tokenize.build import shard
+from sft_tokenize.build.shard import Job
+from sft_tokenize.build.stopping import Stopped
+from sft_tokenize.errors import BadInput, OutOfSpace
+from sft_tokenize.sources.resolve import Slice
 
 TAG = "sft-tokenize"  # cap parallel slices across runs with `prefect concurrency-limit create sft-tokenize N`
 RETRIES = 2

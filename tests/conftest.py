@@ -19,7 +19,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # The CLI's runs stop their embedded server as they leave (`--server-idle 0`): none outlives its test, nor the suite.
 # The tests of the warm server pass --server-idle themselves, and stop what they start.
 os.environ["SFT_TOKENIZE_SERVER_IDLE"] = "0"
-# Prepared tokenizers (sft_cache/prepared.py) in one directory of this test run, not in the user's cache.
+# Prepared tokenizers (sft_tokenize/encoding/prepared.py) in one directory of this test run, not in the user's cache.
 if "SFT_TOKENIZE_HOME" not in os.environ:
     os.environ["SFT_TOKENIZE_HOME"] = tempfile.mkdtemp(prefix="sft-tokenize-home-")
     atexit.register(shutil.rmtree, os.environ["SFT_TOKENIZE_HOME"], True)
@@ -224,7 +224,7 @@ def modern_tokenizer(tmp_path_factory):
 @pytest.fixture(scope="session")
 def modern_tokenizers(modern_tokenizer):
     """family name → that family's tokenizer, loaded (once per session)."""
-    from sft_cache.chat import load_tokenizer
+    from sft_tokenize.encoding.chat_encoder import load_tokenizer
 
     loaded = {}
 

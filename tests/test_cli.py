@@ -16,10 +16,10 @@ import psutil
 import pytest
 from conftest import EXAMPLE_DATA, EXAMPLE_TOKENIZER, example_rows, write_jsonl
 from datasets import load_from_disk
+from sft_tokenize.tasks.tokenize_slice import FAULT_FILE_ENV
 
-from sft_cache.options import TokenizeOptions
-from sft_cache.plan import plan_slices
-from tasks.tokenize_slice import FAULT_FILE_ENV
+from sft_tokenize.build.options import TokenizeOptions
+from sft_tokenize.build.plan import plan_slices
 
 BIN = Path(sys.executable).parent
 NOISE = ("Traceback", "PyTorch was not found", "Starting temporary server")

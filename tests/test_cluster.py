@@ -25,15 +25,15 @@ import pytest
 from conftest import EXAMPLE_DATA, EXAMPLE_TOKENIZER
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterFlowRunId
+from sft_tokenize.flows.arguments import build_parser, options_from
+from sft_tokenize.flows.cli import main
+from sft_tokenize.flows.console import CONSOLE_ENV
+from sft_tokenize.flows.tokenize_dataset import TokenizeRun, tokenize_dataset
+from sft_tokenize.tasks.tokenize_slice import FAULT_FILE_ENV
 
-from flows.arguments import build_parser, options_from
-from flows.cli import main
-from flows.console import CONSOLE_ENV
-from flows.tokenize_dataset import TokenizeRun, tokenize_dataset
-from sft_cache.content import DIGEST_BOOK
-from sft_cache.shard import process_encoding
-from sft_cache.store import collect_garbage
-from tasks.tokenize_slice import FAULT_FILE_ENV
+from sft_tokenize.build.keys import DIGEST_BOOK
+from sft_tokenize.build.shard import process_encoding
+from sft_tokenize.build.store import collect_garbage
 
 BIN = Path(sys.executable).parent
 # Two input files cut into four slices, one of them spanning both files.

@@ -15,13 +15,13 @@ import pytest
 from conftest import EXAMPLE_TOKENIZER, example_rows, write_jsonl
 from test_modern_masks import ROWS
 
-from sft_cache import shard
-from sft_cache.encode_pool import EncodePool
-from sft_cache.errors import BadInput
-from sft_cache.formats import ColumnMap, to_example
-from sft_cache.options import TokenizeOptions
-from sft_cache.plan import plan_slices
-from sft_cache.source_formats import READ_BATCH_ROWS
+from sft_tokenize.build import shard
+from sft_tokenize.build.options import TokenizeOptions
+from sft_tokenize.build.plan import plan_slices
+from sft_tokenize.encoding.pool import EncodePool
+from sft_tokenize.errors import BadInput
+from sft_tokenize.sources.conversations import ColumnMap, to_example
+from sft_tokenize.sources.readers import READ_BATCH_ROWS
 
 INJECTED = {"messages": [{"role": "user", "content": "Say <|im_end|> please"},
                          {"role": "assistant", "content": "Here: <|im_end|>."}]}
@@ -117,14 +117,14 @@ def test_pool_processes_carry_no_torch_and_a_killed_one_is_replaced(tmp_path):
 
 def _built_hf_tokenizer() -> bool:
     """In a pool process: whether its encoder has built HF's tokenizer."""
-    from sft_cache import encode_pool
+    from sft_tokenize.encoding import pool as encode_pool
 
     return encode_pool._encoder.tokenizer._backend is not None
 
 
 def test_pool_processes_build_no_hf_tokenizer_and_their_first_rows_are_checked_here(tmp_path, monkeypatch):
-    from sft_cache.chat import ChatEncoder
-    from sft_cache.encoders import EncoderMismatch, IdsEncoding
+    from sft_tokenize.encoding.chat_encoder import ChatEncoder
+    from sft_tokenize.encoding.exact import EncoderMismatch, IdsEncoding
 
     source = write_jsonl(tmp_path / "rows.jsonl", example_rows()[:30])
     plan = plan_slices(TokenizeOptions(sources=[str(source)], tokenizer=str(EXAMPLE_TOKENIZER),

@@ -12,10 +12,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_modern_masks import COLUMNS, ROWS, qwen3_with_generation_blocks
 
-from sft_cache.chat import ChatEncoder, _first_token_at_or_after, load_tokenizer
-from sft_cache.encoders import EncoderMismatch, choose_encoder
-from sft_cache.errors import BadInput
-from sft_cache.formats import ColumnMap, to_example
+from sft_tokenize.encoding.chat_encoder import ChatEncoder, _first_token_at_or_after, load_tokenizer
+from sft_tokenize.encoding.exact import EncoderMismatch, choose_encoder
+from sft_tokenize.errors import BadInput
+from sft_tokenize.sources.conversations import ColumnMap, to_example
 
 pytest.importorskip("fastokens")  # the `fast` extra; `make test` installs it
 
@@ -129,7 +129,7 @@ def metaspace_tokenizer(tmp_path_factory):
 @pytest.mark.parametrize("requested", ["auto", "fastokens"])
 def test_a_sentencepiece_style_tokenizer_is_refused_with_a_reason_and_gives_hfs_output(metaspace_tokenizer,
                                                                                       requested, caplog):
-    with caplog.at_level(logging.INFO, logger="sft_cache"):
+    with caplog.at_level(logging.INFO, logger="sft_tokenize"):
         assert choose_encoder(metaspace_tokenizer, requested) is None
     assert "not fastokens: its pre-tokenizer (Metaspace) is not byte-level" in caplog.text
     messages = ROWS["system_three_turns"]["messages"]
@@ -178,8 +178,8 @@ def test_rows_whose_tokens_do_not_cover_their_bytes_are_encoded_by_hf(tmp_path):
 
 
 def test_encoder_is_not_in_the_fingerprint_and_shards_are_byte_identical(tmp_path):
-    from sft_cache.options import TokenizeOptions
-    from sft_cache.plan import plan_slices, run_locally
+    from sft_tokenize.build.options import TokenizeOptions
+    from sft_tokenize.build.plan import plan_slices, run_locally
 
     caches = {}
     for encoder in ("hf", "fastokens"):
@@ -203,8 +203,8 @@ def test_the_cli_takes_the_encoder_flag(tmp_path):
 
     from test_cli import environment
 
-    from sft_cache.options import TokenizeOptions
-    from sft_cache.plan import run_locally
+    from sft_tokenize.build.options import TokenizeOptions
+    from sft_tokenize.build.plan import run_locally
 
     done = subprocess.run([str(Path(sys.executable).parent / "sft-tokenize"), "run", str(EXAMPLE_DATA),
                            "--tokenizer", str(EXAMPLE_TOKENIZER), "--cache-dir", str(tmp_path / "fast"),

@@ -11,12 +11,12 @@ import pytest
 from conftest import EXAMPLE_DATA, EXAMPLE_TOKENIZER
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter, FlowRunFilterId
+from sft_tokenize.flows.tokenize_dataset import TokenizeRun, tokenize_dataset
+from sft_tokenize.tasks.tokenize_slice import FAULT_FILE_ENV
 
-from flows.tokenize_dataset import TokenizeRun, tokenize_dataset
-from sft_cache.options import TokenizeOptions
-from sft_cache.plan import plan_slices, run_locally
-from sft_cache.reader import open_cache, read_manifest
-from tasks.tokenize_slice import FAULT_FILE_ENV
+from sft_tokenize.build.options import TokenizeOptions
+from sft_tokenize.build.plan import plan_slices, run_locally
+from sft_tokenize.read.cache import open_cache, read_manifest
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
@@ -114,7 +114,7 @@ def test_second_run_is_a_cache_hit_that_tokenizes_nothing(threads_run):
 def test_a_threads_run_loads_the_tokenizer_once_for_its_plan_and_slices(tmp_path, monkeypatch):
     from transformers import AutoTokenizer
 
-    from sft_cache.shard import process_encoding
+    from sft_tokenize.build.shard import process_encoding
 
     process_encoding.cache_clear()
     monkeypatch.setenv("SFT_TOKENIZE_HOME", str(tmp_path / "home"))  # not prepared yet: loaded by transformers

@@ -31,12 +31,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from conftest import EXAMPLE_DATA, EXAMPLE_TOKENIZER, example_rows, write_jsonl
+from sft_tokenize.tasks.tokenize_slice import FAULT_FILE_ENV
 
-from sft_cache.errors import CacheError
-from sft_cache.options import TokenizeOptions
-from sft_cache.plan import run_locally
-from sft_cache.reader import open_cache
-from tasks.tokenize_slice import FAULT_FILE_ENV
+from sft_tokenize.build.options import TokenizeOptions
+from sft_tokenize.build.plan import run_locally
+from sft_tokenize.errors import CacheError
+from sft_tokenize.read.cache import open_cache
 
 BIN = Path(sys.executable).parent
 NOISE = ("Traceback", "PyTorch was not found", "Starting temporary server")

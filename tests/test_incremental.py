@@ -17,14 +17,14 @@ import datasets
 import pytest
 from conftest import EXAMPLE_TOKENIZER, ROOT, example_rows, write_jsonl
 
-from sft_cache import content
-from sft_cache.errors import BadInput
-from sft_cache.options import TokenizeOptions
-from sft_cache.plan import plan_slices, run_locally
-from sft_cache.publish import building, publish_cache
-from sft_cache.reader import open_cache, read_manifest
-from sft_cache.shard import tokenize_slice
-from sft_cache.store import collect_garbage, lease_path, leased, store_dir
+from sft_tokenize.build import keys as content
+from sft_tokenize.build.options import TokenizeOptions
+from sft_tokenize.build.plan import plan_slices, run_locally
+from sft_tokenize.build.publish import building, publish_cache
+from sft_tokenize.build.shard import tokenize_slice
+from sft_tokenize.build.store import collect_garbage, lease_path, leased, store_dir
+from sft_tokenize.errors import BadInput
+from sft_tokenize.read.cache import open_cache, read_manifest
 
 ROWS_PER_FILE = 20  # ~28 kB a file: three slices of 12 kB each
 SHARD_SIZE = "12KB"
@@ -296,9 +296,8 @@ def test_gc_refuses_a_missing_directory(tmp_path):
 def test_a_failed_slice_of_an_incremental_flow_run_is_retried_alone(tmp_path, monkeypatch, prefect_harness):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter, FlowRunFilterId
-
-    from flows.tokenize_dataset import TokenizeRun, tokenize_dataset
-    from tasks.tokenize_slice import FAULT_FILE_ENV
+    from sft_tokenize.flows.tokenize_dataset import TokenizeRun, tokenize_dataset
+    from sft_tokenize.tasks.tokenize_slice import FAULT_FILE_ENV
 
     def run_flow(**overrides):
         state = tokenize_dataset(TokenizeRun(**options(data, cache).model_dump(), workers=2, retries=1, **overrides),
@@ -355,8 +354,7 @@ def test_the_nightly_deployment_is_incremental_and_keeps_two_versions():
     """Incremental is the default (nothing to turn on); the nightly must not force rebuilds, and it collects
     the versions older than the last two so that a growing dataset does not fill the disk."""
     import yaml
-
-    from flows.tokenize_dataset import TokenizeRun
+    from sft_tokenize.flows.tokenize_dataset import TokenizeRun
 
     spec = yaml.safe_load((ROOT / "deployments" / "prefect.yaml").read_text())
     deployments = {d["name"]: d for d in spec["deployments"]}

@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import EXAMPLE_DATA, EXAMPLE_TOKENIZER
+from sft_tokenize.flows.cli import main
 
-from flows.cli import main
-from sft_cache.layouts import IGNORE_INDEX, LAYOUTS
-from sft_cache.options import TokenizeOptions
-from sft_cache.plan import run_locally
-from sft_cache.reader import open_cache
+from sft_tokenize.build.options import TokenizeOptions
+from sft_tokenize.build.plan import run_locally
+from sft_tokenize.read.cache import open_cache
+from sft_tokenize.read.layouts import IGNORE_INDEX, LAYOUTS
 
 
 @pytest.fixture(scope="module")

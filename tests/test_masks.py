@@ -8,8 +8,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mask_oracle import oracle
 
-from sft_cache.chat import ChatEncoder, Encoded, load_tokenizer
-from sft_cache.formats import Conversation
+from sft_tokenize.encoding.chat_encoder import ChatEncoder, Encoded, load_tokenizer
+from sft_tokenize.sources.conversations import Conversation
 
 MODES = ["all_assistant", "last_assistant", "completion", "all"]
 
@@ -182,7 +182,7 @@ def test_generation_prompt_that_differs_from_the_history(family_tokenizer, tmp_p
 
 def test_chat_templates_render_in_a_sandbox():
     """A template is code from the hub: it cannot reach Python internals."""
-    from sft_cache.errors import BadRow
+    from sft_tokenize.errors import BadRow
 
     hostile = "{{ ''.__class__.__mro__[1].__subclasses__() }}{% for m in messages %}{{ m.content }}{% endfor %}"
     tokenizer = load_tokenizer("examples/tokenizer", chat_template=hostile)

@@ -13,9 +13,9 @@ import pytest
 from conftest import MODERN_FAMILIES, TEMPLATES
 from mask_oracle import oracle, turn_oracle
 
-from sft_cache.chat import ChatEncoder, Encoded, load_tokenizer
-from sft_cache.errors import BadRow
-from sft_cache.formats import ColumnMap, Conversation, to_example
+from sft_tokenize.encoding.chat_encoder import ChatEncoder, Encoded, load_tokenizer
+from sft_tokenize.errors import BadRow
+from sft_tokenize.sources.conversations import ColumnMap, Conversation, to_example
 
 COLUMNS = ColumnMap("chat", {"messages": "messages", "tools": "tools"})
 TOOL = {"type": "function", "function": {"name": "get_time", "description": "Current time in a city.",

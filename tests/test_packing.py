@@ -17,13 +17,13 @@ import numpy as np
 import pytest
 from conftest import EXAMPLE_DATA, EXAMPLE_TOKENIZER
 
-from sft_cache.binpack import best_fit_decreasing, first_fit_decreasing
-from sft_cache.errors import BadInput
-from sft_cache.options import TokenizeOptions
-from sft_cache.packed import PackedSampler
-from sft_cache.packing import PackOptions, index_path, lower_bound_bins, pack_cache, plan
-from sft_cache.plan import run_locally
-from sft_cache.reader import open_cache
+from sft_tokenize.build.options import TokenizeOptions
+from sft_tokenize.build.plan import run_locally
+from sft_tokenize.errors import BadInput
+from sft_tokenize.read.bin_packing import best_fit_decreasing, first_fit_decreasing
+from sft_tokenize.read.cache import open_cache
+from sft_tokenize.read.packed_sequences import PackedSampler
+from sft_tokenize.read.packing_index import PackOptions, index_path, lower_bound_bins, pack_cache, plan
 
 BIN = Path(sys.executable).parent
 
@@ -303,8 +303,7 @@ def test_concurrent_packs_publish_one_index(cache_path, tmp_path):
 def test_the_flow_packs_after_publishing_and_reports_the_index(tmp_path):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
-
-    from flows.tokenize_dataset import TokenizeRun, tokenize_dataset
+    from sft_tokenize.flows.tokenize_dataset import TokenizeRun, tokenize_dataset
 
     options = TokenizeRun(sources=[str(EXAMPLE_DATA)], tokenizer=str(EXAMPLE_TOKENIZER), cache_dir=str(tmp_path),
                           workers=1, pack={"length": 512, "data_parallel": 2})

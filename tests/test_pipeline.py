@@ -15,13 +15,13 @@ import pytest
 from conftest import EXAMPLE_DATA, EXAMPLE_TOKENIZER, example_rows, write_jsonl
 from mask_oracle import oracle
 
-from sft_cache.chat import load_tokenizer
-from sft_cache.errors import BadInput, CacheError
-from sft_cache.options import TokenizeOptions
-from sft_cache.plan import plan_slices, run_locally
-from sft_cache.publish import publish_cache
-from sft_cache.reader import open_cache
-from sft_cache.shard import encoder_for, tokenize_slice
+from sft_tokenize.build.options import TokenizeOptions
+from sft_tokenize.build.plan import plan_slices, run_locally
+from sft_tokenize.build.publish import publish_cache
+from sft_tokenize.build.shard import encoder_for, tokenize_slice
+from sft_tokenize.encoding.chat_encoder import load_tokenizer
+from sft_tokenize.errors import BadInput, CacheError
+from sft_tokenize.read.cache import open_cache
 
 
 def options(tmp_path, **overrides) -> TokenizeOptions:

@@ -1,4 +1,4 @@
-"""A tokenizer prepared once per content (sft_cache/prepared.py): later processes skip transformers' load and the
+"""A tokenizer prepared once per content (encoding/prepared.py): later processes skip transformers' load and the
 encoder check, and encode the same bytes; an edited tokenizer or a damaged entry is prepared again."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import pytest
 from conftest import EXAMPLE_TOKENIZER, example_rows
 from test_encoders import metaspace_tokenizer  # noqa: F401 - a fixture
 
-from sft_cache import encoders
-from sft_cache.chat import ChatEncoder, load_tokenizer
-from sft_cache.fingerprint import hash_directory
-from sft_cache.formats import ColumnMap, to_example
-from sft_cache.prepared import PartsTokenizer, prepared_dir, prepared_encoding
+from sft_tokenize.build.fingerprint import hash_directory
+from sft_tokenize.encoding import exact as encoders
+from sft_tokenize.encoding.chat_encoder import ChatEncoder, load_tokenizer
+from sft_tokenize.encoding.prepared import PartsTokenizer, prepared_dir, prepared_encoding
+from sft_tokenize.sources.conversations import ColumnMap, to_example
 
 pytest.importorskip("fastokens")
 
@@ -90,7 +90,7 @@ def test_a_refusal_is_kept_and_said_again_without_checking(tmp_path, monkeypatch
     load = Counted(source, monkeypatch)
     assert prepared_encoding(directory, load, "auto")[1] is None
     encoders._chosen.clear()
-    with caplog.at_level(logging.INFO, logger="sft_cache"):
+    with caplog.at_level(logging.INFO, logger="sft_tokenize"):
         tokenizer, fast = prepared_encoding(directory, load, "auto")
     assert fast is None and (load.loads, load.checks) == (1, 1)
     assert "not fastokens: its pre-tokenizer (Metaspace) is not byte-level" in caplog.text
@@ -101,7 +101,7 @@ def test_an_edited_tokenizer_file_or_a_library_version_names_another_entry(tmp_p
     config = json.loads((edited / "tokenizer_config.json").read_text())
     (edited / "tokenizer_config.json").write_text(json.dumps({**config, "model_max_length": 77}))
     assert entry(tmp_path, edited) != entry(tmp_path, EXAMPLE_TOKENIZER)
-    from sft_cache import prepared
+    from sft_tokenize.encoding import prepared
 
     before = entry(tmp_path, EXAMPLE_TOKENIZER)
     assert before.parent == tmp_path / "home" / "tokenizers"
@@ -127,7 +127,7 @@ def test_a_damaged_entry_is_prepared_again(tmp_path, monkeypatch, damage):
 
 
 def test_a_template_override_applies_to_both_loads_and_the_entry_keeps_the_tokenizers_own(tmp_path):
-    from sft_cache.shard import process_encoding
+    from sft_tokenize.build.shard import process_encoding
 
     directory = entry(tmp_path, EXAMPLE_TOKENIZER)
     override = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"

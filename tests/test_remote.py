@@ -11,9 +11,9 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import EXAMPLE_DATA, EXAMPLE_TOKENIZER, example_rows
 
-from sft_cache.options import TokenizeOptions
-from sft_cache.plan import plan_slices, run_locally
-from sft_cache.shard import tokenize_slice
+from sft_tokenize.build.options import TokenizeOptions
+from sft_tokenize.build.plan import plan_slices, run_locally
+from sft_tokenize.build.shard import tokenize_slice
 
 pytest.importorskip("moto.server", reason="moto[server] is in the dev extra")
 pytest.importorskip("s3fs", reason="s3fs is in the dev extra")

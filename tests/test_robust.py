@@ -28,11 +28,11 @@ import datasets
 import psutil
 import pytest
 from conftest import EXAMPLE_DATA, EXAMPLE_TOKENIZER, example_rows, write_jsonl
+from sft_tokenize.tasks.tokenize_slice import FAULT_FILE_ENV
 
-from sft_cache.options import TokenizeOptions
-from sft_cache.plan import run_locally
-from sft_cache.reader import open_cache, read_manifest
-from tasks.tokenize_slice import FAULT_FILE_ENV
+from sft_tokenize.build.options import TokenizeOptions
+from sft_tokenize.build.plan import run_locally
+from sft_tokenize.read.cache import open_cache, read_manifest
 
 BIN = Path(sys.executable).parent
 NOISE = ("Traceback", "PyTorch was not found", "Starting temporary server", "BrokenPipeError")
@@ -159,8 +159,7 @@ def test_a_server_just_launched_is_the_one_the_next_run_joins(tmp_path):
     """The next run must recognise the server that the previous one launched a moment ago, while its process may
     still be exec'ing (it once launched a second server on the same database, which failed migrating it)."""
     from prefect.settings import PREFECT_HOME, temporary_settings
-
-    from flows.embedded_server import EmbeddedServer
+    from sft_tokenize.flows.embedded_server import EmbeddedServer
 
     burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
     try:
@@ -185,8 +184,7 @@ def test_only_the_recorded_process_itself_counts_as_the_running_server(tmp_path)
     """A recorded server is joined only if its pid still names the process that was launched (same start time);
     one that is gone, died before its start was read, or whose pid now names another process is replaced."""
     from prefect.settings import PREFECT_HOME, temporary_settings
-
-    from flows.embedded_server import EmbeddedServer, _start_time
+    from sft_tokenize.flows.embedded_server import EmbeddedServer, _start_time
 
     with temporary_settings(updates={PREFECT_HOME: tmp_path}):
         server = EmbeddedServer()
@@ -205,8 +203,7 @@ def test_a_server_that_ends_itself_keeps_new_runs_out_until_it_is_gone(tmp_path)
     import fcntl
 
     from prefect.settings import PREFECT_HOME, temporary_settings
-
-    from flows.embedded_server import EmbeddedServer, _start_time
+    from sft_tokenize.flows.embedded_server import EmbeddedServer, _start_time
 
     with temporary_settings(updates={PREFECT_HOME: tmp_path / "home"}):
         server = EmbeddedServer()
@@ -582,8 +579,10 @@ def test_output_to_a_closed_pipe_is_no_traceback(tmp_path):
 
 @pytest.mark.parametrize("chunk", [1, 3, 7, 64])
 def test_lines_over_the_limit_are_never_decoded_wherever_the_chunks_end(tmp_path, monkeypatch, chunk):
-    from sft_cache import slicing, source_formats, sources
-    from sft_cache.errors import BadRow
+    from sft_tokenize.errors import BadRow
+    from sft_tokenize.sources import readers as source_formats
+    from sft_tokenize.sources import resolve as sources
+    from sft_tokenize.sources import slicing
 
     monkeypatch.setattr(source_formats, "READ_CHUNK_BYTES", chunk)
     lines = ['{"text": "a"}', '{"text": "' + "b" * 30 + '"}', "", '{"text": "' + "c" * 7 + '"}',

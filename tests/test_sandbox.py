@@ -1,4 +1,4 @@
-"""The fast sandbox (sft_cache/sandbox.py) renders what transformers' own sandboxed environment renders: every
+"""The fast sandbox (chat/environment.py) renders what transformers' own sandboxed environment renders: every
 reference template on every test conversation, and each shortcut on the cases around it (a dict key named
 like a dict method, a missing key, a loop that peeks ahead, a namespace, a str method on another type, the
 sandbox's refusals), errors included."""
@@ -11,9 +11,9 @@ from test_masks import CONVERSATIONS
 from test_modern_masks import COLUMNS, ROWS
 from transformers.utils.chat_template_utils import _compile_jinja_template, render_jinja_template
 
-from sft_cache import sandbox
-from sft_cache.chat import ChatEncoder, load_tokenizer
-from sft_cache.formats import Conversation, to_example
+from sft_tokenize.chat import environment as sandbox
+from sft_tokenize.encoding.chat_encoder import ChatEncoder, load_tokenizer
+from sft_tokenize.sources.conversations import Conversation, to_example
 
 
 def outcome(render):

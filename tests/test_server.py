@@ -46,10 +46,10 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 from prefect.states import AwaitingRetry
 from prefect.utilities.asyncutils import run_coro_as_sync
 from prefect.workers.process import ProcessWorker
+from sft_tokenize.flows.tokenize_dataset import TokenizeRun
+from sft_tokenize.tasks.tokenize_slice import FAULT_FILE_ENV, TAG
 
-from flows.tokenize_dataset import TokenizeRun
-from sft_cache.plan import plan_slices
-from tasks.tokenize_slice import FAULT_FILE_ENV, TAG
+from sft_tokenize.build.plan import plan_slices
 
 pytestmark = pytest.mark.server
 

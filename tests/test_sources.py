@@ -11,11 +11,11 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import EXAMPLE_DATA, example_rows, write_jsonl
 
-from sft_cache.errors import BadInput, BadRow
-from sft_cache.formats import resolve_columns, to_example
-from sft_cache.slicing import cut_slices
-from sft_cache.source_formats import read_slice
-from sft_cache.sources import resolve
+from sft_tokenize.errors import BadInput, BadRow
+from sft_tokenize.sources.conversations import resolve_columns, to_example
+from sft_tokenize.sources.readers import read_slice
+from sft_tokenize.sources.resolve import resolve
+from sft_tokenize.sources.slicing import cut_slices
 
 
 def rows_of(files, target=1 << 30, columns=("messages",)):

@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 from conftest import EXAMPLE_DATA, EXAMPLE_TOKENIZER
 
-from sft_cache.layouts import IGNORE_INDEX
-from sft_cache.options import TokenizeOptions
-from sft_cache.plan import run_locally
-from sft_cache.reader import open_cache
-from sft_cache.trainers import for_axolotl, for_trl, work_view
+from sft_tokenize.build.options import TokenizeOptions
+from sft_tokenize.build.plan import run_locally
+from sft_tokenize.read.cache import open_cache
+from sft_tokenize.read.layouts import IGNORE_INDEX
+from sft_tokenize.read.trainers import for_axolotl, for_trl, work_view
 
 torch = pytest.importorskip("torch", reason="needs the trainers extra: pip install -e '.[trainers]'")
 pytest.importorskip("trl", reason="needs the trainers extra: pip install -e '.[trainers]'")
@@ -238,7 +238,7 @@ def test_sfttrainer_refuses_open_cache_so_the_readme_says_for_trl(caches, tokeni
 
 
 def test_work_view_is_never_inside_the_cache_and_axolotl_needs_its_columns(caches, tmp_path):
-    from sft_cache.errors import CacheError
+    from sft_tokenize.errors import CacheError
 
     with pytest.raises(CacheError, match="outside the cache"):
         work_view(caches["trl"], caches["trl"] / "view")

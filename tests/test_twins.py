@@ -1,4 +1,4 @@
-"""One render for two (sft_cache/twins.py): the marked render of Twins equals the two renders it replaces, on
+"""One render for two (sft_tokenize/chat/pairs.py): the marked render of Twins equals the two renders it replaces, on
 every reference template, and a template that reads a field in any other way falls back to two renders."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from mask_oracle import oracle
 from test_masks import CONVERSATIONS
 from test_modern_masks import COLUMNS, ROWS
 
-from sft_cache.chat import ChatEncoder, Encoded, load_tokenizer
-from sft_cache.formats import Conversation, to_example
-from sft_cache.marks import MARKS, mark
-from sft_cache.twins import Twin
+from sft_tokenize.chat.markers import MARKS, mark
+from sft_tokenize.chat.pairs import Twin
+from sft_tokenize.encoding.chat_encoder import ChatEncoder, Encoded, load_tokenizer
+from sft_tokenize.sources.conversations import Conversation, to_example
 
 
 def renders(template, conversation: Conversation):

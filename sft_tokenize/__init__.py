@@ -1,0 +1,69 @@
+"""sft-tokenize: SFT datasets tokenized into a memory-mapped Arrow cache, by a Prefect workflow.
+
+The public API, importable from here (each loads only what it needs; reading a cache loads no build code,
+no Prefect, no Jinja, no tokenizers):
+
+    from sft_tokenize import tokenize, open_cache
+    path = tokenize(["data/*.jsonl"], tokenizer="Qwen/Qwen2.5-0.5B-Instruct", cache_dir="/data/cache")
+    cache = open_cache(path)                 # rows memory-mapped, checked against the manifest
+    sequences = cache.packed(4096)           # packed sequences over a global packing index
+
+The code follows the pipeline, one subpackage per step (docs/architecture.md is the map):
+
+    sources/   where input comes from: resolving, listing, compressed files, per-format readers, slicing
+    chat/      rendering a conversation as its template does, and finding its trained turns
+    encoding/  tokenizers prepared once per content, exact fast encoders, the encode pool
+    build/     options, plan, content keys, the shard writer, the shard store, publish
+    read/      open_cache, layouts, trainer loaders, the packing index and its sampler
+    format/    FORMAT.md, the on-disk format (beside the code that writes and checks it)
+    flows/, tasks/ (at the repository's top)  the Prefect flow, its tasks and the `sft-tokenize` CLI
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+# The Prefect face (flows/, tasks/) sits at the repository's top; a wheel installs it as sft_tokenize.flows and
+# sft_tokenize.tasks (pyproject's package-dir). Imported from a checkout (a deployment's clone, first on
+# sys.path), the package finds them beside itself, so a clone never runs another checkout's flow.
+_here = Path(__file__).resolve().parent
+if not (_here / "flows").is_dir() and (_here.parent / "flows" / "tokenize_dataset.py").is_file():
+    __path__.append(str(_here.parent))
+
+_API = {
+    "tokenize": "sft_tokenize.flows.api",
+    "open_cache": "sft_tokenize.read.cache",
+    "read_manifest": "sft_tokenize.read.cache",
+    "TokenizedCache": "sft_tokenize.read.cache",
+    "PackOptions": "sft_tokenize.read.packing_index",
+    "pack_cache": "sft_tokenize.read.packing_index",
+    "packed_sequences": "sft_tokenize.read.packed_sequences",
+    "PackedSequences": "sft_tokenize.read.packed_sequences",
+    "PackedSampler": "sft_tokenize.read.packed_sequences",
+    "for_trl": "sft_tokenize.read.trainers",
+    "for_axolotl": "sft_tokenize.read.trainers",
+    "work_view": "sft_tokenize.read.trainers",
+    "BadInput": "sft_tokenize.errors",
+    "CacheError": "sft_tokenize.errors",
+}
+__all__ = ["BadInput", "CacheError", "PackOptions", "PackedSampler", "PackedSequences", "TokenizedCache",
+           "for_axolotl", "for_trl", "open_cache", "pack_cache", "packed_sequences", "read_manifest", "tokenize",
+           "work_view"]
+
+if TYPE_CHECKING:
+    from sft_tokenize.errors import BadInput, CacheError
+    from sft_tokenize.flows.api import tokenize
+    from sft_tokenize.read.cache import TokenizedCache, open_cache, read_manifest
+    from sft_tokenize.read.packed_sequences import PackedSampler, PackedSequences, packed_sequences
+    from sft_tokenize.read.packing_index import PackOptions, pack_cache
+    from sft_tokenize.read.trainers import for_axolotl, for_trl, work_view
+
+
+def __getattr__(name: str) -> Any:
+    if name in _API:
+        return getattr(importlib.import_module(_API[name]), name)
+    raise AttributeError(f"module 'sft_tokenize' has no attribute {name!r}")

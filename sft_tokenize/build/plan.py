@@ -1,0 +1,222 @@
+"""plan_slices: resolve and check every input up front, fingerprint the run, cut byte-balanced slices and
+key each one by the content it reads, so the shard store can tell which are already tokenized.
+
+Everything that can be wrong before tokenizing (a missing file, an unknown format, a missing column, a
+tokenizer without a chat template, a max_length below the template's own overhead) fails here, before
+any work is done.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from sft_tokenize.format import CACHE_FORMAT_VERSION
+from sft_tokenize.encoding.chat_encoder import ChatEncoder, read_chat_template, resolve_tokenizer
+from sft_tokenize.build.keys import Digests, slice_key
+from sft_tokenize.encoding.pool import POOL_MIN_BYTES
+from sft_tokenize.errors import BadInput
+from sft_tokenize.build.fingerprint import fingerprint, hash_directory, hash_text, tokenization_inputs
+from sft_tokenize.sources.conversations import REQUIRED, ColumnMap, resolve_columns
+from sft_tokenize.build.options import TokenizeOptions, parse_size
+from sft_tokenize.encoding.prepared import prepared_dir
+from sft_tokenize.build.publish import is_published
+from sft_tokenize.build.shard import Job, process_encoding
+from sft_tokenize.sources.slicing import cut_slices
+from sft_tokenize.sources.readers import reader
+from sft_tokenize.sources.resolve import Slice, SourceFile, resolve
+from sft_tokenize.build.store import store_dir
+from sft_tokenize.chat.template_check import check_chat_template
+from sft_tokenize.build.timeline import mark
+
+
+@dataclass(frozen=True)
+class Plan:
+    job: Job
+    slices: list[Slice]
+    name: str
+    cache_path: Path
+    inputs: dict  # what the fingerprint hashes; recorded in the manifest
+    cached: bool  # a valid cache with this fingerprint is already published
+
+    @property
+    def staging(self) -> Path:
+        return Path(self.job.staging)
+
+    @property
+    def store(self) -> Path:
+        return Path(self.job.store)
+
+
+def default_name(spec: str) -> str:
+    base = os.path.basename(spec.removeprefix("hub:").rstrip("/*")) or "dataset"
+    stem = base.split(".")[0]
+    # At most 100 characters, as --name: with "-<fingerprint>" and a ".deleting-…" prefix it fits a file name.
+    return "".join(c if c.isalnum() or c in "._-" else "-" for c in stem)[:100].strip(".-_") or "dataset"
+
+
+def cache_root(options: TokenizeOptions) -> Path:
+    root = options.cache_root
+    if root.exists() and not root.is_dir():
+        raise BadInput(f"cache dir {root} exists and is not a directory")
+    try:
+        (root / ".staging").mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise BadInput(f"cache dir {root}: cannot create it ({error.strerror})") from None
+    return root
+
+
+def _columns(files: list[SourceFile], options: TokenizeOptions) -> ColumnMap:
+    """One format and column mapping for all files: the required columns must agree (a file that does not fit
+    is named); an optional one (system, tools) is read from the files that have it."""
+    merged: ColumnMap | None = None
+    for source in files:
+        source_reader = reader(source, options.storage_options, parse_size(options.max_row_bytes))
+        available = source_reader.columns(skip_bad_rows=options.on_bad_row == "skip")
+        found = resolve_columns(options.format if merged is None else merged.format, options.columns, available,
+                                source.url, source_reader.schemaless)
+        if merged is None:
+            merged = found
+            continue
+        required = {role: found.columns[role] for role in REQUIRED[found.format]}
+        if required != {role: merged.columns[role] for role in REQUIRED[merged.format]}:
+            raise BadInput(f"{source.url}: columns {found.columns} differ from {files[0].url}'s {merged.columns}")
+        merged = ColumnMap(merged.format, {**found.columns, **merged.columns})
+    assert merged is not None
+    return merged
+
+
+def _check_tokenizer(tokenizer, columns: ColumnMap, options: TokenizeOptions) -> None:
+    if columns.format == "text":
+        if options.train_on != "all":
+            raise BadInput("text data trains on every token: use --train-on all")
+        return
+    if not tokenizer.chat_template:
+        raise BadInput(f"tokenizer {options.tokenizer} has no chat template, which {columns.format} data needs: "
+                       "pass --chat-template FILE")
+    if options.max_length is not None:
+        try:
+            overhead = ChatEncoder(tokenizer, template_kwargs=options.template_kwargs).template_overhead()
+        except Exception as error:  # the template raised, or the sandbox refused what it tried to do
+            if options.chat_template is None:
+                where = f"tokenizer {options.tokenizer}"
+            else:  # a .jinja file, or the template's text itself
+                where = "--chat-template" if "{" in options.chat_template else options.chat_template
+            detail = (str(error).strip().splitlines() or [""])[0]
+            raise BadInput(f"{where}: the chat template fails on an empty exchange, so --max-length cannot be "
+                           f"checked ({type(error).__name__}: {detail})") from None
+        if options.max_length <= overhead:
+            raise BadInput(f"--max-length {options.max_length} leaves no room for content: the chat template "
+                           f"alone takes {overhead} tokens for an empty exchange")
+
+
+def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable[[], object] | None = None,
+                content_keys: bool = True) -> Plan:
+    """Check the inputs, fingerprint them, and cut slices of about `shard_size` bytes (at least
+    `min_slices` of them, so every worker gets work), each keyed by the content it reads. A published cache
+    returns before any tokenizer load; otherwise `on_work` is called as soon as the cache is known to be
+    missing, so whatever it starts (the Prefect server) runs while the tokenizer is loaded and checked and
+    the inputs are cut and hashed. `content_keys=False` skips hashing the inputs, for a check that does not
+    tokenize (its slices have no key)."""
+    root = cache_root(options)
+    tokenizer_dir = resolve_tokenizer(options.tokenizer, options.tokenizer_revision)
+    template_override = read_chat_template(options.chat_template)
+    ignored: list[str] = []
+    files = resolve(options.sources, split=options.split, subset=options.subset, revision=options.revision,
+                    storage_options=options.storage_options, cache_root=str(root), ignored=ignored)
+    columns = _columns(files, options)
+    inputs = {
+        "cache_format_version": CACHE_FORMAT_VERSION,
+        "sources": [[f.url, f.kind, *f.identity] for f in files],
+        "format": columns.format,
+        "columns": columns.columns,
+        # The tokenizer's own chat template is one of its files; an override is hashed on its own.
+        "tokenizer_files": (tokenizer_files := hash_directory(tokenizer_dir)),
+        "chat_template_override": hash_text(template_override),
+        "template_kwargs": options.template_kwargs,
+        "reasoning_turns": options.reasoning_turns,
+        "special_text": options.special_text,
+        "train_on": options.train_on,
+        "max_length": options.max_length,
+        "truncation": options.truncation if options.max_length else None,
+        "extra_columns": sorted(options.extra_columns),
+        "layout": options.layout,
+        # A skip run may hold fewer rows than a raise run would refuse to publish: never the same cache.
+        "on_bad_row": options.on_bad_row,
+        "max_row_bytes": parse_size(options.max_row_bytes),
+    }
+    digest = fingerprint(inputs)
+    inputs["ignored_files"] = ignored  # recorded, not hashed: they are never read
+    name = options.name or default_name(options.sources[0])
+    cache_path = root / f"{name}-{digest}"
+    job = Job(
+        fingerprint=digest,
+        staging=str(root / ".staging" / digest),
+        store=str(store_dir(root)),
+        tokenization=fingerprint(tokenization_inputs(inputs)),
+        tokenizer_dir=str(tokenizer_dir),
+        chat_template=template_override,
+        columns=columns,
+        train_on=options.train_on,
+        template_kwargs=options.template_kwargs,
+        reasoning_turns=options.reasoning_turns,
+        special_text=options.special_text,
+        encoder=options.encoder,
+        max_length=options.max_length,
+        truncation=options.truncation,
+        on_bad_row=options.on_bad_row,
+        max_row_bytes=parse_size(options.max_row_bytes),
+        extra_columns=tuple(sorted(options.extra_columns)),
+        layout=options.layout,
+        writer_batch_rows=options.writer_batch_rows,
+        writer_batch_bytes=parse_size(options.writer_batch_bytes),
+        trust_remote_code=options.trust_remote_code,
+        storage_options=options.storage_options,
+        prepared=str(prepared_dir(tokenizer_files, options.trust_remote_code)),
+    )
+    mark("planned")
+    if is_published(cache_path):
+        return Plan(job, [], name, cache_path, inputs, cached=True)
+    if on_work is not None:
+        on_work()
+    # Here, so that a bad tokenizer, a missing extra or a refusal shows up before any task (and the threads
+    # runner's slices reuse what this process loaded and checked).
+    tokenizer, fast = process_encoding(job.tokenizer_dir, template_override, options.trust_remote_code,
+                                       options.encoder, job.prepared)
+    total = sum(f.size for f in files)
+    if fast is not None and total < POOL_MIN_BYTES:
+        fast.warm()  # an input this small is encoded by this process: fastokens builds while the checks run
+    check_chat_template(options, tokenizer_dir, template_override, needed=columns.format != "text")
+    _check_tokenizer(tokenizer, columns, options)
+    # Halving (rather than total / min_slices) keeps the target, and so every cut point, the same while the
+    # input grows, until it doubles.
+    target = max(1, parse_size(options.shard_size))
+    while min_slices > 1 and target > 1 and total < min_slices * target:
+        target //= 2
+    slices = cut_slices(files, target, options.storage_options)
+    if content_keys:
+        digests = Digests(book=job.digest_book)
+        slices = [replace(s, key=slice_key(s, job.tokenization, options.storage_options, digests)) for s in slices]
+        digests.save()
+    return Plan(job, slices, name, cache_path, inputs, cached=False)
+
+
+def run_locally(options: TokenizeOptions) -> Path:
+    """The whole pipeline in this process, one slice after another: the reference the flow must match."""
+    from sft_tokenize.build.publish import building, publish_cache
+    from sft_tokenize.build.shard import tokenize_slice
+    from sft_tokenize.build.store import leased
+
+    plan = plan_slices(options)
+    if plan.cached:
+        return plan.cache_path
+    with building(plan.job):
+        if is_published(plan.cache_path):  # another run published it while this one waited
+            return plan.cache_path
+        with leased(plan.job, plan.slices) as reused:
+            for slice_ in plan.slices:
+                tokenize_slice(plan.job, slice_)
+            return publish_cache(plan.job, plan.slices, plan.cache_path, plan.inputs, plan.name,
+                                 reused=len(reused))

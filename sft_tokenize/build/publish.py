@@ -1,0 +1,201 @@
+"""publish_cache: the finished shards become a `datasets.load_from_disk` directory, no row copied.
+
+The shards are hard-linked from the shard store (copied where links are not supported) into a fresh
+directory under staging, the metadata is written beside them, and that directory is renamed to its final
+name in one step: a reader sees the whole cache or none of it. A run killed during publish leaves the
+store intact. Each build publishes a new version, `<name>-<fingerprint>`; earlier versions stay readable
+until `store.collect_garbage` removes them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import fcntl
+import json
+import logging
+import os
+import shutil
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sft_tokenize.format import CACHE_FORMAT_VERSION
+from sft_tokenize import __version__
+from sft_tokenize.errors import BadInput, CacheError
+from sft_tokenize.read.cache import read_manifest
+from sft_tokenize.build.shard import Job, features, finished_shard
+from sft_tokenize.sources.resolve import Slice
+
+PERCENTILES = (50, 90, 99)
+logger = logging.getLogger("sft_tokenize")
+
+
+@contextlib.contextmanager
+def locked(lock_file: Path, waiting: str | None = None, shared: bool = False) -> Iterator[None]:
+    """An advisory lock (flock) across processes, exclusive or shared; says `waiting` if it has to wait."""
+    lock_file.parent.mkdir(parents=True, exist_ok=True)
+    mode = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
+    with open(lock_file, "a") as handle:
+        try:
+            fcntl.flock(handle, mode | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if waiting:
+                logger.warning(waiting)
+            fcntl.flock(handle, mode)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def building(job: Job) -> contextlib.AbstractContextManager[None]:
+    """Held by a run from tokenizing to publishing: a second run of the same fingerprint waits for the
+    first, then finds its cache published, instead of tokenizing the same slices beside it."""
+    staging = Path(job.staging)
+    return locked(staging.with_name(f"{staging.name}.run.lock"),
+                  waiting=f"another run is building the cache {job.fingerprint}; waiting for it to finish")
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory by path: what a rename publishes must be on disk first."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def length_summary(histogram: Counter) -> dict[str, float]:
+    """min, mean, percentiles and max of the row lengths, exact, from a {length: rows} histogram."""
+    if not histogram:
+        return {}
+    values = np.array(sorted(histogram), dtype=np.int64)
+    counts = np.array([histogram[v] for v in values], dtype=np.int64)
+    cumulative = np.cumsum(counts)
+    mean = float((values * counts).sum() / cumulative[-1])
+    summary: dict[str, float] = {"min": int(values[0]), "mean": round(mean, 1)}
+    for p in PERCENTILES:
+        rank = int(np.ceil(p / 100 * cumulative[-1]))
+        summary[f"p{p}"] = int(values[np.searchsorted(cumulative, rank)])
+    summary["max"] = int(values[-1])
+    return summary
+
+
+# Per-shard counts about how masks were made, summed into the manifest's "masks".
+MASK_COUNTS = ("rows_all_trained", "rows_exact", "rows_expanded", "rows_special_text")
+
+
+def describe_drops(dropped: dict[str, int]) -> str:
+    return ", ".join(f"{reason}: {count}" for reason, count in sorted(dropped.items())) or "none"
+
+
+def total_drops(shards: list[dict]) -> Counter:
+    """Rows dropped by reason, over the shards' sidecars."""
+    dropped: Counter = Counter()
+    for shard in shards:
+        dropped.update(shard["dropped"])
+    return dropped
+
+
+def build_manifest(job: Job, slices: list[Slice], shards: list[dict], files: list[dict], inputs: dict,
+                   name: str) -> dict[str, Any]:
+    dropped = total_drops(shards)
+    lengths: Counter = Counter()
+    for shard in shards:
+        lengths.update(dict(zip(shard["lengths"]["values"], shard["lengths"]["counts"], strict=True)))
+    return {
+        "format_version": CACHE_FORMAT_VERSION,
+        "tool_version": __version__,
+        "name": name,
+        "fingerprint": job.fingerprint,
+        "fingerprint_inputs": inputs,
+        "tokenizer": job.tokenizer_dir,  # where it was loaded from, for `inspect --row` (not fingerprinted)
+        "tokenization_fingerprint": job.tokenization,
+        "layout": job.layout,
+        "columns": list(features(job.extra_columns, job.layout)),
+        "rows": sum(s["rows"] for s in shards),
+        "tokens": sum(s["tokens"] for s in shards),
+        "trained_tokens": sum(s["trained_tokens"] for s in shards),
+        "dropped": dict(sorted(dropped.items())),
+        "masks": {key: sum(s[key] for s in shards) for key in MASK_COUNTS},
+        "lengths": length_summary(lengths),
+        "files": files,
+        "shards": [{"slice": slice_.describe(), "key": slice_.key,
+                    **{k: s[k] for k in ("rows", "tokens", "trained_tokens", "dropped", "seconds")}}
+                   for slice_, s in zip(slices, shards, strict=True)],
+    }
+
+
+def is_published(path: Path) -> bool:
+    try:
+        read_manifest(path)
+        return True
+    except CacheError:
+        return False
+
+
+def publish_cache(job: Job, slices: list[Slice], cache_path: Path, inputs: dict, name: str,
+                  timings: dict | None = None, reused: int = 0) -> Path:
+    """Check every shard, then publish them as the cache at `cache_path`; returns that path. `reused`: how
+    many slices' shards the store held before this build, recorded in the manifest."""
+    started = time.monotonic()
+    shards = []
+    for slice_ in slices:
+        meta = finished_shard(job, slice_)
+        if meta is None:
+            raise CacheError(f"slice {slice_.index} has no finished shard in {job.store}")
+        shards.append(meta)
+    staging = Path(job.staging)
+    with locked(staging.with_name(f"{staging.name}.lock")):
+        # Left by a run killed while publishing; under the lock no other run is building them.
+        for leftover in [*staging.parent.glob(f"{staging.name}.publish-*"),
+                         *staging.parent.glob(f"{staging.name}.corrupt-*")]:
+            shutil.rmtree(leftover, ignore_errors=True)
+        if is_published(cache_path):  # another run with the same fingerprint got there first
+            return cache_path
+        if not any(s["rows"] for s in shards):
+            dropped = total_drops(shards)
+            sources = list(dict.fromkeys(part.url for slice_ in slices for part in slice_.parts))
+            where = sources[0] if len(sources) == 1 else f"{sources[0]} and {len(sources) - 1} more files"
+            raise BadInput(f"{where}: no row has a trained token: {sum(dropped.values())} rows dropped "
+                           f"({describe_drops(dropped)}); nothing was published")
+        kept = [(s, slice_) for s, slice_ in zip(shards, slices, strict=True) if s["rows"]]
+        building = staging.with_name(f"{staging.name}.publish-{uuid.uuid4().hex[:8]}")
+        building.mkdir()
+        files = []
+        for k, (meta, slice_) in enumerate(kept):
+            target = building / f"data-{k:05d}-of-{len(kept):05d}.arrow"
+            source = job.shard_path(slice_)
+            try:
+                os.link(source, target)
+            except OSError:  # a filesystem without hard links: the store keeps its copy for the next build
+                shutil.copyfile(source, target)
+            files.append({"name": target.name, "bytes": meta["bytes"], "rows": meta["rows"], "tokens": meta["tokens"]})
+        state = {"_data_files": [{"filename": f["name"]} for f in files], "_fingerprint": job.fingerprint,
+                 "_format_columns": None, "_format_kwargs": {}, "_format_type": None,
+                 "_output_all_columns": False, "_split": None}
+        (building / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True))
+        from datasets import DatasetInfo
+
+        DatasetInfo(features=features(job.extra_columns, job.layout)).write_to_directory(str(building))
+        manifest = build_manifest(job, slices, shards, files, inputs, name)
+        manifest["build"] = {"published_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="microseconds"),
+                             "slices_reused": reused, "slices_tokenized": len(slices) - reused}
+        manifest["timings"] = {**(timings or {}), "publish_seconds": round(time.monotonic() - started, 3)}
+        (building / "manifest.json").write_text(json.dumps(manifest, indent=2))
+        for path in building.iterdir():
+            fsync_path(path)
+        fsync_path(building)
+        if cache_path.exists():  # a corrupt cache (is_published said no) is replaced, never served
+            corrupt = staging.with_name(f"{staging.name}.corrupt-{uuid.uuid4().hex[:8]}")
+            os.rename(cache_path, corrupt)
+            shutil.rmtree(corrupt, ignore_errors=True)
+        os.rename(building, cache_path)
+        fsync_path(cache_path.parent)
+    return cache_path

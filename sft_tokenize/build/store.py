@@ -1,0 +1,191 @@
+"""The shard store and its garbage collector: shards by content key, shared by every cache under one root.
+
+    CACHE_ROOT/.shards/<key>.arrow, <key>.json    finished shards (immutable once renamed into place)
+    CACHE_ROOT/.staging/<fingerprint>.lease.json  the keys a running build uses
+
+A published cache holds hard links to store shards, so removing a store entry never breaks a cache: it
+only means the next build that needs those bytes tokenizes them again. What gc must never do is remove a
+shard a build is about to link. Builds therefore lease their keys, and the lease and gc's sweep exclude
+each other through one lock file, `.shards/.gc.lock`:
+
+    build  holds `<fingerprint>.run.lock` (flock), then, under a shared flock of .gc.lock, writes its lease
+           and only then looks at which shards the store already has; it drops the lease after publishing
+    gc     under an exclusive flock of .gc.lock, reads every lease whose run lock is held (a live build),
+           and the manifests of the versions it keeps, and removes everything else
+
+so a build either registered before gc looked (its shards are kept) or looks at the store after gc is done
+(it tokenizes whatever gc removed). A lease whose run lock nobody holds belongs to a killed build: its
+shards are garbage like any other unreferenced shard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import fcntl
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sft_tokenize.errors import CacheError
+from sft_tokenize.build.publish import locked
+from sft_tokenize.read.cache import read_manifest
+from sft_tokenize.build.shard import Job, finished_shard, sidecar_path
+from sft_tokenize.sources.resolve import Slice
+
+STORE = ".shards"
+GC_LOCK = ".gc.lock"
+
+
+def store_dir(root: Path) -> Path:
+    return Path(root) / STORE
+
+
+def lease_path(job: Job) -> Path:
+    staging = Path(job.staging)
+    return staging.with_name(f"{staging.name}.lease.json")
+
+
+def run_lock_path(job_staging: Path) -> Path:
+    return job_staging.with_name(f"{job_staging.name}.run.lock")
+
+
+@contextlib.contextmanager
+def leased(job: Job, slices: list[Slice]) -> Iterator[set[int]]:
+    """Lease the slices' keys for this build (held inside `publish.building(job)`); yields the indices of the
+    slices whose shard the store already holds, which this build reuses instead of tokenizing."""
+    store = Path(job.store)
+    store.mkdir(parents=True, exist_ok=True)
+    lease = lease_path(job)
+    with locked(store / GC_LOCK, waiting="the shard store is being garbage-collected; waiting", shared=True):
+        tmp = lease.with_name(f"{lease.name}.tmp-{uuid.uuid4().hex}")
+        tmp.write_text(json.dumps({"keys": sorted({s.key for s in slices})}))
+        os.replace(tmp, lease)
+        reused = {s.index for s in slices if finished_shard(job, s) is not None}
+    try:
+        yield reused
+    finally:
+        lease.unlink(missing_ok=True)
+
+
+def _held(lock_file: Path) -> bool:
+    """Whether some process holds an flock on `lock_file` (a missing file is held by nobody)."""
+    try:
+        handle = open(lock_file)  # noqa: SIM115 - closed below; opening read-only never creates it
+    except FileNotFoundError:
+        return False
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        return False
+
+
+def published_versions(root: Path) -> dict[str, list[tuple[Path, dict]]]:
+    """Every published cache under `root` by its name, newest first."""
+    by_name: dict[str, list[tuple[str, Path, dict]]] = {}
+    for path in sorted(Path(root).iterdir()):
+        if path.name.startswith(".") or not path.is_dir():
+            continue
+        try:
+            manifest = read_manifest(path)
+        except CacheError:
+            continue
+        when = manifest.get("build", {}).get("published_at") or datetime.datetime.fromtimestamp(
+            (path / "manifest.json").stat().st_mtime, datetime.UTC).isoformat(timespec="microseconds")
+        by_name.setdefault(manifest["name"], []).append((when, path, manifest))
+    return {name: [(path, manifest) for _, path, manifest in sorted(found, key=lambda v: v[0], reverse=True)]
+            for name, found in by_name.items()}
+
+
+@dataclass
+class Collected:
+    """What one garbage collection did."""
+
+    kept: list[str] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+    live_builds: int = 0
+    shards_kept: int = 0
+    shards_removed: int = 0
+    bytes_freed: int = 0  # of shards no cache held a link to, and of removed versions' files no other name held
+
+
+def remove_cache(path: Path) -> int:
+    """Rename aside, then delete (readers see a whole cache or none, and gc finishes a deletion a kill cut
+    short); returns the bytes actually freed."""
+    doomed = path.with_name(f".{path.name}.deleting-{uuid.uuid4().hex[:8]}")
+    os.rename(path, doomed)
+    freed = sum(f.stat().st_size for f in doomed.iterdir() if f.is_file() and f.stat().st_nlink == 1)
+    shutil.rmtree(doomed)
+    return freed
+
+
+def collect_garbage(root: Path, keep: int = 1, names: set[str] | None = None) -> Collected:
+    """Remove every published version but the newest `keep` of each name (of `names` only, if given), then
+    every store shard that no kept version and no running build references. Safe while other runs build
+    and publish (module doc)."""
+    if keep < 1:
+        raise ValueError(f"keep must be at least 1, got {keep}")
+    root = Path(root)
+    store, staging = store_dir(root), root / ".staging"
+    store.mkdir(parents=True, exist_ok=True)
+    done = Collected()
+    with locked(store / GC_LOCK):
+        live: set[str] = set()
+        for lease in sorted(staging.glob("*.lease.json")):
+            job_staging = staging / lease.name.removesuffix(".lease.json")
+            if _held(run_lock_path(job_staging)):
+                with contextlib.suppress(OSError, ValueError):
+                    live.update(json.loads(lease.read_text())["keys"])
+                    done.live_builds += 1
+            else:
+                lease.unlink(missing_ok=True)
+        referenced = set(live)
+        for name, versions in published_versions(root).items():
+            for position, (path, manifest) in enumerate(versions):
+                if position < keep or (names is not None and name not in names):
+                    done.kept.append(path.name)
+                    referenced.update(s["key"] for s in manifest["shards"] if "key" in s)
+                else:
+                    done.bytes_freed += remove_cache(path)
+                    done.removed.append(path.name)
+        for shard in sorted(store.iterdir()):
+            if shard.name.startswith("."):
+                continue
+            key = shard.name.split(".", 1)[0]
+            if ".tmp-" in shard.name:  # a shard being written: only a live build still needs one
+                if key not in live:
+                    shard.unlink(missing_ok=True)
+                continue
+            if key in referenced:
+                done.shards_kept += shard.suffix == ".arrow"
+                continue
+            if shard.suffix == ".arrow":
+                done.shards_removed += 1
+                done.bytes_freed += shard.stat().st_size if shard.stat().st_nlink == 1 else 0
+            shard.unlink(missing_ok=True)
+        # Left by killed runs: half-deleted versions, half-built caches whose publish lock nobody holds.
+        for leftover in root.glob(".*.deleting-*"):
+            shutil.rmtree(leftover, ignore_errors=True)
+        for leftover in staging.glob("*.publish-*"):
+            fingerprint = leftover.name.split(".publish-", 1)[0]
+            if not _held(staging / f"{fingerprint}.lock"):
+                shutil.rmtree(leftover, ignore_errors=True)
+    return done
+
+
+def discard_shards(job: Job, slices: list[Slice]) -> int:
+    """Remove these slices' shards from the store (a forced rebuild); returns how many there were."""
+    removed = 0
+    for slice_ in slices:
+        shard = job.shard_path(slice_)
+        removed += shard.exists()
+        shard.unlink(missing_ok=True)
+        sidecar_path(shard).unlink(missing_ok=True)
+    return removed

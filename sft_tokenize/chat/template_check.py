@@ -1,0 +1,61 @@
+"""The chat template, checked at plan time from the tokenizer's files, before any server starts or any row is
+read: a syntax error is blamed on the template's file with its line, and named templates are refused there,
+instead of failing every row of the first slice."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from sft_tokenize.build.options import TokenizeOptions
+from sft_tokenize.errors import BadInput, one_line
+
+NAMED_TEMPLATES_DIR = "additional_chat_templates"  # where transformers saves templates beside the default one
+
+
+def _tokenizer_templates(tokenizer_dir: Path) -> tuple[str | dict[str, str] | None, str]:
+    """The tokenizer's own template (a dict when it has named ones) and the file it is in, as transformers finds it."""
+    jinja, config_file = tokenizer_dir / "chat_template.jinja", tokenizer_dir / "tokenizer_config.json"
+    if jinja.is_file():
+        named = sorted((tokenizer_dir / NAMED_TEMPLATES_DIR).glob("*.jinja"))
+        template = jinja.read_text(encoding="utf-8", errors="replace")
+        return ({"default": template, **{p.stem: p.read_text(errors="replace") for p in named}} if named
+                else template), str(jinja)
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None, str(config_file)  # loading the tokenizer says what is wrong with it
+    template = config.get("chat_template") if isinstance(config, dict) else None
+    if isinstance(template, list):
+        template = {entry.get("name"): entry.get("template") for entry in template if isinstance(entry, dict)}
+    return template, str(config_file)
+
+
+def check_chat_template(options: TokenizeOptions, tokenizer_dir: Path, override: str | None, needed: bool) -> None:
+    """Compile the template in use as transformers does; raise a BadInput naming its file and line if it cannot."""
+    if not needed:  # text data renders no template
+        return
+    if override is not None:
+        template = override
+        where = "--chat-template" if "{" in (options.chat_template or "") else \
+            os.path.abspath(os.path.expanduser(options.chat_template))
+    else:
+        template, where = _tokenizer_templates(tokenizer_dir)
+    if isinstance(template, dict):
+        # transformers picks a named template per call (by name, or "tool_use" when tools are given); a cache
+        # has one template for every row, so the user picks it.
+        raise BadInput(f"{where}: the tokenizer has named chat templates ({', '.join(map(str, template))}), and one "
+                       "template is used for every row: save the one you want to a .jinja file and pass "
+                       "--chat-template FILE")
+    if not isinstance(template, str):
+        return  # none: the tokenizer check says it is missing
+    from jinja2 import TemplateSyntaxError
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    try:
+        _compile_jinja_template(template)
+    except TemplateSyntaxError as error:
+        line = f" (line {error.lineno} of the template)" if error.lineno else ""
+        raise BadInput(f"{where}: the chat template is not valid Jinja{line}: {one_line(error.message or error)}") \
+            from None

@@ -1,0 +1,314 @@
+"""Trained turns: where each trained assistant turn lies in the rendered conversation.
+
+The definition (README "Loss masks", FORMAT.md): a trained assistant turn is what the template renders for
+that message inside the whole conversation, from the end of the generation prompt through the end-of-turn
+token: its content, its reasoning block where the template renders one, and its tool calls. Role headers,
+other messages and what follows the end-of-turn token are not trained. A turn the template rewrites in
+history is trained as rendered there.
+
+How it is found, in one render per row whatever the number of turns:
+1. the conversation is rendered with every field that probing showed safe (content, reasoning, tool-call
+   names, ids, string arguments) wrapped in private-use marker characters, as Twins of marked and plain text
+   (`twins.py`), so that without the markers the render is exactly the plain one (the row's text); it tells
+   where every message's fields are, even when the template moves, trims or drops them. Where a template
+   reads a field in a way Twins do not follow, the row is rendered twice, plain and marked, and the two must
+   agree once the markers are removed.
+2. A turn starts after the generation prompt's header that precedes its first field (matched by whole
+   tokens of the generation prompt, so a start never falls inside a token), or, for templates without a
+   generation prompt, after the text a prompt ends with after the previous message's role.
+3. It ends after the first end-of-turn token that follows its last field; failing that, after the first
+   special token before the next message (templates whose next role token ends a turn); failing that, at
+   the end of the text, with the tokenizer's EOS appended and trained.
+
+A row whose render changes when marked (a template that inspects the text itself) takes the exact path:
+one prefix render per trained turn, with the same start and end rules. `{% generation %}` templates use
+transformers' own generation spans.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+from dataclasses import dataclass, replace
+from itertools import accumulate
+from typing import Literal
+
+from sft_tokenize.chat.markers import MARK_BASE, MARK_SPLIT, mark
+from sft_tokenize.chat.pairs import Twin, swapped
+from sft_tokenize.chat.template import ChatTemplate
+from sft_tokenize.errors import BadRow
+from sft_tokenize.sources.conversations import REASONING_FIELDS, Conversation
+
+# How trained character spans become trained tokens: "start", a token is trained when it starts inside a
+# span (the definition); "overlap", when it overlaps one (transformers' return_assistant_tokens_mask);
+# "text", a plain-text row: encoded with the tokenizer's own special tokens, EOS appended, all trained.
+TokenRule = Literal["start", "overlap", "text"]
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """One row to encode: its text, trained character spans, and whether EOS is appended and trained."""
+
+    text: str
+    regions: list[tuple[int, int]]
+    append_eos: bool = False
+    token_rule: TokenRule = "start"
+    exact: bool = False  # found by the exact path
+    expanded: bool = False  # an extra row made by --reasoning-turns expand
+    fields: tuple[tuple[int, int, int], ...] = ()  # (message, start, end) of each marked field in `text`
+
+
+class TurnFinder:
+    """Finds the trained character spans of a conversation for one template and one training mode."""
+
+    def __init__(self, template: ChatTemplate, train_on: str = "all_assistant", reasoning_turns: str = "as-rendered"):
+        self.template = template
+        self.train_on = train_on
+        self.reasoning_turns = reasoning_turns
+        self._tail_ends = {role: template.boundaries(tail) for role, tail in template.prompt_tails.items()}
+
+    def targets(self, conv: Conversation) -> list[int]:
+        """Indices of the assistant messages whose turns are trained."""
+        assistant = [i for i, m in enumerate(conv.messages) if m["role"] == "assistant"]
+        if self.train_on == "last_assistant":
+            return assistant[-1:]
+        if self.train_on == "completion":
+            return [i for i in assistant if i >= completion_start(conv)]
+        return assistant
+
+    def find(self, conv: Conversation, targets: list[int]) -> list[Rendered]:
+        """The rows this conversation becomes: one, or with --reasoning-turns expand one more per turn whose
+        reasoning the template drops in history."""
+        conv = self.template.prepare(conv)
+        if self.template.has_generation_blocks:
+            return [self._generation_spans(conv, targets)]
+        located = self._by_markers(conv, targets)
+        if located is None:
+            return [self._by_prefixes(conv, targets)]
+        main, stripped = located
+        if self.reasoning_turns != "expand" or not stripped:
+            return [main]
+        rows, expanded = [], set()
+        for i in stripped:
+            found = self._by_markers(Conversation(conv.messages[: i + 1], conv.tools, conv.completion_start), [i])
+            if found is None or found[1]:  # the template drops this turn's reasoning even when it is last
+                continue
+            rows.append(replace(found[0], expanded=True))
+            expanded.add(i)
+        kept = [i for i in targets if i not in expanded]
+        if kept:
+            rows.append(main if kept == targets else self._by_markers(conv, kept)[0])
+        return rows
+
+    def whole(self, conv: Conversation, with_fields: bool = False) -> Rendered:
+        """The conversation trained on every token (train_on all), with its fields located on request."""
+        conv = self.template.prepare(conv)
+        text = self.template.render(conv.messages, conv.tools)
+        located = self._by_markers(conv, []) if with_fields else None
+        return Rendered(text, [(0, len(text))], fields=located[0].fields if located else ())
+
+    # -- the two-render path ---------------------------------------------------------------------------------
+
+    def _by_markers(self, conv: Conversation, targets: list[int]) -> tuple[Rendered, list[int]] | None:
+        """(the row, targets whose reasoning the template dropped), or None when marking changes the render."""
+        template = self.template
+        blank = any(not _has_text(conv.messages[i]) for i in targets)
+        marked = mark(conv.messages, template.markable, empty=blank, twin=Twin)
+        if marked is None or not marked.owners:
+            template.render(conv.messages, conv.tools)  # the template's own error, if it has one, is the row's
+            return None
+        marked_text = template.render_marked(marked, conv.tools)
+        plain_text = None
+        if marked_text is None:  # the template reads a field in a way Twins cannot follow: render twice
+            plain_text = template.render(conv.messages, conv.tools)
+            marked_text = template.render(swapped(marked.messages, "marked"), conv.tools)
+        pieces = MARK_SPLIT.split(marked_text)  # text, mark, text, ..., text
+        text = "".join(pieces[0::2])
+        if plain_text is not None and text != plain_text:
+            return None  # marking changed the render
+        # Each field's first rendering locates it: a template may copy a field into a later message (gpt-oss
+        # repeats a tool call's name in the tool reply's header), and that copy belongs to the later message.
+        opened: dict[int, int] = {}
+        closed: dict[int, int] = {}
+        fields_marked = len(marked.owners)
+        for position, found in zip(accumulate(map(len, pieces[0:-1:2])), pieces[1::2], strict=True):
+            code = ord(found) - MARK_BASE
+            fid = code >> 1
+            if fid >= fields_marked:
+                return None  # the data itself holds marker characters
+            if not code & 1:
+                opened.setdefault(fid, position)
+            elif fid not in closed and position >= opened.get(fid, -1):
+                closed[fid] = position
+        fields = []  # (message, start, end) of every rendered field
+        for fid in sorted(opened.keys() | closed.keys()):
+            start, end = opened.get(fid, closed.get(fid)), closed.get(fid, opened.get(fid))
+            fields.append((marked.owners[fid], start, end))
+        owned: dict[int, set[str]] = {}
+        for owner, kind in zip(marked.owners, marked.kinds, strict=True):
+            owned.setdefault(owner, set()).add(kind)
+        rendered: dict[int, set[str]] = {}
+        for fid in opened.keys() | closed.keys():
+            rendered.setdefault(marked.owners[fid], set()).add(marked.kinds[fid])
+        anchors = _Anchors(fields)
+        stripped, regions, append_eos = [], [], False
+        for i in targets:
+            kinds = rendered.get(i, set())
+            self._check_rendered(conv.messages[i], i, owned.get(i, set()), kinds)
+            if "reasoning" in owned.get(i, ()) and "reasoning" not in kinds:
+                stripped.append(i)
+            if not kinds:
+                continue  # a blank message the template does not render: nothing of it to train
+            first, last = anchors.extent(i)
+            gap_start, previous = anchors.before(first, i)
+            start = gap_start + self._header_end(text, gap_start, first, conv, previous)
+            end, eos = self._turn_end(text, last, anchors.after(last, i, len(text)))
+            regions.append((start, max(end, start)))
+            append_eos = append_eos or eos
+        if self.train_on == "completion" and regions:
+            if completion_start(conv) != targets[0]:
+                return None  # the completion opens with a non-assistant message: prefix rendering decides
+            regions = [(regions[0][0], regions[-1][1])]
+        return Rendered(text, regions, append_eos, fields=tuple(fields)), stripped
+
+    @staticmethod
+    def _check_rendered(message: dict, i: int, owned: set[str], rendered: set[str]) -> None:
+        """A template that drops an assistant field would train a bare end-of-turn token: say so instead."""
+        if message.get("tool_calls") and not rendered & {"tool_name", "tool_arguments", "tool_id"}:
+            raise BadRow("template_dropped_field", f"the chat template does not render messages[{i}].tool_calls")
+        if "content" in owned and "content" not in rendered and (message.get("content") or "").strip():
+            raise BadRow("template_dropped_field", f"the chat template does not render messages[{i}].content")
+
+    def _header_end(self, text: str, gap_start: int, gap_end: int, conv: Conversation, previous: int | None) -> int:
+        """Where the header before a turn's first field ends, as an offset from `gap_start`: the header lies
+        in the text between the field before (at gap_start) and the turn's first field (at gap_end)."""
+        template = self.template
+        gap = text[gap_start:gap_end]
+        if template.generation_prompt:  # the longest run of its first tokens, which may reach into the field
+            header, ends = template.generation_prompt, template.generation_prompt_ends
+            for end in reversed(ends):
+                found = gap.rfind(header[:end])
+                if found >= 0:
+                    agreed = _agreeing_length(header, text, gap_start + found)
+                    return found + ends[bisect.bisect_right(ends, agreed) - 1]  # ends ascend; ends[k] <= agreed
+            return len(gap)
+        # No generation prompt: the longest run of the last tokens of what a prompt ends with after that role.
+        role = conv.messages[previous]["role"] if previous is not None else "user"
+        role = role if template.prompt_tails.get(role) else "user"
+        tail = template.prompt_tails[role]
+        for start in [0, *self._tail_ends[role][:-1]]:
+            found = gap.rfind(tail[start:])
+            if found >= 0:
+                return found + len(tail) - start
+        return len(gap)
+
+    def _turn_end(self, text: str, last: int, bound: int) -> tuple[int, bool]:
+        """(end of the turn, whether EOS must be appended): see the module docstring, step 3."""
+        template = self.template
+        if template.end_of_turn_pattern:
+            found = template.end_of_turn_pattern.search(text, last, bound)
+            if found:
+                return found.end(), False
+        if template.special:
+            found = template.special.search(text, last, bound)
+            if found:
+                return found.end(), False
+        if bound == len(text):
+            return len(text), True
+        return last, False
+
+    # -- the exact path and generation blocks ------------------------------------------------------------------
+
+    def _by_prefixes(self, conv: Conversation, targets: list[int]) -> Rendered:
+        """One prefix render per trained turn: start where the prompt before it stops agreeing with the
+        text (never inside a token of the generation prompt), end as the two-render path does."""
+        template = self.template
+        messages, tools = conv.messages, conv.tools
+        text = template.render(messages, tools)
+        generation, ends = template.generation_prompt, template.generation_prompt_ends
+        regions, append_eos = [], False
+        for i in targets:
+            prompt = template.render(messages[:i], tools, add_generation_prompt=True) if i else ""
+            start = len(os.path.commonprefix([prompt, text]))
+            header_at = len(prompt) - len(generation)
+            if generation and start > header_at and prompt.endswith(generation):
+                start = header_at + max([0] + [e for e in ends if e <= start - header_at])
+            # The turn's own render, where it agrees with the text, bounds the search for its end.
+            agreed = len(os.path.commonprefix([template.render(messages[: i + 1], tools), text]))
+            end, eos = self._turn_end(text, start, agreed if agreed > start else len(text))
+            if end <= start and not eos:
+                end = agreed  # no end-of-turn token before the next message: the turn is what it rendered
+            regions.append((start, end))
+            append_eos = append_eos or eos
+        if self.train_on == "completion" and regions:
+            first = completion_start(conv)
+            prompt = template.render(messages[:first], tools, add_generation_prompt=True) if first else ""
+            regions = [(len(os.path.commonprefix([prompt, text])), regions[-1][1])]
+        return Rendered(text, regions, append_eos, exact=True)
+
+    def _generation_spans(self, conv: Conversation, targets: list[int]) -> Rendered:
+        text, spans = self.template.render_generation(conv.messages, conv.tools)
+        assistant = [i for i, m in enumerate(conv.messages) if m["role"] == "assistant"]
+        if len(spans) == len(assistant):
+            spans = [span for span, i in zip(spans, assistant, strict=True) if i in targets]
+        elif self.train_on == "last_assistant":
+            spans = spans[-1:]
+        return Rendered(text, [tuple(s) for s in spans], token_rule="overlap")
+
+
+class _Anchors:
+    """The rendered fields' start and end positions in the text, sorted, with the message each belongs to."""
+
+    def __init__(self, fields: list[tuple[int, int, int]]):
+        points = sorted((position, owner) for owner, start, end in fields for position in (start, end))
+        self.positions = [position for position, _ in points]
+        self.owners = [owner for _, owner in points]
+        self.extents: dict[int, tuple[int, int]] = {}
+        for owner, start, end in fields:
+            low, high = self.extents.get(owner, (start, end))
+            self.extents[owner] = (min(low, start), max(high, end))
+
+    def extent(self, message: int) -> tuple[int, int]:
+        """(first, last) position of the message's fields."""
+        return self.extents[message]
+
+    def before(self, position: int, message: int) -> tuple[int, int | None]:
+        """(position, message) of the last anchor of another message at or before `position`, or (0, None)."""
+        k = bisect.bisect_right(self.positions, position) - 1
+        while k >= 0 and self.owners[k] == message:
+            k -= 1
+        return (self.positions[k], self.owners[k]) if k >= 0 else (0, None)
+
+    def after(self, position: int, message: int, default: int) -> int:
+        """The first anchor of another message at or after `position`, or `default`."""
+        k = bisect.bisect_left(self.positions, position)
+        while k < len(self.positions) and self.owners[k] == message:
+            k += 1
+        return self.positions[k] if k < len(self.positions) else default
+
+
+def _agreeing_length(prefix: str, text: str, at: int) -> int:
+    """len(os.path.commonprefix([prefix, text[at:at + len(prefix)]])), at once in the usual case."""
+    if text.startswith(prefix, at):
+        return len(prefix)
+    return len(os.path.commonprefix([prefix, text[at:at + len(prefix)]]))
+
+
+def _has_text(message: dict) -> bool:
+    """Whether a message has a non-blank field to locate it by."""
+    return bool(message.get("tool_calls")) or any(
+        isinstance(message.get(key), str) and message[key].strip() for key in ("content", *REASONING_FIELDS))
+
+
+def completion_start(conv: Conversation) -> int:
+    """Index of the completion's first message; for chat data, what follows the last user turn."""
+    if conv.completion_start is not None:
+        return conv.completion_start
+    users = [i for i, m in enumerate(conv.messages) if m["role"] == "user"]
+    return users[-1] + 1 if users else 0
+
+
+def trained_text(rendered: Rendered) -> list[str]:
+    """The trained spans as text (for inspection)."""
+    return [rendered.text[a:b] for a, b in rendered.regions]
+

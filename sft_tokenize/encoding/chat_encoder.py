@@ -1,0 +1,396 @@
+"""Encoding: conversations (or plain text) become input_ids and a loss mask, a batch at a time.
+
+Rendering and probing a template live in `template.py`, finding the trained turns in `turns.py`; this
+module loads the tokenizer, tokenizes each batch with one call, turns trained character spans into trained
+tokens, and applies max_length.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from itertools import chain
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sft_tokenize.chat.template import ChatTemplate, special_pattern
+from sft_tokenize.chat.turns import Rendered, TurnFinder
+from sft_tokenize.encoding.exact import VERIFY_ROWS, EncoderMismatch, FastEncoder, IdsEncoding
+from sft_tokenize.errors import BadInput, BadRow, one_line
+from sft_tokenize.sources.conversations import REASONING_FIELDS, Conversation
+
+# Files that make up a tokenizer; hashed into the fingerprint and fetched from the hub.
+TOKENIZER_FILE_PATTERNS = ("*.json", "*.jinja", "*.model", "*.txt", "*.tiktoken", "*.py")
+
+
+@dataclass(frozen=True)
+class Encoded:
+    input_ids: np.ndarray  # int32
+    loss_mask: np.ndarray  # int8, same length, 0/1
+
+
+@dataclass(frozen=True)
+class EncodedBatch:
+    """The kept rows of a batch, concatenated (numpy, no per-row objects), and what became of each candidate
+    row. An example is one candidate row, or several with --reasoning-turns expand; `origins` says whose."""
+
+    input_ids: np.ndarray  # int32, every kept row back to back
+    loss_mask: np.ndarray  # int8
+    offsets: np.ndarray  # int64, kept rows + 1: row k is [offsets[k], offsets[k+1])
+    outcomes: list  # per candidate: its kept row's number, a drop reason (str), or the BadRow it raised
+    origins: list[int]  # per candidate: the index of the example it came from
+    rows_exact: int = 0  # rows whose mask took the exact (prefix-rendering) path
+    rows_expanded: int = 0  # extra rows made by --reasoning-turns expand
+    rows_special_text: int = 0  # rows with a control token's text inside a message, encoded as plain text
+    rows_verified: int = 0  # rows the fast encoder gave that HF encoded too, and agreed on
+    # With verify="defer": the rows to check, as (rendered rows, the fast encoder's encodings, add_special_tokens)
+    unverified: tuple = ()
+
+    @property
+    def rows(self) -> int:
+        return len(self.offsets) - 1
+
+    def row(self, k: int) -> Encoded:
+        a, b = self.offsets[k], self.offsets[k + 1]
+        return Encoded(self.input_ids[a:b], self.loss_mask[a:b])
+
+    def results(self) -> list[Encoded | str | BadRow]:
+        """Per candidate: an Encoded row, a drop reason, or a BadRow."""
+        return [self.row(o) if isinstance(o, int) else o for o in self.outcomes]
+
+
+def resolve_tokenizer(name_or_path: str, revision: str | None = None) -> Path:
+    """A local directory holding the tokenizer's files: the path itself, or a hub snapshot of them."""
+    path = Path(os.path.abspath(Path(name_or_path).expanduser()))
+    if path.is_dir():
+        return path
+    if path.is_file():
+        raise BadInput(f"{path}: --tokenizer takes the tokenizer's directory (the one holding tokenizer.json and "
+                       f"tokenizer_config.json), not a file: try {path.parent}")
+    looks_local = name_or_path.startswith(("/", ".", "~")) or name_or_path.count("/") > 1 or path.exists()
+    if looks_local:
+        raise BadInput(f"tokenizer directory not found: {path}")
+    from huggingface_hub import snapshot_download
+
+    try:
+        local = snapshot_download(name_or_path, revision=revision, allow_patterns=list(TOKENIZER_FILE_PATTERNS))
+    except Exception as error:  # offline, unknown repo, gated: all end the same way for the user
+        raise BadInput(
+            f"tokenizer {name_or_path!r} is not a local directory and could not be fetched from the "
+            f"Hugging Face hub ({type(error).__name__}: {one_line(error)})"
+        ) from None
+    return Path(local)
+
+
+def read_chat_template(template: str | None) -> str | None:
+    """The override given by the user: a path to a .jinja file, or the template text itself."""
+    if template is None:
+        return None
+    if "{" not in template:
+        path = Path(os.path.abspath(Path(template).expanduser()))
+        if not path.is_file():
+            raise BadInput(f"chat template file not found: {path}")
+        try:
+            return path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as error:
+            raise BadInput(f"{path}: the chat template is not UTF-8 text (byte {error.start + 1} is "
+                           f"0x{error.object[error.start]:02x})") from None
+    return template
+
+
+def load_tokenizer(tokenizer_dir: str | Path, chat_template: str | None = None, trust_remote_code: bool = False):
+    """A fast `transformers` tokenizer from a local directory, with an optional chat-template override."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), trust_remote_code=trust_remote_code)
+    except Exception as error:
+        raise BadInput(f"cannot load a tokenizer from {tokenizer_dir}: {one_line(error)}") from None
+    if not getattr(tokenizer, "is_fast", False) or getattr(tokenizer, "backend_tokenizer", None) is None:
+        raise BadInput(f"{tokenizer_dir}: a fast (Rust) tokenizer with a tokenizer.json is required")
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def _first_token_at_or_after(enc, position: int, n_tokens: int, n_chars: int) -> int:
+    """Index of the first token starting at or after `position` (enc.offsets would build every offset)."""
+    while position < n_chars:
+        token = enc.char_to_token(position)
+        if token is not None:
+            return token if enc.token_to_chars(token)[0] >= position else token + 1
+        position += 1
+    return n_tokens
+
+
+class _Segments:
+    """A row encoded piece by piece (control-token text inside messages encoded as plain text): ids and
+    token offsets, with the same interface the mask code uses on a tokenizers Encoding."""
+
+    def __init__(self, ids: list[int], offsets: list[tuple[int, int]]):
+        self.ids, self.offsets = ids, offsets
+        self._starts = np.array([start for start, _ in offsets], dtype=np.int64)
+
+    def first_at_or_after(self, positions: np.ndarray) -> np.ndarray:
+        """For each character position, the index of the first token starting at or after it."""
+        return np.searchsorted(self._starts, positions, side="left")
+
+
+class ChatEncoder:
+    """Turns conversations (or plain text) into input_ids and a loss mask, a batch at a time.
+
+    special_text: what a control token's text inside a message becomes: "literal", ordinary text (never the
+    control token); "error", a row error; "keep", the control token, as apply_chat_template does."""
+
+    def __init__(self, tokenizer, train_on: str = "all_assistant", max_length: int | None = None,
+                 truncation: str = "truncate", template_kwargs: Mapping[str, Any] | None = None,
+                 reasoning_turns: str = "as-rendered", special_text: str = "literal",
+                 fast: FastEncoder | None = None):
+        self.tokenizer = tokenizer
+        source = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
+        self.template = ChatTemplate(source, tokenizer, template_kwargs) if source else None
+        self.turns = TurnFinder(self.template, train_on, reasoning_turns) if self.template else None
+        self.train_on = train_on
+        self.max_length = max_length
+        self.truncation = truncation
+        self.special_text = special_text
+        self.eos_id: int | None = tokenizer.eos_token_id
+        self.special = special_pattern(tokenizer)
+        self._literal = None  # a copy of the tokenizer that encodes control-token text as plain text
+        self.fast = fast  # ids (and token positions) from a faster exact encoder; HF checks its first rows
+
+    @property
+    def backend(self):
+        """HF's tokenizer: the reference, and the encoder of rows the fast one cannot place."""
+        return self.tokenizer.backend_tokenizer
+
+    def template_overhead(self) -> int:
+        """Tokens the template adds around an empty exchange: max_length must leave room past it."""
+        if self.template is None:
+            raise BadInput("the tokenizer has no chat template: pass --chat-template FILE, or use text data")
+        return self.template.overhead()
+
+    # -- rows to render --------------------------------------------------------------------------------------
+
+    def _render_rows(self, example: Conversation | str, literal: bool) -> list[Rendered | str | BadRow]:
+        """What one example becomes before tokenizing: rows to encode, or a drop reason, or a BadRow."""
+        if isinstance(example, str):
+            if self.train_on != "all":
+                return [BadRow("text_needs_train_on_all", "text rows train on every token: use train_on='all'")]
+            return [Rendered(example, [(0, len(example))], token_rule="text")]
+        if self.template is None:
+            raise BadInput("the tokenizer has no chat template: pass --chat-template FILE, or use text data")
+        try:
+            if self.train_on == "all":
+                return [self.turns.whole(example, with_fields=literal)]
+            targets = self.turns.targets(example)
+            if not targets:
+                return ["no_assistant_turn"]
+            return self.turns.find(example, targets)
+        except BadRow as bad:
+            return [bad]
+        except Exception as error:  # the template raised (e.g. roles must alternate)
+            detail = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            return [BadRow("template_error", f"chat template failed: {detail}")]
+
+    def _control_text(self, example: Conversation | str) -> tuple[str, str] | None:
+        """(where, token) of the first control token's text inside the example's own text, if any."""
+        special = self.special
+        if special is None:
+            return None
+        if isinstance(example, str):
+            found = special.search(example)
+            return ("text", found.group()) if found else None
+        for i, message in enumerate(example.messages):
+            for key in ("content", *REASONING_FIELDS):
+                value = message.get(key)
+                found = special.search(value) if isinstance(value, str) else None
+                if found:
+                    return f"messages[{i}].{key}", found.group()
+        return None
+
+    # -- tokens ----------------------------------------------------------------------------------------------
+
+    def encode_batch(self, examples: Sequence[Conversation | str], verify_rows: int = VERIFY_ROWS,
+                     defer_verify: bool = False) -> EncodedBatch:
+        """Render and mask every example, then one tokenizer call for the batch's ordinary rows; HF encodes the
+        first `verify_rows` rows the fast encoder gives as well, and they must agree. `defer_verify`: those rows
+        come back in `unverified`, for `verify` in another process (the encode pool's processes need no HF
+        tokenizer then)."""
+        counts = dict.fromkeys(("rows_exact", "rows_expanded", "rows_special_text"), 0)
+        outcomes: list[int | str | BadRow | None] = []
+        origins: list[int] = []
+        rows: list[tuple[int, Rendered, bool]] = []  # (candidate, row, encode control-token text literally)
+        for index, example in enumerate(examples):
+            literal = False
+            if self.special_text != "keep":
+                control = self._control_text(example)
+                if control and self.special_text == "error":
+                    where, token = control
+                    outcomes.append(BadRow("control_token_in_text",
+                                           f"{where} holds the control token {token!r} as text (--special-text "
+                                           "error); use --special-text literal to encode it as plain text"))
+                    origins.append(index)
+                    continue
+                literal = control is not None
+            for result in self._render_rows(example, literal):
+                origins.append(index)
+                outcomes.append(None)
+                if isinstance(result, Rendered):
+                    rows.append((len(outcomes) - 1, result, literal))
+                    counts["rows_exact"] += result.exact
+                    counts["rows_expanded"] += result.expanded
+                    counts["rows_special_text"] += literal
+                else:
+                    outcomes[-1] = result
+        unverified: list[tuple] = []
+        encodings, verified = self._encode(rows, verify_rows, unverified if defer_verify else None)
+        ids_lists = []
+        for (_, rendered, _), enc in zip(rows, encodings, strict=True):
+            ids = list(enc.ids)
+            if rendered.token_rule == "text" and self.eos_id is not None and (not ids or ids[-1] != self.eos_id):
+                ids.append(self.eos_id)  # plain text: BOS as the tokenizer adds it, then EOS
+            elif rendered.append_eos and self.eos_id is not None:
+                ids.append(self.eos_id)  # the template wrote no end-of-turn token after the last turn
+            ids_lists.append(ids)
+        lengths = np.fromiter(map(len, ids_lists), dtype=np.int64, count=len(ids_lists))
+        starts = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=starts[1:])
+        input_ids = np.fromiter(chain.from_iterable(ids_lists), dtype=np.int32, count=int(starts[-1]))
+        loss_mask = np.zeros(len(input_ids), dtype=np.int8)
+        for (_, rendered, _), enc, offset, length in zip(rows, encodings, starts[:-1], lengths, strict=True):
+            for first, stop in self._token_spans(rendered, enc, int(length)):
+                loss_mask[offset + first:offset + stop] = 1
+        batch = self._apply_max_length(outcomes, origins, [c for c, _, _ in rows], input_ids, loss_mask, starts)
+        return replace(batch, **counts, rows_verified=verified, unverified=tuple(unverified))
+
+    def verify(self, batch: EncodedBatch) -> EncodedBatch:
+        """Check the rows another process's encoder deferred (see encode_batch) against HF's."""
+        for rendered, placed, add_special in batch.unverified:
+            self._verify(rendered, placed, add_special)
+        return replace(batch, unverified=())
+
+    def _token_spans(self, rendered: Rendered, enc, length: int) -> list[tuple[int, int]]:
+        """Token index ranges [first, stop) trained for a row's character regions."""
+        if rendered.token_rule == "text":
+            return [(0, length)]
+        n_tokens, n_chars = len(enc.ids), len(rendered.text)
+        spans = []
+        if rendered.token_rule == "overlap":  # transformers' return_assistant_tokens_mask
+            offsets = enc.offsets
+            for begin, end in rendered.regions:
+                chosen = [k for k, (a, b) in enumerate(offsets) if b > begin and a < end]
+                if chosen:
+                    spans.append((chosen[0], chosen[-1] + 1))
+            return spans
+        if isinstance(enc, _Segments | IdsEncoding):
+            edges = enc.first_at_or_after(np.array(rendered.regions, dtype=np.int64).reshape(-1)).tolist()
+            spans = list(zip(edges[0::2], edges[1::2], strict=True))
+        else:
+            for begin, end in rendered.regions:
+                spans.append((_first_token_at_or_after(enc, begin, n_tokens, n_chars),
+                              _first_token_at_or_after(enc, end, n_tokens, n_chars)))
+        if rendered.append_eos and self.eos_id is not None:
+            spans.append((n_tokens, n_tokens + 1))
+        return spans
+
+    def _apply_max_length(self, outcomes, origins, candidates, input_ids, loss_mask, starts) -> EncodedBatch:
+        """Truncate or drop rows over max_length, drop rows left with no trained token."""
+        lengths = np.diff(starts)
+        keep = lengths if self.max_length is None else np.minimum(lengths, self.max_length)
+        trained_before = np.concatenate([[0], np.cumsum(loss_mask, dtype=np.int64)])
+        trained = trained_before[starts[:-1] + keep] - trained_before[starts[:-1]]
+        kept_offsets = [0]
+        selection = np.zeros(len(input_ids), dtype=bool)
+        for row, candidate in enumerate(candidates):
+            if keep[row] < lengths[row] and self.truncation == "drop":
+                outcomes[candidate] = "too_long"
+            elif trained[row] == 0:
+                outcomes[candidate] = "truncated_away" if keep[row] < lengths[row] else "no_trained_tokens"
+            else:
+                outcomes[candidate] = len(kept_offsets) - 1
+                selection[starts[row]:starts[row] + keep[row]] = True
+                kept_offsets.append(kept_offsets[-1] + int(keep[row]))
+        if not selection.all():
+            input_ids, loss_mask = input_ids[selection], loss_mask[selection]
+        return EncodedBatch(input_ids, loss_mask, np.array(kept_offsets, dtype=np.int64), outcomes, origins)
+
+    def _encode(self, rows: list[tuple[int, Rendered, bool]], verify_rows: int,
+                deferred: list[tuple] | None = None) -> tuple[list[Any], int]:
+        """One batch call for ordinary rows; rows with control-token text in them are encoded in pieces. Also
+        the number of rows verified (see encode_batch), or put in `deferred` to be verified elsewhere."""
+        encodings: list[Any] = [None] * len(rows)
+        verified = 0
+        for add_special in (False, True):  # rendered chats carry their own special tokens; text rows do not
+            chosen = [k for k, (_, rendered, literal) in enumerate(rows)
+                      if not literal and (rendered.token_rule == "text") == add_special]
+            if chosen and self.fast is not None:
+                placed = self.fast.encode([rows[k][1].text for k in chosen], add_special_tokens=add_special)
+                for k, enc in zip(chosen, placed, strict=True):
+                    encodings[k] = enc
+                verify = max(verify_rows - verified, 0)
+                checked = ([rows[k][1] for k in chosen[:verify]], placed[:verify], add_special)
+                if deferred is None:
+                    self._verify(*checked)
+                elif checked[0]:
+                    deferred.append(checked)
+                verified += len(chosen[:verify])
+                chosen = [k for k in chosen if encodings[k] is None]  # rows it could not place: HF's
+            if chosen:
+                batch = self.backend.encode_batch([rows[k][1].text for k in chosen], add_special_tokens=add_special)
+                for k, enc in zip(chosen, batch, strict=True):
+                    encodings[k] = enc
+        for k, (_, rendered, literal) in enumerate(rows):
+            if literal:
+                encodings[k] = self._encode_literally(rendered)
+        return encodings, verified
+
+    def _verify(self, rendered: list[Rendered], placed: list, add_special: bool) -> None:
+        """The first rows the fast encoder gives: the same ids and trained spans as HF's, or a loud failure."""
+        if not rendered:
+            return
+        reference = self.backend.encode_batch([r.text for r in rendered], add_special_tokens=add_special)
+        for k, (row, fast, hf) in enumerate(zip(rendered, placed, reference, strict=True)):
+            if fast is None:
+                continue
+            n = len(hf.ids)
+            if fast.ids != list(hf.ids) or self._token_spans(row, fast, n) != self._token_spans(row, hf, n):
+                raise EncoderMismatch(f"{self.fast.name} and HF tokenizers disagree on row {k} of this batch "
+                                      f"({row.text[:60]!r}...): run with --encoder hf, and report the row")
+
+    def _literal_tokenizer(self):
+        if self._literal is None:
+            from tokenizers import Tokenizer
+
+            self._literal = Tokenizer.from_str(self.backend.to_str())
+            self._literal.encode_special_tokens = True
+        return self._literal
+
+    def _encode_literally(self, rendered: Rendered) -> _Segments:
+        """The template's own text as usual, and each message field holding control-token text as plain text."""
+        literal = self._literal_tokenizer()
+        if rendered.token_rule == "text":
+            enc = literal.encode(rendered.text, add_special_tokens=True)
+            return _Segments(list(enc.ids), list(enc.offsets))
+        if not rendered.fields:
+            raise BadRow("control_token_in_text", "a message holds a control token's text and this chat template's "
+                                                  "turns could not be located field by field; use --special-text "
+                                                  "keep or error")
+        ids, offsets, pieces, position = [], [], [], 0
+        for _, start, end in sorted(rendered.fields, key=lambda field: field[1]):
+            if start >= position:
+                pieces.append((position, start, self.backend))
+                pieces.append((start, end, literal))
+                position = end
+        pieces.append((position, len(rendered.text), self.backend))
+        for start, end, tokenizer in pieces:
+            if end <= start:
+                continue
+            enc = tokenizer.encode(rendered.text[start:end], add_special_tokens=False)
+            ids += enc.ids
+            offsets += [(a + start, b + start) for a, b in enc.offsets]
+        return _Segments(ids, offsets)

@@ -1,0 +1,283 @@
+"""A faster exact encoder beside HF `tokenizers`: chosen per tokenizer, verified, and never trusted blindly.
+
+`fastokens` (the `fast` extra) encodes byte-level BPE tokenizers many times faster than `tokenizers`, but gives
+ids only. For byte-level BPE each id stands for a fixed run of UTF-8 bytes, so prefix sums of those lengths
+place every token in the text, which is all the loss mask needs. A tokenizer is accepted only if its pieces
+make that exact (byte-level pre-tokenizer and decoder, no offset trimming, no normalizer but NFC) and
+fastokens gives HF's ids on a set of hard strings; a row whose byte lengths do not add up to its text is
+encoded by HF. HF stays the reference: callers also compare each slice's first rows against it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+import unicodedata
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from sft_tokenize.errors import BadInput
+
+logger = logging.getLogger("sft_tokenize")
+
+ENCODERS = ("auto", "hf", "fastokens")
+
+# Strings tokenizers get wrong in different ways: scripts, combining marks, emoji sequences, whitespace runs,
+# digit runs, control characters, long inputs. Special and added tokens are mixed into them at check time.
+HARD_STRINGS = (
+    "", " ", "  ", "\n", "\n\n\n", " \n \n", "\t\t x", "a\r\nb", "   leading", "trailing   ", "x \u00a0 y",
+    "12345678901234567890", "3.14159 -42 1e10 0x1F 1,000,000", "١٢٣٤ ۴۵۶ ४५६",
+    "Ünïcödé façade naïve résumé", "e\u0301 a\u0308 \u212b \ufb01", "中文字符测试，标点。", "日本語のテキスト",
+    "한국어 텍스트", "Ελληνικά Русский עברית العربية", "ไทย ภาษา", "😀👍🏽👨‍👩‍👧‍👦🏳️‍🌈 🇫🇷",
+    "def f(x):\n    return x  # comment\n\n\n", "```json\n{\"a\": [1, 2]}\n```", "<b>html</b> &amp; &#x27;",
+    "\x00\x01\x7f \ufeff \u200b\u200d", "'s 't 're 've 'm 'll 'd 'S 'T", "a" * 3000, "ab " * 2000,
+    " " * 500 + "x" + "\n" * 300, "9" * 1200, ("word " * 40 + "\n") * 50, "😀" * 400,
+)
+
+# Rows of each slice encoded by both encoders and compared, ids and mask spans.
+VERIFY_ROWS = 16
+
+
+class EncoderMismatch(RuntimeError):
+    """The fast encoder disagreed with HF `tokenizers` on a real row: never written, always raised."""
+
+
+def _bytes_to_unicode() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the character each byte is written as in a byte-level vocabulary."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = list(printable), 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
+
+
+def _pieces(component: dict | None) -> list[dict]:
+    if component is None:
+        return []
+    if component.get("type") == "Sequence":
+        key = next((k for k in ("pretokenizers", "processors", "normalizers", "decoders") if k in component), None)
+        return [p for sub in component.get(key, []) for p in _pieces(sub)]
+    return [component]
+
+
+def _byte_level_refusal(config: dict) -> str | None:
+    """Why token byte lengths would not give this tokenizer's positions exactly, or None if they do."""
+    model = config.get("model") or {}
+    if model.get("type") != "BPE":
+        return f"its model is {model.get('type')}, not byte-level BPE"
+    if model.get("dropout"):
+        return "its BPE has dropout (ids are random)"
+    normalizers = [p.get("type") for p in _pieces(config.get("normalizer"))]
+    if any(kind != "NFC" for kind in normalizers):
+        return f"its normalizer ({', '.join(normalizers)}) changes the text"
+    pre = [p.get("type") for p in _pieces(config.get("pre_tokenizer"))]
+    if not pre or pre[-1] != "ByteLevel" or any(kind not in ("ByteLevel", "Split", "Digits") for kind in pre):
+        return f"its pre-tokenizer ({', '.join(pre) or 'none'}) is not byte-level"
+    if [p.get("type") for p in _pieces(config.get("decoder"))] != ["ByteLevel"]:
+        return "its decoder is not byte-level"
+    for processor in _pieces(config.get("post_processor")):
+        if processor.get("type") == "ByteLevel" and processor.get("trim_offsets"):
+            return "its post-processor trims offsets (HF's token positions are not the tokens' bytes)"
+        if processor.get("type") not in ("ByteLevel", "TemplateProcessing"):
+            return f"its post-processor is {processor.get('type')}"
+    return None
+
+
+def _token_byte_lengths(backend, config: dict) -> np.ndarray:
+    """Each id's length in UTF-8 bytes of the text; -1 where the vocabulary does not say."""
+    alphabet = _bytes_to_unicode()
+    vocab = backend.get_vocab(with_added_tokens=False)
+    added = backend.get_added_tokens_decoder()
+    size = max([*vocab.values(), *added.keys()], default=-1) + 1
+    lengths = np.full(size, -1, dtype=np.int64)
+    for token, index in vocab.items():
+        if token and all(c in alphabet for c in token):
+            lengths[index] = len(token)  # one alphabet character per byte
+    for index, token in added.items():
+        lengths[index] = len(token.content.encode("utf-8")) or -1
+    return lengths
+
+
+@dataclass(frozen=True)
+class IdsEncoding:
+    """One row's ids and each token's character span, from byte lengths alone; the mask code's interface."""
+
+    ids: list[int]
+    starts: np.ndarray  # int64, character where each token starts
+    ends: np.ndarray
+
+    @property
+    def offsets(self) -> list[tuple[int, int]]:
+        return list(zip(self.starts.tolist(), self.ends.tolist(), strict=True))
+
+    def first_at_or_after(self, positions: np.ndarray) -> np.ndarray:
+        """For each character position, the index of the first token starting at or after it."""
+        return np.searchsorted(self.starts, positions, side="left")
+
+
+class PendingNative:
+    """fastokens' tokenizer for a JSON, not built yet: built in a background thread once `start()`ed (fastokens
+    builds its tables, most of a second for a 151k vocabulary, without holding the GIL), or at first use. A
+    process that never encodes (the planner of a run whose encode pool encodes) never builds it."""
+
+    def __init__(self, tokenizer_json: str):
+        self.tokenizer_json = tokenizer_json
+        self._built: Future | None = None
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        with self._lock:
+            if self._built is not None:
+                return
+            self._built = built = Future()
+
+        def build() -> None:
+            import fastokens
+
+            try:
+                built.set_result(fastokens.Tokenizer.from_json_str(self.tokenizer_json))
+            except BaseException as error:  # noqa: BLE001 - raised to whoever waits for the encoder
+                built.set_exception(error)
+
+        threading.Thread(target=build, name="fastokens-build", daemon=True).start()
+
+    def result(self):
+        self.start()
+        return self._built.result()
+
+
+class FastEncoder:
+    """fastokens for one tokenizer, with each id's byte length; `encode` gives None for a row it cannot place."""
+
+    name = "fastokens"
+
+    def __init__(self, native, byte_lengths: np.ndarray, nfc: bool):
+        self._native, self.byte_lengths, self.nfc = native, byte_lengths, nfc
+
+    @property
+    def native(self):
+        """fastokens' tokenizer; a pending one is built, or waited for, here."""
+        if isinstance(self._native, PendingNative):
+            self._native = self._native.result()
+        return self._native
+
+    def warm(self) -> None:
+        """Start building a pending tokenizer in the background, for a process about to encode."""
+        if isinstance(self._native, PendingNative):
+            self._native.start()
+
+    def encode(self, texts: list[str], add_special_tokens: bool) -> list[IdsEncoding | None]:
+        flat, bounds = self.native.encode_batch_flat(texts, add_special_tokens=add_special_tokens)
+        ids = np.frombuffer(flat, dtype=np.uint32).astype(np.int64)
+        bounds = np.frombuffer(bounds, dtype=np.uint64).astype(np.int64)
+        known = ids < len(self.byte_lengths)
+        lengths = np.where(known, self.byte_lengths[np.where(known, ids, 0)], -1)
+        return [self._place(text, ids[a:b], lengths[a:b]) for text, a, b in zip(texts, bounds[:-1], bounds[1:],
+                                                                                 strict=True)]
+
+    def _place(self, text: str, ids: np.ndarray, lengths: np.ndarray) -> IdsEncoding | None:
+        data = text.encode("utf-8")
+        if (lengths <= 0).any() or int(lengths.sum()) != len(data):
+            return None  # an id of unknown length, or text the tokens do not cover byte for byte
+        if self.nfc and not unicodedata.is_normalized("NFC", text):
+            return None  # the tokens cover the normalized text, not this one
+        char_of_byte = np.cumsum((np.frombuffer(data, dtype=np.uint8) & 0xC0) != 0x80, dtype=np.int64) - 1
+        ends = np.cumsum(lengths)
+        starts = char_of_byte[ends - lengths] if len(ids) else np.zeros(0, dtype=np.int64)
+        return IdsEncoding(ids.tolist(), starts, char_of_byte[ends - 1] + 1 if len(ids) else starts)
+
+
+def rebuilt_encoder(tokenizer_json: str, byte_lengths: np.ndarray, nfc: bool) -> FastEncoder:
+    """The FastEncoder that another process of this install (or an earlier run, prepared.py) chose and checked for
+    this tokenizer JSON (the same JSON, the same fastokens): rebuilt without checking it again, its tables built
+    when it is `warm`ed or first used."""
+    return FastEncoder(PendingNative(tokenizer_json), byte_lengths, nfc)
+
+
+def _check_strings(backend) -> list[str]:
+    added = [token.content for token in backend.get_added_tokens_decoder().values()]
+    mixed = [f"{a}{text}{a}{text[:7]} {a} x{a}\n" for text in HARD_STRINGS[:12] for a in added[:64]]
+    return [*HARD_STRINGS, *mixed, " ".join(added), "".join(added)]
+
+
+def _fastokens_or_refusal(backend) -> tuple[FastEncoder | None, str]:
+    try:
+        import fastokens
+    except ImportError:
+        return None, "fastokens is not installed (pip install 'sft-tokenize[fast]')"
+    text = backend.to_str()
+    config = json.loads(text)
+    refusal = _byte_level_refusal(config)
+    if refusal:
+        return None, refusal
+    try:
+        native = fastokens.Tokenizer.from_json_str(text)
+    except Exception as error:  # fastokens refuses what it does not implement
+        return None, f"fastokens cannot load it ({type(error).__name__}: {str(error).strip()[:200]})"
+    for add_special in (False, True):
+        strings = _check_strings(backend)
+        expected = backend.encode_batch(strings, add_special_tokens=add_special)
+        got = native.encode_batch(strings, add_special_tokens=add_special)
+        for string, want, have in zip(strings, expected, got, strict=True):
+            if list(want.ids) != list(have.ids):
+                return None, f"fastokens gives other ids than tokenizers for {string[:40]!r}"
+    nfc = [p.get("type") for p in _pieces(config.get("normalizer"))] == ["NFC"]
+    encoder = FastEncoder(native, _token_byte_lengths(backend, config), nfc)
+    for string in _check_strings(backend):
+        placed = encoder.encode([string], add_special_tokens=False)[0]
+        want = backend.encode(string, add_special_tokens=False)
+        if placed is not None and placed.offsets != [tuple(o) for o in want.offsets]:
+            return None, f"token positions from byte lengths differ from tokenizers' offsets for {string[:40]!r}"
+    return encoder, ""
+
+
+_chosen: dict[tuple[str, str], tuple[FastEncoder | None, str]] = {}
+_choosing = threading.Lock()
+
+
+def check_encoder(tokenizer: Any, requested: str) -> tuple[FastEncoder | None, str]:
+    """The fast encoder for this tokenizer, or None for HF `tokenizers` with the reason it was refused (empty
+    when HF was asked for); says in the log why it was refused. Chosen once per process and tokenizer (the
+    planner and every worker thread share the choice)."""
+    if requested not in ENCODERS:
+        raise BadInput(f"--encoder must be one of {', '.join(ENCODERS)}, not {requested!r}")
+    if requested == "hf":
+        return None, ""
+    backend = tokenizer.backend_tokenizer
+    key = (hashlib.sha256(backend.to_str().encode()).hexdigest(), requested)
+    with _choosing:
+        if key not in _chosen:
+            _chosen[key] = _choose(backend, requested)
+        return _chosen[key]
+
+
+def choose_encoder(tokenizer: Any, requested: str) -> FastEncoder | None:
+    """The fast encoder for this tokenizer, or None for HF `tokenizers` (see check_encoder)."""
+    return check_encoder(tokenizer, requested)[0]
+
+
+def log_refusal(requested: str, refusal: str) -> None:
+    """Say why HF `tokenizers` encodes instead of fastokens; --encoder fastokens without fastokens is an error."""
+    installed = not refusal.startswith("fastokens is not installed")
+    if requested == "fastokens" and not installed:
+        raise BadInput(f"--encoder fastokens: {refusal}")
+    log = logger.warning if installed or requested == "fastokens" else logger.info
+    log("encoder: HF tokenizers, not fastokens: %s", refusal)
+
+
+def _choose(backend, requested: str) -> tuple[FastEncoder | None, str]:
+    encoder, refusal = _fastokens_or_refusal(backend)
+    if encoder is None:
+        log_refusal(requested, refusal)
+        return None, refusal
+    logger.info("encoder: fastokens (its ids equal tokenizers' on %d check strings)", len(_check_strings(backend)))
+    return encoder, ""

@@ -1,0 +1,180 @@
+"""A tokenizer prepared once per content: what loading and checking it costs, paid by the first run only.
+
+Loading a 151k-vocabulary tokenizer through transformers (whose import alone takes most of a second) and
+checking the fast encoder against `tokenizers` on the hard strings take seconds, and every process of a run
+(the planner, each encode-pool process, each worker of the processes runner or a cluster) used to pay them
+again, as did every later run. What encoding reads of a tokenizer is plain data, so the first process that
+loads a tokenizer keeps it in this user's cache, for every later process on the machine whatever its cache
+root ($SFT_TOKENIZE_HOME, else $XDG_CACHE_HOME/sft-tokenize, else ~/.cache/sft-tokenize):
+
+    <that directory>/tokenizers/<key>/
+        backend.json      the Rust tokenizer as transformers built it (`backend_tokenizer.to_str()`)
+        byte_lengths.npy  each id's length in UTF-8 bytes, when the fast encoder was accepted
+        prepared.json     written last (its presence means the rest is complete): the special tokens, the chat
+                          template, the fast encoder's verdict (accepted with its NFC flag, or why it was refused)
+
+`<key>` hashes the SHA-256 of every file of the tokenizer directory (as the fingerprint does) with the
+versions of transformers, tokenizers and fastokens and `PREPARED_VERSION`: an edited tokenizer file or an
+upgraded library gets a new entry, never a stale one. A later process builds a `PartsTokenizer` (the
+attributes `ChatEncoder` reads) from it without transformers' tokenizer classes, and the fast encoder without
+checking it again, and only once it is about to encode (`FastEncoder.warm`, in the background); each slice's
+first rows are still encoded by both encoders and compared. A damaged or half-written entry is prepared
+again; losing the directory costs one slow start, so its files are renamed into place without an fsync.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import uuid
+from dataclasses import dataclass, field, replace
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sft_tokenize.build.fingerprint import fingerprint
+from sft_tokenize.encoding.exact import FastEncoder, check_encoder, log_refusal, rebuilt_encoder
+
+logger = logging.getLogger("sft_tokenize")
+
+PREPARED_VERSION = 1  # bumped whenever what an entry holds, or how it is read, changes
+HOME_ENV = "SFT_TOKENIZE_HOME"
+
+
+@dataclass(frozen=True)
+class TokenizerParts:
+    """What encoding reads of a transformers fast tokenizer, as plain data (picklable, about its JSON's size)."""
+
+    backend_json: str
+    chat_template: str | None
+    special_tokens_map: dict
+    eos_token: str | None
+    eos_token_id: int | None
+    special_tokens: tuple[str, ...]  # the contents of its added tokens marked special
+    fast: tuple[np.ndarray, bool] | None  # the checked fast encoder's byte lengths and NFC flag, or HF's
+    boundaries: dict = field(default_factory=dict)  # token boundaries of template text, by text (template.py)
+
+    @classmethod
+    def of(cls, tokenizer: Any, fast: FastEncoder | None, boundaries: dict | None = None) -> TokenizerParts:
+        template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
+        checked = (fast.byte_lengths, fast.nfc) if fast else None
+        known = getattr(tokenizer, "parts", None)  # a PartsTokenizer: its JSON is at hand, not serialized again
+        if known is not None:
+            return replace(known, chat_template=template, fast=checked, boundaries=boundaries or {})
+        specials = tuple(t.content for t in tokenizer.added_tokens_decoder.values() if t.special)
+        return cls(tokenizer.backend_tokenizer.to_str(), template, dict(tokenizer.special_tokens_map),
+                   tokenizer.eos_token, tokenizer.eos_token_id, specials, checked, boundaries or {})
+
+
+@dataclass(frozen=True)
+class _AddedToken:
+    content: str
+    special: bool = True
+
+
+class PartsTokenizer:
+    """The attributes `ChatEncoder`, `ChatTemplate` and `choose_encoder` read of a transformers tokenizer. HF's
+    Rust tokenizer is built at its first use: a process whose rows the fast encoder places may never need it."""
+
+    def __init__(self, parts: TokenizerParts):
+        self.parts = parts
+        self.known_boundaries = parts.boundaries
+        self._backend = None
+        self._building = threading.Lock()  # the slices' threads share it
+        self.chat_template = parts.chat_template
+        self.special_tokens_map = parts.special_tokens_map
+        self.eos_token, self.eos_token_id = parts.eos_token, parts.eos_token_id
+        self.added_tokens_decoder = {k: _AddedToken(content) for k, content in enumerate(parts.special_tokens)}
+
+    @property
+    def backend_tokenizer(self):
+        with self._building:
+            if self._backend is None:
+                from tokenizers import Tokenizer
+
+                self._backend = Tokenizer.from_str(self.parts.backend_json)
+        return self._backend
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def user_cache() -> Path:
+    """This user's sft-tokenize cache directory (see the module docstring)."""
+    if os.environ.get(HOME_ENV):
+        return Path(os.environ[HOME_ENV]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "sft-tokenize"
+
+
+def prepared_dir(tokenizer_files: dict[str, str], trust_remote_code: bool) -> Path:
+    """Where the tokenizer whose files have these digests is kept prepared, for these library versions."""
+    key = fingerprint({"files": tokenizer_files, "trust_remote_code": trust_remote_code,
+                       "prepared_version": PREPARED_VERSION,
+                       "versions": {name: _version(name) for name in ("transformers", "tokenizers", "fastokens")}})
+    return user_cache() / "tokenizers" / key
+
+
+def _read(directory: Path) -> tuple[TokenizerParts, dict] | None:
+    try:
+        meta = json.loads((directory / "prepared.json").read_text())
+        backend_json = (directory / "backend.json").read_text(encoding="utf-8")
+        lengths = np.load(directory / "byte_lengths.npy") if meta["encoder"].get("accepted") else None
+        parts = TokenizerParts(backend_json, meta["chat_template"], meta["special_tokens_map"], meta["eos_token"],
+                               meta["eos_token_id"], tuple(meta["special_tokens"]),
+                               (lengths, meta["encoder"]["nfc"]) if lengths is not None else None)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return parts, meta["encoder"]
+
+
+def _write(directory: Path, parts: TokenizerParts, verdict: dict) -> None:
+    """Each file renamed into place, prepared.json last; a concurrent writer of the same entry writes the same."""
+    tag = uuid.uuid4().hex[:8]
+
+    def put(name: str, write) -> None:
+        tmp = directory / f".{name}.tmp-{tag}"
+        write(tmp)
+        os.replace(tmp, directory / name)
+
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        put("backend.json", lambda p: p.write_text(parts.backend_json, encoding="utf-8"))
+        if parts.fast is not None:
+            put("byte_lengths.npy", lambda p: np.save(p.open("wb"), parts.fast[0]))
+        meta = {"prepared_version": PREPARED_VERSION, "chat_template": parts.chat_template,
+                "special_tokens_map": parts.special_tokens_map, "eos_token": parts.eos_token,
+                "eos_token_id": parts.eos_token_id, "special_tokens": list(parts.special_tokens), "encoder": verdict}
+        put("prepared.json", lambda p: p.write_text(json.dumps(meta)))
+    except OSError as error:  # an unwritable home: the next process prepares it again
+        logger.info("tokenizer not kept prepared in %s: %s", directory, error.strerror)
+
+
+def prepared_encoding(directory: Path, load, requested: str) -> tuple[Any, FastEncoder | None]:
+    """The tokenizer and the fast encoder (or None for HF's) kept in `directory`, or, the first time, `load()`'s
+    tokenizer and the encoder checked against it, then kept there. Requested "hf", the check is left for a
+    run that asks for the fast encoder."""
+    found = _read(directory)
+    if found is not None and (requested == "hf" or "accepted" in found[1]):
+        parts, verdict = found
+        tokenizer = PartsTokenizer(parts)
+        if requested == "hf":
+            return tokenizer, None
+        if not verdict["accepted"]:
+            log_refusal(requested, verdict["refusal"])
+            return tokenizer, None
+        logger.info("encoder: fastokens (checked when this tokenizer was first prepared)")
+        return tokenizer, rebuilt_encoder(parts.backend_json, *parts.fast)
+    tokenizer = load()
+    fast, refusal = check_encoder(tokenizer, requested)
+    verdict = {} if requested == "hf" else {"accepted": True, "nfc": fast.nfc} if fast else \
+        {"accepted": False, "refusal": refusal}
+    _write(directory, TokenizerParts.of(tokenizer, fast), verdict)
+    return tokenizer, fast

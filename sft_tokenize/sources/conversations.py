@@ -1,0 +1,233 @@
+"""Dataset formats: which columns a row needs and how a row becomes a conversation (or plain text).
+
+chat               messages: [{role, content}, ...], optional `system` and `tools` columns
+alpaca             instruction, optional input, output
+prompt-completion  prompt + completion (or response); each a string or a list of messages
+text               text
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from sft_tokenize.errors import BadInput, BadRow
+
+ROLES = ("system", "user", "assistant", "tool")
+# Names a message's reasoning comes under; chat templates read one or another.
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+# ShareGPT-style data (`conversations` of {from, value}) uses other names for the same roles.
+ROLE_ALIASES = {"human": "user", "gpt": "assistant", "bot": "assistant", "function_call": "assistant",
+                "observation": "tool"}
+
+# Column roles and the names tried, in order, when the user did not name the column.
+DEFAULT_COLUMNS: dict[str, tuple[str, ...]] = {
+    "messages": ("messages", "conversations", "conversation"),
+    "system": ("system",),
+    "tools": ("tools",),
+    "instruction": ("instruction",),
+    "input": ("input",),
+    "output": ("output",),
+    "prompt": ("prompt",),
+    "completion": ("completion", "response"),
+    "text": ("text",),
+}
+REQUIRED = {
+    "chat": ("messages",),
+    "alpaca": ("instruction", "output"),
+    "prompt-completion": ("prompt", "completion"),
+    "text": ("text",),
+}
+OPTIONAL = {"chat": ("system", "tools"), "alpaca": ("input",), "prompt-completion": ("system", "tools"),
+            "text": ()}
+
+
+@dataclass(frozen=True)
+class ColumnMap:
+    """The resolved format and the actual column name of each role it uses."""
+
+    format: str
+    columns: dict[str, str]
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(set(self.columns.values()))
+
+
+@dataclass
+class Conversation:
+    messages: list[dict[str, Any]]
+    tools: list[Any] | None = None
+    # Index of the first message of the completion (prompt-completion data); None for chat rows.
+    completion_start: int | None = None
+
+
+def resolve_columns(fmt: str, user_columns: Mapping[str, str], available: Iterable[str], where: str,
+                    schemaless: bool = False) -> ColumnMap:
+    """Pick the format (for `auto`) and the column of every role, or say clearly why not.
+
+    `available` are the columns of a file with a schema, or of the first row of one without (JSON lines):
+    there an optional column (system, tools) is read on every row that has it, whatever the first row holds."""
+    available = list(available)
+    unknown = set(user_columns) - set(DEFAULT_COLUMNS)
+    if unknown:
+        raise BadInput(f"unknown column role(s) {sorted(unknown)}; known: {sorted(DEFAULT_COLUMNS)}")
+
+    def column_for(role: str) -> str | None:
+        if role in user_columns:
+            return user_columns[role] if user_columns[role] in available else None
+        return next((name for name in DEFAULT_COLUMNS[role] if name in available), None)
+
+    if fmt == "auto":
+        fmt = next((f for f, roles in REQUIRED.items() if all(column_for(r) for r in roles)), None)
+        if fmt is None:
+            raise BadInput(
+                f"{where}: cannot tell the format from the columns {available}: expected `messages` (chat), "
+                "`instruction`+`output` (alpaca), `prompt`+`completion` (prompt-completion) or `text`; "
+                "pass --format and name the columns (e.g. --messages-column)"
+            )
+    missing = [role for role in REQUIRED[fmt] if not column_for(role)]
+    if missing:
+        wanted = ", ".join(repr(user_columns.get(r, DEFAULT_COLUMNS[r][0])) for r in missing)
+        raise BadInput(f"{where}: missing column {wanted} for format {fmt} (columns: {', '.join(available)})")
+    columns = {role: column_for(role) for role in REQUIRED[fmt]}
+    for role in OPTIONAL[fmt]:
+        name = column_for(role) or (user_columns.get(role, DEFAULT_COLUMNS[role][0]) if schemaless else None)
+        if name:
+            columns[role] = name
+    return ColumnMap(fmt, columns)
+
+
+def _type_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _text(value: Any, where: str) -> str:
+    """Message text: a string, or OpenAI-style parts whose text parts are joined with newlines."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        texts = []
+        for k, part in enumerate(value):
+            kind = part.get("type") if isinstance(part, Mapping) else None
+            if kind != "text" or not isinstance(part.get("text"), str):
+                got = f"a part of type {kind!r}" if kind else _type_name(part)
+                raise BadRow("bad_message", f"{where}[{k}] is {got}: only text parts "
+                                            "({'type': 'text', 'text': ...}) are tokenized")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise BadRow("bad_message", f"{where} must be a string or a list of text parts, got {_type_name(value)}")
+
+
+def _tool_calls(raw: Any, where: str) -> list[dict[str, Any]]:
+    """OpenAI-style tool calls: [{id?, type: function, function: {name, arguments}}]; a flat {name, arguments}
+    is accepted too. Arguments stay an object or a JSON string: the chat template decides which it needs."""
+    if not isinstance(raw, list):
+        raise BadRow("bad_tool_call", f"{where} must be a list, got {_type_name(raw)}")
+    calls = []
+    for k, call in enumerate(raw):
+        if not isinstance(call, Mapping):
+            raise BadRow("bad_tool_call", f"{where}[{k}] must be an object, got {_type_name(call)}")
+        function = call.get("function", call if "name" in call else None)
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+            raise BadRow("bad_tool_call", f"{where}[{k}] needs function.name as a string")
+        arguments = function.get("arguments", {})
+        if arguments is None:
+            arguments = {}
+        if not isinstance(arguments, Mapping | str):
+            raise BadRow("bad_tool_call", f"{where}[{k}].function.arguments must be an object or a JSON string, "
+                                          f"got {_type_name(arguments)}")
+        out = {key: value for key, value in call.items() if value is not None and key not in ("name", "arguments")}
+        out["type"] = call.get("type") or "function"
+        out["function"] = {**{key: value for key, value in function.items() if value is not None},
+                           "arguments": dict(arguments) if isinstance(arguments, Mapping) else arguments}
+        calls.append(out)
+    return calls
+
+
+def _message(raw: Any, index: int) -> dict[str, Any]:
+    if type(raw) is dict and len(raw) == 2 and raw.get("role") in ROLES and type(raw.get("content")) is str:
+        return dict(raw)  # {role, content}, as most messages are: already what the checks below would return
+    if not isinstance(raw, Mapping):
+        raise BadRow("bad_message", f"messages[{index}] must be an object, got {_type_name(raw)}")
+    message = dict(raw)
+    if "role" not in message and "from" in message:  # ShareGPT
+        message["role"] = message.pop("from")
+        if "value" in message:
+            message["content"] = message.pop("value")
+    role = message.get("role")
+    if role is None:
+        raise BadRow("bad_message", f"messages[{index}] has no 'role'")
+    if not isinstance(role, str):
+        raise BadRow("bad_message", f"messages[{index}].role must be a string, got {_type_name(role)}")
+    role = ROLE_ALIASES.get(role, role)
+    if role not in ROLES:
+        raise BadRow("unknown_role", f"messages[{index}] has unknown role {role!r} (known: {', '.join(ROLES)})")
+    # A key whose value is null is not passed on (Arrow and Parquet rows carry every column of the schema).
+    message = {key: value for key, value in message.items() if value is not None}
+    message["role"] = role
+    if message.get("tool_calls") is not None:
+        message["tool_calls"] = _tool_calls(message["tool_calls"], f"messages[{index}].tool_calls")
+    if "content" in message:
+        message["content"] = _text(message["content"], f"messages[{index}].content")
+    elif message.get("tool_calls"):
+        message["content"] = None  # a tool-call turn without text; the chat template's probe decides its form
+    else:
+        raise BadRow("bad_message", f"messages[{index}] has no 'content' (and no tool_calls)")
+    for key in REASONING_FIELDS:
+        if key in message and not isinstance(message[key], str):
+            raise BadRow("bad_message", f"messages[{index}].{key} must be a string, got {_type_name(message[key])}")
+    return message
+
+
+def _messages(raw: Any, column: str) -> list[dict[str, Any]]:
+    if not isinstance(raw, list):
+        raise BadRow("bad_messages", f"{column!r} must be a list of messages, got {_type_name(raw)}")
+    if not raw:
+        raise BadRow("bad_messages", f"{column!r} is an empty list")
+    return [_message(m, i) for i, m in enumerate(raw)]
+
+
+def _string(row: Mapping[str, Any], column: str, optional: bool = False) -> str:
+    value = row.get(column)
+    if value is None and optional:
+        return ""
+    if not isinstance(value, str):
+        raise BadRow("bad_field", f"{column!r} must be a string, got {_type_name(value)}")
+    return value
+
+
+def _turns(value: Any, role: str, column: str) -> list[dict[str, Any]]:
+    """A prompt or completion: a string (one message of `role`) or a list of messages."""
+    if isinstance(value, str):
+        return [{"role": role, "content": value}]
+    return _messages(value, column)
+
+
+def to_example(row: Mapping[str, Any], columns: ColumnMap) -> Conversation | str:
+    """One source row as a Conversation (or a str for text data); raises BadRow saying what is wrong."""
+    c = columns.columns
+    if columns.format == "text":
+        return _string(row, c["text"])
+    if columns.format == "alpaca":
+        instruction = _string(row, c["instruction"])
+        extra = _string(row, c["input"], optional=True) if "input" in c else ""
+        prompt = f"{instruction}\n\n{extra}" if extra else instruction
+        messages = [{"role": "user", "content": prompt},
+                    {"role": "assistant", "content": _string(row, c["output"])}]
+        return Conversation(messages, completion_start=1)
+
+    tools = row.get(c["tools"]) if "tools" in c else None
+    if tools is not None and not isinstance(tools, list):
+        raise BadRow("bad_field", f"{c['tools']!r} must be a list, got {_type_name(tools)}")
+    system = _string(row, c["system"], optional=True) if "system" in c else ""
+    head = [{"role": "system", "content": system}] if system else []
+    if columns.format == "chat":
+        messages = _messages(row.get(c["messages"]), c["messages"])
+        if head and messages[0]["role"] == "system":
+            head = []  # the conversation's own system message wins
+        return Conversation(head + messages, tools or None)
+    prompt = _turns(row.get(c["prompt"]), "user", c["prompt"])
+    completion = _turns(row.get(c["completion"]), "assistant", c["completion"])
+    return Conversation(head + prompt + completion, tools or None, completion_start=len(head) + len(prompt))
