@@ -1,18 +1,23 @@
 """Fixtures shared by the suite: the bundled example, tokenizers for real chat-template families, a migrated
-Prefect home for the CLI's subprocesses."""
+Prefect home for the CLI's subprocesses, the Prefect test harness, a Prefect server, runs in the background.
+Their helpers live in tests/support."""
 
 from __future__ import annotations
 
 import atexit
-import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from support import faults
+from support.families import TEMPLATES, build_family_tokenizer, build_metaspace_tokenizer, build_modern_tokenizer
+from support.runs import Background
+from support.servers import prefect_server
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -23,28 +28,10 @@ os.environ["SFT_TOKENIZE_SERVER_IDLE"] = "0"
 if "SFT_TOKENIZE_HOME" not in os.environ:
     os.environ["SFT_TOKENIZE_HOME"] = tempfile.mkdtemp(prefix="sft-tokenize-home-")
     atexit.register(shutil.rmtree, os.environ["SFT_TOKENIZE_HOME"], True)
-
-ROOT = Path(__file__).resolve().parents[1]
-EXAMPLE_DATA = ROOT / "examples" / "data"
-EXAMPLE_TOKENIZER = ROOT / "examples" / "tokenizer"
-# Real chat templates of several model families, kept beside the project (not copied into it).
-TEMPLATES = Path(os.environ.get("SFT_CHAT_TEMPLATES", ROOT.parent / "shared" / "chat_templates"))
-
-# For each template family: its special tokens and the tokens its template reads.
-FAMILIES: dict[str, dict] = {
-    "chatml": {"special": ["<|im_start|>", "<|im_end|>"], "eos_token": "<|im_end|>"},
-    "qwen2.5-instruct": {"special": ["<|im_start|>", "<|im_end|>"], "eos_token": "<|im_end|>"},
-    "llama-3-instruct": {"special": ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
-                         "bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"},
-    "mistral-instruct": {"special": ["<s>", "</s>"], "bos_token": "<s>", "eos_token": "</s>"},
-    "gemma-it": {"special": ["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"], "bos_token": "<bos>",
-                 "eos_token": "<eos>"},
-    "phi-3": {"special": ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"], "eos_token": "<|endoftext|>"},
-    "llama-2-chat": {"special": ["<s>", "</s>"], "bos_token": "<s>", "eos_token": "</s>"},
-    "zephyr": {"special": ["<|system|>", "<|user|>", "<|assistant|>", "</s>"], "eos_token": "</s>"},
-    "granite-3.0-instruct": {"special": ["<|start_of_role|>", "<|end_of_role|>", "<|end_of_text|>", "<|tool_call|>"],
-                             "eos_token": "<|end_of_text|>"},
-}
+# Slice faults (support/faults) in this process and, through sitecustomize on PYTHONPATH, in every process a test
+# starts: CLI runs, Dask and Ray workers, served flows. They act only where a test sets their variable.
+faults.install()
+os.environ["PYTHONPATH"] = os.pathsep.join([str(faults.SITE_DIR), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
 @pytest.fixture(scope="session")
@@ -62,27 +49,6 @@ def migrated_prefect_home(tmp_path_factory) -> Path:
 @pytest.fixture
 def prefect_home(tmp_path, migrated_prefect_home) -> Path:
     return Path(shutil.copytree(migrated_prefect_home, tmp_path / "prefect-home"))
-
-
-def read_template(family: str) -> str:
-    """A template as its source repository says to load it: the indentation and line breaks that lay it
-    out for reading are removed (its string literals spell newlines as \\n, so they are kept)."""
-    return (TEMPLATES / f"{family}.jinja").read_text().replace("    ", "").replace("\n", "")
-
-
-def build_family_tokenizer(family: str, out_dir: Path) -> Path:
-    """The example BPE with a real family's chat template and special tokens, saved as a fast tokenizer."""
-    from transformers import AutoTokenizer
-
-    spec = FAMILIES[family]
-    tokenizer = AutoTokenizer.from_pretrained(str(EXAMPLE_TOKENIZER))
-    tokenizer.add_special_tokens({"additional_special_tokens": spec["special"]})
-    for key in ("bos_token", "eos_token"):
-        if key in spec:
-            setattr(tokenizer, key, spec[key])
-    tokenizer.chat_template = read_template(family)
-    tokenizer.save_pretrained(str(out_dir))
-    return out_dir
 
 
 def _built_once(tmp_path_factory, build):
@@ -105,21 +71,6 @@ def family_tokenizer(tmp_path_factory):
     return _built_once(tmp_path_factory, build_family_tokenizer)
 
 
-def write_jsonl(path: Path, rows) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", encoding="utf-8") as out:
-        for row in rows:
-            out.write((row if isinstance(row, str) else json.dumps(row, ensure_ascii=False)) + "\n")
-    return path
-
-
-def example_rows() -> list[dict]:
-    rows = []
-    for path in sorted(EXAMPLE_DATA.glob("*.jsonl")):
-        rows += [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
-    return rows
-
-
 @pytest.fixture(scope="session")
 def prefect_harness(tmp_path_factory):
     """One Prefect test server (SQLite in a temp dir) for the tests that run flows, with its own PREFECT_HOME.
@@ -135,82 +86,6 @@ def prefect_harness(tmp_path_factory):
         env.setenv("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
         with temporary_settings(updates={PREFECT_HOME: home}), prefect_test_harness():
             yield home
-
-
-# -- current templates (shared/chat_templates/modern/, byte for byte as published) --------------------------
-# For each: its special tokens, its ordinary added tokens, BOS/EOS (SOURCES.md beside the templates), and the
-# tokens that end an assistant turn, which the tests' own definition of a trained turn uses.
-_QWEN = {"special": ["<|im_start|>", "<|im_end|>", "<|endoftext|>"],
-         "added": ["<tool_call>", "</tool_call>", "<think>", "</think>", "<tool_response>", "</tool_response>"],
-         "eos_token": "<|im_end|>", "end_of_turn": ["<|im_end|>"]}
-_DEEPSEEK = {"special": ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"],
-             "added": ["<｜User｜>", "<｜Assistant｜>", "<think>", "</think>"] + [
-                 f"<｜tool▁{name}｜>" for name in ("calls▁begin", "calls▁end", "call▁begin", "call▁end",
-                                                  "outputs▁begin", "outputs▁end", "output▁begin", "output▁end", "sep")],
-             "bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<｜end▁of▁sentence｜>",
-             "end_of_turn": ["<｜end▁of▁sentence｜>"]}
-_LLAMA3 = {"special": ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
-                       "<|eot_id|>", "<|eom_id|>", "<|python_tag|>", "<|finetune_right_pad_id|>"],
-           "bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "end_of_turn": ["<|eot_id|>", "<|eom_id|>"]}
-_MISTRAL = {"special": ["<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
-                        "[/TOOL_RESULTS]", "[TOOL_CALLS]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[IMG]", "[ARGS]",
-                        "[CALL_ID]"], "bos_token": "<s>", "eos_token": "</s>", "end_of_turn": ["</s>"]}
-_GEMMA = {"special": ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>",
-                      "<end_of_image>"], "bos_token": "<bos>", "eos_token": "<eos>", "end_of_turn": ["<end_of_turn>"]}
-_KIMI = {"special": ["[BOS]", "[EOS]", "<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>",
-                     "<|im_end|>", "<|tool_calls_section_begin|>", "<|tool_call_begin|>",
-                     "<|tool_call_argument_begin|>", "<|tool_call_end|>", "<|tool_calls_section_end|>"],
-         "added": ["<think>", "</think>"],
-         "bos_token": "[BOS]", "eos_token": "[EOS]", "end_of_turn": ["<|im_end|>"]}
-MODERN_FAMILIES: dict[str, dict] = {
-    "qwen3": _QWEN, "qwen3-coder": _QWEN, "qwen2.5": _QWEN, "qwq-32b": _QWEN,
-    "deepseek-r1": _DEEPSEEK, "deepseek-v3": _DEEPSEEK, "deepseek-v3.1": _DEEPSEEK,
-    "gpt-oss": {"special": ["<|startoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>",
-                            "<|return|>", "<|call|>"], "bos_token": "<|startoftext|>", "eos_token": "<|return|>",
-                "end_of_turn": ["<|end|>", "<|return|>", "<|call|>"]},
-    "llama3.1": _LLAMA3, "llama3.2": _LLAMA3, "llama3.3": _LLAMA3,
-    "llama4": {"special": ["<|begin_of_text|>", "<|end_of_text|>", "<|header_start|>", "<|header_end|>", "<|eot|>",
-                           "<|eom|>", "<|python_start|>", "<|python_end|>", "<|image|>", "<|finetune_right_pad|>"],
-               "bos_token": "<|begin_of_text|>", "eos_token": "<|eot|>", "end_of_turn": ["<|eot|>", "<|eom|>"]},
-    "gemma2": _GEMMA, "gemma3": _GEMMA,
-    "mistral-nemo-v3": _MISTRAL, "mistral-small-2501-v7": _MISTRAL, "mistral-small-3.1-v7": _MISTRAL,
-    "phi-4": {"special": ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|im_sep|>", "<|dummy_85|>"],
-              "bos_token": "<|endoftext|>", "eos_token": "<|im_end|>", "end_of_turn": ["<|im_end|>"]},
-    "smollm3": {"special": ["<|im_start|>", "<|im_end|>", "<|endoftext|>"],
-                "added": ["<think>", "</think>", "<tool_call>", "</tool_call>"], "eos_token": "<|im_end|>",
-                "end_of_turn": ["<|im_end|>"]},
-    "glm-4.5": {"special": ["[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>",
-                            "<|endoftext|>"],
-                "added": ["<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>",
-                          "<arg_value>", "</arg_value>", "<tool_response>", "</tool_response>", "/nothink"],
-                "eos_token": "<|endoftext|>", "end_of_turn": ["<|user|>", "<|observation|>", "<|endoftext|>"]},
-    "kimi-k2": _KIMI, "kimi-k2-thinking": _KIMI,
-    "granite-3.3": {"special": ["<|end_of_text|>", "<|start_of_role|>", "<|end_of_role|>", "<|tool_call|>",
-                                "<|start_of_cite|>", "<|end_of_cite|>", "<|start_of_plugin|>", "<|end_of_plugin|>"],
-                    "bos_token": "<|end_of_text|>", "eos_token": "<|end_of_text|>", "end_of_turn": ["<|end_of_text|>"]},
-    "olmo2": {"special": ["<|pad|>", "<|endoftext|>"], "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>",
-              "end_of_turn": ["<|endoftext|>"]},
-    "command-r": {"special": ["<BOS_TOKEN>", "<EOS_TOKEN>", "<|START_OF_TURN_TOKEN|>", "<|END_OF_TURN_TOKEN|>",
-                              "<|USER_TOKEN|>", "<|CHATBOT_TOKEN|>", "<|SYSTEM_TOKEN|>", "<PAD>"],
-                  "bos_token": "<BOS_TOKEN>", "eos_token": "<|END_OF_TURN_TOKEN|>",
-                  "end_of_turn": ["<|END_OF_TURN_TOKEN|>"]},
-}
-
-
-def build_modern_tokenizer(family: str, out_dir: Path, template: str | None = None) -> Path:
-    """The example BPE with a current family's control tokens and its template as published."""
-    from transformers import AutoTokenizer
-
-    spec = MODERN_FAMILIES[family]
-    tokenizer = AutoTokenizer.from_pretrained(str(EXAMPLE_TOKENIZER))
-    tokenizer.add_special_tokens({"additional_special_tokens": spec["special"]})
-    tokenizer.add_tokens(spec.get("added", []))
-    for key in ("bos_token", "eos_token"):
-        if key in spec:
-            setattr(tokenizer, key, spec[key])
-    tokenizer.chat_template = template or (TEMPLATES / "modern" / f"{family}.jinja").read_text()
-    tokenizer.save_pretrained(str(out_dir))
-    return out_dir
 
 
 @pytest.fixture(scope="session")
@@ -234,3 +109,36 @@ def modern_tokenizers(modern_tokenizer):
         return loaded[family]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def metaspace_tokenizer(tmp_path_factory):
+    """A SentencePiece-style tokenizer, loaded: no byte-level positions, so no fast exact encoder."""
+    from sft_tokenize.encoding.chat_encoder import load_tokenizer
+
+    return load_tokenizer(build_metaspace_tokenizer(tmp_path_factory.mktemp("metaspace")))
+
+
+@pytest.fixture(scope="session")
+def api_url(tmp_path_factory, migrated_prefect_home) -> Iterator[str]:
+    """One Prefect server for the session's CLI runs that talk to a server (PREFECT_API_URL, as with a team
+    server): it saves the embedded server's start-up, seconds a run. Yields its API URL."""
+    home = Path(shutil.copytree(migrated_prefect_home, tmp_path_factory.mktemp("server") / "home"))
+    with prefect_server(home) as url:
+        yield url
+
+
+@pytest.fixture
+def launch(tmp_path) -> Iterator[Callable[..., Background]]:
+    """Start `sft-tokenize ARGS` in the background (logs under tmp_path/NAME); whatever a test leaves running,
+    stopped or not, is killed when it ends."""
+    runs: list[Background] = []
+
+    def start(args: list[str], home: Path, name: str, api_url: str | None = None) -> Background:
+        runs.append(Background(args, home, tmp_path / name, api_url))
+        return runs[-1]
+
+    yield start
+    for run in runs:
+        if run.process.poll() is None:
+            run.kill()

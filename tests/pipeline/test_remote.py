@@ -9,7 +9,8 @@ import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import EXAMPLE_DATA, EXAMPLE_TOKENIZER, example_rows
+from support.data import example_rows
+from support.paths import EXAMPLE_DATA, EXAMPLE_TOKENIZER
 
 from sft_tokenize.build.options import TokenizeOptions
 from sft_tokenize.build.plan import plan_slices, run_locally
@@ -57,6 +58,7 @@ def monkeypatch_module():
         yield patch
 
 
+@pytest.mark.slow  # an S3 server (moto) and ranged reads of every slice
 def test_s3_jsonl_and_parquet_match_local_files_and_slices_fetch_only_their_ranges(tmp_path, s3):
     fs, served = s3
     local = sorted(EXAMPLE_DATA.glob("*.jsonl"))

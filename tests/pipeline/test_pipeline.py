@@ -12,8 +12,9 @@ import datasets
 import numpy as np
 import pyarrow as pa
 import pytest
-from conftest import EXAMPLE_DATA, EXAMPLE_TOKENIZER, example_rows, write_jsonl
-from mask_oracle import oracle
+from support.data import example_rows, write_jsonl
+from support.mask_oracle import oracle
+from support.paths import EXAMPLE_DATA, EXAMPLE_TOKENIZER
 
 from sft_tokenize.build.options import TokenizeOptions
 from sft_tokenize.build.plan import plan_slices, run_locally
@@ -269,6 +270,7 @@ def many_rows(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.mark.slow  # 200k rows under tracemalloc: tens of seconds
 def test_memory_is_bounded_by_the_writer_batch(tmp_path, many_rows):
     """200k rows through one slice: the writer never holds more than its batch, and the peak Python
     allocation stays far below what holding every row costs (at least its ids and mask, 5 bytes a token)."""

@@ -8,14 +8,14 @@ import os
 import pickle
 import shutil
 import subprocess
-import sys
 from contextlib import contextmanager
 from pathlib import Path
 
 import datasets
 import numpy as np
 import pytest
-from conftest import EXAMPLE_DATA, EXAMPLE_TOKENIZER
+from support.cli import cli
+from support.paths import BIN, EXAMPLE_DATA, EXAMPLE_TOKENIZER
 
 from sft_tokenize.build.options import TokenizeOptions
 from sft_tokenize.build.plan import run_locally
@@ -24,8 +24,6 @@ from sft_tokenize.read.bin_packing import best_fit_decreasing, first_fit_decreas
 from sft_tokenize.read.cache import open_cache
 from sft_tokenize.read.packed_sequences import PackedSampler
 from sft_tokenize.read.packing_index import PackOptions, index_path, lower_bound_bins, pack_cache, plan
-
-BIN = Path(sys.executable).parent
 
 
 def row_by_row(lengths: list[int], capacity: int, best: bool) -> list[list[int]]:
@@ -220,10 +218,6 @@ def test_trls_padding_free_collator_reads_the_packed_sequences(cache_path, tmp_p
         assert batch["labels"][0].tolist() == trained.tolist()
 
 
-def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / "sft-tokenize"), *args], capture_output=True, text=True, timeout=300)
-
-
 @contextmanager
 def read_only(*directories: Path):
     """Directories this process cannot write into: mode 555, or for root (whom modes do not stop) the
@@ -247,19 +241,20 @@ def read_only(*directories: Path):
 
 @pytest.mark.slow
 def test_pack_and_inspect_from_the_command_line(cache_path, tmp_path):
-    index_dir = str(tmp_path / "indexes")
-    result = cli("pack", str(cache_path), "--length", "512", "--data-parallel", "2", "--index-dir", index_dir)
+    index_dir, home = str(tmp_path / "indexes"), tmp_path / "prefect-home"
+    result = cli("pack", str(cache_path), "--length", "512", "--data-parallel", "2", "--index-dir", index_dir,
+                 home=home)
     assert result.returncode == 0, result.stderr
     path = Path(result.stdout.strip().splitlines()[-1])
     assert path == index_path(cache_path, PackOptions(length=512, data_parallel=2, index_dir=index_dir))
     meta = json.loads((path / "index.json").read_text())
     assert f"efficiency      {meta['efficiency']:.2%}" in result.stdout and "built           now" in result.stdout
-    shown = cli("inspect", str(cache_path), "--index-dir", index_dir)
+    shown = cli("inspect", str(cache_path), "--index-dir", index_dir, home=home)
     assert shown.returncode == 0 and f"packing index   {path}" in shown.stdout
     assert f"{meta['bins']} ({meta['steps']} steps of 2)" in shown.stdout and "build time" in shown.stdout
-    as_json = json.loads(cli("inspect", str(cache_path), "--json", "--index-dir", index_dir).stdout)
+    as_json = json.loads(cli("inspect", str(cache_path), "--json", "--index-dir", index_dir, home=home).stdout)
     assert as_json["rows"] == 240 and as_json["packing"][0]["bins"] == meta["bins"]
-    missing = cli("pack", str(tmp_path / "nowhere"), "--length", "512")
+    missing = cli("pack", str(tmp_path / "nowhere"), "--length", "512", home=home)
     assert missing.returncode == 2 and missing.stderr.startswith("sft-tokenize: error: ")
     assert "not a published cache" in missing.stderr and "Traceback" not in missing.stderr
 
@@ -267,14 +262,14 @@ def test_pack_and_inspect_from_the_command_line(cache_path, tmp_path):
 @pytest.mark.slow
 def test_a_read_only_cache_root_needs_an_index_dir(cache_path, tmp_path):
     cache = Path(shutil.copytree(cache_path, tmp_path / "cache" / cache_path.name))
-    before = snapshot(cache)
+    before, home = snapshot(cache), tmp_path / "prefect-home"
     with read_only(cache.parent, cache):
-        refused = cli("pack", str(cache), "--length", "512")
+        refused = cli("pack", str(cache), "--length", "512", home=home)
         assert refused.returncode == 2, refused.stderr
         last = refused.stderr.strip().splitlines()[-1]
         assert last.startswith(f"sft-tokenize: error: {cache.parent / '.packing' / cache.name}: cannot write")
         assert "--index-dir" in last and "Traceback" not in refused.stderr
-        written = cli("pack", str(cache), "--length", "512", "--index-dir", str(tmp_path / "indexes"))
+        written = cli("pack", str(cache), "--length", "512", "--index-dir", str(tmp_path / "indexes"), home=home)
         assert written.returncode == 0, written.stderr
         assert Path(written.stdout.strip().splitlines()[-1]).parent.parent == tmp_path / "indexes"
         assert open_cache(cache).packed(512, index_dir=str(tmp_path / "indexes")).index.built_now is False
@@ -303,6 +298,7 @@ def test_concurrent_packs_publish_one_index(cache_path, tmp_path):
 def test_the_flow_packs_after_publishing_and_reports_the_index(tmp_path):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
     from sft_tokenize.flows.tokenize_dataset import TokenizeRun, tokenize_dataset
 
     options = TokenizeRun(sources=[str(EXAMPLE_DATA)], tokenizer=str(EXAMPLE_TOKENIZER), cache_dir=str(tmp_path),

@@ -22,37 +22,29 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import EXAMPLE_DATA, EXAMPLE_TOKENIZER
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterFlowRunId
-from sft_tokenize.flows.arguments import build_parser, options_from
-from sft_tokenize.flows.cli import main
-from sft_tokenize.flows.console import CONSOLE_ENV
-from sft_tokenize.flows.tokenize_dataset import TokenizeRun, tokenize_dataset
-from sft_tokenize.tasks.tokenize_slice import FAULT_FILE_ENV
+from support.cli import environment, free_port
+from support.faults import FAULT_FILE_ENV
+from support.paths import BIN, EXAMPLE_DATA, EXAMPLE_TOKENIZER
 
 from sft_tokenize.build.keys import DIGEST_BOOK
 from sft_tokenize.build.shard import process_encoding
 from sft_tokenize.build.store import collect_garbage
+from sft_tokenize.flows.arguments import build_parser, options_from
+from sft_tokenize.flows.cli import main
+from sft_tokenize.flows.console import CONSOLE_ENV
+from sft_tokenize.flows.tokenize_dataset import TokenizeRun, tokenize_dataset
 
-BIN = Path(sys.executable).parent
 # Two input files cut into four slices, one of them spanning both files.
 SOURCES = {"sources": [str(EXAMPLE_DATA)], "tokenizer": str(EXAMPLE_TOKENIZER), "shard_size": "100KB"}
 SLICES = [f"tokenize-{i:05d}" for i in range(4)]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def cluster_env(home: Path, **extra: str) -> dict[str, str]:
     """The cluster processes' environment: no Prefect settings of this test session (a task gets the flow's
     settings with the task), their own PREFECT_HOME, no network for Hugging Face or Ray's usage stats."""
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_") and k != FAULT_FILE_ENV}
-    return {**environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-            "HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0", **extra}
+    return environment(home, startup_timeout=None, HF_HUB_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0", **extra)
 
 
 @contextmanager
@@ -221,6 +213,7 @@ def own_mount_namespace_works() -> str | None:
     return None if result.returncode == 0 else f"unshare --mount fails here: {result.stderr.strip()}"
 
 
+@pytest.mark.slow  # a scheduler and two workers of its own
 @pytest.mark.usefixtures("prefect_harness")
 def test_workers_that_cannot_write_to_the_cache_root_fail_the_run_before_any_slice(tmp_path):
     """One worker has its own empty disk mounted at the cache root's path (a node without the shared
@@ -256,6 +249,7 @@ def test_workers_that_cannot_write_to_the_cache_root_fail_the_run_before_any_sli
     assert sorted(p.name for p in store.iterdir()) == sorted([".gc.lock", DIGEST_BOOK])
 
 
+@pytest.mark.slow  # a cluster of its own, started and stopped
 @pytest.mark.usefixtures("prefect_harness")
 def test_a_temporary_dask_cluster_writes_the_same_bytes_and_leaves_no_process(threads_cache, tmp_path):
     before = {p.pid for p in psutil.Process().children(recursive=True)}

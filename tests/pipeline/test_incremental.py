@@ -9,13 +9,15 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import datasets
 import pytest
-from conftest import EXAMPLE_TOKENIZER, ROOT, example_rows, write_jsonl
+from support.cli import cli
+from support.data import example_rows, write_jsonl
+from support.faults import FAULT_FILE_ENV
+from support.paths import EXAMPLE_TOKENIZER, ROOT
 
 from sft_tokenize.build import keys as content
 from sft_tokenize.build.options import TokenizeOptions
@@ -28,7 +30,6 @@ from sft_tokenize.read.cache import open_cache, read_manifest
 
 ROWS_PER_FILE = 20  # ~28 kB a file: three slices of 12 kB each
 SHARD_SIZE = "12KB"
-BIN = Path(sys.executable).parent
 
 
 def write_files(data: Path, count: int, first: int = 0) -> list[Path]:
@@ -227,9 +228,7 @@ def test_a_small_file_added_disturbs_only_the_group_it_lands_in(tmp_path):
 
 
 def gc_cli(cache: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PREFECT_HOME": str(cache.parent / "prefect-home")}
-    return subprocess.run([str(BIN / "sft-tokenize"), "gc", str(cache), *args], capture_output=True, text=True,
-                          env=env, timeout=120)
+    return cli("gc", str(cache), *args, home=cache.parent / "prefect-home", timeout=120)
 
 
 def test_gc_beside_a_running_build_keeps_the_newest_version_and_the_build(grown, tmp_path):
@@ -293,11 +292,12 @@ def test_gc_refuses_a_missing_directory(tmp_path):
     assert done.stderr.strip() == f"sft-tokenize: error: {tmp_path / 'nowhere'}: no such cache directory"
 
 
+@pytest.mark.slow  # a flow run on the test server, twice, with retries: half a minute on two cores
 def test_a_failed_slice_of_an_incremental_flow_run_is_retried_alone(tmp_path, monkeypatch, prefect_harness):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter, FlowRunFilterId
+
     from sft_tokenize.flows.tokenize_dataset import TokenizeRun, tokenize_dataset
-    from sft_tokenize.tasks.tokenize_slice import FAULT_FILE_ENV
 
     def run_flow(**overrides):
         state = tokenize_dataset(TokenizeRun(**options(data, cache).model_dump(), workers=2, retries=1, **overrides),
@@ -354,6 +354,7 @@ def test_the_nightly_deployment_is_incremental_and_keeps_two_versions():
     """Incremental is the default (nothing to turn on); the nightly must not force rebuilds, and it collects
     the versions older than the last two so that a growing dataset does not fill the disk."""
     import yaml
+
     from sft_tokenize.flows.tokenize_dataset import TokenizeRun
 
     spec = yaml.safe_load((ROOT / "deployments" / "prefect.yaml").read_text())

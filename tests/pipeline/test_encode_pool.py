@@ -12,8 +12,8 @@ from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import pytest
-from conftest import EXAMPLE_TOKENIZER, example_rows, write_jsonl
-from test_modern_masks import ROWS
+from support.data import ROWS, example_rows, write_jsonl
+from support.paths import EXAMPLE_TOKENIZER
 
 from sft_tokenize.build import shard
 from sft_tokenize.build.options import TokenizeOptions

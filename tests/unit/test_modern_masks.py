@@ -3,60 +3,20 @@
 Every template gets the same conversations as data arrives in JSONL (through `to_example`): a system
 message with three assistant turns, reasoning in a field and inline, tool calls with object and string
 arguments and null content, tool replies, and OpenAI-style content parts. Each row either succeeds and
-equals the definition computed independently (tests/mask_oracle.py `turn_oracle`), or is a row error that
+equals the definition computed independently (tests/support/mask_oracle.py `turn_oracle`), or is a row error that
 the template itself causes. For eight families the trained text is also written out below.
 """
 
 from __future__ import annotations
 
 import pytest
-from conftest import MODERN_FAMILIES, TEMPLATES
-from mask_oracle import oracle, turn_oracle
+from support.data import COLUMNS, ROWS, tool_chat
+from support.families import MODERN_FAMILIES, qwen3_with_generation_blocks
+from support.mask_oracle import oracle, turn_oracle
 
 from sft_tokenize.encoding.chat_encoder import ChatEncoder, Encoded, load_tokenizer
 from sft_tokenize.errors import BadRow
-from sft_tokenize.sources.conversations import ColumnMap, Conversation, to_example
-
-COLUMNS = ColumnMap("chat", {"messages": "messages", "tools": "tools"})
-TOOL = {"type": "function", "function": {"name": "get_time", "description": "Current time in a city.",
-                                         "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                                                        "required": ["city"]}}}
-
-
-def call(arguments, call_id="abc123xyz"):
-    return {"id": call_id, "type": "function", "function": {"name": "get_time", "arguments": arguments}}
-
-
-def tool_chat(arguments, city, hour):
-    return {"tools": [TOOL], "messages": [
-        {"role": "user", "content": f"Time in {city}?"},
-        {"role": "assistant", "content": None, "tool_calls": [call(arguments)]},
-        {"role": "tool", "tool_call_id": "abc123xyz", "name": "get_time", "content": hour},
-        {"role": "assistant", "content": f"It is {hour} in {city}."}]}
-
-
-ROWS = {
-    "system_three_turns": {"messages": [
-        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"},
-        {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Name a fruit"},
-        {"role": "assistant", "content": "Apple."}, {"role": "user", "content": "Another"},
-        {"role": "assistant", "content": "Pear."}]},
-    "reasoning_field": {"messages": [
-        {"role": "user", "content": "2+2?"},
-        {"role": "assistant", "reasoning_content": "Add two and two.", "content": "Four."},
-        {"role": "user", "content": "3+3?"},
-        {"role": "assistant", "reasoning_content": "Add three and three.", "content": "Six."}]},
-    "reasoning_inline": {"messages": [
-        {"role": "user", "content": "2+2?"},
-        {"role": "assistant", "content": "<think>\nAdd two.\n</think>\n\nFour."},
-        {"role": "user", "content": "3+3?"},
-        {"role": "assistant", "content": "<think>\nAdd three.\n</think>\n\nSix."}]},
-    "tools_object": tool_chat({"city": "Oslo"}, "Oslo", "10:00"),
-    "tools_string": tool_chat('{"city": "Oslo"}', "Oslo", "10:00"),
-    "content_parts": {"messages": [
-        {"role": "user", "content": [{"type": "text", "text": "Say"}, {"type": "text", "text": "yes"}]},
-        {"role": "assistant", "content": [{"type": "text", "text": "Yes."}]}]},
-}
+from sft_tokenize.sources.conversations import Conversation, to_example
 
 # Each family's trained text, row by row (the decoded runs of 1s in loss_mask).
 _QWEN_TOOL = '<tool_call>\n{"name": "get_time", "arguments": {"city": "Oslo"}}\n</tool_call><|im_end|>'
@@ -290,22 +250,9 @@ def test_template_kwargs_reach_the_template(tokenizers):
 
 # -- {% generation %} templates: exactly transformers' return_assistant_tokens_mask ---------------------------
 
-def qwen3_with_generation_blocks() -> str:
-    """Qwen3's template with each assistant turn's own output inside {% generation %} (its header outside)."""
-    source = (TEMPLATES / "modern" / "qwen3.jinja").read_text()
-    branch = "{%- if loop.index0 > ns.last_query_index %}"
-    turn_end = "        {{- '<|im_end|>\\n' }}\n    {%- elif message.role == \"tool\" %}"
-    assert source.count(branch) == 1 and source.count(turn_end) == 1
-    source = source.replace("'<|im_start|>' + message.role + '\\n<think>\\n'", "'<think>\\n'")
-    source = source.replace("'<|im_start|>' + message.role + '\\n' + content", "content")
-    source = source.replace(branch, "{{- '<|im_start|>' + message.role + '\\n' }}{% generation %}" + branch)
-    return source.replace(turn_end, "        {{- '<|im_end|>' }}{% endgeneration %}{{- '\\n' }}\n"
-                                    "    {%- elif message.role == \"tool\" %}")
-
-
 @pytest.mark.parametrize("family", ["smollm3", "qwen3-generation"])
 def test_generation_blocks_give_transformers_assistant_mask(modern_tokenizer, tmp_path, family):
-    from conftest import build_modern_tokenizer
+    from support.families import build_modern_tokenizer
 
     if family == "smollm3":
         tokenizer = load_tokenizer(modern_tokenizer("smollm3"))

@@ -12,12 +12,9 @@ import datetime
 import json
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import suppress
@@ -26,7 +23,6 @@ from types import SimpleNamespace
 from zoneinfo import ZoneInfo
 
 import pytest
-from conftest import EXAMPLE_DATA, EXAMPLE_TOKENIZER, ROOT
 from prefect.client.orchestration import SyncPrefectClient
 from prefect.client.schemas.actions import DeploymentScheduleCreate, WorkPoolCreate
 from prefect.client.schemas.filters import (
@@ -46,80 +42,29 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 from prefect.states import AwaitingRetry
 from prefect.utilities.asyncutils import run_coro_as_sync
 from prefect.workers.process import ProcessWorker
-from sft_tokenize.flows.tokenize_dataset import TokenizeRun
-from sft_tokenize.tasks.tokenize_slice import FAULT_FILE_ENV, TAG
+from support.cli import client_env
+from support.faults import FAULT_FILE_ENV
+from support.paths import BIN, EXAMPLE_DATA, EXAMPLE_TOKENIZER, ROOT
+from support.servers import prefect_server, stop
 
 from sft_tokenize.build.plan import plan_slices
+from sft_tokenize.flows.tokenize_dataset import TokenizeRun
+from sft_tokenize.tasks.tokenize_slice import TAG
 
 pytestmark = pytest.mark.server
 
-BIN = Path(sys.executable).parent
 FLOW = "tokenize-dataset"
 ENTRYPOINT = "flows/tokenize_dataset.py:tokenize_dataset"
 TIMEOUT = 180  # seconds for one flow run on a busy 2-core machine; a healthy one takes about ten
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def prefect_env(home: Path, **extra: str) -> dict[str, str]:
-    """This process's environment with no Prefect settings but a PREFECT_HOME of its own."""
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_") and k != FAULT_FILE_ENV}
-    return {**environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-            "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1", **extra}
-
-
-def client_env(api_url: str, home: Path, **extra: str) -> dict[str, str]:
-    return prefect_env(home, PREFECT_API_URL=api_url, **extra)
-
-
-def stop(process: subprocess.Popen) -> None:
-    """SIGTERM to a process started in its own session (serve shuts down gracefully on it), then SIGKILL to
-    whatever is left of its process group."""
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
-        with suppress(subprocess.TimeoutExpired):
-            process.wait(30)
-    with suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
-
-
-def start_server(home: Path, port: int) -> subprocess.Popen | None:
-    """`prefect server start` on the port, once /api/health answers; None if it did not come up."""
-    # The scheduler looks for schedules to fill every second, not every minute.
-    env = prefect_env(home, PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS="1")
-    with (home / "server.log").open("w") as log:
-        process = subprocess.Popen([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port),
-                                    "--no-ui"], env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 120
-    while process.poll() is None and time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/health", timeout=2):
-                return process
-        except OSError:
-            time.sleep(0.3)
-    stop(process)
-    return None
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Iterator[str]:
     """A Prefect server on a free loopback port, with its own database; yields its API URL."""
+    # The scheduler looks for schedules to fill every second, not every minute.
     home = tmp_path_factory.mktemp("server-home")
-    for _ in range(3):  # another process may bind the free port first
-        port = free_port()
-        if process := start_server(home, port):
-            break
-    else:
-        pytest.fail(f"prefect server did not start:\n{(home / 'server.log').read_text()[-3000:]}")
-    try:
-        yield f"http://127.0.0.1:{port}/api"
-    finally:
-        stop(process)
+    with prefect_server(home, PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS="1") as url:
+        yield url
 
 
 def api(server: str) -> SyncPrefectClient:

@@ -8,14 +8,14 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import EXAMPLE_DATA, EXAMPLE_TOKENIZER
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter, FlowRunFilterId
-from sft_tokenize.flows.tokenize_dataset import TokenizeRun, tokenize_dataset
-from sft_tokenize.tasks.tokenize_slice import FAULT_FILE_ENV
+from support.faults import FAULT_FILE_ENV
+from support.paths import EXAMPLE_DATA, EXAMPLE_TOKENIZER
 
 from sft_tokenize.build.options import TokenizeOptions
 from sft_tokenize.build.plan import plan_slices, run_locally
+from sft_tokenize.flows.tokenize_dataset import TokenizeRun, tokenize_dataset
 from sft_tokenize.read.cache import open_cache, read_manifest
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")

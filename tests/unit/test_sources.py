@@ -9,7 +9,8 @@ import pyarrow as pa
 import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 import pytest
-from conftest import EXAMPLE_DATA, example_rows, write_jsonl
+from support.data import example_rows, write_jsonl
+from support.paths import EXAMPLE_DATA
 
 from sft_tokenize.errors import BadInput, BadRow
 from sft_tokenize.sources.conversations import resolve_columns, to_example

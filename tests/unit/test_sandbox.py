@@ -6,9 +6,8 @@ sandbox's refusals), errors included."""
 from __future__ import annotations
 
 import pytest
-from conftest import FAMILIES, MODERN_FAMILIES
-from test_masks import CONVERSATIONS
-from test_modern_masks import COLUMNS, ROWS
+from support.data import COLUMNS, CONVERSATIONS, ROWS
+from support.families import FAMILIES, MODERN_FAMILIES
 from transformers.utils.chat_template_utils import _compile_jinja_template, render_jinja_template
 
 from sft_tokenize.chat import environment as sandbox

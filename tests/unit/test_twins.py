@@ -4,10 +4,9 @@ every reference template, and a template that reads a field in any other way fal
 from __future__ import annotations
 
 import pytest
-from conftest import FAMILIES, MODERN_FAMILIES
-from mask_oracle import oracle
-from test_masks import CONVERSATIONS
-from test_modern_masks import COLUMNS, ROWS
+from support.data import COLUMNS, CONVERSATIONS, ROWS
+from support.families import FAMILIES, MODERN_FAMILIES
+from support.mask_oracle import oracle
 
 from sft_tokenize.chat.markers import MARKS, mark
 from sft_tokenize.chat.pairs import Twin

@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -27,27 +26,18 @@ from pathlib import Path
 import datasets
 import psutil
 import pytest
-from conftest import EXAMPLE_DATA, EXAMPLE_TOKENIZER, example_rows, write_jsonl
-from sft_tokenize.tasks.tokenize_slice import FAULT_FILE_ENV
+from support.cli import cli, environment, error_line, free_port, run_args
+from support.data import example_rows, write_jsonl
+from support.paths import BIN, EXAMPLE_DATA, EXAMPLE_TOKENIZER
 
 from sft_tokenize.build.options import TokenizeOptions
 from sft_tokenize.build.plan import run_locally
 from sft_tokenize.read.cache import open_cache, read_manifest
 
-BIN = Path(sys.executable).parent
-NOISE = ("Traceback", "PyTorch was not found", "Starting temporary server", "BrokenPipeError")
 TIMEOUT = 600
-
-
-def environment(home: Path, **extra: str) -> dict[str, str]:
-    """No Prefect server configured (the CLI uses its shared embedded one) and Prefect's default start-up timeout."""
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_") and k != FAULT_FILE_ENV}
-    return {**environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false", **extra}
-
-
-def run_args(sources: list, cache_root: Path, *extra: str) -> list[str]:
-    return ["run", *map(str, sources), "--tokenizer", str(EXAMPLE_TOKENIZER), "--cache-dir", str(cache_root),
-            "--shard-size", "100KB", "--workers", "2", *extra]
+# These runs keep Prefect's default start-up timeout of the embedded server: the CLI's own floor is what they test.
+DEFAULTS = {"startup_timeout": None}
+RUN = {**DEFAULTS, "timeout": TIMEOUT}  # a CLI run to its end
 
 
 class Run:
@@ -58,7 +48,7 @@ class Run:
         self.out, self.err = logs / "stdout", logs / "stderr"
         with self.out.open("w") as out, self.err.open("w") as err:
             self.process = subprocess.Popen([str(BIN / "sft-tokenize"), *args], stdout=out, stderr=err,
-                                            stdin=subprocess.DEVNULL, env=environment(home, **env),
+                                            stdin=subprocess.DEVNULL, env=environment(home, **DEFAULTS, **env),
                                             start_new_session=True)
 
     def wait(self, timeout: float = TIMEOUT) -> int:
@@ -108,23 +98,9 @@ def running(pid: int) -> bool:
         return False
 
 
-def error_line(stderr: str) -> str:
-    """The CLI's last line, after checking that nothing on stderr is a traceback or start-up noise."""
-    assert not [noise for noise in NOISE if noise in stderr], stderr
-    last = stderr.strip().splitlines()[-1]
-    assert last.startswith("sft-tokenize: error: "), stderr
-    return last
-
-
 def cache_rows(path: Path) -> list[tuple[list[int], list[int]]]:
     table = datasets.load_from_disk(str(path))
     return list(zip(table["input_ids"], table["loss_mask"], strict=True))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # -- 1. many runs at once on a loaded machine; an API that does not answer -------------------------------------
@@ -159,6 +135,7 @@ def test_a_server_just_launched_is_the_one_the_next_run_joins(tmp_path):
     """The next run must recognise the server that the previous one launched a moment ago, while its process may
     still be exec'ing (it once launched a second server on the same database, which failed migrating it)."""
     from prefect.settings import PREFECT_HOME, temporary_settings
+
     from sft_tokenize.flows.embedded_server import EmbeddedServer
 
     burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
@@ -184,6 +161,7 @@ def test_only_the_recorded_process_itself_counts_as_the_running_server(tmp_path)
     """A recorded server is joined only if its pid still names the process that was launched (same start time);
     one that is gone, died before its start was read, or whose pid now names another process is replaced."""
     from prefect.settings import PREFECT_HOME, temporary_settings
+
     from sft_tokenize.flows.embedded_server import EmbeddedServer, _start_time
 
     with temporary_settings(updates={PREFECT_HOME: tmp_path}):
@@ -197,12 +175,14 @@ def test_only_the_recorded_process_itself_counts_as_the_running_server(tmp_path)
         assert (server._read_state() is not None) is joined, (pid, started)
 
 
+@pytest.mark.slow  # an embedded server starts, then ends itself
 def test_a_server_that_ends_itself_keeps_new_runs_out_until_it_is_gone(tmp_path):
     """A server that finds no run left holds the join lock until its process has exited: a run arriving meanwhile
     waits, rather than launching a second server on the database that the first still writes to."""
     import fcntl
 
     from prefect.settings import PREFECT_HOME, temporary_settings
+
     from sft_tokenize.flows.embedded_server import EmbeddedServer, _start_time
 
     with temporary_settings(updates={PREFECT_HOME: tmp_path / "home"}):
@@ -259,14 +239,9 @@ def test_a_server_whose_runs_were_all_killed_exits_by_itself(tmp_path, prefect_h
     assert not state.exists()
 
 
-def cli(home: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / "sft-tokenize"), *args], capture_output=True, text=True,
-                          env=environment(home, **env), timeout=TIMEOUT)
-
-
 def server_facts(home: Path) -> dict[str, str]:
     """`sft-tokenize server status`, one `name: value` per line."""
-    status = cli(home, "server", "status")
+    status = cli("server", "status", home=home, **RUN)
     assert status.returncode == 0 and status.stderr == "", status.stderr
     return dict(line.split(": ", 1) for line in status.stdout.splitlines())
 
@@ -283,7 +258,7 @@ def test_a_warm_server_serves_the_next_run_until_server_stop_stops_it(tmp_path, 
     `server status` reports it, `server stop` refuses while a run holds a lease, and stops it once none does."""
     import fcntl
 
-    first = cli(prefect_home, *run_args([EXAMPLE_DATA], tmp_path / "cache", "-q", "--server-idle", "120"))
+    first = cli(*run_args([EXAMPLE_DATA], tmp_path / "cache", "-q", "--server-idle", "120"), home=prefect_home, **RUN)
     assert first.returncode == 0, first.stderr
     state_path = prefect_home / "sft-tokenize-server.json"
     state = json.loads(state_path.read_text())
@@ -296,8 +271,8 @@ def test_a_warm_server_serves_the_next_run_until_server_stop_stops_it(tmp_path, 
         assert facts["idle time"].endswith(" s left of 120 s") and facts["log"] == str(prefect_home /
                                                                                        "embedded-server.log")
 
-        second = cli(prefect_home, *run_args([EXAMPLE_DATA], tmp_path / "cache", "-q", "--force",
-                                             "--server-idle", "120"))
+        second = cli(*run_args([EXAMPLE_DATA], tmp_path / "cache", "-q", "--force", "--server-idle", "120"),
+                     home=prefect_home, **RUN)
         assert second.returncode == 0, second.stderr
         assert json.loads(state_path.read_text())["pid"] == pid
         assert (prefect_home / "embedded-server.log").read_text().count("--- embedded server on port") == 1
@@ -307,16 +282,16 @@ def test_a_warm_server_serves_the_next_run_until_server_stop_stops_it(tmp_path, 
             fcntl.flock(lease, fcntl.LOCK_SH)
             facts = server_facts(prefect_home)
             assert (facts["runs using it"], facts["idle time"]) == ("1", "in use")
-            refused = cli(prefect_home, "server", "stop")
+            refused = cli("server", "stop", home=prefect_home, **RUN)
             assert refused.returncode == 1 and refused.stdout == ""
             assert f"the embedded server (pid {pid}) is in use by 1 run" in error_line(refused.stderr)
             assert running(pid)
-        stopped = cli(prefect_home, "server", "stop")
+        stopped = cli("server", "stop", home=prefect_home, **RUN)
         assert (stopped.returncode, stopped.stderr) == (0, "")
         assert stopped.stdout.startswith(f"stopped the embedded server (pid {pid})")
         assert not running(pid) and not state_path.exists()
         assert server_facts(prefect_home)["embedded server"] == "not running"
-        assert cli(prefect_home, "server", "stop").stdout == "no embedded server is running\n"
+        assert cli("server", "stop", home=prefect_home, **RUN).stdout == "no embedded server is running\n"
     finally:
         if running(pid):
             os.kill(pid, signal.SIGKILL)
@@ -326,13 +301,14 @@ def test_a_warm_server_serves_the_next_run_until_server_stop_stops_it(tmp_path, 
 def test_server_idle_0_stops_the_server_with_its_run_and_an_idle_server_ends_by_itself(tmp_path, prefect_home):
     state_path = prefect_home / "sft-tokenize-server.json"
     args = run_args([EXAMPLE_DATA], tmp_path / "cache", "-q", "--force")
-    at_once = cli(prefect_home, *args, "--server-idle", "0", SFT_TOKENIZE_SERVER_IDLE="300")  # the option wins
+    # The option wins over the variable.
+    at_once = cli(*args, "--server-idle", "0", home=prefect_home, env={"SFT_TOKENIZE_SERVER_IDLE": "300"}, **RUN)
     assert at_once.returncode == 0, at_once.stderr
     assert servers_of(prefect_home) == [] and not state_path.exists()
     # The full boot was recorded: the next one skips the migrations and the block-type check.
     assert json.loads((prefect_home / "sft-tokenize-server-boot.json").read_text())["block_types"] > 0
 
-    idling = cli(prefect_home, *args, "--server-idle", "2")
+    idling = cli(*args, "--server-idle", "2", home=prefect_home, **RUN)
     left = time.monotonic()
     assert idling.returncode == 0, idling.stderr
     pid = json.loads(state_path.read_text())["pid"]
@@ -349,12 +325,13 @@ def test_server_idle_0_stops_the_server_with_its_run_and_an_idle_server_ends_by_
         assert [state for (state,) in db.execute("SELECT state_type FROM flow_run")] == ["COMPLETED", "COMPLETED"]
 
 
+@pytest.mark.slow  # the CLI waits out its API checks: about ten seconds
 def test_an_unreachable_api_url_is_one_line_and_exit_1(tmp_path):
     url = f"http://127.0.0.1:{free_port()}/api"  # nothing listens there
     started = time.monotonic()
     result = subprocess.run([str(BIN / "sft-tokenize"), *run_args([EXAMPLE_DATA], tmp_path / "cache")],
                             capture_output=True, text=True, timeout=120,
-                            env=environment(tmp_path / "home", PREFECT_API_URL=url))
+                            env=environment(tmp_path / "home", url, **DEFAULTS))
     assert time.monotonic() - started < 30
     assert result.returncode == 1 and result.stdout == ""
     assert result.stderr.strip().splitlines() == [error_line(result.stderr)]
@@ -557,7 +534,7 @@ def test_sigint_and_sigterm_stop_the_run_and_the_same_command_resumes(tmp_path, 
 def test_output_to_a_closed_pipe_is_no_traceback(tmp_path):
     path = run_locally(TokenizeOptions(sources=[str(EXAMPLE_DATA / "chat-00001.jsonl")],
                                        tokenizer=str(EXAMPLE_TOKENIZER), cache_dir=str(tmp_path / "cache")))
-    env = environment(tmp_path / "home")
+    env = environment(tmp_path / "home", **DEFAULTS)
     commands = [["inspect", str(path)], ["inspect", str(path), "--json"], ["--help"],
                 run_args([EXAMPLE_DATA / "chat-00001.jsonl"], tmp_path / "cache")]  # a cache hit prints its path
     commands[-1] = [arg for arg in commands[-1] if arg not in ("--shard-size", "100KB", "--workers", "2")]

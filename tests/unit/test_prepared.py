@@ -9,8 +9,8 @@ import shutil
 
 import numpy as np
 import pytest
-from conftest import EXAMPLE_TOKENIZER, example_rows
-from test_encoders import metaspace_tokenizer  # noqa: F401 - a fixture
+from support.data import example_rows
+from support.paths import EXAMPLE_TOKENIZER
 
 from sft_tokenize.build.fingerprint import hash_directory
 from sft_tokenize.encoding import exact as encoders

@@ -3,35 +3,16 @@
 from __future__ import annotations
 
 import pytest
-from conftest import FAMILIES
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from mask_oracle import oracle
+from support.data import CONVERSATIONS, msg
+from support.families import FAMILIES
+from support.mask_oracle import oracle
 
 from sft_tokenize.encoding.chat_encoder import ChatEncoder, Encoded, load_tokenizer
 from sft_tokenize.sources.conversations import Conversation
 
 MODES = ["all_assistant", "last_assistant", "completion", "all"]
-
-
-def msg(role, content):
-    return {"role": role, "content": content}
-
-
-CONVERSATIONS = [
-    [msg("user", "What is two plus two?"), msg("assistant", "Four.")],
-    [msg("system", "You are terse."), msg("user", "Name a color."), msg("assistant", "Blue."),
-     msg("user", "Another one?"), msg("assistant", "Red, or perhaps green.")],
-    [msg("user", "Say nothing."), msg("assistant", "")],
-    [msg("user", "日本語で答えて 🚀"), msg("assistant", "はい、もちろんです。Ωmega café naïve"),
-     msg("user", "Дата?"), msg("assistant", "中文字符 and emoji 🚀🚀")],
-    [msg("user", "First."), msg("assistant", "One."), msg("user", "Second."), msg("assistant", "Two."),
-     msg("user", "Third."), msg("assistant", "Three, and a much longer answer that runs on for a while.")],
-    # Content with surrounding whitespace: templates that trim it take the exact path.
-    [msg("user", "  padded question  "), msg("assistant", " leading space and trailing newline\n")],
-    # Ends with a user turn: nothing after the last user message to train in completion mode.
-    [msg("user", "Hello"), msg("assistant", "Hi there."), msg("user", "Bye")],
-]
 
 
 def check_against_oracle(tokenizer, conversations, mode, max_length=None, truncation="truncate"):
@@ -167,7 +148,7 @@ def test_random_conversations_keep_the_invariants(tokenizers, family):
 def test_generation_prompt_that_differs_from_the_history(family_tokenizer, tmp_path):
     """The ChatML file as laid out for reading: its generation prompt ends in an extra newline that the
     history does not have. The trained text starts where the turn leaves the prompt (their common prefix)."""
-    from conftest import TEMPLATES
+    from support.paths import TEMPLATES
 
     tokenizer = load_tokenizer(family_tokenizer("chatml"), chat_template=(TEMPLATES / "chatml.jinja").read_text())
     prompt = tokenizer.apply_chat_template(CONVERSATIONS[0][:1], tokenize=False, add_generation_prompt=True)

@@ -4,7 +4,6 @@ PREFECT_HOME. stdout carries only the result; exit 0 success, 2 bad usage or inp
 from __future__ import annotations
 
 import json
-import os
 import re
 import sqlite3
 import subprocess
@@ -14,49 +13,22 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import EXAMPLE_DATA, EXAMPLE_TOKENIZER, example_rows, write_jsonl
 from datasets import load_from_disk
-from sft_tokenize.tasks.tokenize_slice import FAULT_FILE_ENV
+from support.cli import NOISE, assert_clean_error, cli, environment, run_args
+from support.data import example_rows, write_jsonl
+from support.faults import FAULT_FILE_ENV
+from support.paths import EXAMPLE_DATA, EXAMPLE_TOKENIZER
 
 from sft_tokenize.build.options import TokenizeOptions
-from sft_tokenize.build.plan import plan_slices
+from sft_tokenize.build.plan import plan_slices, run_locally
 
-BIN = Path(sys.executable).parent
-NOISE = ("Traceback", "PyTorch was not found", "Starting temporary server")
 # A test marked slow starts Prefect's embedded server in its subprocess: about ten seconds on two cores.
-
-
-def environment(home: Path, **extra: str) -> dict[str, str]:
-    """This process's environment with no Prefect server configured: the CLI starts its embedded one."""
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_") and k != FAULT_FILE_ENV}
-    # A busy 2-core machine can take longer than Prefect's default 20 s to start the embedded server.
-    return {**environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-            "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90", **extra}
-
-
-def cli(*args: str, home: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / "sft-tokenize"), *args], capture_output=True, text=True,
-                          env=environment(home, **(env or {})), timeout=300)
 
 
 def run_example(tmp_path: Path, home: Path, *extra: str, sources: list[str] | None = None,
                 env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`sft-tokenize run` on the bundled example (two files, four slices) into tmp_path/cache."""
-    return cli("run", *(sources or [str(EXAMPLE_DATA)]), "--tokenizer", str(EXAMPLE_TOKENIZER),
-               "--cache-dir", str(tmp_path / "cache"), "--shard-size", "100KB", "--workers", "2", *extra,
-               home=home, env=env)
-
-
-def assert_clean_error(result: subprocess.CompletedProcess, code: int, *expected: str) -> str:
-    """The exit code, nothing on stdout, no traceback or startup noise; returns the last stderr line."""
-    assert result.returncode == code, result.stderr
-    assert result.stdout == ""
-    assert not [noise for noise in NOISE if noise in result.stderr], result.stderr
-    last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("sft-tokenize: error: ")
-    for text in expected:
-        assert text in last
-    return last
+    return cli(*run_args(sources or [EXAMPLE_DATA], tmp_path / "cache", *extra), home=home, env=env)
 
 
 def flow_run_states(home: Path) -> list[str]:
@@ -179,7 +151,7 @@ def test_failed_slice_exits_1_and_the_same_command_resumes(tmp_path, prefect_hom
 
 
 # `sft-tokenize run` in a subprocess that says, on its last stderr line, which of these modules it had loaded.
-PROBE = ("import json, sys\nfrom flows.cli import main\ncode = main(sys.argv[1:])\n"
+PROBE = ("import json, sys\nfrom sft_tokenize.flows.cli import main\ncode = main(sys.argv[1:])\n"
          "print(json.dumps(sorted(m for m in ('torch', 'prefect', 'transformers', "
          "'transformers.models.auto.tokenization_auto') if sys.modules.get(m))), file=sys.stderr)\nsys.exit(code)\n")
 
@@ -209,3 +181,19 @@ def test_a_run_loads_no_torch_a_later_one_no_tokenizer_classes_and_a_cache_hit_n
 
     hit, loaded = probed_run(tmp_path, prefect_home)
     assert hit.stdout == first.stdout and loaded == [], loaded
+
+
+@pytest.mark.slow
+def test_the_cli_takes_the_encoder_flag(tmp_path):
+    """`sft-tokenize run --encoder fastokens` in a subprocess gives the cache HF's tokenizers give."""
+    done = cli("run", str(EXAMPLE_DATA), "--tokenizer", str(EXAMPLE_TOKENIZER), "--cache-dir", str(tmp_path / "fast"),
+               "--encoder", "fastokens", "--shard-size", "100KB", home=tmp_path / "home")
+    assert done.returncode == 0, done.stderr
+    fast = Path(done.stdout.strip().splitlines()[-1])
+    hf = run_locally(TokenizeOptions(sources=[str(EXAMPLE_DATA)], tokenizer=str(EXAMPLE_TOKENIZER),
+                                     cache_dir=str(tmp_path / "hf"), shard_size="100KB", encoder="hf"))
+    assert fast.name == hf.name
+    pairs = list(zip(sorted(hf.glob("*.arrow")), sorted(fast.glob("*.arrow")), strict=True))
+    assert len(pairs) >= 2
+    for want, got in pairs:
+        assert want.read_bytes() == got.read_bytes()

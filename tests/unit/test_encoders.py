@@ -7,10 +7,11 @@ import logging
 
 import numpy as np
 import pytest
-from conftest import EXAMPLE_DATA, EXAMPLE_TOKENIZER, MODERN_FAMILIES, build_modern_tokenizer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_modern_masks import COLUMNS, ROWS, qwen3_with_generation_blocks
+from support.data import COLUMNS, ROWS
+from support.families import MODERN_FAMILIES, build_modern_tokenizer, qwen3_with_generation_blocks
+from support.paths import EXAMPLE_DATA, EXAMPLE_TOKENIZER
 
 from sft_tokenize.encoding.chat_encoder import ChatEncoder, _first_token_at_or_after, load_tokenizer
 from sft_tokenize.encoding.exact import EncoderMismatch, choose_encoder
@@ -106,26 +107,6 @@ def _chatml(family_tokenizer):
     return _loaded["chatml"]
 
 
-@pytest.fixture(scope="module")
-def metaspace_tokenizer(tmp_path_factory):
-    """A SentencePiece-style tokenizer (BPE behind a Metaspace pre-tokenizer): no byte-level positions."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace()
-    tok.decoder = decoders.Metaspace()
-    rows = [json.loads(line) for line in (EXAMPLE_DATA / "chat-00000.jsonl").open()]
-    corpus = [m["content"] for row in rows for m in row["messages"] if isinstance(m.get("content"), str)]
-    special = ["<|im_start|>", "<|im_end|>", "<unk>"]
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=special))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", unk_token="<unk>")
-    fast.chat_template = (EXAMPLE_TOKENIZER / "chat_template.jinja").read_text()
-    out = tmp_path_factory.mktemp("metaspace")
-    fast.save_pretrained(str(out))
-    return load_tokenizer(out)
-
-
 @pytest.mark.parametrize("requested", ["auto", "fastokens"])
 def test_a_sentencepiece_style_tokenizer_is_refused_with_a_reason_and_gives_hfs_output(metaspace_tokenizer,
                                                                                       requested, caplog):
@@ -191,31 +172,4 @@ def test_encoder_is_not_in_the_fingerprint_and_shards_are_byte_identical(tmp_pat
     shards = {k: sorted(p.glob("*.arrow")) for k, p in caches.items()}
     assert len(shards["hf"]) == len(shards["fastokens"]) >= 2
     for want, got in zip(shards["hf"], shards["fastokens"], strict=True):
-        assert want.read_bytes() == got.read_bytes()
-
-
-@pytest.mark.slow
-def test_the_cli_takes_the_encoder_flag(tmp_path):
-    """`sft-tokenize run --encoder fastokens` in a subprocess gives the cache HF's tokenizers give."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from test_cli import environment
-
-    from sft_tokenize.build.options import TokenizeOptions
-    from sft_tokenize.build.plan import run_locally
-
-    done = subprocess.run([str(Path(sys.executable).parent / "sft-tokenize"), "run", str(EXAMPLE_DATA),
-                           "--tokenizer", str(EXAMPLE_TOKENIZER), "--cache-dir", str(tmp_path / "fast"),
-                           "--encoder", "fastokens", "--shard-size", "100KB"], capture_output=True, text=True,
-                          timeout=300, env=environment(tmp_path / "home"))
-    assert done.returncode == 0, done.stderr
-    fast = Path(done.stdout.strip().splitlines()[-1])
-    hf = run_locally(TokenizeOptions(sources=[str(EXAMPLE_DATA)], tokenizer=str(EXAMPLE_TOKENIZER),
-                                     cache_dir=str(tmp_path / "hf"), shard_size="100KB", encoder="hf"))
-    assert fast.name == hf.name
-    pairs = list(zip(sorted(hf.glob("*.arrow")), sorted(fast.glob("*.arrow")), strict=True))
-    assert len(pairs) >= 2
-    for want, got in pairs:
         assert want.read_bytes() == got.read_bytes()

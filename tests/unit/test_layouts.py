@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import EXAMPLE_DATA, EXAMPLE_TOKENIZER
-from sft_tokenize.flows.cli import main
+from support.paths import EXAMPLE_DATA, EXAMPLE_TOKENIZER
 
 from sft_tokenize.build.options import TokenizeOptions
 from sft_tokenize.build.plan import run_locally
+from sft_tokenize.flows.cli import main
 from sft_tokenize.read.cache import open_cache
 from sft_tokenize.read.layouts import IGNORE_INDEX, LAYOUTS
 

@@ -1,0 +1,66 @@
+"""Input a user should not have given: rows that are wrong in each way the reader names, files written line by
+line with such a row in them, and what every refusal before Prefect starts must look like."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+from support.caches import published_caches
+from support.cli import assert_rejected, cli, run_args
+from support.data import example_rows
+
+BAD_LINE = '{"messages": [{"role": "user", "content": "hi"}'
+
+
+def file_with(path: Path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
+ROW_ERRORS = {  # a row that is wrong, and how the error says so
+    "malformed-json": ('{"messages": [{"role": "user", "content": "hi"}', "not valid JSON: Expecting"),
+    "not-utf8": ('{"messages": [{"role": "user", "content": "caf\xe9"}]}'.encode("latin-1"),
+                 "not valid UTF-8 (byte 0xe9 at column 47)"),
+    "messages-not-a-list": ('{"messages": "hello"}', "'messages' must be a list of messages, got str"),
+    "no-role": ('{"messages": [{"content": "hi"}, {"role": "assistant", "content": "yo"}]}',
+                "messages[0] has no 'role'"),
+    "no-content": ('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant"}]}',
+                   "messages[1] has no 'content'"),
+    "content-not-text": ('{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": '
+                         '{"url": "x.png"}}]}, {"role": "assistant", "content": "yo"}]}',
+                         "messages[0].content[0] is a part of type 'image_url': only text parts"),
+    "unknown-role": ('{"messages": [{"role": "narrator", "content": "hi"}, {"role": "assistant", "content": "yo"}]}',
+                     "messages[0] has unknown role 'narrator' (known: system, user, assistant, tool)"),
+    "lone-surrogate": ('{"messages": [{"role": "user", "content": "\\ud83d"}, {"role": "assistant", "content": "yo"}]}',
+                       "a lone surrogate \\ud83d in a string"),
+    "deep-nesting": ('{"messages": ' + "[" * 100_000 + "]" * 100_000 + "}", "not valid JSON: nested too deeply"),
+}
+NO_ASSISTANT = '{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]}'
+
+
+def write_lines(path: Path, lines: list[str | bytes]) -> Path:
+    path.write_bytes(b"".join((line if isinstance(line, bytes) else line.encode()) + b"\n" for line in lines))
+    return path
+
+
+def with_a_bad_row(path: Path, bad: str | bytes) -> Path:
+    """Three good rows with the bad one on line 3."""
+    good = [json.dumps(row) for row in example_rows()[:3]]
+    return write_lines(path, good[:2] + [bad] + good[2:])
+
+
+def built_skipping(data: Path, cache_root: Path, home: Path, api_url: str) -> tuple[Path, dict]:
+    """`sft-tokenize run --on-bad-row skip` that succeeds: the cache's path and its manifest."""
+    result = cli(*run_args([data], cache_root, "--on-bad-row", "skip"), home=home, api_url=api_url)
+    assert result.returncode == 0, result.stderr
+    cache_path = Path(result.stdout.splitlines()[-1])
+    return cache_path, json.loads((cache_path / "manifest.json").read_text())
+
+
+def assert_refused_before_prefect_started(d: Path, result: subprocess.CompletedProcess, *expected: str) -> None:
+    assert_rejected(result, *expected)
+    assert not (d / "prefect-home" / "prefect.db").exists()  # no Prefect server was started
+    assert published_caches(d / "cache") == []
+    assert not list((d / "cache").glob(".staging/*"))

@@ -1,0 +1,76 @@
+"""What a run leaves on disk, read the way the tests compare it: published caches, finished shards in the
+shard store, a cache's bytes as a value, and the advisory locks of the cache format."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pyarrow as pa
+
+from sft_tokenize.read.cache import open_cache
+
+
+def published_caches(cache_root: Path) -> list[str]:
+    return sorted(p.name for p in cache_root.iterdir() if not p.name.startswith(".")) if cache_root.is_dir() else []
+
+
+def staged_shards(cache_root: Path) -> dict[str, tuple[int, int]]:
+    """The finished shards in the shard store (a sidecar matching the shard's size), by key: (inode, mtime_ns)."""
+    finished = {}
+    for sidecar in (cache_root / ".shards").glob("*.json"):
+        shard = sidecar.with_suffix(".arrow")
+        if shard.exists() and json.loads(sidecar.read_text())["bytes"] == shard.stat().st_size:
+            finished[shard.name] = (shard.stat().st_ino, shard.stat().st_mtime_ns)
+    return finished
+
+
+def assert_no_partial_shard(cache_root: Path) -> None:
+    """Every file under a shard's name is a whole Arrow stream, and a shard with a sidecar holds its rows."""
+    for shard in (cache_root / ".shards").glob("*.arrow"):
+        table = pa.ipc.open_stream(pa.memory_map(str(shard))).read_all()
+        sidecar = shard.with_suffix(".json")
+        if sidecar.exists():
+            assert table.num_rows == json.loads(sidecar.read_text())["rows"], shard
+
+
+def contents(cache_path: Path) -> dict:
+    """A cache as a comparable value: the bytes of its data files and metadata, its manifest less the timings
+    and the record of its build (when, how many slices it reused)."""
+    manifest = json.loads((cache_path / "manifest.json").read_text())
+    del manifest["timings"], manifest["build"]
+    for shard in manifest["shards"]:
+        del shard["seconds"]
+    digests = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(cache_path.iterdir())
+               if p.name != "manifest.json"}
+    return {"files": digests, "manifest": manifest}
+
+
+def published_inodes(cache_path: Path) -> dict[int, tuple[int, int]]:
+    return {int(p.name[5:10]): (p.stat().st_ino, p.stat().st_mtime_ns) for p in cache_path.glob("data-*.arrow")}
+
+
+@contextlib.contextmanager
+def held(lock_file: Path) -> Iterator[None]:
+    """Hold an advisory lock of the cache format (flock), as another run would."""
+    with lock_file.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+
+
+def someone_waits_for(lock_file: Path) -> bool:
+    """A process is blocked waiting for this flock (the kernel lists waiters as `->` in /proc/locks)."""
+    st = lock_file.stat()
+    file_id = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino} "
+    return any("->" in line and file_id in line for line in Path("/proc/locks").read_text().splitlines())
+
+
+def assert_readable_whole(cache_path: Path, rows: int) -> None:
+    """If the cache's directory exists at all, it is the whole cache."""
+    if cache_path.exists():
+        assert len(open_cache(cache_path)) == rows

@@ -1,0 +1,96 @@
+"""Faults injected into slices, for the tests of failing, retried and resumed runs.
+
+When the environment variable SFT_TOKENIZE_FAULT_FILE names a file that exists, every attempt at a slice
+whose index is listed in it (whitespace-separated integers) raises a RuntimeError before touching the data.
+Delete the file and the next attempt succeeds. A word `exit:N` instead kills the process (`os._exit(1)`, no
+exception, no cleanup) on the first attempt at slice N only, leaving a partial temporary shard as a worker
+dying mid-shard does; the marker file `<fault file>.exited-N`, created atomically, makes it once across
+processes and machines.
+
+The fault sits in front of `sft_tokenize.build.shard.tokenize_slice`, which the Prefect task calls for every
+attempt. This module imports nothing of the project, so that sitecustomize.py beside it can install it in
+every Python process of a test session (CLI, Dask and Ray workers, served flows) before the project loads.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+FAULT_FILE_ENV = "SFT_TOKENIZE_FAULT_FILE"
+SHARD_MODULE = "sft_tokenize.build.shard"
+
+
+def raise_injected_fault(job, slice_) -> None:
+    """Fail or kill this attempt at `slice_` if the fault file says so; otherwise return."""
+    index = slice_.index
+    fault_file = os.environ.get(FAULT_FILE_ENV)
+    if not fault_file:
+        return
+    try:
+        words = Path(fault_file).read_text().split()
+    except FileNotFoundError:
+        return
+    if f"exit:{index}" in words:
+        try:
+            os.close(os.open(f"{fault_file}.exited-{index}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return  # this slice's worker already died once
+        shard_file = job.shard_path(slice_)
+        shard_file.parent.mkdir(parents=True, exist_ok=True)
+        shard_file.with_name(f"{shard_file.name}.tmp-{os.getpid()}").write_bytes(b"partial shard")
+        os._exit(1)
+    if str(index) in words:
+        raise RuntimeError(f"injected fault in slice {index} ({FAULT_FILE_ENV}={fault_file})")
+
+
+def wrap(shard_module) -> None:
+    """Put the fault in front of the module's tokenize_slice (once)."""
+    original = shard_module.tokenize_slice
+    if getattr(original, "injects_faults", False):
+        return
+
+    @functools.wraps(original)
+    def tokenize_slice(job, slice_):
+        raise_injected_fault(job, slice_)
+        return original(job, slice_)
+
+    tokenize_slice.injects_faults = True
+    shard_module.tokenize_slice = tokenize_slice
+
+
+class _WrapOnImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: it hands out the real spec of the shard module with a loader that wraps the
+    module once it has run, so the project's import order and timing stay as they are."""
+
+    def find_spec(self, name, path, target=None):
+        if name != SHARD_MODULE:
+            return None
+        sys.meta_path.remove(self)  # the real finders, without this one
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None:
+            return spec
+        loader = spec.loader
+        exec_module = loader.exec_module
+
+        def exec_and_wrap(module):
+            exec_module(module)
+            wrap(module)
+
+        loader.exec_module = exec_and_wrap
+        return spec
+
+
+def install() -> None:
+    """Wrap the shard module's tokenize_slice now if it is loaded, else as soon as it is imported."""
+    if SHARD_MODULE in sys.modules:
+        wrap(sys.modules[SHARD_MODULE])
+    elif not any(isinstance(finder, _WrapOnImport) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _WrapOnImport())
