@@ -22,13 +22,11 @@ import logging
 import os
 import sys
 import warnings
-from pathlib import Path
-
-from sft_tokenize.flows.arguments import EXIT_BAD_INPUT, PROG, SERVER_IDLE_ENV, build_parser, options_from
-from sft_tokenize.flows.console import CONSOLE_ENV, ProgressBar, progress_console
 
 from sft_tokenize.build.timeline import mark
 from sft_tokenize.errors import BadInput, CacheError
+from sft_tokenize.flows.arguments import EXIT_BAD_INPUT, PROG, SERVER_IDLE_ENV, build_parser, options_from
+from sft_tokenize.flows.console import CONSOLE_ENV, ProgressBar, progress_console
 
 EXIT_OK, EXIT_FAILED = 0, 1
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a writer whose reader left
@@ -37,29 +35,6 @@ EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a writer whose
 def _fail(message: str, code: int) -> int:
     print(f"{PROG}: error: {message}", file=sys.stderr)
     return code
-
-
-def _as_option_error(error: dict) -> str:
-    """A pydantic error as the option the user typed: `--shard-size: not a size: 'lots' ...`."""
-    option = "--" + str(error["loc"][0]).replace("_", "-") if error["loc"] else "options"
-    return f"{option}: {error['msg'].removeprefix('Value error, ')}"
-
-
-def prefect_home_problem() -> str | None:
-    """Why the embedded server could not keep its database in PREFECT_HOME, or None if it can."""
-    import tempfile
-
-    from prefect.settings import get_current_settings
-
-    home = Path(get_current_settings().home).expanduser()
-    try:
-        home.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=home):
-            pass
-    except OSError as error:
-        return (f"PREFECT_HOME {os.path.abspath(home)}: Prefect's embedded server cannot keep its database there "
-                f"({error.strerror}); point PREFECT_HOME at a writable directory, or PREFECT_API_URL at a server")
-    return None
 
 
 def keep_torch_out() -> None:
@@ -86,82 +61,24 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from pydantic import ValidationError
-    from sft_tokenize.flows.cluster import require_extra
-
-    from sft_tokenize.build.options import TokenizeOptions
-    from sft_tokenize.build.plan import plan_slices
+    from sft_tokenize.flows.api import RunFailed, run_tokenize
 
     settings = options_from(args)
-    try:
-        # The data plane's options alone, before Prefect is even imported: a bad value, bad input and a cache hit
-        # are settled in well under a second.
-        checked = TokenizeOptions(**{k: v for k, v in settings.items() if k in TokenizeOptions.model_fields})
-    except ValidationError as error:
-        return _fail("; ".join(map(_as_option_error, error.errors())), EXIT_BAD_INPUT)
-    server = None
-
-    def start_server() -> None:  # only when there is work: a cache hit needs no Prefect at all
-        nonlocal server
-        from sft_tokenize.flows.embedded_server import EmbeddedServer
-
-        if EmbeddedServer.needed():
-            if problem := prefect_home_problem():
-                raise BadInput(problem)
-            server = EmbeddedServer()
-            server.start()
-
-    try:
-        # Checked before the flow starts: bad input fails at once, and a cache hit needs no flow. When there is
-        # work, the shared server is joined (started if need be: it boots in its own process) while this one
-        # cuts the slices.
-        require_extra(settings["runner"])
-        plan = plan_slices(checked, on_work=start_server, content_keys=False)  # the flow hashes the inputs
-    except BadInput as error:
-        return _fail(str(error), EXIT_BAD_INPUT)
-    if plan.cached and not settings["force"]:
-        print(plan.cache_path)
-        return EXIT_OK
-    from prefect.exceptions import TerminationSignal
-    from prefect.settings import get_current_settings
-    from sft_tokenize.flows.embedded_server import EmbeddedServer, ServerUnavailable, check_api_reachable
-    from sft_tokenize.flows.interrupts import Terminated
-    from sft_tokenize.flows.tokenize_dataset import TokenizeRun, first_line, on_progress, tokenize_dataset
-
-    try:
-        options = TokenizeRun(**settings)
-    except ValidationError as error:
-        return _fail("; ".join(map(_as_option_error, error.errors())), EXIT_BAD_INPUT)
-    if server is None and EmbeddedServer.needed():  # --force of a published cache: the plan did no work
-        server = EmbeddedServer()
-    if server is None:
-        try:
-            check_api_reachable(str(get_current_settings().api.url))
-        except ServerUnavailable as error:
-            return _fail(str(error), EXIT_FAILED)
-    if options.runner == "dask" and not args.verbose:
+    if settings["runner"] == "dask" and not args.verbose:
         # A temporary cluster's scheduler runs in this process: a notice per worker and connection is noise here.
         logging.getLogger("distributed").setLevel(logging.WARNING)
     try:
-        if server:
-            server.use()
-        mark("server")
-        # The bar closes, showing its last state, before an error is reported below it.
-        with ProgressBar(progress_console()) as bar, on_progress(bar.update):
-            cache_path = tokenize_dataset(options)
+        cache_path = run_tokenize(settings, progress=lambda: ProgressBar(progress_console()))
     except BadInput as error:
         return _fail(str(error), EXIT_BAD_INPUT)
-    except TerminationSignal as signal_:  # Prefect's SIGTERM bridge, if it did not hand the signal back
-        raise Terminated() from signal_
-    except Exception as error:  # noqa: BLE001 - any other failure: one line here, details in the Prefect logs
-        return _fail(f"{type(error).__name__}: {first_line(error)}", EXIT_FAILED)
+    except RunFailed as error:
+        return _fail(str(error), EXIT_FAILED)
     print(cache_path)
     return EXIT_OK
 
 
 def inspect(args: argparse.Namespace) -> int:
     from sft_tokenize.flows.report import fingerprint_inputs, packing_summary, summary, text_table
-
     from sft_tokenize.read.cache import read_manifest
     from sft_tokenize.read.packing_index import list_indexes
 
@@ -184,7 +101,6 @@ def inspect(args: argparse.Namespace) -> int:
 
 def pack(args: argparse.Namespace) -> int:
     from sft_tokenize.flows.report import packing_summary, text_table
-
     from sft_tokenize.read.packing_index import PackOptions, pack_cache
 
     options = PackOptions(length=args.length, data_parallel=args.data_parallel, algorithm=args.algorithm,
@@ -203,9 +119,8 @@ def show_rows(args: argparse.Namespace, manifest: dict) -> int:
     """`inspect --row N` / `--sample K`: rows decoded with their trained tokens highlighted."""
     import random
 
-    from sft_tokenize.flows.report import show_row
-
     from sft_tokenize.encoding.chat_encoder import load_tokenizer
+    from sft_tokenize.flows.report import show_row
     from sft_tokenize.read.cache import open_cache
 
     cache = open_cache(args.cache)
@@ -273,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         # Before transformers and prefect are imported: no "PyTorch was not found" advisory, no telemetry noise.
         os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
         os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-        # An unusable PREFECT_HOME is reported in one line by `prefect_home_problem`, not as Prefect's import warning.
+        # An unusable PREFECT_HOME is reported in one line (flows/api.py), not as Prefect's import warning.
         warnings.filterwarnings("ignore", message="Failed to create the Prefect home directory")
         if args.command == "run":  # inherited by process-pool workers, which print their own logs
             os.environ[CONSOLE_ENV] = "quiet" if args.quiet else "verbose" if args.verbose else "plain"

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from prefect.context import refresh_global_settings_context
 from prefect.settings import get_current_settings
+
 from sft_tokenize.flows.embedded_server import SERVER_APP, SHUTDOWN_TIMEOUT, recorded_server, server_paths, write_state
 
 BOOT_RECORD = "sft-tokenize-server-boot.json"

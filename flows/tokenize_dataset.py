@@ -22,14 +22,6 @@ from prefect.futures import as_completed
 from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
 from prefect.task_runners import ProcessPoolTaskRunner, TaskRunner, ThreadPoolTaskRunner
 from pydantic import Field, ValidationInfo, field_validator
-from sft_tokenize.flows.cluster import check_workers, dask_runner, ray_runner
-from sft_tokenize.flows.console import configure_console
-from sft_tokenize.flows.interrupts import ignore_sigint, stopping_workers
-from sft_tokenize.flows.report import markdown_table, packing_summary, summary
-from sft_tokenize.tasks.pack_cache import pack_cache
-from sft_tokenize.tasks.plan_slices import plan_slices
-from sft_tokenize.tasks.publish_cache import publish_cache
-from sft_tokenize.tasks.tokenize_slice import RETRIES, tokenize_slice
 
 from sft_tokenize.build.options import TokenizeOptions
 from sft_tokenize.build.plan import Plan
@@ -40,8 +32,16 @@ from sft_tokenize.build.timeline import mark
 from sft_tokenize.encoding.memory import limit_malloc_arenas
 from sft_tokenize.encoding.pool import POOL_MIN_BYTES, available_cores, tokenizer_env
 from sft_tokenize.errors import BadInput
+from sft_tokenize.flows.cluster import check_workers, dask_runner, ray_runner
+from sft_tokenize.flows.console import configure_console
+from sft_tokenize.flows.interrupts import ignore_sigint, stopping_workers
+from sft_tokenize.flows.report import markdown_table, packing_summary, summary
 from sft_tokenize.read.cache import read_manifest
 from sft_tokenize.read.packing_index import PackOptions
+from sft_tokenize.tasks.pack_cache import pack_cache
+from sft_tokenize.tasks.plan_slices import plan_slices
+from sft_tokenize.tasks.publish_cache import publish_cache
+from sft_tokenize.tasks.tokenize_slice import RETRIES, tokenize_slice
 
 
 class TokenizeRun(TokenizeOptions):

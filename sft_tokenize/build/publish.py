@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from sft_tokenize.files import fsync_path, locked
 from sft_tokenize.format import CACHE_FORMAT_VERSION
 from sft_tokenize import __version__
 from sft_tokenize.errors import BadInput, CacheError
@@ -36,39 +37,12 @@ PERCENTILES = (50, 90, 99)
 logger = logging.getLogger("sft_tokenize")
 
 
-@contextlib.contextmanager
-def locked(lock_file: Path, waiting: str | None = None, shared: bool = False) -> Iterator[None]:
-    """An advisory lock (flock) across processes, exclusive or shared; says `waiting` if it has to wait."""
-    lock_file.parent.mkdir(parents=True, exist_ok=True)
-    mode = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
-    with open(lock_file, "a") as handle:
-        try:
-            fcntl.flock(handle, mode | fcntl.LOCK_NB)
-        except BlockingIOError:
-            if waiting:
-                logger.warning(waiting)
-            fcntl.flock(handle, mode)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def building(job: Job) -> contextlib.AbstractContextManager[None]:
     """Held by a run from tokenizing to publishing: a second run of the same fingerprint waits for the
     first, then finds its cache published, instead of tokenizing the same slices beside it."""
     staging = Path(job.staging)
     return locked(staging.with_name(f"{staging.name}.run.lock"),
                   waiting=f"another run is building the cache {job.fingerprint}; waiting for it to finish")
-
-
-def fsync_path(path: Path) -> None:
-    """fsync a file or a directory by path: what a rename publishes must be on disk first."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def length_summary(histogram: Counter) -> dict[str, float]:

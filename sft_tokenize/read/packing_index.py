@@ -27,8 +27,8 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from sft_tokenize import __version__
-from sft_tokenize.build.publish import fsync_path, locked
 from sft_tokenize.errors import BadInput, CacheError
+from sft_tokenize.files import fsync_path, locked
 from sft_tokenize.read.bin_packing import ALGORITHMS, arrange_for_ranks
 from sft_tokenize.read.cache import TokenizedCache, open_cache
 

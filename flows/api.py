@@ -1,0 +1,140 @@
+"""A run as a function: what `sft-tokenize run` and `sft_tokenize.tokenize()` share.
+
+    from sft_tokenize import tokenize
+    path = tokenize(["data/*.jsonl"], tokenizer="Qwen/Qwen2.5-0.5B-Instruct", cache_dir="/data/cache",
+                    max_length=4096)
+
+The options are checked and the plan is cut before Prefect is imported, so bad input fails at once and a
+cache hit returns its path without Prefect. When there is work, the shared embedded server is joined
+(started if need be, in its own process, while the slices are cut) unless PREFECT_API_URL names a server,
+and the tokenize_dataset flow builds the cache.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from sft_tokenize.build.timeline import mark
+from sft_tokenize.errors import BadInput
+
+
+class RunFailed(RuntimeError):
+    """The flow failed (a slice's error after its retries, a lost server): the finished shards stay."""
+
+
+def _as_option_error(error: dict) -> str:
+    """A pydantic error as the option the user typed: `--shard-size: not a size: 'lots' ...`."""
+    option = "--" + str(error["loc"][0]).replace("_", "-") if error["loc"] else "options"
+    return f"{option}: {error['msg'].removeprefix('Value error, ')}"
+
+
+def _checked(model: type, settings: dict[str, Any]) -> Any:
+    from pydantic import ValidationError
+
+    try:
+        return model(**{k: v for k, v in settings.items() if k in model.model_fields})
+    except ValidationError as error:
+        raise BadInput("; ".join(map(_as_option_error, error.errors()))) from None
+
+
+def prefect_home_problem() -> str | None:
+    """Why the embedded server could not keep its database in PREFECT_HOME, or None if it can."""
+    from prefect.settings import get_current_settings
+
+    home = Path(get_current_settings().home).expanduser()
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=home):
+            pass
+    except OSError as error:
+        return (f"PREFECT_HOME {os.path.abspath(home)}: Prefect's embedded server cannot keep its database there "
+                f"({error.strerror}); point PREFECT_API_URL at a server or PREFECT_HOME at a writable directory")
+    return None
+
+
+def run_tokenize(settings: dict[str, Any], progress: Callable[[Any], Any] | None = None) -> Path:
+    """Build (or find) the cache that `settings` (the flow's TokenizeRun fields) describe; return its path.
+
+    `progress`, if given, is a context manager factory whose value takes the flow's progress updates (the
+    CLI's bar). Raises BadInput for bad options or input, RunFailed when the flow fails, KeyboardInterrupt
+    (flows.interrupts.Terminated for SIGTERM) when the run is stopped.
+    """
+    from sft_tokenize.build.options import TokenizeOptions
+    from sft_tokenize.build.plan import plan_slices
+    from sft_tokenize.flows.cluster import require_extra
+
+    # The data plane's options alone, before Prefect is even imported: a bad value, bad input and a cache hit
+    # are settled in well under a second.
+    checked = _checked(TokenizeOptions, settings)
+    server = None
+
+    def start_server() -> None:  # only when there is work: a cache hit needs no Prefect at all
+        nonlocal server
+        from sft_tokenize.flows.embedded_server import EmbeddedServer
+
+        if EmbeddedServer.needed():
+            if problem := prefect_home_problem():
+                raise BadInput(problem)
+            server = EmbeddedServer()
+            server.start()
+
+    # Checked before the flow starts: bad input fails at once, and a cache hit needs no flow. When there is
+    # work, the shared server is joined (started if need be: it boots in its own process) while this one cuts
+    # the slices.
+    require_extra(settings.get("runner", "threads"))
+    plan = plan_slices(checked, on_work=start_server, content_keys=False)  # the flow hashes the inputs
+    if plan.cached and not settings.get("force"):
+        return plan.cache_path
+
+    from prefect.settings import get_current_settings
+
+    from sft_tokenize.flows.embedded_server import EmbeddedServer, ServerUnavailable, check_api_reachable
+    from sft_tokenize.flows.tokenize_dataset import TokenizeRun, first_line, on_progress, tokenize_dataset
+
+    options = _checked(TokenizeRun, settings)
+    if server is None and EmbeddedServer.needed():  # --force of a published cache: the plan did no work
+        server = EmbeddedServer()
+    if server is None:
+        try:
+            check_api_reachable(str(get_current_settings().api.url))
+        except ServerUnavailable as error:
+            raise RunFailed(str(error)) from None
+    from prefect.exceptions import TerminationSignal
+
+    from sft_tokenize.flows.interrupts import Terminated
+
+    try:
+        if server:
+            server.use()
+        mark("server")
+        if progress is None:
+            return Path(tokenize_dataset(options))
+        # The bar closes, showing its last state, before an error is reported below it.
+        with progress() as bar, on_progress(bar.update):
+            return Path(tokenize_dataset(options))
+    except BadInput:
+        raise
+    except TerminationSignal as signal_:  # Prefect's SIGTERM bridge, if it did not hand the signal back
+        raise Terminated() from signal_
+    except Exception as error:  # noqa: BLE001 - any other failure: one line, details in the Prefect logs
+        raise RunFailed(f"{type(error).__name__}: {first_line(error)}") from error
+
+
+def tokenize(sources: str | list[str], *, tokenizer: str, cache_dir: str | os.PathLike, **options: Any) -> Path:
+    """Tokenize `sources` into a published cache under `cache_dir`, as `sft-tokenize run` does, and return its path.
+
+    `options` are the run's options by their flow-parameter names (the command line's flags with `_` for `-`:
+    `max_length=4096`, `train_on="last_assistant"`, `runner="dask"`, `workers=8`, ...; docs/cli.md lists
+    them). A second call with the same inputs is a cache hit: it returns the same path without Prefect.
+    Raises sft_tokenize.BadInput (bad options or input: the message names the file, row and problem) or
+    RunFailed (the flow failed; the finished slices stay, and calling again resumes).
+    """
+    if isinstance(sources, (str, os.PathLike)):
+        sources = [sources]
+    settings = {"sources": [os.fspath(s) for s in sources], "tokenizer": os.fspath(tokenizer),
+                "cache_dir": os.fspath(cache_dir), **options}
+    return run_tokenize(settings)
