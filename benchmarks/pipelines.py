@@ -28,7 +28,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # sft_cache, when run from anywhere
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # sft_tokenize, when run from anywhere
 
 from sft_tokenize.build.shard import features  # noqa: E402
 from sft_tokenize.encoding.chat_encoder import ChatEncoder, EncodedBatch, load_tokenizer  # noqa: E402

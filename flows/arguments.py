@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--extra-column", action="append", default=[], choices=["labels", "attention_mask"],
                      help="also store this column; repeatable")
     run.add_argument("--layout", default="skyrl", choices=list(LAYOUTS),
-                     help="store the columns this trainer reads (default skyrl: input_ids, loss_mask); see README")
+                     help="store the columns this trainer reads (default skyrl); see docs/trainers.md")
     run.add_argument("--split", default="train", help="split of a hub dataset or of a saved DatasetDict")
     run.add_argument("--subset", help="config (subset) of a hub dataset")
     run.add_argument("--on-bad-row", default="raise", choices=["raise", "skip"],

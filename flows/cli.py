@@ -41,7 +41,7 @@ def keep_torch_out() -> None:
     """transformers imports torch wherever it is installed (its rope utilities, which AutoTokenizer's config
     import reaches), though tokenizing never uses it: over a second and ~190 MB of a run's process. An entry of
     None in sys.modules makes `import torch` fail and its find_spec answer None, so transformers and datasets
-    take torch as absent. Only in the `run` command's own process: a training script that imports sft_cache
+    take torch as absent. Only in the `run` command's own process: a training script that imports sft_tokenize
     keeps its torch."""
     sys.modules.setdefault("torch", None)
 

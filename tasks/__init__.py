@@ -1,1 +1,1 @@
-"""Prefect tasks, one module per task, each a thin wrapper over its plain function in `sft_cache`."""
+"""Prefect tasks, one module per task, each a thin wrapper over its plain function in `sft_tokenize`."""

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -18,7 +19,12 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(ROOT)],
+    # Built from a copy: setuptools' build/ in the checkout could hold modules since removed.
+    source = tmp_path_factory.mktemp("source") / "project"
+    scratch = {".venv", ".git", ".cache", "build", "dist", "benchmarks"}
+    shutil.copytree(ROOT, source, ignore=lambda folder, names: [
+        n for n in names if n == "__pycache__" or n.endswith(".egg-info") or (Path(folder) == ROOT and n in scratch)])
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(source)],
                    check=True, capture_output=True)
     (built,) = out.glob("sft_tokenize-*.whl")
     return built
