@@ -13,23 +13,23 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from sft_tokenize.format import CACHE_FORMAT_VERSION
-from sft_tokenize.encoding.chat_encoder import ChatEncoder, read_chat_template, resolve_tokenizer
-from sft_tokenize.build.keys import Digests, slice_key
-from sft_tokenize.encoding.pool import POOL_MIN_BYTES
-from sft_tokenize.errors import BadInput
 from sft_tokenize.build.fingerprint import fingerprint, hash_directory, hash_text, tokenization_inputs
-from sft_tokenize.sources.conversations import REQUIRED, ColumnMap, resolve_columns
+from sft_tokenize.build.keys import Digests, slice_key
 from sft_tokenize.build.options import TokenizeOptions, parse_size
-from sft_tokenize.encoding.prepared import prepared_dir
 from sft_tokenize.build.publish import is_published
 from sft_tokenize.build.shard import Job, process_encoding
-from sft_tokenize.sources.slicing import cut_slices
+from sft_tokenize.build.store import store_dir
+from sft_tokenize.build.timeline import mark
+from sft_tokenize.chat.template_check import check_chat_template
+from sft_tokenize.encoding.chat_encoder import ChatEncoder, read_chat_template, resolve_tokenizer
+from sft_tokenize.encoding.pool import POOL_MIN_BYTES
+from sft_tokenize.encoding.prepared import prepared_dir
+from sft_tokenize.errors import BadInput
+from sft_tokenize.format import CACHE_FORMAT_VERSION
+from sft_tokenize.sources.conversations import REQUIRED, ColumnMap, resolve_columns
 from sft_tokenize.sources.readers import reader
 from sft_tokenize.sources.resolve import Slice, SourceFile, resolve
-from sft_tokenize.build.store import store_dir
-from sft_tokenize.chat.template_check import check_chat_template
-from sft_tokenize.build.timeline import mark
+from sft_tokenize.sources.slicing import cut_slices
 
 
 @dataclass(frozen=True)

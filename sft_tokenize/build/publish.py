@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import fcntl
 import json
 import logging
 import os
@@ -19,18 +18,17 @@ import shutil
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from sft_tokenize import __version__
+from sft_tokenize.build.shard import Job, features, finished_shard
+from sft_tokenize.errors import BadInput, CacheError
 from sft_tokenize.files import fsync_path, locked
 from sft_tokenize.format import CACHE_FORMAT_VERSION
-from sft_tokenize import __version__
-from sft_tokenize.errors import BadInput, CacheError
 from sft_tokenize.read.cache import read_manifest
-from sft_tokenize.build.shard import Job, features, finished_shard
 from sft_tokenize.sources.resolve import Slice
 
 PERCENTILES = (50, 90, 99)

@@ -26,18 +26,18 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from sft_tokenize.encoding.chat_encoder import ChatEncoder, EncodedBatch, load_tokenizer
 from sft_tokenize.build.keys import DIGEST_BOOK, forget, slice_key
-from sft_tokenize.encoding.pool import DEPTH, EncodePool
-from sft_tokenize.encoding.exact import VERIFY_ROWS, FastEncoder, choose_encoder
-from sft_tokenize.errors import BadInput, BadRow, OutOfSpace
-from sft_tokenize.sources.conversations import ColumnMap, to_example
-from sft_tokenize.read.layouts import COLUMN_TYPES, column_values, layout_columns
-from sft_tokenize.encoding.prepared import prepared_encoding
-from sft_tokenize.sources.readers import read_slice
-from sft_tokenize.sources.resolve import Slice, filesystem
 from sft_tokenize.build.stopping import raise_if_stopping
 from sft_tokenize.build.timeline import mark
+from sft_tokenize.encoding.chat_encoder import ChatEncoder, EncodedBatch, load_tokenizer
+from sft_tokenize.encoding.exact import VERIFY_ROWS, FastEncoder, choose_encoder
+from sft_tokenize.encoding.pool import DEPTH, EncodePool
+from sft_tokenize.encoding.prepared import prepared_encoding
+from sft_tokenize.errors import BadInput, BadRow, OutOfSpace
+from sft_tokenize.read.layouts import COLUMN_TYPES, column_values, layout_columns
+from sft_tokenize.sources.conversations import ColumnMap, to_example
+from sft_tokenize.sources.readers import read_slice
+from sft_tokenize.sources.resolve import Slice, filesystem
 
 
 @dataclass(frozen=True)

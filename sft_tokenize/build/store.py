@@ -31,10 +31,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sft_tokenize.build.shard import Job, finished_shard, sidecar_path
 from sft_tokenize.errors import CacheError
 from sft_tokenize.files import locked
 from sft_tokenize.read.cache import read_manifest
-from sft_tokenize.build.shard import Job, finished_shard, sidecar_path
 from sft_tokenize.sources.resolve import Slice
 
 STORE = ".shards"
