@@ -30,8 +30,9 @@ import pyarrow.compute as pc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # sft_tokenize, when run from anywhere
 
-from sft_tokenize.build.shard import features  # noqa: E402
-from sft_tokenize.encoding.chat_encoder import ChatEncoder, EncodedBatch, load_tokenizer  # noqa: E402
+from sft_tokenize.build.job import features  # noqa: E402
+from sft_tokenize.encoding.chat_encoder import ChatEncoder, EncodedBatch  # noqa: E402
+from sft_tokenize.encoding.tokenizer import load_tokenizer  # noqa: E402
 from sft_tokenize.sources.conversations import Conversation  # noqa: E402
 from sft_tokenize.sources.readers import READ_BATCH_BYTES, READ_BATCH_ROWS  # noqa: E402
 

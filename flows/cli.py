@@ -119,7 +119,7 @@ def show_rows(args: argparse.Namespace, manifest: dict) -> int:
     """`inspect --row N` / `--sample K`: rows decoded with their trained tokens highlighted."""
     import random
 
-    from sft_tokenize.encoding.chat_encoder import load_tokenizer
+    from sft_tokenize.encoding.tokenizer import load_tokenizer
     from sft_tokenize.flows.report import show_row
     from sft_tokenize.read.cache import open_cache
 

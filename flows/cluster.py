@@ -5,7 +5,7 @@ what the description points at. Every worker needs: this package (`pip install '
 `[ray]`, the same versions as the flow's machine), the local inputs and the tokenizer directory at the
 same paths (or inputs on object storage), the cache root on a filesystem it shares with the flow (the
 workers write the shards, the flow publishes them), and the Prefect API (`PREFECT_API_URL`). The
-tokenizer is loaded once per worker process (`sft_tokenize.build.shard._tokenizer`), never sent with a task.
+tokenizer is loaded once per worker process (`sft_tokenize.build.workers.process_encoding`), never sent with a task.
 
 A task that raises is retried by Prefect (`retries`). A worker process that dies raises nothing for
 Prefect to see: Dask's nanny restarts the process and the scheduler runs the task again on a live worker,

@@ -7,60 +7,35 @@ machine), and every run boots its own server on the same SQLite database. Runs s
 busy machine then time out one after another.
 
 Instead, the CLI launches Prefect's own server app (`prefect.server.api.server:create_app` under uvicorn,
-ephemeral mode, no UI; `python -m sft_tokenize.flows.server_process` adds only the lease check below) once per
-PREFECT_HOME and lets every run on that home use it:
-
-    sft-tokenize-server.lock   an flock held while a run joins or leaves (guards the two files below), and by
-                               a server that ends itself until its process is gone: no second server ever
-                               opens the database while the first still writes to it
-    sft-tokenize-server.json   the server's pid, start time, port and URL; its idle time ("idle", seconds) and,
-                               while no run uses it, since when ("idle_since", wall clock)
-    sft-tokenize-server.lease  every run using the server holds a shared flock on it; the run that leaves
-                               last (its exclusive flock succeeds) leaves the server idle, or stops it
+ephemeral mode, no UI; `python -m sft_tokenize.flows.server_process` adds only the idle end) once per
+PREFECT_HOME and lets every run on that home use it. This module launches it, joins it, waits for it and
+leaves it; flows/server_state.py holds the files that record it and the runs using it (lock, state, lease).
 
 A warm server: once its last run has left, the server stays up for an idle time (`run --server-idle SECONDS`,
 default 300, or SFT_TOKENIZE_SERVER_IDLE), so that run, inspect, edit, run pays the boot once; a run that joins
-meanwhile uses it. The idle time reaches the server through the .json: every run writes its own there when it
-joins and when it leaves (the last writer wins), and the last to leave also writes "idle_since". The server
-itself checks every second, under the join lock, whether some run holds a lease; once none has for "idle"
-seconds it ends (no .json of its own, or idle 0: at once). With idle 0 the last run to leave stops the server
-itself, as does the last run of a server that never answered it (bad input found while it booted) whatever the
-idle time: it is killed at once, before it creates or migrates its database. An idle server is a process of
-about 175 MiB (215 MiB after a full boot, below). `sft-tokenize server status` reports it, `sft-tokenize server
-stop` stops it (refused while runs use it, unless --force).
+meanwhile uses it. The server checks every second, under the join lock, whether some run holds a lease; once
+none has for its idle time it ends (no record of its own, or idle 0: at once). With idle 0 the last run to
+leave stops the server itself, as does the last run of a server that never answered it (bad input found while
+it booted) whatever the idle time: it is killed at once, before it creates or migrates its database. A server
+whose runs were all killed exits by itself after its idle time; one whose process is gone is replaced by the
+next run. `sft-tokenize server status` reports it, `sft-tokenize server stop` stops it (refused while runs use
+it, unless --force).
 
-The kernel drops a lease when its process dies, however it dies, and the server checks every second that some
-run still holds one: a server whose runs were all killed (SIGKILL, the OOM killer) exits by itself, after its idle
-time. A server whose process is gone (the same pid with another start time is another process) is replaced by the
-next run. The first run launches the server as soon as it knows there is work, so the server boots while this process
+The first run launches the server as soon as it knows there is work, so the server boots while this process
 loads the tokenizer and cuts the slices, and waits for it up to STARTUP_TIMEOUT seconds (longer if Prefect's own
 setting says so), failing at once if the server process exits. The server runs in its own session, so Ctrl-C
-in one run's terminal does not stop the server under another run.
-
-Its boot (Prefect 3.9, two cores, a migrated database: 2.65 s to /health, of which 1.8 s is importing prefect and
-its server and 0.25 s building the app, which no setting avoids) is cut to 2.25 s where an ad-hoc run loses
-nothing. The launched server runs without the automations' triggers and actions (about 0.2 s: ReactiveTriggers,
-Actions, the proactive-triggers service) and without telemetry; the perpetual services of a full server (scheduler,
-late runs, foreman, pause expirations, cancellation cleanup, repossessor) do not run in an ephemeral server and are
-disabled explicitly. It keeps what run records, retries, artifacts, logs, events and the UI read: the task run
-recorder, the event persister, the event distributor, the log endpoints, the docket worker. The migrations (0.08
-s) and the block-type registration check (0.18 s, and 30 MiB: it imports the Prefect collections, dask and ray) run
-only when this server's database is not the one a full boot left: sft-tokenize-server-boot.json records, after a
-full boot, this Prefect's version and collections, the SQLite file, its Alembic revision and its number of block
-types, all read again in a few milliseconds before the next boot (never skipped for a database other than a local
-SQLite file). What the user sets in the environment or the profile wins over these defaults.
+in one run's terminal does not stop the server under another run. What its boot leaves out (SERVER_CUTS and the
+known-database record) and what that saves is in docs/performance.md ("The embedded server's boot").
 
 The server's own output (its services complain when they are stopped mid-flush, e.g. `task_run_recorder - Error
-flushing ... CancelledError`) goes to PREFECT_HOME/embedded-server.log, not to any run's stderr: a successful
-run prints only its progress and run log. A server that fails to start is reported with its last error line.
+flushing ... CancelledError`) goes to PREFECT_HOME/embedded-server.log, not to any run's stderr: a successful run
+prints only its progress and run log. A server that fails to start is reported with its last error line.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import fcntl
-import json
 import os
 import signal
 import socket
@@ -68,9 +43,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -81,6 +53,16 @@ from prefect.settings import (
     PREFECT_UI_URL,
     get_current_settings,
     temporary_settings,
+)
+
+from sft_tokenize.files import is_locked, locked
+from sft_tokenize.flows.server_state import (
+    count_leases,
+    is_running,
+    recorded_server,
+    server_paths,
+    start_time,
+    write_state,
 )
 
 SERVER_APP = "prefect.server.api.server:create_app"
@@ -99,33 +81,10 @@ class ServerUnavailable(RuntimeError):
     """No Prefect API answers: the embedded server could not start, or PREFECT_API_URL is not reachable."""
 
 
-def server_paths(home: Path) -> tuple[Path, Path, Path]:
-    """The lock, the state file and the lease file of a PREFECT_HOME's shared server."""
-    return (home / "sft-tokenize-server.lock", home / "sft-tokenize-server.json",
-            home / "sft-tokenize-server.lease")
-
-
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def _start_time(pid: int) -> int | None:
-    """When the live process `pid` started (clock ticks since boot), or None if it is gone or a zombie.
-
-    With the pid, this names one process for good (a pid is reused, its start time is not). The command line would
-    not do: it reads empty until the child's exec completes, some time after Popen returns."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    except OSError:
-        return None
-    return None if fields[0] == "Z" else int(fields[19])
-
-
-def _running(pid: int, started: int | None) -> bool:
-    """The process recorded as (`pid`, `started`) is still running (a server that died at once has no start)."""
-    return started is not None and _start_time(pid) == started
 
 
 def _health(url: str, client: httpx.Client, timeout: float = 2) -> bool:
@@ -135,41 +94,14 @@ def _health(url: str, client: httpx.Client, timeout: float = 2) -> bool:
         return False
 
 
-def recorded_server(state_path: Path) -> dict | None:
-    """The server recorded in `state_path`, if its process still runs."""
-    try:
-        state = json.loads(state_path.read_text())
-        return state if _running(state["pid"], state["started"]) else None
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def write_state(state_path: Path, state: dict) -> None:
-    tmp = state_path.with_name(f"{state_path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    tmp.write_text(json.dumps(state))
-    os.replace(tmp, state_path)
-
-
-def _leases(lease_path: Path) -> int:
-    """How many runs hold a lease now: the shared flocks on the lease file (/proc/locks), waiters not counted."""
-    try:
-        info = os.stat(lease_path)
-        lines = Path("/proc/locks").read_text().splitlines()
-    except OSError:
-        return 0
-    ident = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}:{info.st_ino}"
-    return sum(1 for fields in map(str.split, lines) if fields[1:2] == ["FLOCK"] and fields[3:4] == ["READ"]
-               and fields[5:6] == [ident])
-
-
 def _terminate(pid: int, started: int | None, stop: int = signal.SIGTERM, timeout: float = 10) -> None:
     """Signal the process (`pid`, `started`) and wait until it is gone, killing it after `timeout` seconds."""
-    if not _running(pid, started):
+    if not is_running(pid, started):
         return
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, stop)
     deadline = time.monotonic() + timeout
-    while _running(pid, started):
+    while is_running(pid, started):
         if time.monotonic() > deadline:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
@@ -196,16 +128,6 @@ def check_api_reachable(url: str, timeout: float = API_CHECK_TIMEOUT) -> None:
             time.sleep(0.5)
 
 
-@contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    with open(path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 class EmbeddedServer:
     """The shared Prefect API on 127.0.0.1 of every ad-hoc run on this PREFECT_HOME."""
 
@@ -227,7 +149,7 @@ class EmbeddedServer:
         self.url: str | None = None
         self.process: subprocess.Popen | None = None  # set when this run launched the server
         self.answered = False  # this run has seen it answer
-        self._lease = None
+        self._lease: contextlib.ExitStack | None = None  # this run's shared flock on the lease file, while it uses
         self._settings = None
 
     @staticmethod
@@ -253,7 +175,7 @@ class EmbeddedServer:
                 [sys.executable, "-m", "sft_tokenize.flows.server_process", SERVER_APP, "--port", str(port)],
                 env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             )
-        return {"pid": self.process.pid, "started": _start_time(self.process.pid), "port": port,
+        return {"pid": self.process.pid, "started": start_time(self.process.pid), "port": port,
                 "url": f"http://127.0.0.1:{port}/api"}
 
     def _open_log(self, port: int):
@@ -287,9 +209,9 @@ class EmbeddedServer:
         if self._lease is not None:
             return
         self.lock_path.parent.mkdir(parents=True, exist_ok=True)
-        with _locked(self.lock_path):
-            self._lease = open(self.lease_path, "a")  # noqa: SIM115 - held until release()
-            fcntl.flock(self._lease, fcntl.LOCK_SH)
+        with locked(self.lock_path):
+            self._lease = contextlib.ExitStack()  # held until release()
+            self._lease.enter_context(locked(self.lease_path, shared=True))
             state = self._read_state() or self._launch()
             # In use again; the run that joined or left last sets how long it idles once no run uses it.
             state = {key: value for key, value in state.items() if key != "idle_since"}
@@ -300,7 +222,7 @@ class EmbeddedServer:
     def _alive(self) -> bool:
         if self.process is not None:
             return self.process.poll() is None
-        return _running(self.pid, self.started)
+        return is_running(self.pid, self.started)
 
     def wait_until_ready(self) -> None:
         timeout = max(STARTUP_TIMEOUT, get_current_settings().server.ephemeral.startup_timeout_seconds)
@@ -352,14 +274,12 @@ class EmbeddedServer:
         """Leave the server; the last run to leave leaves it idle (stops it if idle is 0 or it never answered)."""
         if self._lease is None:
             return
-        with _locked(self.lock_path):
-            fcntl.flock(self._lease, fcntl.LOCK_UN)
-            try:
-                fcntl.flock(self._lease, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                last = False  # other runs still use it
-            else:
-                last = True
+        with locked(self.lock_path):
+            # Under the join lock no run joins meanwhile: a lease still held after this run's is dropped is
+            # another run's.
+            self._lease.close()
+            self._lease = None
+            last = not is_locked(self.lease_path)
             state = self._own_state()
             if last and (self.idle <= 0 or not self._answers()):
                 self._stop()
@@ -368,8 +288,6 @@ class EmbeddedServer:
             elif state is not None:
                 write_state(self.state_path, {**state, "idle": self.idle, **({"idle_since": time.time()} if last
                                                                                else {})})
-            self._lease.close()
-            self._lease = None
 
     def _stop(self) -> None:
         # No run uses it. One that never answered this run (bad input found while it booted) is killed at once:
@@ -404,7 +322,7 @@ def server_status() -> list[tuple[str, str]]:
         return [("embedded server", "not running"), *where]
     with httpx.Client() as client:
         answering = _health(state["url"], client, timeout=1)
-    runs, idle = _leases(lease_path), float(state.get("idle", 0))
+    runs, idle = count_leases(lease_path), float(state.get("idle", 0))
     if runs:
         left = "in use"
     elif idle <= 0:
@@ -424,21 +342,16 @@ def stop_server(force: bool = False) -> str:
     lock_path, state_path, lease_path = server_paths(home)
     if not state_path.exists():
         return "no embedded server is running"
-    with _locked(lock_path):  # no run joins meanwhile; a server ending itself holds it until it is gone
+    with locked(lock_path):  # no run joins meanwhile; a server ending itself holds it until it is gone
         state = recorded_server(state_path)
         if state is None:
             return "no embedded server is running"
-        with open(lease_path, "a") as lease:
-            try:
-                fcntl.flock(lease, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                runs = 0
-            except BlockingIOError:
-                runs = max(1, _leases(lease_path))
-            if runs and not force:
-                raise ServerInUse(f"the embedded server (pid {state['pid']}) is in use by "
-                                  f"{'1 run: let it' if runs == 1 else f'{runs} runs: let them'} finish, or pass "
-                                  "--force (they fail)")
-            _terminate(state["pid"], state["started"], timeout=SHUTDOWN_TIMEOUT)
-            state_path.unlink(missing_ok=True)
+        runs = max(1, count_leases(lease_path)) if is_locked(lease_path) else 0
+        if runs and not force:
+            raise ServerInUse(f"the embedded server (pid {state['pid']}) is in use by "
+                              f"{'1 run: let it' if runs == 1 else f'{runs} runs: let them'} finish, or pass "
+                              "--force (they fail)")
+        _terminate(state["pid"], state["started"], timeout=SHUTDOWN_TIMEOUT)
+        state_path.unlink(missing_ok=True)
     used = "" if not runs else "; 1 run was using it" if runs == 1 else f"; {runs} runs were using it"
     return f"stopped the embedded server (pid {state['pid']}) of PREFECT_HOME {home}{used}"

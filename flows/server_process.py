@@ -1,7 +1,7 @@
 """The embedded Prefect server's own process (`python -m sft_tokenize.flows.server_process`, launched by
 flows/embedded_server.py): Prefect's app under uvicorn, a thread that ends it once no run has held a lease for its
 idle time, and the record that lets a boot on a known database skip its migrations and block checks (see
-embedded_server.py's docstring for the protocol and the figures)."""
+server_state.py's docstring for the protocol, docs/performance.md for the figures)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ from pathlib import Path
 from prefect.context import refresh_global_settings_context
 from prefect.settings import get_current_settings
 
-from sft_tokenize.flows.embedded_server import SERVER_APP, SHUTDOWN_TIMEOUT, recorded_server, server_paths, write_state
+from sft_tokenize.files import is_locked
+from sft_tokenize.flows.embedded_server import SERVER_APP, SHUTDOWN_TIMEOUT
+from sft_tokenize.flows.server_state import recorded_server, server_paths, write_state
 
 BOOT_RECORD = "sft-tokenize-server-boot.json"
 # What a boot on the database that a full boot of this Prefect left behind can skip (see _boot_facts).
@@ -129,13 +131,10 @@ def serve(port: int) -> None:
                     _record_boot(home / BOOT_RECORD)
             lock = open(lock_path, "a")  # noqa: SIM115 - kept locked until this process is gone, if it ends
             fcntl.flock(lock, fcntl.LOCK_EX)
-            with open(lease_path, "a") as lease:
-                try:
-                    fcntl.flock(lease, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    _in_use(state_path)
-                    lock.close()
-                    continue
+            if is_locked(lease_path):  # some run holds a lease
+                _in_use(state_path)
+                lock.close()
+                continue
             if _idling(state_path):
                 lock.close()
                 continue

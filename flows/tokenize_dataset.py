@@ -25,10 +25,11 @@ from pydantic import Field, ValidationInfo, field_validator
 
 from sft_tokenize.build.options import TokenizeOptions
 from sft_tokenize.build.plan import Plan
-from sft_tokenize.build.publish import building, is_published
-from sft_tokenize.build.shard import encoding_processes, finished_shard, warm_encoder
-from sft_tokenize.build.store import collect_garbage, discard_shards, leased, remove_cache
+from sft_tokenize.build.protocol import build_cache
+from sft_tokenize.build.shard import finished_shard
+from sft_tokenize.build.store import collect_garbage, discard_shards, remove_cache
 from sft_tokenize.build.timeline import mark
+from sft_tokenize.build.workers import encoding_processes, warm_encoder
 from sft_tokenize.encoding.memory import limit_malloc_arenas
 from sft_tokenize.encoding.pool import POOL_MIN_BYTES, available_cores, tokenizer_env
 from sft_tokenize.errors import BadInput
@@ -285,27 +286,27 @@ def tokenize_dataset(options: TokenizeRun) -> str:
     if plan.inputs.get("ignored_files"):
         logger.info("not data, not read: %s", ", ".join(plan.inputs["ignored_files"]))
     plan_seconds = round(time.monotonic() - started, 3)  # resolving, checking and hashing the inputs
-    if plan.cached and not options.force:
+
+    def on_the_runner(plan: Plan, staged: set[int]) -> dict:
+        return {"plan_seconds": plan_seconds, **tokenize_all(plan, options, staged)}
+
+    def discarding_previous_output(plan: Plan) -> Plan:
+        return discard_previous_output(plan, options)
+
+    built = build_cache(plan, on_the_runner, publish_cache, discarding_previous_output if options.force else None)
+    plan = built.plan
+    if built.outcome == "cached":
         logger.info("cache hit, nothing to tokenize: %s", plan.cache_path)
+    elif built.outcome == "published meanwhile":
+        logger.info("another run published the cache while this one waited: %s", plan.cache_path)
     else:
-        # One run per fingerprint at a time: a second one waits here, then finds the cache published.
-        with building(plan.job):
-            if options.force:
-                plan = discard_previous_output(plan, options)
-            if is_published(plan.cache_path):
-                logger.info("another run published the cache while this one waited: %s", plan.cache_path)
-            else:
-                with leased(plan.job, plan.slices) as reused:  # gc keeps these shards until published
-                    timings = {"plan_seconds": plan_seconds, **tokenize_all(plan, options, reused)}
-                    publish_cache(plan.job, plan.slices, plan.cache_path, plan.inputs, plan.name, timings,
-                                  len(reused))
-                mark("published")
-                logger.info("published %s (%d slices reused, %d tokenized)", plan.cache_path, len(reused),
-                            len(plan.slices) - len(reused))
-                if options.keep_versions:
-                    done = collect_garbage(options.cache_root, options.keep_versions, names={plan.name})
-                    logger.info("removed %d older versions of %s and %d unused shards (%s bytes)",
-                                len(done.removed), plan.name, done.shards_removed, f"{done.bytes_freed:,}")
+        mark("published")
+        logger.info("published %s (%d slices reused, %d tokenized)", plan.cache_path, built.reused,
+                    len(plan.slices) - built.reused)
+        if options.keep_versions:
+            done = collect_garbage(options.cache_root, options.keep_versions, names={plan.name})
+            logger.info("removed %d older versions of %s and %d unused shards (%s bytes)",
+                        len(done.removed), plan.name, done.shards_removed, f"{done.bytes_freed:,}")
     report(plan.cache_path)
     if options.pack is not None:
         report_packing(pack_cache(plan.cache_path, options.pack))

@@ -37,7 +37,7 @@ if not (_here / "flows").is_dir() and (_here.parent / "flows" / "tokenize_datase
 _API = {
     "tokenize": "sft_tokenize.flows.api",
     "open_cache": "sft_tokenize.read.cache",
-    "read_manifest": "sft_tokenize.read.cache",
+    "read_manifest": "sft_tokenize.format.manifest",
     "TokenizedCache": "sft_tokenize.read.cache",
     "PackOptions": "sft_tokenize.read.packing_index",
     "pack_cache": "sft_tokenize.read.packing_index",
@@ -57,7 +57,8 @@ __all__ = ["BadInput", "CacheError", "PackOptions", "PackedSampler", "PackedSequ
 if TYPE_CHECKING:
     from sft_tokenize.errors import BadInput, CacheError
     from sft_tokenize.flows.api import tokenize
-    from sft_tokenize.read.cache import TokenizedCache, open_cache, read_manifest
+    from sft_tokenize.format.manifest import read_manifest
+    from sft_tokenize.read.cache import TokenizedCache, open_cache
     from sft_tokenize.read.packed_sequences import PackedSampler, PackedSequences, packed_sequences
     from sft_tokenize.read.packing_index import PackOptions, pack_cache
     from sft_tokenize.read.trainers import for_axolotl, for_trl, work_view

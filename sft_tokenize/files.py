@@ -1,15 +1,29 @@
-"""File mechanisms the build and read sides share: an advisory lock across processes, and fsync by path.
+"""File mechanisms the build and read sides share, each written once: an advisory lock across processes and
+its probe, a file replaced in one rename, and a directory built aside and renamed into place.
 
-Neutral ground: it imports nothing of the project, so the read side (the packing index) can lock and make
-durable what it writes without loading the build side.
+Neutral ground: it imports nothing of the project, so the read side (the packing index, the trainers' work
+view) can use them without loading the build side.
+
+Names. A file being written is `<name>.tmp-<32 hex digits>` beside its final name (the shard store's gc and
+the interrupt handler find a shard's leftovers by that pattern, FORMAT.md lists it); a directory being built
+is `<what the caller names>-<8 hex digits>`, and an existing one it replaces is renamed aside the same way.
+
+Durability, one policy. A durable write fsyncs the file before the rename (the new name never points at
+bytes that a crash could lose) and the directory after it (the rename itself survives a crash). A built
+directory is always durable: each of its files, the directory, then its parent after the rename. A write that
+is only a cache of something recomputable (a lease that dies with its process, a digest book, a prepared
+tokenizer, a trainer's work view) passes `durable=False` and says why.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import os
+import shutil
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,6 +48,22 @@ def locked(lock_file: Path, waiting: str | None = None, shared: bool = False) ->
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def is_locked(lock_file: Path) -> bool:
+    """Whether some process holds an flock on `lock_file`, shared or exclusive (a missing file is held by
+    nobody). It only probes: the lock is released at once, and the file is never created."""
+    try:
+        handle = open(lock_file)  # noqa: SIM115 - closed below; opening read-only never creates it
+    except FileNotFoundError:
+        return False
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        return False
+
+
 def fsync_path(path: Path) -> None:
     """fsync a file or a directory by path: what a rename publishes must be on disk first."""
     fd = os.open(path, os.O_RDONLY)
@@ -41,3 +71,65 @@ def fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def temp_path(path: Path) -> Path:
+    """Where `path` is written before it is renamed into place: beside it, unique to this write."""
+    return path.with_name(f"{path.name}.tmp-{uuid.uuid4().hex}")
+
+
+@contextlib.contextmanager
+def atomic_path(path: Path, *, durable: bool = True) -> Iterator[Path]:
+    """Yields a temporary path beside `path` for the block to write (a stream, a symlink, anything); when the
+    block ends, that path replaces `path` in one rename. If the block raises, the temporary path is removed
+    and `path` is left as it was. `durable`: see the module's docstring."""
+    tmp = temp_path(path)
+    try:
+        yield tmp
+        if durable:
+            fsync_path(tmp)
+        os.replace(tmp, path)
+        if durable:
+            fsync_path(path.parent)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def atomic_write(path: Path, data: bytes | str, *, durable: bool = True) -> None:
+    """Replace `path` with `data` (text is written as UTF-8) in one rename: a reader sees the old file or the
+    new one, never part of either."""
+    with atomic_path(path, durable=durable) as tmp:
+        tmp.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
+
+
+@contextlib.contextmanager
+def built_directory(final: Path, building: Path, displaced: Path) -> Iterator[Path]:
+    """Yields a new empty directory, `<building>-<id>`, for the block to fill; when the block ends, its files
+    and itself are fsynced and it is renamed to `final` in one step, so a reader sees the whole directory or
+    none of it. A directory already at `final` (the caller has found it corrupt or stale) is first renamed to
+    `<displaced>-<id>` and removed, never served. If the block raises, the new directory is removed and
+    `final` is left as it was.
+
+    `building` and `displaced` name paths on `final`'s filesystem; callers build under a lock, so no other
+    process renames into `final` meanwhile. Should one have done so anyway (a filesystem without flock), its
+    directory stays and this one is removed."""
+    tag = uuid.uuid4().hex[:8]
+    temp = building.with_name(f"{building.name}-{tag}")
+    temp.mkdir()
+    try:
+        yield temp
+        for path in temp.iterdir():
+            fsync_path(path)
+        fsync_path(temp)
+        if final.exists():
+            aside = displaced.with_name(f"{displaced.name}-{tag}")
+            os.rename(final, aside)
+            shutil.rmtree(aside, ignore_errors=True)
+        try:
+            os.rename(temp, final)
+        except OSError as error:
+            if error.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                raise
+        fsync_path(final.parent)
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)

@@ -8,7 +8,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from sft_tokenize.build import publish
-from sft_tokenize.build.shard import Job
+from sft_tokenize.build.job import Job
 from sft_tokenize.sources.resolve import Slice
 
 

@@ -16,7 +16,7 @@ from prefect import task
 from prefect.tasks import exponential_backoff
 
 from sft_tokenize.build import shard
-from sft_tokenize.build.shard import Job
+from sft_tokenize.build.job import Job
 from sft_tokenize.build.stopping import Stopped
 from sft_tokenize.errors import BadInput, OutOfSpace
 from sft_tokenize.sources.resolve import Slice

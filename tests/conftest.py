@@ -99,7 +99,7 @@ def modern_tokenizer(tmp_path_factory):
 @pytest.fixture(scope="session")
 def modern_tokenizers(modern_tokenizer):
     """family name → that family's tokenizer, loaded (once per session)."""
-    from sft_tokenize.encoding.chat_encoder import load_tokenizer
+    from sft_tokenize.encoding.tokenizer import load_tokenizer
 
     loaded = {}
 
@@ -114,7 +114,7 @@ def modern_tokenizers(modern_tokenizer):
 @pytest.fixture(scope="module")
 def metaspace_tokenizer(tmp_path_factory):
     """A SentencePiece-style tokenizer, loaded: no byte-level positions, so no fast exact encoder."""
-    from sft_tokenize.encoding.chat_encoder import load_tokenizer
+    from sft_tokenize.encoding.tokenizer import load_tokenizer
 
     return load_tokenizer(build_metaspace_tokenizer(tmp_path_factory.mktemp("metaspace")))
 

@@ -25,14 +25,14 @@ from __future__ import annotations
 import json
 import os
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
 import xxhash
 
 from sft_tokenize.build.fingerprint import fingerprint
-from sft_tokenize.sources.resolve import Part, Slice, _identity, _is_local, filesystem
+from sft_tokenize.files import atomic_write
+from sft_tokenize.sources.resolve import Part, Slice, file_identity, filesystem, is_local
 
 HASH_CHUNK_BYTES = 1 << 20
 KEY_DIGITS = 32
@@ -100,7 +100,7 @@ class Digests:
 
     def remote(self, url: str, fs: Any, path: str) -> list:
         if url not in self._remote:
-            self._remote[url] = [url, *_identity(fs, path, fs.info(path))]  # ("remote", size, ETag...)
+            self._remote[url] = [url, *file_identity(fs, path, fs.info(path))]  # ("remote", size, ETag...)
         return self._remote[url]
 
     def save(self) -> None:
@@ -115,12 +115,8 @@ class Digests:
 
 def _write_book(book: Path, entries: dict) -> None:
     book.parent.mkdir(parents=True, exist_ok=True)
-    tmp = book.with_name(f"{book.name}.tmp-{uuid.uuid4().hex}")
-    try:
-        tmp.write_text(json.dumps(entries, separators=(",", ":")))
-        os.replace(tmp, book)
-    finally:
-        tmp.unlink(missing_ok=True)
+    # Not durable: a book lost in a crash only means hashing those files again.
+    atomic_write(book, json.dumps(entries, separators=(",", ":")), durable=False)
 
 
 def forget(book: Path, path: str) -> None:
@@ -134,7 +130,7 @@ def part_identity(part: Part, storage_options: dict | None = None, digests: Dige
     """What a part reads, as content: see the module's docstring."""
     digests = Digests() if digests is None else digests
     fs, path = filesystem(part.url, storage_options)
-    if not _is_local(fs):
+    if not is_local(fs):
         return [part.kind, part.start, part.stop, *digests.remote(part.url, fs, path)]
     if part.kind == "jsonl":
         return [part.kind, part.stop - part.start, digests.local(path, part.start, part.stop)]

@@ -1,13 +1,27 @@
-"""The options of one tokenization run: what the CLI, the flow's typed form and the data plane share."""
+"""The options of one tokenization run, each declared once: what the CLI, the flow's typed form and the data
+plane share.
+
+TokenizeOptions is the table. Each field says, in one place, the option's type, default and help text (its
+pydantic description: the Prefect UI form and `sft-tokenize run --help` show the same words), its checks
+(pydantic constraints and validators) and, in an `Option` beside its type, what pydantic does not hold: where
+`--help` lists it and how the flag is parsed, whether it changes the cache's rows (the fingerprint hashes it)
+and whether the slices read it (a field of the Job). The command line (flows/arguments.py), the fingerprint
+(plan.py) and the Job (job.py) are derived from it.
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic.fields import FieldInfo
 
 from sft_tokenize.read.layouts import Layout
 
@@ -38,62 +52,144 @@ def parse_size(size: int | str) -> int:
     return int(number * scale)
 
 
+def sorted_tuple(values: list[str]) -> tuple[str, ...]:
+    """A set of names in one order, whatever order they were given in."""
+    return tuple(sorted(values))
+
+
+# A flag's text to its value: an argparse.ArgumentTypeError becomes a usage error naming the flag.
+
+def role_column(spec: str) -> tuple[str, str]:
+    role, sep, name = spec.partition("=")
+    if not sep or not role or not name:
+        raise argparse.ArgumentTypeError(f"expected ROLE=NAME (e.g. completion=response), got {spec!r}")
+    return role, name
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({error.msg} at character {error.pos}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"anon\": true}}', got {text!r}")
+    return value
+
+
+# The sections of `sft-tokenize run --help` (and of docs/cli.md).
+INPUT = "input"
+MASKS = "loss masks and templates"
+OUTPUT = "output"
+SLICES = "slices, runners and retries"
+
+
+@dataclass(frozen=True)
+class Option:
+    """What an option's pydantic field does not say."""
+
+    section: str | None = None  # its section of `sft-tokenize run --help`; None: no flag (Python and the flow only)
+    metavar: str | None = None
+    flag: str | None = None  # default: --NAME with dashes for underscores
+    parse: Callable[[str], Any] | None = None  # the flag's text to a value (argparse's `type`)
+    repeat: bool = False  # the flag is given once per value
+    positional: bool = False
+    # "value": the fingerprint hashes the option's value (as the Job holds it) under its name; "resolved": it
+    # hashes what the plan resolves from it (the files read, their columns, the tokenizer's files, the template's
+    # text); None: the option does not change the cache's rows.
+    fingerprint: Literal["value", "resolved"] | None = None
+    only_with: str | None = None  # hashed as None unless this other option is set: without it the option never acts
+    job: bool | Callable[[Any], Any] = False  # the slices read it: True as given, or the value this makes of it
+
+
 class TokenizeOptions(BaseModel):
-    """Everything that decides what a run reads and writes. Shown as the flow's form in the Prefect UI."""
+    """Everything that decides what a run reads and writes. Shown as the flow's form in the Prefect UI.
+
+    The order of the fingerprinted options is the order of the fingerprint's inputs in every manifest."""
 
     model_config = ConfigDict(extra="forbid")
 
-    sources: list[str] = Field(
-        description="Files, globs, directories, fsspec URLs, or hub:NAME for a Hugging Face hub dataset."
-    )
-    tokenizer: str = Field(description="A local tokenizer directory or a Hugging Face hub model name.")
-    cache_dir: str = Field(description="The cache root; published caches and staging live under it.")
-    name: str | None = Field(None, description="Cache name; defaults to the first source's stem.")
-    format: Format = "auto"
-    columns: dict[str, str] = Field(
+    sources: Annotated[list[str], Option(INPUT, metavar="SOURCE", positional=True, fingerprint="resolved")] = Field(
+        description="files, globs, directories, fsspec URLs, or hub:NAME for a Hugging Face hub dataset")
+    tokenizer: Annotated[str, Option(INPUT, metavar="PATH_OR_NAME", fingerprint="resolved")] = Field(
+        description="a local tokenizer directory or a Hugging Face hub model name")
+    cache_dir: Annotated[str, Option(OUTPUT, metavar="DIR")] = Field(
+        description="the cache root: published caches, their versions, staging and the shard store live under it")
+    name: Annotated[str | None, Option(OUTPUT)] = Field(
+        None, description="cache name (default: the first source's stem): letters, digits, '.', '_' or '-'")
+    format: Annotated[Format, Option(INPUT, fingerprint="resolved")] = Field(
+        "auto", description="the rows' format; auto: told by the columns of the first file")
+    columns: Annotated[dict[str, str], Option(INPUT, metavar="ROLE=NAME", flag="--column", parse=role_column,
+                                              repeat=True, fingerprint="resolved")] = Field(
         default_factory=dict,
-        description="Column names by role, e.g. {'messages': 'conversations', 'completion': 'response'}.",
-    )
-    train_on: TrainOn = "all_assistant"
-    max_length: int | None = Field(None, gt=0)
-    truncation: Truncation = "truncate"
-    chat_template: str | None = Field(None, description="A .jinja file or template text overriding the tokenizer's.")
-    template_kwargs: dict = Field(
+        description="the column of a role (messages, system, tools, instruction, input, output, prompt, "
+                    "completion, text) where it is not the role's usual name, e.g. completion=response")
+    split: Annotated[str, Option(INPUT, fingerprint="resolved")] = Field(
+        "train", description="split of a hub dataset or of a saved DatasetDict")
+    subset: Annotated[str | None, Option(INPUT, fingerprint="resolved")] = Field(
+        None, description="config (subset) of a hub dataset")
+    revision: Annotated[str | None, Option(fingerprint="resolved")] = Field(
+        None, description="revision of a hub dataset")
+    tokenizer_revision: Annotated[str | None, Option(fingerprint="resolved")] = Field(
+        None, description="revision of a hub tokenizer")
+    chat_template: Annotated[str | None, Option(MASKS, metavar="FILE", fingerprint="resolved")] = Field(
+        None, description="a .jinja file (or the template's text) overriding the tokenizer's chat template")
+    template_kwargs: Annotated[dict, Option(MASKS, metavar="JSON", parse=json_object, fingerprint="value",
+                                            job=True)] = Field(
         default_factory=dict,
-        description="Extra variables for the chat template, e.g. {'enable_thinking': false} or a fixed date_string.",
-    )
-    reasoning_turns: ReasoningTurns = Field(
-        "as-rendered",
-        description="'expand': one more row per assistant turn whose reasoning the template drops in history.",
-    )
-    special_text: SpecialText = Field(
-        "literal",
-        description="A control token's text inside a message: 'literal' encodes it as plain text, 'error' rejects "
-                    "the row, 'keep' encodes it as the control token (as apply_chat_template does).",
-    )
-    encoder: Encoder = Field(
-        "auto",
-        description="Who turns text into ids: 'hf' (tokenizers), 'fastokens' (faster, where it gives the same ids "
-                    "and its tokens can be placed in the text), 'auto' (fastokens if installed and exact, else hf). "
-                    "Output is identical, so it is not part of the cache's fingerprint.",
-    )
-    tokenizer_revision: str | None = None
-    split: str = Field("train", description="Split of a hub dataset or of a saved DatasetDict.")
-    subset: str | None = Field(None, description="Config (subset) of a hub dataset.")
-    revision: str | None = Field(None, description="Revision of a hub dataset.")
-    extra_columns: list[ExtraColumn] = Field(default_factory=list)
-    layout: Layout = Field("skyrl", description="The trainer whose columns the cache holds: skyrl (input_ids, "
-                           "loss_mask), trl (input_ids, labels), axolotl or llama-factory (input_ids, "
-                           "attention_mask, labels).")
-    on_bad_row: OnBadRow = "raise"
-    shard_size: str = Field("256MB", description="Input bytes per slice (one task and one shard each).")
-    max_row_bytes: str = Field(
-        "2MB", description="Largest JSON line read: a longer one is a bad row (row_too_large), never decoded. "
-        "Each MB of a row in flight costs a worker about 180 MB while it is tokenized.")
-    writer_batch_rows: int = Field(1000, gt=0)
-    writer_batch_bytes: str = "64MB"
-    trust_remote_code: bool = False
-    storage_options: dict = Field(default_factory=dict, description="fsspec options for remote sources.")
+        description='variables for the chat template, a JSON object (e.g. \'{"enable_thinking": false}\' or a '
+                    "fixed date_string)")
+    reasoning_turns: Annotated[ReasoningTurns, Option(MASKS, fingerprint="value", job=True)] = Field(
+        "as-rendered", description="expand: one more row per assistant turn whose reasoning the template drops in "
+                                   "history, so every turn's reasoning is trained")
+    special_text: Annotated[SpecialText, Option(MASKS, fingerprint="value", job=True)] = Field(
+        "literal", description="a control token's text inside a message: literal encodes it as plain text, error "
+                               "rejects the row, keep encodes it as the control token, as apply_chat_template does")
+    train_on: Annotated[TrainOn, Option(MASKS, fingerprint="value", job=True)] = Field(
+        "all_assistant", description="which tokens the loss mask trains on; see docs/masks.md")
+    max_length: Annotated[int | None, Option(MASKS, metavar="N", parse=positive_int, fingerprint="value",
+                                             job=True)] = Field(
+        None, gt=0, description="longest row in tokens (default: no limit)")
+    truncation: Annotated[Truncation, Option(MASKS, fingerprint="value", only_with="max_length", job=True)] = Field(
+        "truncate", description="what happens to a row longer than the maximum length: truncated or dropped")
+    extra_columns: Annotated[list[ExtraColumn], Option(OUTPUT, flag="--extra-column", repeat=True,
+                                                       fingerprint="value", job=sorted_tuple)] = Field(
+        default_factory=list, description="also store this column")
+    layout: Annotated[Layout, Option(OUTPUT, fingerprint="value", job=True)] = Field(
+        "skyrl", description="the trainer whose columns the cache holds: skyrl (input_ids, loss_mask), trl "
+                             "(input_ids, labels), axolotl or llama-factory (input_ids, attention_mask, labels); "
+                             "see docs/trainers.md")
+    encoder: Annotated[Encoder, Option(OUTPUT, job=True)] = Field(
+        "auto", description="who turns text into ids: hf (tokenizers), fastokens (the fast extra; refused, and said "
+                            "so, where its ids could differ), auto (fastokens where exact, else hf); the cache's "
+                            "bytes are the same, so it is not in the fingerprint")
+    # A skip run may hold fewer rows than a raise run would refuse to publish: never the same cache.
+    on_bad_row: Annotated[OnBadRow, Option(INPUT, fingerprint="value", job=True)] = Field(
+        "raise", description="raise: stop at the first malformed row; skip: skip it and count it")
+    max_row_bytes: Annotated[str, Option(INPUT, metavar="SIZE", fingerprint="value", job=parse_size)] = Field(
+        "2MB", description="largest JSON line read: a longer one is a bad row (row_too_large), never decoded; each "
+                           "MB of a row in flight costs a worker about 180 MB while it is tokenized")
+    storage_options: Annotated[dict, Option(INPUT, metavar="JSON", parse=json_object, job=True)] = Field(
+        default_factory=dict,
+        description='fsspec options for remote sources, a JSON object (e.g. \'{"anon": true}\'); prefer '
+                    "credentials from the environment: these are stored with the run's parameters")
+    shard_size: Annotated[str, Option(SLICES, metavar="SIZE")] = Field(
+        "256MB", description="input bytes per slice (one task and one shard each)")
+    writer_batch_rows: Annotated[int, Option(job=True)] = Field(
+        1000, gt=0, description="rows per record batch written to a shard, at most")
+    writer_batch_bytes: Annotated[str, Option(job=parse_size)] = Field(
+        "64MB", description="bytes per record batch written to a shard, at most")
+    trust_remote_code: Annotated[bool, Option(job=True)] = Field(
+        False, description="let a hub tokenizer run its own code (transformers' trust_remote_code)")
 
     @field_validator("name")
     @classmethod
@@ -115,3 +211,42 @@ class TokenizeOptions(BaseModel):
     @property
     def cache_root(self) -> Path:
         return Path(os.path.abspath(Path(self.cache_dir).expanduser()))  # normalised: no `in/../caches`
+
+
+def declared(model: type[BaseModel] = TokenizeOptions) -> Iterator[tuple[str, FieldInfo, Option]]:
+    """Each option of `model` in table order: its name, its pydantic field and its Option."""
+    for name, info in model.model_fields.items():
+        option = next((m for m in info.metadata if isinstance(m, Option)), None)
+        if option is not None:
+            yield name, info, option
+
+
+def _as_the_job_holds_it(option: Option, value: Any) -> Any:
+    return option.job(value) if callable(option.job) else value
+
+
+def job_options() -> Iterator[tuple[str, Any, Any]]:
+    """The Job's option fields: each option the slices read, its type there and its default there."""
+    for name, info, option in declared():
+        if option.job:
+            default = _as_the_job_holds_it(option, info.get_default(call_default_factory=True))
+            kind = info.annotation if option.job is True else option.job.__annotations__["return"]
+            yield name, kind, default
+
+
+def job_values(options: TokenizeOptions) -> dict[str, Any]:
+    """The Job's option fields for this run."""
+    return {name: _as_the_job_holds_it(option, getattr(options, name))
+            for name, _, option in declared() if option.job}
+
+
+def hashed_values(options: TokenizeOptions) -> dict[str, Any]:
+    """The options the fingerprint hashes by value, by name, in table order (the plan adds what it resolves)."""
+    hashed = {}
+    for name, _, option in declared():
+        if option.fingerprint == "value":
+            value = _as_the_job_holds_it(option, getattr(options, name))
+            if option.only_with is not None and not getattr(options, option.only_with):
+                value = None
+            hashed[name] = list(value) if isinstance(value, tuple) else value  # as JSON holds it
+    return hashed

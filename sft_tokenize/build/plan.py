@@ -14,16 +14,18 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from sft_tokenize.build.fingerprint import fingerprint, hash_directory, hash_text, tokenization_inputs
+from sft_tokenize.build.job import Job
 from sft_tokenize.build.keys import Digests, slice_key
-from sft_tokenize.build.options import TokenizeOptions, parse_size
+from sft_tokenize.build.options import TokenizeOptions, hashed_values, job_values, parse_size
 from sft_tokenize.build.publish import is_published
-from sft_tokenize.build.shard import Job, process_encoding
 from sft_tokenize.build.store import store_dir
 from sft_tokenize.build.timeline import mark
+from sft_tokenize.build.workers import process_encoding
 from sft_tokenize.chat.template_check import check_chat_template
-from sft_tokenize.encoding.chat_encoder import ChatEncoder, read_chat_template, resolve_tokenizer
+from sft_tokenize.encoding.chat_encoder import ChatEncoder
 from sft_tokenize.encoding.pool import POOL_MIN_BYTES
 from sft_tokenize.encoding.prepared import prepared_dir
+from sft_tokenize.encoding.tokenizer import read_chat_template, resolve_tokenizer
 from sft_tokenize.errors import BadInput
 from sft_tokenize.format import CACHE_FORMAT_VERSION
 from sft_tokenize.sources.conversations import REQUIRED, ColumnMap, resolve_columns
@@ -135,17 +137,7 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable
         # The tokenizer's own chat template is one of its files; an override is hashed on its own.
         "tokenizer_files": (tokenizer_files := hash_directory(tokenizer_dir)),
         "chat_template_override": hash_text(template_override),
-        "template_kwargs": options.template_kwargs,
-        "reasoning_turns": options.reasoning_turns,
-        "special_text": options.special_text,
-        "train_on": options.train_on,
-        "max_length": options.max_length,
-        "truncation": options.truncation if options.max_length else None,
-        "extra_columns": sorted(options.extra_columns),
-        "layout": options.layout,
-        # A skip run may hold fewer rows than a raise run would refuse to publish: never the same cache.
-        "on_bad_row": options.on_bad_row,
-        "max_row_bytes": parse_size(options.max_row_bytes),
+        **hashed_values(options),  # the options that change the rows by their value (options.py)
     }
     digest = fingerprint(inputs)
     inputs["ignored_files"] = ignored  # recorded, not hashed: they are never read
@@ -159,21 +151,7 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable
         tokenizer_dir=str(tokenizer_dir),
         chat_template=template_override,
         columns=columns,
-        train_on=options.train_on,
-        template_kwargs=options.template_kwargs,
-        reasoning_turns=options.reasoning_turns,
-        special_text=options.special_text,
-        encoder=options.encoder,
-        max_length=options.max_length,
-        truncation=options.truncation,
-        on_bad_row=options.on_bad_row,
-        max_row_bytes=parse_size(options.max_row_bytes),
-        extra_columns=tuple(sorted(options.extra_columns)),
-        layout=options.layout,
-        writer_batch_rows=options.writer_batch_rows,
-        writer_batch_bytes=parse_size(options.writer_batch_bytes),
-        trust_remote_code=options.trust_remote_code,
-        storage_options=options.storage_options,
+        **job_values(options),  # the options the slices read (options.py)
         prepared=str(prepared_dir(tokenizer_files, options.trust_remote_code)),
     )
     mark("planned")
@@ -205,18 +183,11 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable
 
 def run_locally(options: TokenizeOptions) -> Path:
     """The whole pipeline in this process, one slice after another: the reference the flow must match."""
-    from sft_tokenize.build.publish import building, publish_cache
+    from sft_tokenize.build.protocol import build_cache
     from sft_tokenize.build.shard import tokenize_slice
-    from sft_tokenize.build.store import leased
 
-    plan = plan_slices(options)
-    if plan.cached:
-        return plan.cache_path
-    with building(plan.job):
-        if is_published(plan.cache_path):  # another run published it while this one waited
-            return plan.cache_path
-        with leased(plan.job, plan.slices) as reused:
-            for slice_ in plan.slices:
-                tokenize_slice(plan.job, slice_)
-            return publish_cache(plan.job, plan.slices, plan.cache_path, plan.inputs, plan.name,
-                                 reused=len(reused))
+    def one_after_another(plan: Plan, reused: set[int]) -> None:
+        for slice_ in plan.slices:
+            tokenize_slice(plan.job, slice_)  # a reused slice's shard is found, not written
+
+    return build_cache(plan_slices(options), one_after_another).cache_path

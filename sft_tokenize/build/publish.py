@@ -16,7 +16,6 @@ import logging
 import os
 import shutil
 import time
-import uuid
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -24,11 +23,12 @@ from typing import Any
 import numpy as np
 
 from sft_tokenize import __version__
-from sft_tokenize.build.shard import Job, features, finished_shard
+from sft_tokenize.build.job import Job, features
+from sft_tokenize.build.shard import finished_shard
 from sft_tokenize.errors import BadInput, CacheError
-from sft_tokenize.files import fsync_path, locked
+from sft_tokenize.files import built_directory, locked
 from sft_tokenize.format import CACHE_FORMAT_VERSION
-from sft_tokenize.read.cache import read_manifest
+from sft_tokenize.format.manifest import read_manifest
 from sft_tokenize.sources.resolve import Slice
 
 PERCENTILES = (50, 90, 99)
@@ -138,36 +138,29 @@ def publish_cache(job: Job, slices: list[Slice], cache_path: Path, inputs: dict,
             raise BadInput(f"{where}: no row has a trained token: {sum(dropped.values())} rows dropped "
                            f"({describe_drops(dropped)}); nothing was published")
         kept = [(s, slice_) for s, slice_ in zip(shards, slices, strict=True) if s["rows"]]
-        building = staging.with_name(f"{staging.name}.publish-{uuid.uuid4().hex[:8]}")
-        building.mkdir()
-        files = []
-        for k, (meta, slice_) in enumerate(kept):
-            target = building / f"data-{k:05d}-of-{len(kept):05d}.arrow"
-            source = job.shard_path(slice_)
-            try:
-                os.link(source, target)
-            except OSError:  # a filesystem without hard links: the store keeps its copy for the next build
-                shutil.copyfile(source, target)
-            files.append({"name": target.name, "bytes": meta["bytes"], "rows": meta["rows"], "tokens": meta["tokens"]})
-        state = {"_data_files": [{"filename": f["name"]} for f in files], "_fingerprint": job.fingerprint,
-                 "_format_columns": None, "_format_kwargs": {}, "_format_type": None,
-                 "_output_all_columns": False, "_split": None}
-        (building / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True))
-        from datasets import DatasetInfo
+        # A corrupt cache at cache_path (is_published said no) is replaced, never served.
+        with built_directory(cache_path, staging.with_name(f"{staging.name}.publish"),
+                             staging.with_name(f"{staging.name}.corrupt")) as building:
+            files = []
+            for k, (meta, slice_) in enumerate(kept):
+                target = building / f"data-{k:05d}-of-{len(kept):05d}.arrow"
+                source = job.shard_path(slice_)
+                try:
+                    os.link(source, target)
+                except OSError:  # a filesystem without hard links: the store keeps its copy for the next build
+                    shutil.copyfile(source, target)
+                files.append({"name": target.name, "bytes": meta["bytes"], "rows": meta["rows"],
+                              "tokens": meta["tokens"]})
+            state = {"_data_files": [{"filename": f["name"]} for f in files], "_fingerprint": job.fingerprint,
+                     "_format_columns": None, "_format_kwargs": {}, "_format_type": None,
+                     "_output_all_columns": False, "_split": None}
+            (building / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True))
+            from datasets import DatasetInfo
 
-        DatasetInfo(features=features(job.extra_columns, job.layout)).write_to_directory(str(building))
-        manifest = build_manifest(job, slices, shards, files, inputs, name)
-        manifest["build"] = {"published_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="microseconds"),
-                             "slices_reused": reused, "slices_tokenized": len(slices) - reused}
-        manifest["timings"] = {**(timings or {}), "publish_seconds": round(time.monotonic() - started, 3)}
-        (building / "manifest.json").write_text(json.dumps(manifest, indent=2))
-        for path in building.iterdir():
-            fsync_path(path)
-        fsync_path(building)
-        if cache_path.exists():  # a corrupt cache (is_published said no) is replaced, never served
-            corrupt = staging.with_name(f"{staging.name}.corrupt-{uuid.uuid4().hex[:8]}")
-            os.rename(cache_path, corrupt)
-            shutil.rmtree(corrupt, ignore_errors=True)
-        os.rename(building, cache_path)
-        fsync_path(cache_path.parent)
+            DatasetInfo(features=features(job.extra_columns, job.layout)).write_to_directory(str(building))
+            manifest = build_manifest(job, slices, shards, files, inputs, name)
+            manifest["build"] = {"published_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="microseconds"),
+                                 "slices_reused": reused, "slices_tokenized": len(slices) - reused}
+            manifest["timings"] = {**(timings or {}), "publish_seconds": round(time.monotonic() - started, 3)}
+            (building / "manifest.json").write_text(json.dumps(manifest, indent=2))
     return cache_path

@@ -10,77 +10,29 @@ from __future__ import annotations
 
 import errno
 import json
-import os
-import threading
 import time
-import uuid
 from collections import Counter, deque
-from collections.abc import Iterator
 from concurrent.futures import Future
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
-from sft_tokenize.build.keys import DIGEST_BOOK, forget, slice_key
+from sft_tokenize.build.job import Job, features
+from sft_tokenize.build.keys import forget, slice_key
 from sft_tokenize.build.stopping import raise_if_stopping
 from sft_tokenize.build.timeline import mark
-from sft_tokenize.encoding.chat_encoder import ChatEncoder, EncodedBatch, load_tokenizer
-from sft_tokenize.encoding.exact import VERIFY_ROWS, FastEncoder, choose_encoder
-from sft_tokenize.encoding.pool import DEPTH, EncodePool
-from sft_tokenize.encoding.prepared import prepared_encoding
+from sft_tokenize.build.workers import slice_encoding
+from sft_tokenize.encoding.chat_encoder import EncodedBatch
+from sft_tokenize.encoding.exact import VERIFY_ROWS
 from sft_tokenize.errors import BadInput, BadRow, OutOfSpace
+from sft_tokenize.files import atomic_path, atomic_write
 from sft_tokenize.read.layouts import COLUMN_TYPES, column_values, layout_columns
-from sft_tokenize.sources.conversations import ColumnMap, to_example
+from sft_tokenize.sources.conversations import to_example
 from sft_tokenize.sources.readers import read_slice
 from sft_tokenize.sources.resolve import Slice, filesystem
-
-
-@dataclass(frozen=True)
-class Job:
-    """What every slice's task needs besides its slice: small and picklable, the same for all slices."""
-
-    fingerprint: str
-    staging: str
-    tokenizer_dir: str
-    chat_template: str | None
-    columns: ColumnMap
-    train_on: str = "all_assistant"
-    template_kwargs: dict = field(default_factory=dict)
-    reasoning_turns: str = "as-rendered"
-    special_text: str = "literal"
-    encoder: str = "auto"  # not in the fingerprint: every encoder gives the same bytes
-    max_length: int | None = None
-    truncation: str = "truncate"
-    on_bad_row: str = "raise"
-    max_row_bytes: int | None = None
-    extra_columns: tuple[str, ...] = ()
-    layout: str = "skyrl"
-    writer_batch_rows: int = 1000
-    writer_batch_bytes: int = 64_000_000
-    trust_remote_code: bool = False
-    storage_options: dict = field(default_factory=dict)
-    store: str = ""  # the shard store: finished shards by content key, shared by every cache under the root
-    tokenization: str = ""  # the fingerprint of everything that changes how a row is tokenized
-    prepared: str = ""  # where the tokenizer is kept prepared (prepared.py); empty: loaded and checked each time
-
-    def shard_path(self, slice_: Slice) -> Path:
-        return Path(self.store) / f"{slice_.key}.arrow"
-
-    @property
-    def digest_book(self) -> Path:
-        return Path(self.store) / DIGEST_BOOK
-
-
-def features(extra_columns: tuple[str, ...] = (), layout: str = "skyrl"):
-    """The cache's row schema as `datasets` Features: the layout's columns (see layouts.py), extras on request."""
-    from datasets import Features, List, Value
-
-    return Features({name: List(Value(COLUMN_TYPES[name])) for name in layout_columns(layout, extra_columns)})
 
 
 def _list_array(lengths: np.ndarray, values: np.ndarray) -> pa.ListArray:
@@ -198,116 +150,9 @@ def finished_shard(job: Job, slice_: Slice) -> dict | None:
     return meta
 
 
-@lru_cache(maxsize=4)
-def process_encoding(tokenizer_dir: str, chat_template: str | None, trust_remote_code: bool, encoder: str,
-                     prepared: str = "") -> tuple[Any, FastEncoder | None]:
-    """One tokenizer and fast encoder per process, shared by its threads (encoding does not mutate them), and by
-    the plan that checked them when the slices run in the planning process (the threads runner). With a
-    `prepared` directory (prepared.py) they come from there, made once per tokenizer content."""
-    def load():
-        return load_tokenizer(tokenizer_dir, None, trust_remote_code)
-
-    if prepared:
-        tokenizer, fast = prepared_encoding(Path(prepared), load, encoder)
-    else:
-        tokenizer = load()
-        fast = choose_encoder(tokenizer, encoder)
-    mark("encoding")
-    if chat_template is not None:
-        tokenizer.chat_template = chat_template
-    return tokenizer, fast
-
-
-def encoder_settings(job: Job) -> dict:
-    """The job's ChatEncoder arguments besides the tokenizer and the fast encoder."""
-    return {"train_on": job.train_on, "max_length": job.max_length, "truncation": job.truncation,
-            "template_kwargs": job.template_kwargs, "reasoning_turns": job.reasoning_turns,
-            "special_text": job.special_text}
-
-
-def _process_encoding(job: Job) -> tuple[Any, FastEncoder | None]:
-    """This process's tokenizer and fast encoder for the job."""
-    return process_encoding(job.tokenizer_dir, job.chat_template, job.trust_remote_code, job.encoder, job.prepared)
-
-
-def warm_encoder(job: Job) -> None:
-    """This process is about to encode the job's slices itself: start building its fast encoder now."""
-    fast = _process_encoding(job)[1]
-    if fast is not None:
-        fast.warm()
-
-
-_encoders: dict[str, ChatEncoder] = {}
-_making_encoder = threading.Lock()
-
-
-def encoder_for(job: Job) -> ChatEncoder:
-    """This process's ChatEncoder for the job, made once (compiling and probing a template takes a few hundred
-    ms) and shared by its slices' threads: it holds no state between batches."""
-    key = json.dumps([job.tokenizer_dir, job.chat_template, job.trust_remote_code, job.encoder, job.prepared,
-                      encoder_settings(job)], sort_keys=True, default=str)
-    with _making_encoder:
-        if key not in _encoders:
-            if len(_encoders) >= 4:  # as many as process_encoding keeps: a long-lived worker's jobs come and go
-                _encoders.pop(next(iter(_encoders)))
-            tokenizer, fast = _process_encoding(job)
-            _encoders[key] = ChatEncoder(tokenizer, fast=fast, **encoder_settings(job))
-        return _encoders[key]
-
-
-_pools: list[tuple[Job, EncodePool]] = []  # the encode pools of this process's runs in progress
-
-
-@contextmanager
-def encoding_processes(job: Job, processes: int) -> Iterator[None]:
-    """While in it, this process's slices of `job` have their batches encoded by `processes` processes (see
-    encode_pool.py); they are terminated if it ends with an error or an interrupt."""
-    entry = (job, EncodePool(encoder_for(job), encoder_settings(job), processes))
-    _pools.append(entry)
-    ended = False
-    try:
-        yield
-        ended = True
-    finally:
-        _pools.remove(entry)
-        entry[1].close(now=not ended)
-
-
-class _InlineEncoding:
-    """A slice's batches encoded in its own thread, with the pool's interface."""
-
-    def __init__(self, encoder: ChatEncoder):
-        self.encoder = encoder
-
-    def submit(self, examples: list, verify_rows: int) -> Future:
-        done: Future = Future()
-        try:
-            done.set_result(self.encoder.encode_batch(examples, verify_rows))
-        except Exception as error:  # raised where the pool's future would raise it
-            done.set_exception(error)
-        return done
-
-
-def _encoding(job: Job) -> tuple[EncodePool | _InlineEncoding, int]:
-    """Where this slice's batches are encoded, and how many may be in flight."""
-    for pool_job, pool in _pools:
-        if pool_job == job:
-            return pool, DEPTH
-    return _InlineEncoding(encoder_for(job)), 0
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f"{path.name}.tmp-{uuid.uuid4().hex}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _stream_rows(job: Job, slice_: Slice, stream) -> ShardStats:
     """Read, tokenize and write the slice's rows batch by batch, in order; bad rows raise or are counted."""
-    encoding, depth = _encoding(job)
+    encoding, depth = slice_encoding(job)
     stats = ShardStats(trains_every_token=job.train_on == "all")
     writer = ShardWriter(stream, job.extra_columns, job.writer_batch_rows, job.writer_batch_bytes, job.layout)
     in_flight: deque[tuple[Future, list[int], Any]] = deque()  # (encoded batch, its rows' positions, locate)
@@ -367,28 +212,23 @@ def tokenize_slice(job: Job, slice_: Slice) -> int:
     started = time.monotonic()
     mark("first_slice")
     shard = job.shard_path(slice_)
-    tmp = shard.with_name(f"{shard.name}.tmp-{uuid.uuid4().hex}")
     try:
         shard.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as stream:
-            stats = _stream_rows(job, slice_, stream)
-            stream.flush()
-            os.fsync(stream.fileno())
-        # A shard is stored under the key of the bytes the plan hashed: if they changed since, it must not be.
-        if slice_key(slice_, job.tokenization, job.storage_options) != slice_.key:
-            for part in slice_.parts:  # the plan's digest is not the bytes' now: the next plan hashes them
-                forget(job.digest_book, filesystem(part.url, job.storage_options)[1])
-            raise BadInput(f"{slice_.parts[0].url}: changed while it was being tokenized; run again")
-        os.replace(tmp, shard)
+        with atomic_path(shard) as tmp:  # <key>.arrow.tmp-<uuid> until complete (FORMAT.md)
+            with open(tmp, "wb") as stream:
+                stats = _stream_rows(job, slice_, stream)
+            # A shard is stored under the key of the bytes the plan hashed: if they changed since, it must not be.
+            if slice_key(slice_, job.tokenization, job.storage_options) != slice_.key:
+                for part in slice_.parts:  # the plan's digest is not the bytes' now: the next plan hashes them
+                    forget(job.digest_book, filesystem(part.url, job.storage_options)[1])
+                raise BadInput(f"{slice_.parts[0].url}: changed while it was being tokenized; run again")
         meta = {"key": slice_.key, "slice": slice_.describe(), "bytes": shard.stat().st_size,
                 **stats.as_json(), "seconds": round(time.monotonic() - started, 3)}
-        _write_atomically(sidecar_path(shard), json.dumps(meta).encode())
+        atomic_write(sidecar_path(shard), json.dumps(meta).encode())
     except OSError as error:
         if error.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
             raise OutOfSpace(f"{shard}: cannot write the shard ({error.strerror}); free space under "
                              f"{shard.parent.parent} and run the same command again: finished shards "
                              "are kept") from None
         raise
-    finally:
-        tmp.unlink(missing_ok=True)
     return stats.rows

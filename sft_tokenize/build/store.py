@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import fcntl
 import json
 import os
 import shutil
@@ -31,10 +30,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sft_tokenize.build.shard import Job, finished_shard, sidecar_path
+from sft_tokenize.build.job import Job
+from sft_tokenize.build.shard import finished_shard, sidecar_path
 from sft_tokenize.errors import CacheError
-from sft_tokenize.files import locked
-from sft_tokenize.read.cache import read_manifest
+from sft_tokenize.files import atomic_write, is_locked, locked
+from sft_tokenize.format.manifest import read_manifest
 from sft_tokenize.sources.resolve import Slice
 
 STORE = ".shards"
@@ -62,29 +62,13 @@ def leased(job: Job, slices: list[Slice]) -> Iterator[set[int]]:
     store.mkdir(parents=True, exist_ok=True)
     lease = lease_path(job)
     with locked(store / GC_LOCK, waiting="the shard store is being garbage-collected; waiting", shared=True):
-        tmp = lease.with_name(f"{lease.name}.tmp-{uuid.uuid4().hex}")
-        tmp.write_text(json.dumps({"keys": sorted({s.key for s in slices})}))
-        os.replace(tmp, lease)
+        # Not durable: a lease lives only as long as its build, which a crash ends too.
+        atomic_write(lease, json.dumps({"keys": sorted({s.key for s in slices})}), durable=False)
         reused = {s.index for s in slices if finished_shard(job, s) is not None}
     try:
         yield reused
     finally:
         lease.unlink(missing_ok=True)
-
-
-def _held(lock_file: Path) -> bool:
-    """Whether some process holds an flock on `lock_file` (a missing file is held by nobody)."""
-    try:
-        handle = open(lock_file)  # noqa: SIM115 - closed below; opening read-only never creates it
-    except FileNotFoundError:
-        return False
-    with handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        fcntl.flock(handle, fcntl.LOCK_UN)
-        return False
 
 
 def published_versions(root: Path) -> dict[str, list[tuple[Path, dict]]]:
@@ -140,7 +124,7 @@ def collect_garbage(root: Path, keep: int = 1, names: set[str] | None = None) ->
         live: set[str] = set()
         for lease in sorted(staging.glob("*.lease.json")):
             job_staging = staging / lease.name.removesuffix(".lease.json")
-            if _held(run_lock_path(job_staging)):
+            if is_locked(run_lock_path(job_staging)):
                 with contextlib.suppress(OSError, ValueError):
                     live.update(json.loads(lease.read_text())["keys"])
                     done.live_builds += 1
@@ -175,7 +159,7 @@ def collect_garbage(root: Path, keep: int = 1, names: set[str] | None = None) ->
             shutil.rmtree(leftover, ignore_errors=True)
         for leftover in staging.glob("*.publish-*"):
             fingerprint = leftover.name.split(".publish-", 1)[0]
-            if not _held(staging / f"{fingerprint}.lock"):
+            if not is_locked(staging / f"{fingerprint}.lock"):
                 shutil.rmtree(leftover, ignore_errors=True)
     return done
 

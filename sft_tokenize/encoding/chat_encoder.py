@@ -1,17 +1,15 @@
 """Encoding: conversations (or plain text) become input_ids and a loss mask, a batch at a time.
 
-Rendering and probing a template live in `template.py`, finding the trained turns in `turns.py`; this
-module loads the tokenizer, tokenizes each batch with one call, turns trained character spans into trained
-tokens, and applies max_length.
+Rendering and probing a template live in `template.py`, finding the trained turns in `turns.py`, loading the
+tokenizer in `tokenizer.py`; this module tokenizes each batch with one call, turns trained character spans into
+trained tokens, and applies max_length.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from itertools import chain
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,11 +17,8 @@ import numpy as np
 from sft_tokenize.chat.template import ChatTemplate, special_pattern
 from sft_tokenize.chat.turns import Rendered, TurnFinder
 from sft_tokenize.encoding.exact import VERIFY_ROWS, EncoderMismatch, FastEncoder, IdsEncoding
-from sft_tokenize.errors import BadInput, BadRow, one_line
+from sft_tokenize.errors import BadInput, BadRow
 from sft_tokenize.sources.conversations import REASONING_FIELDS, Conversation
-
-# Files that make up a tokenizer; hashed into the fingerprint and fetched from the hub.
-TOKENIZER_FILE_PATTERNS = ("*.json", "*.jinja", "*.model", "*.txt", "*.tiktoken", "*.py")
 
 
 @dataclass(frozen=True)
@@ -62,62 +57,7 @@ class EncodedBatch:
         return [self.row(o) if isinstance(o, int) else o for o in self.outcomes]
 
 
-def resolve_tokenizer(name_or_path: str, revision: str | None = None) -> Path:
-    """A local directory holding the tokenizer's files: the path itself, or a hub snapshot of them."""
-    path = Path(os.path.abspath(Path(name_or_path).expanduser()))
-    if path.is_dir():
-        return path
-    if path.is_file():
-        raise BadInput(f"{path}: --tokenizer takes the tokenizer's directory (the one holding tokenizer.json and "
-                       f"tokenizer_config.json), not a file: try {path.parent}")
-    looks_local = name_or_path.startswith(("/", ".", "~")) or name_or_path.count("/") > 1 or path.exists()
-    if looks_local:
-        raise BadInput(f"tokenizer directory not found: {path}")
-    from huggingface_hub import snapshot_download
-
-    try:
-        local = snapshot_download(name_or_path, revision=revision, allow_patterns=list(TOKENIZER_FILE_PATTERNS))
-    except Exception as error:  # offline, unknown repo, gated: all end the same way for the user
-        raise BadInput(
-            f"tokenizer {name_or_path!r} is not a local directory and could not be fetched from the "
-            f"Hugging Face hub ({type(error).__name__}: {one_line(error)})"
-        ) from None
-    return Path(local)
-
-
-def read_chat_template(template: str | None) -> str | None:
-    """The override given by the user: a path to a .jinja file, or the template text itself."""
-    if template is None:
-        return None
-    if "{" not in template:
-        path = Path(os.path.abspath(Path(template).expanduser()))
-        if not path.is_file():
-            raise BadInput(f"chat template file not found: {path}")
-        try:
-            return path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as error:
-            raise BadInput(f"{path}: the chat template is not UTF-8 text (byte {error.start + 1} is "
-                           f"0x{error.object[error.start]:02x})") from None
-    return template
-
-
-def load_tokenizer(tokenizer_dir: str | Path, chat_template: str | None = None, trust_remote_code: bool = False):
-    """A fast `transformers` tokenizer from a local directory, with an optional chat-template override."""
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), trust_remote_code=trust_remote_code)
-    except Exception as error:
-        raise BadInput(f"cannot load a tokenizer from {tokenizer_dir}: {one_line(error)}") from None
-    if not getattr(tokenizer, "is_fast", False) or getattr(tokenizer, "backend_tokenizer", None) is None:
-        raise BadInput(f"{tokenizer_dir}: a fast (Rust) tokenizer with a tokenizer.json is required")
-    if chat_template is not None:
-        tokenizer.chat_template = chat_template
-    return tokenizer
-
-
-def _first_token_at_or_after(enc, position: int, n_tokens: int, n_chars: int) -> int:
+def first_token_at_or_after(enc, position: int, n_tokens: int, n_chars: int) -> int:
     """Index of the first token starting at or after `position` (enc.offsets would build every offset)."""
     while position < n_chars:
         token = enc.char_to_token(position)
@@ -292,8 +232,8 @@ class ChatEncoder:
             spans = list(zip(edges[0::2], edges[1::2], strict=True))
         else:
             for begin, end in rendered.regions:
-                spans.append((_first_token_at_or_after(enc, begin, n_tokens, n_chars),
-                              _first_token_at_or_after(enc, end, n_tokens, n_chars)))
+                spans.append((first_token_at_or_after(enc, begin, n_tokens, n_chars),
+                              first_token_at_or_after(enc, end, n_tokens, n_chars)))
         if rendered.append_eos and self.eos_id is not None:
             spans.append((n_tokens, n_tokens + 1))
         return spans

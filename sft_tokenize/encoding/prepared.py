@@ -28,7 +28,6 @@ import json
 import logging
 import os
 import threading
-import uuid
 from dataclasses import dataclass, field, replace
 from importlib import metadata
 from pathlib import Path
@@ -38,6 +37,7 @@ import numpy as np
 
 from sft_tokenize.build.fingerprint import fingerprint
 from sft_tokenize.encoding.exact import FastEncoder, check_encoder, log_refusal, rebuilt_encoder
+from sft_tokenize.files import atomic_path, atomic_write
 
 logger = logging.getLogger("sft_tokenize")
 
@@ -136,23 +136,18 @@ def _read(directory: Path) -> tuple[TokenizerParts, dict] | None:
 
 
 def _write(directory: Path, parts: TokenizerParts, verdict: dict) -> None:
-    """Each file renamed into place, prepared.json last; a concurrent writer of the same entry writes the same."""
-    tag = uuid.uuid4().hex[:8]
-
-    def put(name: str, write) -> None:
-        tmp = directory / f".{name}.tmp-{tag}"
-        write(tmp)
-        os.replace(tmp, directory / name)
-
+    """Each file renamed into place, prepared.json last; a concurrent writer of the same entry writes the same.
+    Not durable (module doc): an entry a crash damages is prepared again."""
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        put("backend.json", lambda p: p.write_text(parts.backend_json, encoding="utf-8"))
+        atomic_write(directory / "backend.json", parts.backend_json, durable=False)
         if parts.fast is not None:
-            put("byte_lengths.npy", lambda p: np.save(p.open("wb"), parts.fast[0]))
+            with atomic_path(directory / "byte_lengths.npy", durable=False) as tmp, tmp.open("wb") as stream:
+                np.save(stream, parts.fast[0])
         meta = {"prepared_version": PREPARED_VERSION, "chat_template": parts.chat_template,
                 "special_tokens_map": parts.special_tokens_map, "eos_token": parts.eos_token,
                 "eos_token_id": parts.eos_token_id, "special_tokens": list(parts.special_tokens), "encoder": verdict}
-        put("prepared.json", lambda p: p.write_text(json.dumps(meta)))
+        atomic_write(directory / "prepared.json", json.dumps(meta), durable=False)
     except OSError as error:  # an unwritable home: the next process prepares it again
         logger.info("tokenizer not kept prepared in %s: %s", directory, error.strerror)
 

@@ -12,7 +12,6 @@ touches the published cache. Rows longer than `length` are truncated to their fi
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
@@ -28,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from sft_tokenize import __version__
 from sft_tokenize.errors import BadInput, CacheError
-from sft_tokenize.files import fsync_path, locked
+from sft_tokenize.files import built_directory, locked
 from sft_tokenize.read.bin_packing import ALGORITHMS, arrange_for_ranks
 from sft_tokenize.read.cache import TokenizedCache, open_cache
 
@@ -225,30 +224,17 @@ def pack_cache(cache: str | Path | TokenizedCache, options: PackOptions) -> Pack
             return existing
         started = time.perf_counter()
         rows, bins, stats = plan(cache.lengths, options)
-        building = target.with_name(f".{target.name}.building-{uuid.uuid4().hex[:8]}")
-        building.mkdir()
-        files = {"bins.npy": _write_npy(building / "bins.npy", bins),
-                 "rows.npy": _write_npy(building / "rows.npy", rows)}
-        meta = {"index_version": INDEX_VERSION, "key": options.key, "length": options.length,
-                "data_parallel": options.data_parallel, "algorithm": options.algorithm,
-                "cache": _cache_identity(cache), **stats, "files": files}
-        (building / "index.json").write_text(json.dumps(meta, indent=2) + "\n")
-        build = {"seconds": round(time.perf_counter() - started, 3), "tool_version": __version__}
-        (building / "build.json").write_text(json.dumps(build, indent=2) + "\n")
-        for path in building.iterdir():
-            fsync_path(path)
-        fsync_path(building)
-        if target.exists():  # stale (another cache under this name, or damaged): replaced, never served
-            stale = target.with_name(f".{target.name}.stale-{uuid.uuid4().hex[:8]}")
-            os.rename(target, stale)
-            shutil.rmtree(stale, ignore_errors=True)
-        try:
-            os.rename(building, target)
-        except OSError as error:  # pragma: no cover - only without the lock (a filesystem without flock)
-            if error.errno not in (errno.EEXIST, errno.ENOTEMPTY):
-                raise
-            shutil.rmtree(building, ignore_errors=True)
-        fsync_path(target.parent)
+        # A stale index at target (another cache under this name, or damaged) is replaced, never served.
+        with built_directory(target, target.with_name(f".{target.name}.building"),
+                             target.with_name(f".{target.name}.stale")) as building:
+            files = {"bins.npy": _write_npy(building / "bins.npy", bins),
+                     "rows.npy": _write_npy(building / "rows.npy", rows)}
+            meta = {"index_version": INDEX_VERSION, "key": options.key, "length": options.length,
+                    "data_parallel": options.data_parallel, "algorithm": options.algorithm,
+                    "cache": _cache_identity(cache), **stats, "files": files}
+            (building / "index.json").write_text(json.dumps(meta, indent=2) + "\n")
+            build = {"seconds": round(time.perf_counter() - started, 3), "tool_version": __version__}
+            (building / "build.json").write_text(json.dumps(build, indent=2) + "\n")
     index = load_index(target, cache)
     index.built_now = True
     return index

@@ -15,12 +15,12 @@ lives under the user's `datasets` cache; the cache stays byte for byte as publis
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 from pathlib import Path
 
 from sft_tokenize.errors import CacheError
-from sft_tokenize.read.cache import read_manifest
+from sft_tokenize.files import atomic_path
+from sft_tokenize.format.manifest import read_manifest
 from sft_tokenize.read.layouts import LAYOUTS
 
 VIEW_METADATA = ("state.json", "dataset_info.json")
@@ -49,16 +49,13 @@ def work_view(path: str | Path, work_dir: str | Path | None = None) -> Path:
     if view == cache or cache in view.parents:
         raise CacheError(f"{view}: the work view must be outside the cache {cache}, which is never modified")
     view.mkdir(parents=True, exist_ok=True)
+    # Not durable: the view is rebuilt by every call, from the cache it mirrors.
     for entry in manifest["files"]:
-        link = view / entry["name"]
-        tmp = view / f".{entry['name']}.link-{os.getpid()}"
-        tmp.unlink(missing_ok=True)
-        tmp.symlink_to(cache / entry["name"])
-        os.replace(tmp, link)
+        with atomic_path(view / entry["name"], durable=False) as tmp:
+            tmp.symlink_to(cache / entry["name"])
     for name in VIEW_METADATA:
-        tmp = view / f".{name}.tmp-{os.getpid()}"
-        shutil.copyfile(cache / name, tmp)
-        os.replace(tmp, view / name)
+        with atomic_path(view / name, durable=False) as tmp:
+            shutil.copyfile(cache / name, tmp)
     return view
 
 

@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 
 from sft_tokenize.errors import BadInput, BadRow, one_line
 from sft_tokenize.sources.compressed import compression_of, open_decompressed
-from sft_tokenize.sources.resolve import Part, Slice, SourceFile, _is_local, filesystem
+from sft_tokenize.sources.resolve import Part, Slice, SourceFile, filesystem, is_local
 
 # Rows handed to the tokenizer at a time: at most this many, and (JSONL) at most this much input. A batch's
 # tokenizer output (~100 bytes a token until it is packed into numpy) is what sets a worker's peak memory.
@@ -263,7 +263,7 @@ class _Parquet(_Reader):
     @cached_property
     def file(self) -> pq.ParquetFile:
         try:
-            return pq.ParquetFile(self.path if _is_local(self.fs) else self.open(exact=True))
+            return pq.ParquetFile(self.path if is_local(self.fs) else self.open(exact=True))
         except Exception as error:
             raise BadInput(f"{self.url}: not a readable Parquet file ({error})") from None
 
@@ -289,7 +289,7 @@ class _Parquet(_Reader):
 
 class _Arrow(_Reader):
     def _open(self) -> pa.ipc.RecordBatchFileReader | pa.ipc.RecordBatchStreamReader:
-        source = pa.memory_map(self.path) if _is_local(self.fs) else self.open()
+        source = pa.memory_map(self.path) if is_local(self.fs) else self.open()
         try:
             try:
                 return pa.ipc.open_file(source)

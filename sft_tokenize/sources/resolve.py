@@ -66,12 +66,14 @@ def filesystem(url: str, storage_options: dict | None = None) -> tuple[fsspec.Ab
     return fsspec.core.url_to_fs(url, **(storage_options or {}))
 
 
-def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
+def is_local(fs: fsspec.AbstractFileSystem) -> bool:
+    """The filesystem is this machine's (paths can be stat'ed, memory-mapped)."""
     return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
 
 
-def _identity(fs: fsspec.AbstractFileSystem, path: str, info: dict) -> tuple:
-    if _is_local(fs):
+def file_identity(fs: fsspec.AbstractFileSystem, path: str, info: dict) -> tuple:
+    """What names a file's version without reading it: size and mtime here, size and ETag-like keys remotely."""
+    if is_local(fs):
         st = os.stat(path)
         return ("local", st.st_size, st.st_mtime_ns)
     keys = ("VersionId", "version_id", "ETag", "etag", "md5Hash", "generation", "LastModified", "mtime",
@@ -109,10 +111,10 @@ def _is_json(text: bytes) -> bool:
 
 def _source(fs: fsspec.AbstractFileSystem, path: str, info: dict | None = None) -> SourceFile:
     info = info or fs.info(path)
-    url = os.path.abspath(path) if _is_local(fs) else fs.unstrip_protocol(path)
+    url = os.path.abspath(path) if is_local(fs) else fs.unstrip_protocol(path)
     if not info.get("size"):
         raise BadInput(f"{url}: the file is empty")
-    return SourceFile(url, _kind(url, fs, path), int(info["size"]), _identity(fs, path, info))
+    return SourceFile(url, _kind(url, fs, path), int(info["size"]), file_identity(fs, path, info))
 
 
 def _saved_dataset_files(fs: fsspec.AbstractFileSystem, path: str, split: str) -> list[str] | None:
@@ -168,7 +170,7 @@ def _shown(spec: str) -> str:
 def _resolve_one(spec: str, split: str, storage_options: dict | None, cache_root: str | None,
                  ignored: list[str]) -> list[SourceFile]:
     fs, path = filesystem(spec, storage_options)
-    local = _is_local(fs)
+    local = is_local(fs)
     # A literal name wins over a glob: `data[1].jsonl` that exists is that file.
     if any(ch in spec for ch in "*?[") and not fs.exists(path):
         matches = [m for m in sorted(fs.glob(path)) if not (local and is_under(m, cache_root))]

@@ -15,7 +15,7 @@ import pytest
 from support.data import ROWS, example_rows, write_jsonl
 from support.paths import EXAMPLE_TOKENIZER
 
-from sft_tokenize.build import shard
+from sft_tokenize.build import shard, workers
 from sft_tokenize.build.options import TokenizeOptions
 from sft_tokenize.build.plan import plan_slices
 from sft_tokenize.encoding.pool import EncodePool
@@ -56,8 +56,8 @@ def test_pool_writes_the_shards_the_thread_writes(tmp_path, modern_tokenizer, fa
                                        cache_dir=str(tmp_path / "cache"), shard_size="40KB", on_bad_row="skip"))
     assert len(plan.slices) >= 3
     inline = built_shards(plan.job, plan.slices)
-    with shard.encoding_processes(plan.job, 2):
-        assert isinstance(shard._encoding(plan.job)[0], EncodePool)
+    with workers.encoding_processes(plan.job, 2):
+        assert isinstance(workers.slice_encoding(plan.job)[0], EncodePool)
         pooled = built_shards(plan.job, plan.slices)
     assert pooled == inline
     dropped = sum((Counter(meta["dropped"]) for _, meta in inline.values()), start=Counter())
@@ -72,7 +72,7 @@ def test_a_bad_row_found_in_a_pool_process_names_its_line(tmp_path):
     source = write_jsonl(tmp_path / "rows.jsonl", rows)
     plan = plan_slices(TokenizeOptions(sources=[str(source)], tokenizer=str(EXAMPLE_TOKENIZER),
                                        cache_dir=str(tmp_path / "cache"), special_text="error"))
-    with shard.encoding_processes(plan.job, 2), pytest.raises(BadInput) as raised:
+    with workers.encoding_processes(plan.job, 2), pytest.raises(BadInput) as raised:
         shard.tokenize_slice(plan.job, plan.slices[0])
     assert str(raised.value).startswith(f"{source}:41: messages[0].content holds the control token '<|im_end|>'")
     assert not list(Path(plan.job.store).glob("*.arrow*"))  # no shard, not even a temporary one
@@ -91,9 +91,9 @@ def test_pool_processes_carry_no_torch_and_a_killed_one_is_replaced(tmp_path):
     plan = plan_slices(TokenizeOptions(sources=[str(source)], tokenizer=str(EXAMPLE_TOKENIZER),
                                        cache_dir=str(tmp_path / "cache")))
     examples = [to_example(row, ColumnMap("chat", {"messages": "messages"})) for row in example_rows()[:30]]
-    want = shard.encoder_for(plan.job).encode_batch(examples)
-    with shard.encoding_processes(plan.job, 2):
-        [(_, pool)] = [entry for entry in shard._pools if entry[0] == plan.job]
+    want = workers.encoder_for(plan.job).encode_batch(examples)
+    with workers.encoding_processes(plan.job, 2):
+        [(_, pool)] = [entry for entry in workers._pools if entry[0] == plan.job]
         assert pool.submit(examples, 0).result().input_ids.tolist() == want.input_ids.tolist()
         pids = _pool_processes(pool)
         for pid in pids:
@@ -130,14 +130,14 @@ def test_pool_processes_build_no_hf_tokenizer_and_their_first_rows_are_checked_h
     plan = plan_slices(TokenizeOptions(sources=[str(source)], tokenizer=str(EXAMPLE_TOKENIZER),
                                        cache_dir=str(tmp_path / "cache")))
     examples = [to_example(row, ColumnMap("chat", {"messages": "messages"})) for row in example_rows()[:30]]
-    want = shard.encoder_for(plan.job).encode_batch(examples)
+    want = workers.encoder_for(plan.job).encode_batch(examples)
     assert want.rows_verified == 16
     checked = []
     verify = ChatEncoder._verify
     monkeypatch.setattr(ChatEncoder, "_verify", lambda self, rendered, placed, special: checked.append(
         len(rendered)) or verify(self, rendered, placed, special))
-    with shard.encoding_processes(plan.job, 2):
-        [(_, pool)] = [entry for entry in shard._pools if entry[0] == plan.job]
+    with workers.encoding_processes(plan.job, 2):
+        [(_, pool)] = [entry for entry in workers._pools if entry[0] == plan.job]
         got = pool.submit(examples, 16).result()
         assert got.input_ids.tolist() == want.input_ids.tolist() and got.rows_verified == 16
         assert checked == [16] and got.unverified == ()  # checked in this process, by its HF tokenizer

@@ -19,8 +19,9 @@ from support.paths import EXAMPLE_DATA, EXAMPLE_TOKENIZER
 from sft_tokenize.build.options import TokenizeOptions
 from sft_tokenize.build.plan import plan_slices, run_locally
 from sft_tokenize.build.publish import publish_cache
-from sft_tokenize.build.shard import encoder_for, tokenize_slice
-from sft_tokenize.encoding.chat_encoder import load_tokenizer
+from sft_tokenize.build.shard import tokenize_slice
+from sft_tokenize.build.workers import encoder_for
+from sft_tokenize.encoding.tokenizer import load_tokenizer
 from sft_tokenize.errors import BadInput, CacheError
 from sft_tokenize.read.cache import open_cache
 

@@ -13,8 +13,9 @@ from support.data import COLUMNS, ROWS
 from support.families import MODERN_FAMILIES, build_modern_tokenizer, qwen3_with_generation_blocks
 from support.paths import EXAMPLE_DATA, EXAMPLE_TOKENIZER
 
-from sft_tokenize.encoding.chat_encoder import ChatEncoder, _first_token_at_or_after, load_tokenizer
+from sft_tokenize.encoding.chat_encoder import ChatEncoder, first_token_at_or_after
 from sft_tokenize.encoding.exact import EncoderMismatch, choose_encoder
+from sft_tokenize.encoding.tokenizer import load_tokenizer
 from sft_tokenize.errors import BadInput
 from sft_tokenize.sources.conversations import ColumnMap, to_example
 
@@ -95,7 +96,7 @@ def test_token_positions_from_byte_lengths_equal_hfs_rule_at_every_character(fam
     assert placed.offsets == [tuple(o) for o in enc.offsets]
     positions = range(len(text) + 1)
     assert placed.first_at_or_after(np.array(positions)).tolist() == [
-        _first_token_at_or_after(enc, position, len(enc.ids), len(text)) for position in positions]
+        first_token_at_or_after(enc, position, len(enc.ids), len(text)) for position in positions]
 
 
 _loaded = {}

@@ -100,6 +100,12 @@ def test_the_read_side_never_names_the_build_side_even_inside_a_function():
                                                       "sft_tokenize.encoding", "sft_tokenize.sources"))}, module
 
 
+def test_the_on_disk_format_depends_on_neither_side():
+    loaded = loaded_after_importing(modules("format"))
+    allowed = ("sft_tokenize.format",) + tuple(f"sft_tokenize.{m}" for m in ON_DISK)
+    assert {m for m in loaded if m.startswith("sft_tokenize.") and not m.startswith(allowed)} == set()
+
+
 def test_no_import_circle_among_the_packages_modules():
     """At import time; an import inside a function (a method reaching a sibling module) runs after both loaded."""
     graph = {module: _imported(module, _source(module), top_level=True) - {module} for module in modules()}

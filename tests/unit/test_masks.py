@@ -9,7 +9,8 @@ from support.data import CONVERSATIONS, msg
 from support.families import FAMILIES
 from support.mask_oracle import oracle
 
-from sft_tokenize.encoding.chat_encoder import ChatEncoder, Encoded, load_tokenizer
+from sft_tokenize.encoding.chat_encoder import ChatEncoder, Encoded
+from sft_tokenize.encoding.tokenizer import load_tokenizer
 from sft_tokenize.sources.conversations import Conversation
 
 MODES = ["all_assistant", "last_assistant", "completion", "all"]

@@ -14,7 +14,8 @@ from support.data import COLUMNS, ROWS, tool_chat
 from support.families import MODERN_FAMILIES, qwen3_with_generation_blocks
 from support.mask_oracle import oracle, turn_oracle
 
-from sft_tokenize.encoding.chat_encoder import ChatEncoder, Encoded, load_tokenizer
+from sft_tokenize.encoding.chat_encoder import ChatEncoder, Encoded
+from sft_tokenize.encoding.tokenizer import load_tokenizer
 from sft_tokenize.errors import BadRow
 from sft_tokenize.sources.conversations import Conversation, to_example
 

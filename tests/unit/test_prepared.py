@@ -14,8 +14,9 @@ from support.paths import EXAMPLE_TOKENIZER
 
 from sft_tokenize.build.fingerprint import hash_directory
 from sft_tokenize.encoding import exact as encoders
-from sft_tokenize.encoding.chat_encoder import ChatEncoder, load_tokenizer
+from sft_tokenize.encoding.chat_encoder import ChatEncoder
 from sft_tokenize.encoding.prepared import PartsTokenizer, prepared_dir, prepared_encoding
+from sft_tokenize.encoding.tokenizer import load_tokenizer
 from sft_tokenize.sources.conversations import ColumnMap, to_example
 
 pytest.importorskip("fastokens")
@@ -127,7 +128,7 @@ def test_a_damaged_entry_is_prepared_again(tmp_path, monkeypatch, damage):
 
 
 def test_a_template_override_applies_to_both_loads_and_the_entry_keeps_the_tokenizers_own(tmp_path):
-    from sft_tokenize.build.shard import process_encoding
+    from sft_tokenize.build.workers import process_encoding
 
     directory = entry(tmp_path, EXAMPLE_TOKENIZER)
     override = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"

@@ -11,7 +11,8 @@ from support.families import FAMILIES, MODERN_FAMILIES
 from transformers.utils.chat_template_utils import _compile_jinja_template, render_jinja_template
 
 from sft_tokenize.chat import environment as sandbox
-from sft_tokenize.encoding.chat_encoder import ChatEncoder, load_tokenizer
+from sft_tokenize.encoding.chat_encoder import ChatEncoder
+from sft_tokenize.encoding.tokenizer import load_tokenizer
 from sft_tokenize.sources.conversations import Conversation, to_example
 
 

@@ -10,7 +10,8 @@ from support.mask_oracle import oracle
 
 from sft_tokenize.chat.markers import MARKS, mark
 from sft_tokenize.chat.pairs import Twin
-from sft_tokenize.encoding.chat_encoder import ChatEncoder, Encoded, load_tokenizer
+from sft_tokenize.encoding.chat_encoder import ChatEncoder, Encoded
+from sft_tokenize.encoding.tokenizer import load_tokenizer
 from sft_tokenize.sources.conversations import Conversation, to_example
 
 

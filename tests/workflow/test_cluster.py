@@ -29,8 +29,8 @@ from support.faults import FAULT_FILE_ENV
 from support.paths import BIN, EXAMPLE_DATA, EXAMPLE_TOKENIZER
 
 from sft_tokenize.build.keys import DIGEST_BOOK
-from sft_tokenize.build.shard import process_encoding
 from sft_tokenize.build.store import collect_garbage
+from sft_tokenize.build.workers import process_encoding
 from sft_tokenize.flows.arguments import build_parser, options_from
 from sft_tokenize.flows.cli import main
 from sft_tokenize.flows.console import CONSOLE_ENV
@@ -176,7 +176,7 @@ def test_dask_cluster_writes_the_same_bytes_and_loads_the_tokenizer_once_per_wor
     with dask_client(address) as client:
         after = client.run(process_encoding.cache_info)
     assert after.keys() == before.keys()
-    # Each worker process that ran slices made its encoder once (shard.encoder_for), loading the tokenizer once.
+    # Each worker process that ran slices made its encoder once (workers.encoder_for), loading the tokenizer once.
     calls = {w: (after[w].hits + after[w].misses) - (before[w].hits + before[w].misses) for w in after}
     loads = {w: after[w].misses - before[w].misses for w in after}
     assert 1 <= sum(calls.values()) <= len(after) and max(loads.values()) <= 1, (calls, loads)

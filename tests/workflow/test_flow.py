@@ -114,7 +114,7 @@ def test_second_run_is_a_cache_hit_that_tokenizes_nothing(threads_run):
 def test_a_threads_run_loads_the_tokenizer_once_for_its_plan_and_slices(tmp_path, monkeypatch):
     from transformers import AutoTokenizer
 
-    from sft_tokenize.build.shard import process_encoding
+    from sft_tokenize.build.workers import process_encoding
 
     process_encoding.cache_clear()
     monkeypatch.setenv("SFT_TOKENIZE_HOME", str(tmp_path / "home"))  # not prepared yet: loaded by transformers

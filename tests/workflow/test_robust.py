@@ -162,15 +162,16 @@ def test_only_the_recorded_process_itself_counts_as_the_running_server(tmp_path)
     one that is gone, died before its start was read, or whose pid now names another process is replaced."""
     from prefect.settings import PREFECT_HOME, temporary_settings
 
-    from sft_tokenize.flows.embedded_server import EmbeddedServer, _start_time
+    from sft_tokenize.flows.embedded_server import EmbeddedServer
+    from sft_tokenize.flows.server_state import start_time
 
     with temporary_settings(updates={PREFECT_HOME: tmp_path}):
         server = EmbeddedServer()
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     me = os.getpid()
-    for pid, started, joined in ((me, _start_time(me), True), (me, _start_time(me) - 1, False), (me, None, False),
-                                 (gone.pid, None, False), (gone.pid, _start_time(me), False)):
+    for pid, started, joined in ((me, start_time(me), True), (me, start_time(me) - 1, False), (me, None, False),
+                                 (gone.pid, None, False), (gone.pid, start_time(me), False)):
         server.state_path.write_text(json.dumps({"pid": pid, "started": started, "port": 1, "url": "http://x/api"}))
         assert (server._read_state() is not None) is joined, (pid, started)
 
@@ -183,7 +184,8 @@ def test_a_server_that_ends_itself_keeps_new_runs_out_until_it_is_gone(tmp_path)
 
     from prefect.settings import PREFECT_HOME, temporary_settings
 
-    from sft_tokenize.flows.embedded_server import EmbeddedServer, _start_time
+    from sft_tokenize.flows.embedded_server import EmbeddedServer
+    from sft_tokenize.flows.server_state import start_time
 
     with temporary_settings(updates={PREFECT_HOME: tmp_path / "home"}):
         server = EmbeddedServer()
@@ -194,14 +196,14 @@ def test_a_server_that_ends_itself_keeps_new_runs_out_until_it_is_gone(tmp_path)
         seen_held = False
         with open(server.lock_path, "a") as lock:
             deadline = time.monotonic() + 60
-            while _start_time(server.pid) is not None and time.monotonic() < deadline:
+            while start_time(server.pid) is not None and time.monotonic() < deadline:
                 try:
                     fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
                     seen_held = True
                 else:
                     fcntl.flock(lock, fcntl.LOCK_UN)
-                    assert not seen_held or _start_time(server.pid) is None, "the lock was free while the server lived"
+                    assert not seen_held or start_time(server.pid) is None, "the lock was free while the server lived"
                 time.sleep(0.01)
         server.process.wait(timeout=30)
     assert seen_held and server.process.returncode == 0

@@ -1,0 +1,55 @@
+"""How a planned cache gets built, whoever runs its slices: the run lock, the check that it is not published
+already, the lease on the shards it reuses, the slices tokenized, the cache published.
+
+`plan.run_locally` (one slice after another, in this process) and the tokenize_dataset flow (Prefect tasks on
+a runner) differ only in how they tokenize the slices and publish, which they pass in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+from sft_tokenize.build.publish import building, is_published, publish_cache
+from sft_tokenize.build.store import leased
+
+if TYPE_CHECKING:
+    from sft_tokenize.build.plan import Plan
+
+# Tokenize every slice of the plan (those in the set have a shard in the store already); return the timings
+# recorded in the manifest, or None.
+TokenizeSlices = Callable[["Plan", set[int]], "dict | None"]
+Publish = Callable[..., Path]  # publish.publish_cache's signature
+
+
+@dataclass(frozen=True)
+class Built:
+    """What a build did."""
+
+    plan: Plan  # the plan built (a rebuild may plan again)
+    outcome: Literal["cached", "published meanwhile", "published"]
+    reused: int = 0  # slices whose shards were in the store already
+
+    @property
+    def cache_path(self) -> Path:
+        return self.plan.cache_path
+
+
+def build_cache(plan: Plan, tokenize_slices: TokenizeSlices, publish: Publish = publish_cache,
+                rebuild: Callable[[Plan], Plan] | None = None) -> Built:
+    """Build the plan's cache unless it is published; `rebuild`, if given, is called under the run lock to
+    delete the previous output, and returns the plan to build (a published cache is then built again)."""
+    if plan.cached and rebuild is None:
+        return Built(plan, "cached")
+    # One run per fingerprint at a time: a second one waits here, then finds the cache published.
+    with building(plan.job):
+        if rebuild is not None:
+            plan = rebuild(plan)
+        if is_published(plan.cache_path):
+            return Built(plan, "published meanwhile")
+        with leased(plan.job, plan.slices) as reused:  # gc keeps these shards until the cache is published
+            timings = tokenize_slices(plan, reused)
+            publish(plan.job, plan.slices, plan.cache_path, plan.inputs, plan.name, timings, len(reused))
+    return Built(plan, "published", len(reused))

@@ -1,0 +1,124 @@
+"""What a process that tokenizes slices keeps between them: its tokenizer and fast encoder, its ChatEncoders, and
+the encode pools of its runs in progress.
+
+Loading a tokenizer, building a fast encoder and compiling a template take from a hundred ms to seconds: each
+process does it once per job and shares the result with its threads (none of them holds state between
+batches), whether the process is the one that planned (the threads runner) or a worker of a pool or cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future
+from contextlib import contextmanager
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from sft_tokenize.build.job import Job
+from sft_tokenize.build.timeline import mark
+from sft_tokenize.encoding.chat_encoder import ChatEncoder
+from sft_tokenize.encoding.exact import FastEncoder, choose_encoder
+from sft_tokenize.encoding.pool import DEPTH, EncodePool
+from sft_tokenize.encoding.prepared import prepared_encoding
+from sft_tokenize.encoding.tokenizer import load_tokenizer
+
+
+@lru_cache(maxsize=4)
+def process_encoding(tokenizer_dir: str, chat_template: str | None, trust_remote_code: bool, encoder: str,
+                     prepared: str = "") -> tuple[Any, FastEncoder | None]:
+    """One tokenizer and fast encoder per process, shared by its threads (encoding does not mutate them), and by
+    the plan that checked them when the slices run in the planning process (the threads runner). With a
+    `prepared` directory (prepared.py) they come from there, made once per tokenizer content."""
+    def load():
+        return load_tokenizer(tokenizer_dir, None, trust_remote_code)
+
+    if prepared:
+        tokenizer, fast = prepared_encoding(Path(prepared), load, encoder)
+    else:
+        tokenizer = load()
+        fast = choose_encoder(tokenizer, encoder)
+    mark("encoding")
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return tokenizer, fast
+
+
+def encoder_settings(job: Job) -> dict:
+    """The job's ChatEncoder arguments besides the tokenizer and the fast encoder."""
+    return {"train_on": job.train_on, "max_length": job.max_length, "truncation": job.truncation,
+            "template_kwargs": job.template_kwargs, "reasoning_turns": job.reasoning_turns,
+            "special_text": job.special_text}
+
+
+def _process_encoding(job: Job) -> tuple[Any, FastEncoder | None]:
+    """This process's tokenizer and fast encoder for the job."""
+    return process_encoding(job.tokenizer_dir, job.chat_template, job.trust_remote_code, job.encoder, job.prepared)
+
+
+def warm_encoder(job: Job) -> None:
+    """This process is about to encode the job's slices itself: start building its fast encoder now."""
+    fast = _process_encoding(job)[1]
+    if fast is not None:
+        fast.warm()
+
+
+_encoders: dict[str, ChatEncoder] = {}
+_making_encoder = threading.Lock()
+
+
+def encoder_for(job: Job) -> ChatEncoder:
+    """This process's ChatEncoder for the job, made once (compiling and probing a template takes a few hundred
+    ms) and shared by its slices' threads: it holds no state between batches."""
+    key = json.dumps([job.tokenizer_dir, job.chat_template, job.trust_remote_code, job.encoder, job.prepared,
+                      encoder_settings(job)], sort_keys=True, default=str)
+    with _making_encoder:
+        if key not in _encoders:
+            if len(_encoders) >= 4:  # as many as process_encoding keeps: a long-lived worker's jobs come and go
+                _encoders.pop(next(iter(_encoders)))
+            tokenizer, fast = _process_encoding(job)
+            _encoders[key] = ChatEncoder(tokenizer, fast=fast, **encoder_settings(job))
+        return _encoders[key]
+
+
+_pools: list[tuple[Job, EncodePool]] = []  # the encode pools of this process's runs in progress
+
+
+@contextmanager
+def encoding_processes(job: Job, processes: int) -> Iterator[None]:
+    """While in it, this process's slices of `job` have their batches encoded by `processes` processes (see
+    encoding/pool.py); they are terminated if it ends with an error or an interrupt."""
+    entry = (job, EncodePool(encoder_for(job), encoder_settings(job), processes))
+    _pools.append(entry)
+    ended = False
+    try:
+        yield
+        ended = True
+    finally:
+        _pools.remove(entry)
+        entry[1].close(now=not ended)
+
+
+class _InlineEncoding:
+    """A slice's batches encoded in its own thread, with the pool's interface."""
+
+    def __init__(self, encoder: ChatEncoder):
+        self.encoder = encoder
+
+    def submit(self, examples: list, verify_rows: int) -> Future:
+        done: Future = Future()
+        try:
+            done.set_result(self.encoder.encode_batch(examples, verify_rows))
+        except Exception as error:  # raised where the pool's future would raise it
+            done.set_exception(error)
+        return done
+
+
+def slice_encoding(job: Job) -> tuple[EncodePool | _InlineEncoding, int]:
+    """Where a slice's batches are encoded, and how many may be in flight."""
+    for pool_job, pool in _pools:
+        if pool_job == job:
+            return pool, DEPTH
+    return _InlineEncoding(encoder_for(job)), 0

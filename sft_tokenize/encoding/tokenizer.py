@@ -1,0 +1,72 @@
+"""The tokenizer a run names: found (a local directory, or its files fetched from the hub), loaded as a fast
+`transformers` tokenizer, with the user's chat-template override read from a file or taken as text.
+
+Finding and loading a tokenizer is one job, encoding with it (chat_encoder.py) another: the planner resolves the
+tokenizer's directory to hash its files into the fingerprint, and a worker loads it only when no prepared entry
+(prepared.py) holds what encoding reads.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from sft_tokenize.errors import BadInput, one_line
+
+# Files that make up a tokenizer; hashed into the fingerprint and fetched from the hub.
+TOKENIZER_FILE_PATTERNS = ("*.json", "*.jinja", "*.model", "*.txt", "*.tiktoken", "*.py")
+
+
+def resolve_tokenizer(name_or_path: str, revision: str | None = None) -> Path:
+    """A local directory holding the tokenizer's files: the path itself, or a hub snapshot of them."""
+    path = Path(os.path.abspath(Path(name_or_path).expanduser()))
+    if path.is_dir():
+        return path
+    if path.is_file():
+        raise BadInput(f"{path}: --tokenizer takes the tokenizer's directory (the one holding tokenizer.json and "
+                       f"tokenizer_config.json), not a file: try {path.parent}")
+    looks_local = name_or_path.startswith(("/", ".", "~")) or name_or_path.count("/") > 1 or path.exists()
+    if looks_local:
+        raise BadInput(f"tokenizer directory not found: {path}")
+    from huggingface_hub import snapshot_download
+
+    try:
+        local = snapshot_download(name_or_path, revision=revision, allow_patterns=list(TOKENIZER_FILE_PATTERNS))
+    except Exception as error:  # offline, unknown repo, gated: all end the same way for the user
+        raise BadInput(
+            f"tokenizer {name_or_path!r} is not a local directory and could not be fetched from the "
+            f"Hugging Face hub ({type(error).__name__}: {one_line(error)})"
+        ) from None
+    return Path(local)
+
+
+def read_chat_template(template: str | None) -> str | None:
+    """The override given by the user: a path to a .jinja file, or the template text itself."""
+    if template is None:
+        return None
+    if "{" not in template:
+        path = Path(os.path.abspath(Path(template).expanduser()))
+        if not path.is_file():
+            raise BadInput(f"chat template file not found: {path}")
+        try:
+            return path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as error:
+            raise BadInput(f"{path}: the chat template is not UTF-8 text (byte {error.start + 1} is "
+                           f"0x{error.object[error.start]:02x})") from None
+    return template
+
+
+def load_tokenizer(tokenizer_dir: str | Path, chat_template: str | None = None, trust_remote_code: bool = False):
+    """A fast `transformers` tokenizer from a local directory, with an optional chat-template override."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), trust_remote_code=trust_remote_code)
+    except Exception as error:
+        raise BadInput(f"cannot load a tokenizer from {tokenizer_dir}: {one_line(error)}") from None
+    if not getattr(tokenizer, "is_fast", False) or getattr(tokenizer, "backend_tokenizer", None) is None:
+        raise BadInput(f"{tokenizer_dir}: a fast (Rust) tokenizer with a tokenizer.json is required")
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return tokenizer

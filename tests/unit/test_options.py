@@ -1,0 +1,173 @@
+"""A run's options keep their meaning: the same options give the same fingerprints as the caches already built
+(so those stay valid and their shards are reused), the same job, and the command line gives the same options.
+
+The fingerprints are pinned: a change to the option table, the fingerprint inputs or their encoding that
+would orphan every existing cache fails here. 5520e34b992e27e9 (defaults) and ede077a963f0babb
+(`--max-length 256 --train-on last_assistant`) are the example's tokenization fingerprints in real builds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+from support.paths import EXAMPLE_DATA, EXAMPLE_TOKENIZER
+
+from sft_tokenize.build.fingerprint import fingerprint
+from sft_tokenize.build.options import TokenizeOptions, declared
+from sft_tokenize.build.plan import Plan, plan_slices
+from sft_tokenize.flows.arguments import build_parser, options_from
+
+# option set → (tokenization fingerprint, cache fingerprint with each source as [file name, kind, size]).
+PINNED = {
+    "defaults": ("5520e34b992e27e9", "6d75174308636eee"),
+    "max_length_last_assistant": ("ede077a963f0babb", "77fca8c90b0f8b13"),
+    "layout_trl": ("c35a2292ebcd094b", "9459b43bbbd72b6f"),
+    "column_mapping": ("7481446067cd23e1", "c34a93b6fd4d3939"),
+    "prompt_completion": ("9c9069ba2442dd3c", "ed47affb5aed4939"),
+    "text": ("b88741da073187e2", "6e80a5207d40b648"),
+    "extra_columns": ("6d4af1f58b8c7e68", "6da7d3835ce52cba"),
+    "chat_template_file": ("e625939bf390e3c2", "097f238491a69a0c"),
+    "template_kwargs": ("947b147d2000a20b", "efa95289cfb20427"),
+    "masks_and_bad_rows": ("c07bc8d487c02c89", "cc4b262b72fa84f8"),
+}
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> Path:
+    """Small inputs of the other formats and column names, made from the example's first rows."""
+    folder = tmp_path_factory.mktemp("inputs")
+    rows = [json.loads(line) for line in (EXAMPLE_DATA / "chat-00000.jsonl").read_text().splitlines()[:20]]
+
+    def write(name: str, records: list[dict]) -> None:
+        (folder / name).write_text("".join(json.dumps(record) + "\n" for record in records))
+
+    write("conversations.jsonl", [{"conversations": row["messages"]} for row in rows])
+    write("prompts.jsonl", [{"prompt": row["messages"][0]["content"], "response": row["messages"][1]["content"]}
+                            for row in rows])
+    write("text.jsonl", [{"text": row["messages"][1]["content"]} for row in rows])
+    template = (EXAMPLE_TOKENIZER / "chat_template.jinja").read_text()
+    (folder / "template.jinja").write_text(template.replace("\\n", "\\n\\n", 1))  # one more newline per header
+    return folder
+
+
+def option_sets(folder: Path) -> dict[str, dict]:
+    return {
+        "defaults": {},
+        "max_length_last_assistant": {"max_length": 256, "train_on": "last_assistant"},
+        "layout_trl": {"layout": "trl"},
+        "column_mapping": {"sources": [str(folder / "conversations.jsonl")], "columns": {"messages": "conversations"}},
+        "prompt_completion": {"sources": [str(folder / "prompts.jsonl")], "format": "prompt-completion",
+                              "columns": {"completion": "response"}, "train_on": "completion"},
+        "text": {"sources": [str(folder / "text.jsonl")], "format": "text", "train_on": "all"},
+        "extra_columns": {"extra_columns": ["labels", "attention_mask"]},
+        "chat_template_file": {"chat_template": str(folder / "template.jinja")},
+        "template_kwargs": {"template_kwargs": {"enable_thinking": False, "date_string": "1 Jan 2025"}},
+        "masks_and_bad_rows": {"reasoning_turns": "expand", "special_text": "keep", "on_bad_row": "skip",
+                               "max_row_bytes": "1MiB", "max_length": 300, "truncation": "drop"},
+    }
+
+
+def planned(folder: Path, **settings) -> Plan:
+    options = TokenizeOptions(**{"sources": [str(EXAMPLE_DATA)], "tokenizer": str(EXAMPLE_TOKENIZER),
+                                 "cache_dir": str(folder / "caches"), **settings})
+    return plan_slices(options, content_keys=False)
+
+
+def without_file_identities(plan: Plan) -> str:
+    """The cache fingerprint with each source as its file name, kind and size (no directory, no mtime)."""
+    hashed = {key: value for key, value in plan.inputs.items() if key != "ignored_files"}
+    hashed["sources"] = [[Path(url).name, kind, size] for url, kind, size, *_ in hashed["sources"]]
+    return fingerprint(hashed)
+
+
+@pytest.mark.parametrize("case", list(PINNED))
+def test_the_fingerprints_of_an_option_set_are_those_of_the_caches_built_before(inputs, case):
+    plan = planned(inputs, **option_sets(inputs)[case])
+    # The cache's name carries the fingerprint of exactly what the manifest records as hashed.
+    assert plan.cache_path.name.rsplit("-", 1)[1] == plan.job.fingerprint == \
+        fingerprint({key: value for key, value in plan.inputs.items() if key != "ignored_files"})
+    assert (plan.job.tokenization, without_file_identities(plan)) == PINNED[case]
+    # In this order in the manifest's fingerprint_inputs, as in every manifest written before.
+    assert list(plan.inputs) == [
+        "cache_format_version", "sources", "format", "columns", "tokenizer_files", "chat_template_override",
+        "template_kwargs", "reasoning_turns", "special_text", "train_on", "max_length", "truncation",
+        "extra_columns", "layout", "on_bad_row", "max_row_bytes", "ignored_files",
+    ]
+
+
+def test_what_does_not_change_the_rows_does_not_change_the_fingerprint(inputs):
+    default = planned(inputs)
+    other = planned(inputs, encoder="hf", shard_size="1MB", writer_batch_rows=10, writer_batch_bytes="1MB",
+                    name="renamed", storage_options={"anon": False},
+                    truncation="drop")  # no --max-length: nothing is ever truncated or dropped
+    assert other.job.fingerprint == default.job.fingerprint
+    assert other.job.tokenization == default.job.tokenization == PINNED["defaults"][0]
+    template_text = (inputs / "template.jinja").read_text()
+    inline = planned(inputs, chat_template=template_text)  # the template's text, not its file, is hashed
+    assert inline.job.tokenization == PINNED["chat_template_file"][0]
+
+
+def test_the_job_carries_the_options_as_the_slices_use_them(inputs):
+    job = planned(inputs, **option_sets(inputs)["masks_and_bad_rows"], encoder="hf", extra_columns=["labels"],
+                  writer_batch_rows=10, writer_batch_bytes="1MB", storage_options={"anon": False}).job
+    fields = {key: value for key, value in dataclasses.asdict(job).items()
+              if key not in ("staging", "store", "tokenizer_dir", "prepared", "fingerprint", "tokenization")}
+    assert fields == {
+        "chat_template": None,
+        "columns": {"format": "chat", "columns": {"messages": "messages", "system": "system", "tools": "tools"}},
+        "train_on": "all_assistant", "template_kwargs": {}, "reasoning_turns": "expand", "special_text": "keep",
+        "encoder": "hf", "max_length": 300, "truncation": "drop", "on_bad_row": "skip", "max_row_bytes": 1 << 20,
+        "extra_columns": ("labels",), "layout": "skyrl", "writer_batch_rows": 10, "writer_batch_bytes": 10**6,
+        "trust_remote_code": False, "storage_options": {"anon": False},
+    }
+    assert Path(job.tokenizer_dir) == EXAMPLE_TOKENIZER.resolve()
+    assert Path(job.staging).name == job.fingerprint and Path(job.staging).parent.name == ".staging"
+
+
+def parsed(*argv: str) -> dict:
+    return options_from(build_parser().parse_args(["run", *argv]))
+
+
+def test_the_command_line_gives_the_flow_its_options():
+    assert parsed("a.jsonl", "--tokenizer", "t", "--cache-dir", "c") == {
+        "sources": ["a.jsonl"], "tokenizer": "t", "cache_dir": "c", "name": None, "format": "auto", "columns": {},
+        "train_on": "all_assistant", "max_length": None, "truncation": "truncate", "chat_template": None,
+        "extra_columns": [], "template_kwargs": {}, "reasoning_turns": "as-rendered", "special_text": "literal",
+        "encoder": "auto", "layout": "skyrl", "split": "train", "subset": None, "on_bad_row": "raise",
+        "shard_size": "256MB", "max_row_bytes": "2MB", "storage_options": {}, "runner": "threads",
+        "dask_address": None, "ray_address": None, "workers": None, "encode_processes": None, "force": False,
+        "keep_versions": None,
+    }
+    every_flag = parsed(
+        "a.jsonl", "b", "--tokenizer", "t", "--cache-dir", "c", "--name", "n", "--format", "chat",
+        "--messages-column", "conv", "--column", "system=sys", "--train-on", "last_assistant", "--max-length", "256",
+        "--truncation", "drop", "--chat-template", "f.jinja", "--template-kwargs", '{"x": 1}',
+        "--reasoning-turns", "expand", "--special-text", "keep", "--encoder", "hf", "--extra-column", "labels",
+        "--extra-column", "attention_mask", "--layout", "trl", "--split", "test", "--subset", "s",
+        "--on-bad-row", "skip", "--shard-size", "1MB", "--max-row-bytes", "1MB", "--storage-options",
+        '{"anon": true}', "--runner", "dask", "--dask-address", "tcp://h:1", "--workers", "3",
+        "--encode-processes", "0", "--retries", "5", "--force", "--keep-versions", "2", "--server-idle", "5", "-q")
+    assert every_flag == {
+        "sources": ["a.jsonl", "b"], "tokenizer": "t", "cache_dir": "c", "name": "n", "format": "chat",
+        "columns": {"system": "sys", "messages": "conv"}, "train_on": "last_assistant", "max_length": 256,
+        "truncation": "drop", "chat_template": "f.jinja", "extra_columns": ["labels", "attention_mask"],
+        "template_kwargs": {"x": 1}, "reasoning_turns": "expand", "special_text": "keep", "encoder": "hf",
+        "layout": "trl", "split": "test", "subset": "s", "on_bad_row": "skip", "shard_size": "1MB",
+        "max_row_bytes": "1MB", "storage_options": {"anon": True}, "runner": "dask", "dask_address": "tcp://h:1",
+        "ray_address": None, "workers": 3, "encode_processes": 0, "force": True, "keep_versions": 2, "retries": 5,
+    }
+
+
+def test_every_option_is_in_the_table_and_its_flag_says_what_the_flow_form_says():
+    assert [name for name, _, _ in declared()] == list(TokenizeOptions.model_fields)
+    run = next(action for action in build_parser()._actions if action.dest == "command").choices["run"]
+    helps = {action.dest: action.help for action in run._actions}
+    flagged = [(name, info) for name, info, option in declared() if option.section is not None]
+    assert {name for name, _ in flagged} <= set(helps)
+    assert [name for name, info in flagged if not helps[name].startswith(info.description)] == []
+    # Only where Python and the flow take an option that has no flag.
+    assert [name for name, _, option in declared() if option.section is None] == \
+        ["revision", "tokenizer_revision", "writer_batch_rows", "writer_batch_bytes", "trust_remote_code"]
