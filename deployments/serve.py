@@ -33,12 +33,14 @@ def schedule(entry: dict[str, Any]):
 
 
 def runner_deployments(prefect_file: Path = PREFECT_FILE) -> list:
-    """prefect.yaml's deployments as served ones: same names, parameters, schedules, tags, description."""
-    from sft_tokenize.flows.tokenize_dataset import tokenize_dataset
+    """prefect.yaml's deployments as served ones: same flows, names, parameters, schedules, tags, description."""
+    import importlib
 
     deployments = []
     for spec in yaml.safe_load(prefect_file.read_text())["deployments"]:
-        deployments.append(tokenize_dataset.to_deployment(
+        path, _, name = spec["entrypoint"].partition(":")  # flows/tokenize_dataset.py:tokenize_dataset
+        module = importlib.import_module("sft_tokenize." + path.removesuffix(".py").replace("/", "."))
+        deployments.append(getattr(module, name).to_deployment(
             name=spec["name"], description=spec.get("description"), tags=spec.get("tags"),
             parameters=spec.get("parameters"),
             schedules=[schedule(s) for s in spec["schedules"]] if spec.get("schedules") else None,

@@ -138,3 +138,21 @@ def tokenize(sources: str | list[str], *, tokenizer: str, cache_dir: str | os.Pa
     settings = {"sources": [os.fspath(s) for s in sources], "tokenizer": os.fspath(tokenizer),
                 "cache_dir": os.fspath(cache_dir), **options}
     return run_tokenize(settings)
+
+
+def run_recipe(recipe_file: str | os.PathLike, run_settings: dict[str, Any] | None = None,
+               overrides: dict[str, Any] | None = None, progress: Callable[[Any], Any] | None = None) -> Path:
+    """Build every source's cache of a recipe (each an ordinary run, so a cached source costs a plan), then the
+    mixture index over them; return the index's path.
+
+    `overrides` replace the recipe's shared options (the command line's --tokenizer, --cache-dir);
+    `run_settings` say how the runs run (runner, workers, retries, force, ...). Every source's options are
+    checked and its inputs resolved before the first source runs: a bad recipe fails before any work."""
+    from sft_tokenize.build.recipe import load_recipe
+    from sft_tokenize.read.mixture_index import mix_caches
+
+    recipe = load_recipe(recipe_file, overrides)
+    recipe.check_sources(os.fspath(recipe_file))
+    runs = recipe.runs()
+    caches = [run_tokenize({**options.model_dump(), **(run_settings or {})}, progress) for options in runs]
+    return mix_caches(recipe.mixture_options([str(path) for path in caches])).path

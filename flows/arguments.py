@@ -37,6 +37,19 @@ class OneLineErrorParser(argparse.ArgumentParser):
     def error(self, message: str):
         self.exit(EXIT_BAD_INPUT, f"{PROG}: error: {message} (see `{self.prog} --help`)\n")
 
+    def parse_known_args(self, args=None, namespace=None):
+        parsed, rest = super().parse_known_args(args, namespace)
+        if getattr(parsed, "command", None) == "run" and self.prog == PROG:
+            # A run reads its sources, tokenizer and cache dir from the command line or from its recipe.
+            if parsed.recipe and parsed.sources:
+                self.error("run: give SOURCE arguments or --recipe, not both (a recipe lists its sources)")
+            missing = [] if parsed.recipe else [label for label, value in (
+                ("SOURCE", parsed.sources), ("--tokenizer", parsed.tokenizer), ("--cache-dir", parsed.cache_dir))
+                if not value]
+            if missing:
+                self.error(f"run: the following arguments are required: {', '.join(missing)}")
+        return parsed, rest
+
 
 def _choices(annotation: Any) -> list[str] | None:
     """The values of a Literal option (or of each item of a list of them)."""
@@ -63,16 +76,14 @@ def add_tokenize_options(sections: dict[str, argparse._ArgumentGroup]) -> None:
         elif _shown_default(default):
             text += f" (default {default})"
         if option.positional:
-            group.add_argument(name, nargs="+", metavar=option.metavar, help=text)
+            group.add_argument(name, nargs="*", metavar=option.metavar, help=text + " (or --recipe)")
             continue
         if name == "columns":  # the command line's shorthand for the most common mapping
             group.add_argument("--messages-column", metavar="COL",
                                help="the column holding the conversations (--column messages=COL)")
         settings: dict[str, Any] = {"dest": name, "help": text, "metavar": option.metavar, "type": option.parse,
                                     "choices": _choices(info.annotation)}
-        if info.is_required():
-            settings["required"] = True
-        elif option.repeat:
+        if option.repeat:
             settings.update(action="append", default=[])
         else:
             settings["default"] = default
@@ -88,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
                               description="Tokenize sources into a cache; prints the cache path as the last line.")
     sections = {title: run.add_argument_group(title) for title in SECTIONS}
     add_tokenize_options(sections)
+    sections[INPUT].add_argument("--recipe", metavar="FILE",
+                                 help="a YAML recipe: several sources, each with its own options, tokenized into a "
+                                      "cache each and mixed by a mixture index (docs/mixtures.md); prints the "
+                                      "index's path. --tokenizer and --cache-dir, if given, override the recipe's")
     # How the flow runs, not what it builds: the runner, the workers, retries and the versions kept are
     # TokenizeRun's fields, in the Prefect layer that the command line does not import before it has parsed
     # (a bad flag or a cache hit settle without Prefect); --server-idle, -q and -v are the command line's own.
@@ -120,9 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
     noise.add_argument("-q", "--quiet", action="store_true", help="no Prefect run logs on stderr")
     noise.add_argument("-v", "--verbose", action="store_true", help="Prefect run logs with tracebacks")
 
-    inspect = commands.add_parser("inspect", help="summarize a published cache",
-                                  description="Summarize a published cache from its manifest, and its packing indexes.")
-    inspect.add_argument("cache", metavar="CACHE")
+    inspect = commands.add_parser("inspect", help="summarize a published cache or a mixture index",
+                                  description="Summarize a published cache from its manifest, and its packing indexes; "
+                                              "or a mixture index: per source, what was asked and achieved.")
+    inspect.add_argument("cache", metavar="CACHE_OR_MIXTURE")
     inspect.add_argument("--json", action="store_true", help="print the whole manifest as JSON")
     inspect.add_argument("--row", type=int, action="append", default=[], metavar="N",
                          help="print row N decoded, its trained tokens highlighted (green, or [[…]] when piped); "
@@ -162,18 +178,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The flags that say how a run runs (TokenizeRun's own fields), not what it builds.
+RUN_KEYS = ("runner", "dask_address", "ray_address", "workers", "encode_processes", "force", "keep_versions")
+
+
 def options_from(args: argparse.Namespace) -> dict[str, Any]:
     """The flow's options (TokenizeRun's fields) that `sft-tokenize run`'s arguments give."""
     options = {name: getattr(args, name) for name, _, option in declared() if option.section is not None}
     options["columns"] = dict(options["columns"])  # given as ROLE=NAME pairs
     if args.messages_column:
         options["columns"]["messages"] = args.messages_column
-    options |= {
-        "runner": args.runner, "dask_address": args.dask_address,
-        "ray_address": args.ray_address, "workers": args.workers, "encode_processes": args.encode_processes,
-        "force": args.force,
-        "keep_versions": args.keep_versions,
-    }
+    options |= {key: getattr(args, key) for key in RUN_KEYS}
     if args.retries is not None:
         options["retries"] = args.retries
     return options
+
+
+def run_settings(options: dict[str, Any]) -> dict[str, Any]:
+    """Of a run's options, those that say how it runs: what every source of a recipe is run with."""
+    return {key: options[key] for key in (*RUN_KEYS, "retries") if key in options}

@@ -25,7 +25,7 @@ import warnings
 
 from sft_tokenize.build.timeline import mark
 from sft_tokenize.errors import BadInput, CacheError
-from sft_tokenize.flows.arguments import EXIT_BAD_INPUT, PROG, SERVER_IDLE_ENV, build_parser, options_from
+from sft_tokenize.flows.arguments import EXIT_BAD_INPUT, PROG, SERVER_IDLE_ENV, build_parser, options_from, run_settings
 from sft_tokenize.flows.console import CONSOLE_ENV, ProgressBar, progress_console
 
 EXIT_OK, EXIT_FAILED = 0, 1
@@ -56,19 +56,24 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt as interrupt:  # Ctrl-C, or SIGTERM (flows.interrupts.Terminated)
         signum = signal_of(interrupt)
         return _fail(f"interrupted ({signum.name}); the finished slices stay in the shard store under "
-                     f"{os.path.join(args.cache_dir, '.shards')}: run the same command again to resume",
+                     f"{os.path.join(args.cache_dir or 'CACHE_DIR', '.shards')}: run the same command again to resume",
                      EXIT_CODES[signum])
 
 
 def _run(args: argparse.Namespace) -> int:
-    from sft_tokenize.flows.api import RunFailed, run_tokenize
+    from sft_tokenize.flows.api import RunFailed, run_recipe, run_tokenize
 
     settings = options_from(args)
     if settings["runner"] == "dask" and not args.verbose:
         # A temporary cluster's scheduler runs in this process: a notice per worker and connection is noise here.
         logging.getLogger("distributed").setLevel(logging.WARNING)
     try:
-        cache_path = run_tokenize(settings, progress=lambda: ProgressBar(progress_console()))
+        bar = lambda: ProgressBar(progress_console())  # noqa: E731
+        if args.recipe:
+            overrides = {key: settings[key] for key in ("tokenizer", "cache_dir") if settings[key]}
+            cache_path = run_recipe(args.recipe, run_settings(settings), overrides, progress=bar)
+        else:
+            cache_path = run_tokenize(settings, progress=bar)
     except BadInput as error:
         return _fail(str(error), EXIT_BAD_INPUT)
     except RunFailed as error:
@@ -78,10 +83,18 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def inspect(args: argparse.Namespace) -> int:
-    from sft_tokenize.flows.report import fingerprint_inputs, packing_summary, summary, text_table
+    from sft_tokenize.flows.report import fingerprint_inputs, mixture_summary, packing_summary, summary, text_table
     from sft_tokenize.read.cache import read_manifest
+    from sft_tokenize.read.mixture_index import load_mixture
     from sft_tokenize.read.packing_index import list_indexes
 
+    if os.path.isfile(os.path.join(args.cache, "mixture.json")):  # a mixture index: its per-source summary
+        try:
+            meta = load_mixture(args.cache).meta
+        except CacheError as error:
+            return _fail(str(error), EXIT_BAD_INPUT)
+        print(json.dumps(meta, indent=2) if args.json else text_table(mixture_summary(meta)))
+        return EXIT_OK
     try:
         manifest = read_manifest(args.cache)
         indexes = list_indexes(args.cache, args.index_dir)

@@ -137,3 +137,15 @@ def packing_summary(meta: dict[str, Any], build: dict[str, Any], index_path: str
                                      f"1 %); whole epoch {balance['rank_spread']:.3%}"))
     rows.append(("build time", f"{build['seconds']:.2f} s"))
     return rows
+
+
+def mixture_summary(meta: dict[str, Any]) -> list[tuple[str, str]]:
+    """The summary artifact's rows: the mixture, then per source what was asked and what was achieved."""
+    rows = [("index", meta["key"]), ("unit", meta["unit"]), ("budget", f"{meta['budget']:,}" if meta["budget"]
+                                                                         else "none"), ("rows", f"{meta['rows']:,}")]
+    for source in meta["sources"]:
+        (kind, amount), = source["asked"].items()
+        rows.append((source["name"], f"asked {kind} {amount}; achieved {source['rows']:,} rows, "
+                                     f"{source['tokens']:,} tokens, {source['trained_tokens']:,} trained, share "
+                                     f"{source['share']:.1%}, {source['epochs']:.2f} epochs"))
+    return rows

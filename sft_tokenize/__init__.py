@@ -13,8 +13,8 @@ The code follows the pipeline, one subpackage per step (docs/architecture.md is 
     sources/   where input comes from: resolving, listing, compressed files, per-format readers, slicing
     chat/      rendering a conversation as its template does, and finding its trained turns
     encoding/  tokenizers prepared once per content, exact fast encoders, the encode pool
-    build/     options, plan, content keys, the shard writer, the shard store, publish
-    read/      open_cache, layouts, trainer loaders, the packing index and its sampler
+    build/     options, recipes, plan, content keys, the shard writer, the shard store, publish
+    read/      open_cache, layouts, trainer loaders, the packing index and its sampler, the mixture index
     format/    FORMAT.md, the on-disk format (beside the code that writes and checks it)
     flows/, tasks/ (at the repository's top)  the Prefect flow, its tasks and the `sft-tokenize` CLI
 """
@@ -44,21 +44,27 @@ _API = {
     "packed_sequences": "sft_tokenize.read.packed_sequences",
     "PackedSequences": "sft_tokenize.read.packed_sequences",
     "PackedSampler": "sft_tokenize.read.packed_sequences",
+    "open_mixture": "sft_tokenize.read.mixture_index",
+    "mixture_dataset": "sft_tokenize.read.mixture_index",
+    "mix_caches": "sft_tokenize.read.mixture_index",
+    "MixtureOptions": "sft_tokenize.read.mixture_index",
+    "MixtureSource": "sft_tokenize.read.mixture_index",
     "for_trl": "sft_tokenize.read.trainers",
     "for_axolotl": "sft_tokenize.read.trainers",
     "work_view": "sft_tokenize.read.trainers",
     "BadInput": "sft_tokenize.errors",
     "CacheError": "sft_tokenize.errors",
 }
-__all__ = ["BadInput", "CacheError", "PackOptions", "PackedSampler", "PackedSequences", "TokenizedCache",
-           "for_axolotl", "for_trl", "open_cache", "pack_cache", "packed_sequences", "read_manifest", "tokenize",
-           "work_view"]
+__all__ = ["BadInput", "CacheError", "MixtureOptions", "MixtureSource", "PackOptions", "PackedSampler",
+           "PackedSequences", "TokenizedCache", "for_axolotl", "for_trl", "mix_caches", "mixture_dataset",
+           "open_cache", "open_mixture", "pack_cache", "packed_sequences", "read_manifest", "tokenize", "work_view"]
 
 if TYPE_CHECKING:
     from sft_tokenize.errors import BadInput, CacheError
     from sft_tokenize.flows.api import tokenize
     from sft_tokenize.format.manifest import read_manifest
     from sft_tokenize.read.cache import TokenizedCache, open_cache
+    from sft_tokenize.read.mixture_index import MixtureOptions, MixtureSource, mix_caches, mixture_dataset, open_mixture
     from sft_tokenize.read.packed_sequences import PackedSampler, PackedSequences, packed_sequences
     from sft_tokenize.read.packing_index import PackOptions, pack_cache
     from sft_tokenize.read.trainers import for_axolotl, for_trl, work_view

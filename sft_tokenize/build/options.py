@@ -108,6 +108,8 @@ class Option:
     # text); None: the option does not change the cache's rows.
     fingerprint: Literal["value", "resolved"] | None = None
     only_with: str | None = None  # hashed as None unless this other option is set: without it the option never acts
+    # Hashed only when set: an option added after caches were built keeps their fingerprints while unset.
+    hashed_when_set: bool = False
     job: bool | Callable[[Any], Any] = False  # the slices read it: True as given, or the value this makes of it
 
 
@@ -141,6 +143,9 @@ class TokenizeOptions(BaseModel):
         None, description="revision of a hub dataset")
     tokenizer_revision: Annotated[str | None, Option(fingerprint="resolved")] = Field(
         None, description="revision of a hub tokenizer")
+    system_prompt: Annotated[str | None, Option(INPUT, metavar="TEXT", fingerprint="value", hashed_when_set=True,
+                                                job=True)] = Field(
+        None, description="a system message for the conversations that have none (a recipe's per-source prompt)")
     chat_template: Annotated[str | None, Option(MASKS, metavar="FILE", fingerprint="resolved")] = Field(
         None, description="a .jinja file (or the template's text) overriding the tokenizer's chat template")
     template_kwargs: Annotated[dict, Option(MASKS, metavar="JSON", parse=json_object, fingerprint="value",
@@ -248,5 +253,7 @@ def hashed_values(options: TokenizeOptions) -> dict[str, Any]:
             value = _as_the_job_holds_it(option, getattr(options, name))
             if option.only_with is not None and not getattr(options, option.only_with):
                 value = None
+            if option.hashed_when_set and value is None:
+                continue
             hashed[name] = list(value) if isinstance(value, tuple) else value  # as JSON holds it
     return hashed

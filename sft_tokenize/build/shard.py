@@ -184,7 +184,7 @@ def _stream_rows(job: Job, slice_: Slice, stream) -> ShardStats:
                 try:
                     if isinstance(row, BadRow):
                         raise row
-                    examples.append(to_example(row, job.columns))
+                    examples.append(to_example(row, job.columns, job.system_prompt))
                     positions.append(i)
                 except BadRow as bad:
                     if job.on_bad_row == "raise":

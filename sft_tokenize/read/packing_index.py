@@ -150,9 +150,23 @@ class PackingIndex:
         return self.rows[self.bins[index]:self.bins[index + 1]]
 
 
-def _write_npy(path: Path, array: np.ndarray) -> dict[str, Any]:
+def write_npy(path: Path, array: np.ndarray) -> dict[str, Any]:
+    """An index array as int64 little-endian .npy; its record (bytes, sha256) for the index's metadata."""
     np.save(path, np.ascontiguousarray(array, dtype="<i8"), allow_pickle=False)
     return {"bytes": path.stat().st_size, "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+
+
+def mapped_arrays(path: Path, names: tuple[str, ...], recorded: dict[str, Any]) -> dict[str, np.ndarray]:
+    """An index's arrays memory-mapped, each checked against its recorded size; CacheError if one is not."""
+    arrays = {}
+    for name in names:
+        file = path / name
+        size = file.stat().st_size if file.exists() else None
+        if size != recorded[name]["bytes"]:
+            raise CacheError(f"{file}: {'missing' if size is None else f'{size} bytes'}, the index says "
+                             f"{recorded[name]['bytes']} bytes")
+        arrays[name] = np.load(file, mmap_mode="r", allow_pickle=False)
+    return arrays
 
 
 def _cache_identity(cache: TokenizedCache) -> dict[str, Any]:
@@ -174,14 +188,7 @@ def load_index(path: Path, cache: TokenizedCache) -> PackingIndex:
     if meta["cache"] != _cache_identity(cache):
         raise CacheError(f"{path}: made for another cache ({meta['cache']['fingerprint']}, "
                          f"{meta['cache']['rows']} rows), not {cache.path}")
-    arrays = {}
-    for name in INDEX_FILES:
-        file = path / name
-        size = file.stat().st_size if file.exists() else None
-        if size != meta["files"][name]["bytes"]:
-            raise CacheError(f"{file}: {'missing' if size is None else f'{size} bytes'}, the index says "
-                             f"{meta['files'][name]['bytes']} bytes")
-        arrays[name] = np.load(file, mmap_mode="r", allow_pickle=False)
+    arrays = mapped_arrays(path, INDEX_FILES, meta["files"])
     return PackingIndex(path, meta, build, arrays["rows.npy"], arrays["bins.npy"])
 
 
@@ -227,8 +234,8 @@ def pack_cache(cache: str | Path | TokenizedCache, options: PackOptions) -> Pack
         # A stale index at target (another cache under this name, or damaged) is replaced, never served.
         with built_directory(target, target.with_name(f".{target.name}.building"),
                              target.with_name(f".{target.name}.stale")) as building:
-            files = {"bins.npy": _write_npy(building / "bins.npy", bins),
-                     "rows.npy": _write_npy(building / "rows.npy", rows)}
+            files = {"bins.npy": write_npy(building / "bins.npy", bins),
+                     "rows.npy": write_npy(building / "rows.npy", rows)}
             meta = {"index_version": INDEX_VERSION, "key": options.key, "length": options.length,
                     "data_parallel": options.data_parallel, "algorithm": options.algorithm,
                     "cache": _cache_identity(cache), **stats, "files": files}

@@ -205,8 +205,11 @@ def _turns(value: Any, role: str, column: str) -> list[dict[str, Any]]:
     return _messages(value, column)
 
 
-def to_example(row: Mapping[str, Any], columns: ColumnMap) -> Conversation | str:
-    """One source row as a Conversation (or a str for text data); raises BadRow saying what is wrong."""
+def to_example(row: Mapping[str, Any], columns: ColumnMap, system_prompt: str | None = None) -> Conversation | str:
+    """One source row as a Conversation (or a str for text data); raises BadRow saying what is wrong.
+
+    `system_prompt`, if given, is the system message of a conversation that has none of its own (neither a
+    system column's value nor a leading system message)."""
     c = columns.columns
     if columns.format == "text":
         return _string(row, c["text"])
@@ -214,14 +217,15 @@ def to_example(row: Mapping[str, Any], columns: ColumnMap) -> Conversation | str
         instruction = _string(row, c["instruction"])
         extra = _string(row, c["input"], optional=True) if "input" in c else ""
         prompt = f"{instruction}\n\n{extra}" if extra else instruction
+        head = [{"role": "system", "content": system_prompt}] if system_prompt else []
         messages = [{"role": "user", "content": prompt},
                     {"role": "assistant", "content": _string(row, c["output"])}]
-        return Conversation(messages, completion_start=1)
+        return Conversation(head + messages, completion_start=len(head) + 1)
 
     tools = row.get(c["tools"]) if "tools" in c else None
     if tools is not None and not isinstance(tools, list):
         raise BadRow("bad_field", f"{c['tools']!r} must be a list, got {_type_name(tools)}")
-    system = _string(row, c["system"], optional=True) if "system" in c else ""
+    system = (_string(row, c["system"], optional=True) if "system" in c else "") or system_prompt
     head = [{"role": "system", "content": system}] if system else []
     if columns.format == "chat":
         messages = _messages(row.get(c["messages"]), c["messages"])

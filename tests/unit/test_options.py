@@ -110,6 +110,13 @@ def test_what_does_not_change_the_rows_does_not_change_the_fingerprint(inputs):
     assert inline.job.tokenization == PINNED["chat_template_file"][0]
 
 
+def test_a_system_prompt_enters_the_fingerprint_only_when_set(inputs):
+    default = planned(inputs, system_prompt=None)
+    prompted = planned(inputs, system_prompt="Be brief.")
+    assert default.job.tokenization == PINNED["defaults"][0] != prompted.job.tokenization
+    assert prompted.inputs["system_prompt"] == "Be brief." and "system_prompt" not in default.inputs
+
+
 def test_the_job_carries_the_options_as_the_slices_use_them(inputs):
     job = planned(inputs, **option_sets(inputs)["masks_and_bad_rows"], encoder="hf", extra_columns=["labels"],
                   writer_batch_rows=10, writer_batch_bytes="1MB", storage_options={"anon": False}).job
@@ -121,7 +128,7 @@ def test_the_job_carries_the_options_as_the_slices_use_them(inputs):
         "train_on": "all_assistant", "template_kwargs": {}, "reasoning_turns": "expand", "special_text": "keep",
         "encoder": "hf", "max_length": 300, "truncation": "drop", "on_bad_row": "skip", "max_row_bytes": 1 << 20,
         "extra_columns": ("labels",), "layout": "skyrl", "writer_batch_rows": 10, "writer_batch_bytes": 10**6,
-        "trust_remote_code": False, "storage_options": {"anon": False},
+        "trust_remote_code": False, "storage_options": {"anon": False}, "system_prompt": None,
     }
     assert Path(job.tokenizer_dir) == EXAMPLE_TOKENIZER.resolve()
     assert Path(job.staging).name == job.fingerprint and Path(job.staging).parent.name == ".staging"
@@ -134,6 +141,7 @@ def parsed(*argv: str) -> dict:
 def test_the_command_line_gives_the_flow_its_options():
     assert parsed("a.jsonl", "--tokenizer", "t", "--cache-dir", "c") == {
         "sources": ["a.jsonl"], "tokenizer": "t", "cache_dir": "c", "name": None, "format": "auto", "columns": {},
+        "system_prompt": None,
         "train_on": "all_assistant", "max_length": None, "truncation": "truncate", "chat_template": None,
         "extra_columns": [], "template_kwargs": {}, "reasoning_turns": "as-rendered", "special_text": "literal",
         "encoder": "auto", "layout": "skyrl", "split": "train", "subset": None, "on_bad_row": "raise",
@@ -143,7 +151,8 @@ def test_the_command_line_gives_the_flow_its_options():
     }
     every_flag = parsed(
         "a.jsonl", "b", "--tokenizer", "t", "--cache-dir", "c", "--name", "n", "--format", "chat",
-        "--messages-column", "conv", "--column", "system=sys", "--train-on", "last_assistant", "--max-length", "256",
+        "--messages-column", "conv", "--column", "system=sys", "--system-prompt", "Be brief.",
+        "--train-on", "last_assistant", "--max-length", "256",
         "--truncation", "drop", "--chat-template", "f.jinja", "--template-kwargs", '{"x": 1}',
         "--reasoning-turns", "expand", "--special-text", "keep", "--encoder", "hf", "--extra-column", "labels",
         "--extra-column", "attention_mask", "--layout", "trl", "--split", "test", "--subset", "s",
@@ -152,7 +161,8 @@ def test_the_command_line_gives_the_flow_its_options():
         "--encode-processes", "0", "--retries", "5", "--force", "--keep-versions", "2", "--server-idle", "5", "-q")
     assert every_flag == {
         "sources": ["a.jsonl", "b"], "tokenizer": "t", "cache_dir": "c", "name": "n", "format": "chat",
-        "columns": {"system": "sys", "messages": "conv"}, "train_on": "last_assistant", "max_length": 256,
+        "columns": {"system": "sys", "messages": "conv"}, "system_prompt": "Be brief.",
+        "train_on": "last_assistant", "max_length": 256,
         "truncation": "drop", "chat_template": "f.jinja", "extra_columns": ["labels", "attention_mask"],
         "template_kwargs": {"x": 1}, "reasoning_turns": "expand", "special_text": "keep", "encoder": "hf",
         "layout": "trl", "split": "test", "subset": "s", "on_bad_row": "skip", "shard_size": "1MB",

@@ -159,6 +159,18 @@ def test_sharegpt_conversations_are_understood():
     assert conv.messages == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
 
 
+def test_a_system_prompt_is_given_to_the_conversations_that_have_none():
+    prompt = {"role": "system", "content": "Be brief."}
+    chat = resolve_columns("chat", {}, ["messages", "system"], "f")
+    own = [{"role": "system", "content": "Mine."}, {"role": "user", "content": "hi"}]
+    assert to_example({"messages": own}, chat, "Be brief.").messages == own
+    assert to_example({"messages": own[1:], "system": "Col."}, chat, "Be brief.").messages[0]["content"] == "Col."
+    assert to_example({"messages": own[1:]}, chat, "Be brief.").messages == [prompt, own[1]]
+    alpaca = to_example({"instruction": "Do.", "output": "Done."},
+                        resolve_columns("alpaca", {}, ["instruction", "output"], "f"), "Be brief.")
+    assert alpaca.messages[0] == prompt and alpaca.messages[alpaca.completion_start]["content"] == "Done."
+
+
 def test_format_detection_says_when_it_cannot():
     with pytest.raises(BadInput, match="cannot tell the format from the columns"):
         resolve_columns("auto", {}, ["foo", "bar"], "data.jsonl")

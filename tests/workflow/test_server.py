@@ -48,6 +48,7 @@ from support.paths import BIN, EXAMPLE_DATA, EXAMPLE_TOKENIZER, ROOT
 from support.servers import prefect_server, stop
 
 from sft_tokenize.build.plan import plan_slices
+from sft_tokenize.build.recipe import Recipe
 from sft_tokenize.flows.tokenize_dataset import TokenizeRun
 from sft_tokenize.tasks.tokenize_slice import TAG
 
@@ -237,6 +238,9 @@ def test_prefect_deploy_registers_both_deployments_on_a_process_pool(server, tmp
                 clone = tmp_path / run_coro_as_sync(run_steps(nightly.pull_steps))["directory"]
             assert (clone / ENTRYPOINT.partition(":")[0]).is_file()
             assert git("rev-parse", "HEAD", cwd=clone).stdout.strip() == head
+            recipe = client.read_deployment_by_name("tokenize-recipe/recipe")
+            assert recipe.entrypoint == "flows/tokenize_recipe.py:tokenize_recipe"
+            Recipe(**recipe.parameters["recipe"])  # a recipe the flow accepts
         finally:
             # The served deployments of the next tests take the same names: serve.py registers its own.
             for deployment in (nightly, on_demand):

@@ -1,0 +1,384 @@
+"""A mixture index over published caches: which rows of which source, in which order, for a token budget.
+
+    mixture = mix_caches(MixtureOptions(sources=[MixtureSource(cache=a, weight=0.6),
+                                                 MixtureSource(cache=b, weight=0.4),
+                                                 MixtureSource(cache=c, epochs=3)],
+                                        unit="trained_tokens", budget=50_000_000))
+    rows = open_mixture(mixture.path)        # rows as open_cache gives them, source after source interleaved
+
+Each source is a cache of its own (re-weighting never re-tokenizes). The index is two arrays, `sources.npy`
+and `rows.npy` (entry i is row rows[i] of source sources[i]), and `mixture.json`, which records per source
+what was asked and what was achieved. It is named by a hash of everything that decides it (the caches'
+fingerprints and row counts, the amounts, the unit, the budget, the seed, the order, the index version), so
+the same description always maps to the same bytes, and written atomically under `<cache root>/.mixtures/`.
+
+How rows are chosen (the same rule for every unit: rows, tokens, trained tokens). A source's amount is its
+weight's share of what the budget leaves after the absolute amounts (`epochs`, `rows`, `tokens`). Its rows
+are taken in seeded whole epochs (a permutation per epoch) plus a prefix of one more, until the amount is
+reached: a source asked for 2.5 epochs has every row 2 or 3 times, half of them 3 times; a token amount is
+reached within one row. The order merges the sources by how far each has got through its own amount
+(the fraction of it before the row), which is what always picking the source furthest behind does: every
+prefix of the index keeps the ratios, so a run stopped early still saw them. `order="shuffle"` is a seeded
+permutation of the same entries instead. See FORMAT.md, "Mixture index".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import pyarrow.compute as pc
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from sft_tokenize import __version__
+from sft_tokenize.errors import BadInput, CacheError
+from sft_tokenize.files import built_directory, locked
+from sft_tokenize.read.cache import TokenizedCache, open_cache
+from sft_tokenize.read.packing_index import mapped_arrays, write_npy
+
+MIXTURE_VERSION = 1
+MIXTURE_FILES = ("sources.npy", "rows.npy")
+Unit = Literal["rows", "tokens", "trained_tokens"]
+AMOUNTS = ("weight", "epochs", "rows", "tokens")
+SUM_CHUNK_ROWS = 65_536
+
+
+class MixtureSource(BaseModel):
+    """One source of a mixture: a published cache and how much of it, as a weight or an absolute amount."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    cache: str = Field(description="The source's published cache (a directory `load_from_disk` opens).")
+    name: str | None = Field(None, description="What the summary calls it (default: the cache's name).")
+    weight: float | None = Field(None, gt=0, description="Its share of what the budget leaves after the "
+                                 "absolute amounts, relative to the other weights.")
+    epochs: float | None = Field(None, gt=0, description="Every row this many times (2.5: each row 2 or 3 "
+                                 "times, half of them 3).")
+    rows: int | None = Field(None, gt=0, description="This many rows (more than it holds: whole epochs and a "
+                             "prefix of one more).")
+    tokens: int | None = Field(None, gt=0, description="This many tokens of the mixture's unit (input tokens "
+                               "when the unit is rows).")
+
+    @model_validator(mode="after")
+    def _one_amount(self) -> MixtureSource:
+        given = [key for key in AMOUNTS if getattr(self, key) is not None]
+        if len(given) != 1:
+            raise ValueError(f"source {self.name or self.cache}: give exactly one of {', '.join(AMOUNTS)} "
+                             f"({'none' if not given else ', '.join(given)} given)")
+        return self
+
+    @property
+    def amount(self) -> tuple[str, float]:
+        return next((key, getattr(self, key)) for key in AMOUNTS if getattr(self, key) is not None)
+
+
+class MixtureSettings(BaseModel):
+    """How a mixture counts, sizes and orders its sources (a recipe's `mixture:`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    unit: Unit = Field("trained_tokens", description="What weights and token amounts count: rows, tokens or "
+                       "trained_tokens (tokens whose loss mask is 1).")
+    budget: int | None = Field(None, gt=0, description="The mixture's size in its unit; needed when a source "
+                               "has a weight.")
+    seed: int = Field(0, description="Seeds each source's epoch permutations (and the shuffle).")
+    order: Literal["interleave", "shuffle"] = Field("interleave", description="interleave: the source furthest "
+                                                    "behind its amount comes next, so every prefix keeps the "
+                                                    "ratios; shuffle: a seeded permutation of the same rows.")
+    index_dir: str | None = Field(None, description="Where to write the index (default: <cache root>/.mixtures).")
+
+
+class MixtureOptions(MixtureSettings):
+    """A mixture: its sources and amounts, and its settings."""
+
+    sources: list[MixtureSource] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _weights_share_a_budget(self) -> MixtureOptions:
+        weights = [s.weight for s in self.sources if s.weight is not None]
+        if weights and self.budget is None:
+            raise ValueError("budget: a source has a weight, so the mixture needs a budget (in its unit, "
+                             f"{self.unit}) to share")
+        # Weights are shares of what the budget leaves; shares that do not add up to 1 are a typo, not a ratio.
+        if weights and abs(sum(weights) - 1) > 1e-6:
+            raise ValueError(f"weights: they add up to {sum(weights):g}; they are shares of the budget (after "
+                             "the absolute amounts) and must add up to 1")
+        return self
+
+
+@dataclass
+class _Source:
+    """A source's cache and its rows' sizes in the mixture's unit (int64, one per row)."""
+
+    spec: MixtureSource
+    cache: TokenizedCache
+    units: np.ndarray
+
+    @property
+    def name(self) -> str:
+        return self.spec.name or self.cache.path.name
+
+    def identity(self) -> dict[str, Any]:
+        return {"name": self.name, "cache": self.cache.path.name, "fingerprint": self.cache.manifest["fingerprint"],
+                "rows": len(self.cache), "amount": dict([self.spec.amount])}
+
+
+def trained_lengths(cache: TokenizedCache) -> np.ndarray:
+    """Trained tokens per row (loss_mask 1, or a label other than -100), a chunk of rows at a time."""
+    name = "loss_mask" if "loss_mask" in cache.columns else "labels"
+    out = np.empty(len(cache), dtype=np.int64)
+    if cache.table is None:
+        return out
+    column = cache.table.column(name)
+    for start in range(0, len(cache), SUM_CHUNK_ROWS):
+        chunk = column.slice(start, SUM_CHUNK_ROWS).combine_chunks()
+        values = chunk.flatten().to_numpy(zero_copy_only=False)
+        hits = np.concatenate([[0], np.cumsum(values == 1 if name == "loss_mask" else values != -100)])
+        offsets = pc.list_value_length(chunk).to_numpy().cumsum()
+        ends = hits[offsets]
+        out[start:start + len(chunk)] = np.diff(np.concatenate([[0], ends]))
+    return out
+
+
+def _units(cache: TokenizedCache, unit: str) -> np.ndarray:
+    if unit == "rows":
+        return np.ones(len(cache), dtype=np.int64)
+    if unit == "tokens":
+        return cache.lengths.astype(np.int64)
+    return trained_lengths(cache)
+
+
+def _epochs(n: int, seed: int, source: int, rows: int) -> np.ndarray:
+    """`rows` rows of a source of n: whole seeded permutations, then a prefix of the next."""
+    whole, rest = divmod(rows, n)
+    perms = [np.random.default_rng([seed, source, e]).permutation(n) for e in range(whole + (rest > 0))]
+    return np.concatenate(perms)[:rows] if perms else np.empty(0, dtype=np.int64)
+
+
+def _rows_for_units(units: np.ndarray, target: float, seed: int, source: int) -> np.ndarray:
+    """The fewest rows, in seeded epochs, whose units reach `target` (or all of one epoch, if every row is 0)."""
+    n, total = len(units), int(units.sum())
+    if total == 0:
+        return _epochs(n, seed, source, n)
+    whole = int(target // total)
+    order = _epochs(n, seed, source, (whole + 1) * n)
+    reached = np.cumsum(units[order])
+    return order[:int(np.searchsorted(reached, target, side="left")) + 1]
+
+
+def choose_rows(sources: list[_Source], options: MixtureOptions) -> list[np.ndarray]:
+    """Per source, its rows in the order it gives them (see the module's docstring for the rule)."""
+    chosen: list[np.ndarray | None] = [None] * len(sources)
+    absolute = 0
+    for i, source in enumerate(sources):
+        kind, amount = source.spec.amount
+        n = len(source.cache)
+        if n == 0:
+            raise BadInput(f"source {source.name}: its cache {source.cache.path} has no rows")
+        if kind == "epochs":
+            chosen[i] = _epochs(n, options.seed, i, int(round(amount * n)))
+        elif kind == "rows":
+            chosen[i] = _epochs(n, options.seed, i, int(amount))
+        elif kind == "tokens":
+            units = source.units if options.unit != "rows" else source.cache.lengths.astype(np.int64)
+            chosen[i] = _rows_for_units(units, amount, options.seed, i)
+        if chosen[i] is not None:
+            absolute += int(source.units[chosen[i]].sum())
+    weighted = [i for i, s in enumerate(sources) if s.spec.weight is not None]
+    if weighted:
+        left = options.budget - absolute
+        if left <= 0:
+            raise BadInput(f"budget: {options.budget} {options.unit}, but the absolute amounts already take "
+                           f"{absolute}; nothing is left for the weighted sources")
+        total_weight = sum(sources[i].spec.weight for i in weighted)
+        for i in weighted:
+            chosen[i] = _rows_for_units(sources[i].units, left * sources[i].spec.weight / total_weight,
+                                        options.seed, i)
+    return chosen
+
+
+def interleave(sources: list[_Source], chosen: list[np.ndarray], options: MixtureOptions
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """(sources, rows) of the whole index: merged by each row's place in its source's amount, or shuffled."""
+    keys, ids = [], []
+    for i, (source, rows) in enumerate(zip(sources, chosen, strict=True)):
+        units = source.units[rows].astype(np.float64)
+        done = units.sum()
+        before = np.cumsum(units) - units
+        # Rows of no units (nothing trained) take the place of the row before them; an all-empty source
+        # spreads its rows evenly instead.
+        keys.append(before / done if done else np.arange(len(rows)) / max(len(rows), 1))
+        ids.append(np.full(len(rows), i, dtype=np.int64))
+    key, source_ids, rows = np.concatenate(keys), np.concatenate(ids), np.concatenate(chosen)
+    if options.order == "shuffle":
+        order = np.random.default_rng([options.seed, len(sources)]).permutation(len(key))
+    else:
+        order = np.lexsort((source_ids, key))  # ties: the source listed first
+    return source_ids[order], rows[order]
+
+
+def _summary(sources: list[_Source], chosen: list[np.ndarray], unit: str) -> list[dict]:
+    """Per source: what was asked, what was achieved (rows, tokens, trained tokens, share, epochs)."""
+    total = sum(int(s.units[rows].sum()) for s, rows in zip(sources, chosen, strict=True))
+    out = []
+    for source, rows in zip(sources, chosen, strict=True):
+        kind, amount = source.spec.amount
+        achieved = int(source.units[rows].sum())
+        seen = np.bincount(rows, minlength=len(source.cache))
+        trained = source.units if unit == "trained_tokens" else trained_lengths(source.cache)
+        out.append({
+            "name": source.name, "cache": source.cache.path.name, "fingerprint": source.cache.manifest["fingerprint"],
+            "asked": {kind: amount},
+            "rows": int(len(rows)), "tokens": int(source.cache.lengths[rows].astype(np.int64).sum()),
+            "trained_tokens": int(trained[rows].sum()),
+            "share": round(achieved / total, 6) if total else 0.0,
+            "epochs": round(len(rows) / len(source.cache), 6),
+            "times_seen": {"min": int(seen.min()), "max": int(seen.max())},
+        })
+    return out
+
+
+def mixture_key(sources: list[_Source], options: MixtureOptions) -> str:
+    described = {"version": MIXTURE_VERSION, "sources": [s.identity() for s in sources], "unit": options.unit,
+                 "budget": options.budget, "seed": options.seed, "order": options.order}
+    return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass
+class MixtureIndex:
+    """A published mixture index: its arrays memory-mapped and its description."""
+
+    path: Path
+    meta: dict[str, Any]
+    sources: np.ndarray
+    rows: np.ndarray
+    built_now: bool = False
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+def _open_sources(options: MixtureOptions) -> list[_Source]:
+    opened = []
+    for spec in options.sources:
+        cache = open_cache(spec.cache)
+        opened.append(_Source(spec, cache, _units(cache, options.unit)))
+    return opened
+
+
+def _index_root(sources: list[_Source], options: MixtureOptions) -> Path:
+    if options.index_dir:
+        return Path(options.index_dir).expanduser().absolute()
+    return sources[0].cache.path.parent / ".mixtures"
+
+
+def load_mixture(path: str | Path) -> MixtureIndex:
+    """The index at `path`, checked against its record and its source caches; CacheError if not."""
+    path = Path(path).absolute()
+    try:
+        meta = json.loads((path / "mixture.json").read_text())
+    except (FileNotFoundError, NotADirectoryError):
+        raise CacheError(f"{path}: not a mixture index (mixture.json is missing)") from None
+    except ValueError as error:
+        raise CacheError(f"{path}: unreadable mixture index metadata ({error})") from None
+    if meta.get("mixture_version") != MIXTURE_VERSION:
+        raise CacheError(f"{path}: mixture index version {meta.get('mixture_version')}, expected {MIXTURE_VERSION}")
+    arrays = mapped_arrays(path, MIXTURE_FILES, meta["files"])
+    return MixtureIndex(path, meta, arrays["sources.npy"], arrays["rows.npy"])
+
+
+def mix_caches(options: MixtureOptions) -> MixtureIndex:
+    """The mixture index for these options: the published one if its key is there, else built and published
+    (one build per key at a time; a concurrent build waits, then reuses it)."""
+    sources = _open_sources(options)
+    key = mixture_key(sources, options)
+    target = _index_root(sources, options) / key
+    if (target / "mixture.json").is_file():
+        return load_mixture(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with locked(target.with_name(f"{key}.lock")):
+        if (target / "mixture.json").is_file():
+            return load_mixture(target)
+        started = time.perf_counter()
+        chosen = choose_rows(sources, options)
+        source_ids, rows = interleave(sources, chosen, options)
+        with built_directory(target, target.with_name(f".{key}.building"),
+                             target.with_name(f".{key}.stale")) as building:
+            files = {"sources.npy": write_npy(building / "sources.npy", source_ids),
+                     "rows.npy": write_npy(building / "rows.npy", rows)}
+            meta = {"mixture_version": MIXTURE_VERSION, "key": key, "unit": options.unit, "budget": options.budget,
+                    "seed": options.seed, "order": options.order, "rows": int(len(rows)),
+                    "sources": _summary(sources, chosen, options.unit),
+                    "source_caches": [str(s.cache.path) for s in sources], "files": files}
+            (building / "mixture.json").write_text(json.dumps(meta, indent=2) + "\n")
+            build = {"seconds": round(time.perf_counter() - started, 3), "tool_version": __version__}
+            (building / "build.json").write_text(json.dumps(build, indent=2) + "\n")
+    index = load_mixture(target)
+    index.built_now = True
+    return index
+
+
+class MixedRows(Sequence):
+    """The rows of a mixture index, as `open_cache` gives them, in the index's order; pickles as its path."""
+
+    def __init__(self, path: str | Path):
+        self.index = load_mixture(path)
+        self.path = self.index.path
+        self.caches = [open_cache(p) for p in self.index.meta["source_caches"]]
+        for cache, recorded in zip(self.caches, self.index.meta["sources"], strict=True):
+            if cache.manifest["fingerprint"] != recorded["fingerprint"]:
+                raise CacheError(f"{self.path}: source {recorded['name']} was {recorded['fingerprint']}, "
+                                 f"{cache.path} is now {cache.manifest['fingerprint']}: mix again")
+        columns = [tuple(c.columns) for c in self.caches]
+        if len(set(columns)) > 1:
+            raise CacheError(f"{self.path}: the sources' caches have different columns ({columns})")
+        self.columns = list(columns[0])
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"row {i} out of range for a mixture of {len(self)} rows")
+        i %= len(self)
+        return self.caches[int(self.index.sources[i])][int(self.index.rows[i])]
+
+    @cached_property
+    def lengths(self) -> np.ndarray:
+        out = np.empty(len(self), dtype=np.int32)
+        for s, cache in enumerate(self.caches):
+            mine = self.index.sources == s
+            out[mine] = cache.lengths[self.index.rows[mine]]
+        return out
+
+    def __reduce__(self):
+        return open_mixture, (str(self.path),)
+
+    def __repr__(self) -> str:
+        return f"MixedRows({str(self.path)!r}, rows={len(self)}, sources={len(self.caches)})"
+
+
+def open_mixture(path: str | Path) -> MixedRows:
+    """The rows of the mixture index at `path` (a directory holding mixture.json)."""
+    return MixedRows(path)
+
+
+def mixture_dataset(path: str | Path, work_dir: str | Path | None = None):
+    """The mixture as one `datasets.Dataset` without copying a row: the sources' work views concatenated and
+    selected through an indices mapping (what `Dataset.select` keeps), for TRL and axolotl."""
+    from datasets import concatenate_datasets, load_from_disk
+
+    from sft_tokenize.read.trainers import work_view
+
+    mixed = open_mixture(path)
+    views = [load_from_disk(str(work_view(c.path, None if work_dir is None else Path(work_dir) / c.path.name)))
+             for c in mixed.caches]
+    starts = np.cumsum([0] + [len(c) for c in mixed.caches])[:-1]
+    return concatenate_datasets(views).select(starts[np.asarray(mixed.index.sources)] + np.asarray(mixed.index.rows))

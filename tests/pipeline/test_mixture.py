@@ -1,0 +1,158 @@
+"""Mixture indexes over three real caches in three formats: token shares, prefixes, epochs, determinism, and
+that re-weighting re-tokenizes nothing."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from support.caches import published_inodes
+from support.data import tool_chat, write_jsonl
+from support.families import build_modern_tokenizer
+
+from sft_tokenize.build.options import TokenizeOptions
+from sft_tokenize.build.plan import run_locally
+from sft_tokenize.errors import BadInput
+from sft_tokenize.read.cache import open_cache
+from sft_tokenize.read.mixture_index import (
+    MixtureOptions,
+    MixtureSource,
+    mix_caches,
+    mixture_dataset,
+    open_mixture,
+    trained_lengths,
+)
+
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+
+
+def _text(rng: np.random.Generator, low: int, high: int) -> str:
+    return " ".join(rng.choice(WORDS, int(rng.integers(low, high))))
+
+
+@pytest.fixture(scope="module")
+def caches(tmp_path_factory) -> dict[str, str]:
+    """Three sources: chat JSONL with a tools column, alpaca Parquet, ShareGPT JSON; one cache each."""
+    root = tmp_path_factory.mktemp("mixture")
+    tokenizer = build_modern_tokenizer("qwen2.5", root / "tokenizer")  # a template that renders tools
+    rng = np.random.default_rng(7)
+    chat = [tool_chat('{"city": "Oslo"}', "Oslo", f"{h}:00") if h % 3 == 0 else
+            {"messages": [{"role": "user", "content": _text(rng, 3, 30)},
+                          {"role": "assistant", "content": _text(rng, 5, 80)}]} for h in range(300)]
+    write_jsonl(root / "chat.jsonl", chat)
+    alpaca = pa.table({"instruction": [_text(rng, 3, 20) for _ in range(200)],
+                       "input": ["" if i % 2 else _text(rng, 2, 10) for i in range(200)],
+                       "output": [_text(rng, 10, 120) for _ in range(200)]})
+    pq.write_table(alpaca, root / "alpaca.parquet")
+    sharegpt = [{"conversations": [{"from": "human", "value": _text(rng, 3, 15)},
+                                   {"from": "gpt", "value": _text(rng, 20, 60)}]} for _ in range(40)]
+    (root / "gold.json").write_text(json.dumps(sharegpt))
+    out = {}
+    for name, source, fmt in [("chat", "chat.jsonl", "chat"), ("alpaca", "alpaca.parquet", "alpaca"),
+                              ("gold", "gold.json", "chat")]:
+        options = TokenizeOptions(sources=[str(root / source)], tokenizer=str(tokenizer),
+                                  cache_dir=str(root / "caches"), name=name, format=fmt)
+        out[name] = str(run_locally(options))
+    return out
+
+
+def _mixture(caches, unit="trained_tokens", budget=None, seed=0, order="interleave", **amounts):
+    return MixtureOptions(sources=[MixtureSource(cache=caches[name], **amount) for name, amount in amounts.items()],
+                          unit=unit, budget=budget, seed=seed, order=order)
+
+
+def _units(caches, index, unit):
+    per_source = [trained_lengths(open_cache(caches[n])) if unit == "trained_tokens" else
+                  open_cache(caches[n]).lengths.astype(np.int64) for n in ("chat", "alpaca", "gold")]
+    return np.array([per_source[s][r] for s, r in zip(index.sources, index.rows, strict=True)])
+
+
+def test_token_weights_are_met_within_a_row_and_every_percent_prefix_keeps_them(caches):
+    total = sum(int(trained_lengths(open_cache(c)).sum()) for c in caches.values())
+    budget = 50 * total  # enough rows that 1 % of the index is a few hundred rows
+    options = _mixture(caches, budget=budget, chat={"weight": 0.5}, alpaca={"weight": 0.3}, gold={"weight": 0.2})
+    index = mix_caches(options)
+    units = _units(caches, index, "trained_tokens")
+    longest = max(int(trained_lengths(open_cache(c)).max()) for c in caches.values())
+    weights = np.array([0.5, 0.3, 0.2])
+    achieved = np.array([units[index.sources == s].sum() for s in range(3)])
+    assert np.all(np.abs(achieved - weights * budget) <= longest)
+    assert [s["trained_tokens"] for s in index.meta["sources"]] == achieved.tolist()
+    per_source = np.stack([np.cumsum(np.where(index.sources == s, units, 0)) for s in range(3)])
+    for percent in range(1, 101):
+        k = len(units) * percent // 100 - 1
+        shares = per_source[:, k] / per_source[:, k].sum()
+        assert np.abs(shares - weights).max() <= 0.01, (percent, shares)
+
+
+def test_two_and_a_half_epochs_see_every_row_two_or_three_times_half_of_them_three(caches):
+    index = mix_caches(_mixture(caches, unit="rows", gold={"epochs": 2.5}))
+    counts = np.bincount(np.asarray(index.rows), minlength=40)
+    assert set(counts.tolist()) == {2, 3}
+    assert (counts == 3).sum() == 20
+    assert index.meta["sources"][0]["times_seen"] == {"min": 2, "max": 3}
+
+
+def test_the_same_mixture_gives_the_same_bytes_and_another_seed_another_order(caches, tmp_path):
+    amounts = {"chat": {"weight": 0.6}, "alpaca": {"weight": 0.4}}
+    first = mix_caches(_mixture(caches, unit="tokens", budget=40_000, **amounts))
+    again = mix_caches(_mixture(caches, unit="tokens", budget=40_000, **amounts).model_copy(
+        update={"index_dir": str(tmp_path)}))
+    assert not first.built_now or again.built_now
+    for name in ("sources.npy", "rows.npy"):
+        assert (first.path / name).read_bytes() == (again.path / name).read_bytes()
+    other = mix_caches(_mixture(caches, unit="tokens", budget=40_000, seed=1, **amounts))
+    assert other.path != first.path
+    assert not np.array_equal(other.rows, first.rows)
+    assert np.bincount(other.sources).tolist() != [] and len(other.rows) == pytest.approx(len(first.rows), rel=0.1)
+
+
+def test_a_shuffled_order_holds_the_interleaved_rows(caches):
+    amounts = {"chat": {"weight": 0.5}, "alpaca": {"weight": 0.5}}
+    interleaved = mix_caches(_mixture(caches, budget=20_000, **amounts))
+    shuffled = mix_caches(_mixture(caches, budget=20_000, order="shuffle", **amounts))
+    pairs = lambda i: sorted(zip(i.sources.tolist(), i.rows.tolist(), strict=True))  # noqa: E731
+    assert pairs(interleaved) == pairs(shuffled)
+    assert not np.array_equal(interleaved.sources, shuffled.sources)
+
+
+def test_reweighting_rebuilds_the_index_and_leaves_the_caches_alone(caches):
+    before = {name: published_inodes(open_cache(path).path) for name, path in caches.items()}
+    a = mix_caches(_mixture(caches, budget=30_000, chat={"weight": 0.7}, alpaca={"weight": 0.3}))
+    b = mix_caches(_mixture(caches, budget=30_000, chat={"weight": 0.2}, alpaca={"weight": 0.8}))
+    assert a.path != b.path and b.built_now
+    assert {name: published_inodes(open_cache(path).path) for name, path in caches.items()} == before
+
+
+def test_mixed_rows_are_the_sources_rows_and_pickle_as_a_path(caches):
+    index = mix_caches(_mixture(caches, budget=10_000, chat={"weight": 0.5}, gold={"weight": 0.5}))
+    mixed = open_mixture(index.path)
+    names = ["chat", "gold"]
+    for i in (0, 1, len(mixed) // 2, len(mixed) - 1):
+        expected = open_cache(caches[names[int(index.sources[i])]])[int(index.rows[i])]
+        assert {k: v.tolist() for k, v in mixed[i].items()} == {k: v.tolist() for k, v in expected.items()}
+    assert len(pickle.dumps(mixed)) < 1000
+    assert pickle.loads(pickle.dumps(mixed))[3]["input_ids"].tolist() == mixed[3]["input_ids"].tolist()
+    dataset = mixture_dataset(index.path)
+    assert len(dataset) == len(mixed)
+    assert dataset[len(mixed) // 2]["input_ids"] == mixed[len(mixed) // 2]["input_ids"].tolist()
+
+
+def test_bad_mixtures_name_the_key(caches):
+    with pytest.raises(ValueError, match="add up to 1.1"):
+        _mixture(caches, budget=100, chat={"weight": 0.6}, alpaca={"weight": 0.5})
+    with pytest.raises(ValueError, match="budget: a source has a weight"):
+        _mixture(caches, chat={"weight": 1.0})
+    with pytest.raises(ValueError, match="exactly one of"):
+        MixtureSource(cache=caches["chat"], weight=0.5, epochs=2)
+    with pytest.raises(BadInput, match="nothing is left for the weighted sources"):
+        mix_caches(_mixture(caches, budget=10, chat={"weight": 1.0}, gold={"epochs": 1}))
+
+
+def test_trained_lengths_count_each_rows_trained_tokens(caches):
+    cache = open_cache(caches["chat"])
+    assert trained_lengths(cache).tolist() == [int(cache[i]["loss_mask"].sum()) for i in range(len(cache))]
