@@ -114,12 +114,17 @@ class MixtureOptions(MixtureSettings):
 
 
 @dataclass
-class _Source:
+class SourceRows:
     """A source's cache and its rows' sizes in the mixture's unit (int64, one per row)."""
 
     spec: MixtureSource
     cache: TokenizedCache
     units: np.ndarray
+
+    @cached_property
+    def tokens(self) -> np.ndarray:
+        """Input tokens per row (int64)."""
+        return self.cache.lengths.astype(np.int64)
 
     @property
     def name(self) -> str:
@@ -173,21 +178,21 @@ def _rows_for_units(units: np.ndarray, target: float, seed: int, source: int) ->
     return order[:int(np.searchsorted(reached, target, side="left")) + 1]
 
 
-def choose_rows(sources: list[_Source], options: MixtureOptions) -> list[np.ndarray]:
+def choose_rows(sources: list[SourceRows], options: MixtureOptions) -> list[np.ndarray]:
     """Per source, its rows in the order it gives them (see the module's docstring for the rule)."""
     chosen: list[np.ndarray | None] = [None] * len(sources)
     absolute = 0
     for i, source in enumerate(sources):
         kind, amount = source.spec.amount
-        n = len(source.cache)
+        n = len(source.units)
         if n == 0:
-            raise BadInput(f"source {source.name}: its cache {source.cache.path} has no rows")
+            raise BadInput(f"source {source.name}: its cache has no rows")
         if kind == "epochs":
             chosen[i] = _epochs(n, options.seed, i, int(round(amount * n)))
         elif kind == "rows":
             chosen[i] = _epochs(n, options.seed, i, int(amount))
         elif kind == "tokens":
-            units = source.units if options.unit != "rows" else source.cache.lengths.astype(np.int64)
+            units = source.units if options.unit != "rows" else source.tokens
             chosen[i] = _rows_for_units(units, amount, options.seed, i)
         if chosen[i] is not None:
             absolute += int(source.units[chosen[i]].sum())
@@ -204,7 +209,7 @@ def choose_rows(sources: list[_Source], options: MixtureOptions) -> list[np.ndar
     return chosen
 
 
-def interleave(sources: list[_Source], chosen: list[np.ndarray], options: MixtureOptions
+def interleave(sources: list[SourceRows], chosen: list[np.ndarray], options: MixtureOptions
                ) -> tuple[np.ndarray, np.ndarray]:
     """(sources, rows) of the whole index: merged by each row's place in its source's amount, or shuffled."""
     keys, ids = [], []
@@ -224,7 +229,7 @@ def interleave(sources: list[_Source], chosen: list[np.ndarray], options: Mixtur
     return source_ids[order], rows[order]
 
 
-def _summary(sources: list[_Source], chosen: list[np.ndarray], unit: str) -> list[dict]:
+def _summary(sources: list[SourceRows], chosen: list[np.ndarray], unit: str) -> list[dict]:
     """Per source: what was asked, what was achieved (rows, tokens, trained tokens, share, epochs)."""
     total = sum(int(s.units[rows].sum()) for s, rows in zip(sources, chosen, strict=True))
     out = []
@@ -245,7 +250,7 @@ def _summary(sources: list[_Source], chosen: list[np.ndarray], unit: str) -> lis
     return out
 
 
-def mixture_key(sources: list[_Source], options: MixtureOptions) -> str:
+def mixture_key(sources: list[SourceRows], options: MixtureOptions) -> str:
     described = {"version": MIXTURE_VERSION, "sources": [s.identity() for s in sources], "unit": options.unit,
                  "budget": options.budget, "seed": options.seed, "order": options.order}
     return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:16]
@@ -265,15 +270,15 @@ class MixtureIndex:
         return len(self.rows)
 
 
-def _open_sources(options: MixtureOptions) -> list[_Source]:
+def _open_sources(options: MixtureOptions) -> list[SourceRows]:
     opened = []
     for spec in options.sources:
         cache = open_cache(spec.cache)
-        opened.append(_Source(spec, cache, _units(cache, options.unit)))
+        opened.append(SourceRows(spec, cache, _units(cache, options.unit)))
     return opened
 
 
-def _index_root(sources: list[_Source], options: MixtureOptions) -> Path:
+def _index_root(sources: list[SourceRows], options: MixtureOptions) -> Path:
     if options.index_dir:
         return Path(options.index_dir).expanduser().absolute()
     return sources[0].cache.path.parent / ".mixtures"

@@ -60,7 +60,8 @@ def work_view(path: str | Path, work_dir: str | Path | None = None) -> Path:
 
 
 def for_trl(path: str | Path, work_dir: str | Path | None = None):
-    """The cache as the `datasets.Dataset` to give TRL's `SFTTrainer` as `train_dataset`.
+    """The cache (or a mixture index's rows) as the `datasets.Dataset` to give TRL's `SFTTrainer` as
+    `train_dataset`.
 
     Rows keep their `labels` (layouts trl, axolotl, llama-factory), which SFTTrainer uses as given,
     whatever `completion_only_loss` or `assistant_only_loss` say. A skyrl cache's `loss_mask` is renamed
@@ -69,7 +70,12 @@ def for_trl(path: str | Path, work_dir: str | Path | None = None):
     never into the cache."""
     from datasets import load_from_disk
 
-    dataset = load_from_disk(str(work_view(path, work_dir)))
+    if (Path(path) / "mixture.json").is_file():  # a mixture index over several caches
+        from sft_tokenize.read.mixture_index import mixture_dataset
+
+        dataset = mixture_dataset(path, work_dir)
+    else:
+        dataset = load_from_disk(str(work_view(path, work_dir)))
     if "labels" not in dataset.column_names:
         dataset = dataset.rename_column("loss_mask", "assistant_masks")
     return dataset

@@ -152,6 +152,23 @@ def test_trl_builds_labels_from_a_skyrl_cache_outside_it(caches, mask_of, tokeni
     assert list((tmp_path / "view").glob("cache-*.arrow")), "TRL's labels map should have been cached in the view"
 
 
+def test_trl_trains_on_a_mixture_of_two_caches_and_leaves_them_alone(caches, mask_of, tokenizer, tmp_path):
+    from sft_tokenize.read.mixture_index import MixtureOptions, MixtureSource, mix_caches
+
+    sources = [run_locally(TokenizeOptions(sources=[str(path)], tokenizer=str(EXAMPLE_TOKENIZER),
+                                           cache_dir=str(tmp_path / "caches"), layout="trl"))
+               for path in sorted(EXAMPLE_DATA.glob("*.jsonl"))]
+    before = [tree(path) for path in sources]
+    index = mix_caches(MixtureOptions(sources=[MixtureSource(cache=str(sources[0]), weight=0.25),
+                                               MixtureSource(cache=str(sources[1]), weight=0.75)],
+                                      budget=5_000))
+    dataset = for_trl(index.path, tmp_path / "views")
+    assert len(dataset) == len(index)
+    batches = train_trl(dataset, tokenizer, tmp_path / "out", max_length=None)
+    check_trl_batches(batches, mask_of)
+    assert [tree(path) for path in sources] == before
+
+
 class ReadOnly:
     """Makes `root` read-only for this process, as far as an unprivileged test can.
 
