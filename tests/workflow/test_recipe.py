@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 from support.caches import published_inodes
 from support.cli import assert_clean_error, cli
 from support.data import example_rows, write_jsonl
@@ -109,9 +111,15 @@ def test_the_recipe_flow_retried_after_a_failed_slice_redoes_only_that_slice(tmp
     first_inodes = published_inodes(first_cache)
 
     fault_file.unlink()
-    index_path = Path(tokenize_recipe(recipe, {"workers": 1, "retries": 0}))
+    state = tokenize_recipe(recipe, {"workers": 1, "retries": 0}, return_state=True)
+    index_path = Path(state.result())
     assert {i: (shards[i].stat().st_ino, shards[i].stat().st_mtime_ns) for i in kept} == kept
     assert shards[1].exists() and published_inodes(first_cache) == first_inodes
     meta = load_mixture(index_path).meta
     assert meta["source_caches"][0] == str(first_cache)
     assert [s["name"] for s in meta["sources"]] == ["first", "second"]
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id])))
+    [summary] = [a.data for a in artifacts if a.key == f"sft-mixture-{meta['key']}"]
+    assert "first" in summary and "asked weight 0.7" in summary and "second" in summary
