@@ -151,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     pack = commands.add_parser("pack", help="plan packed sequences over a whole cache (a global packing index)",
                                description="Build the global packing index of a published cache beside it; "
                                            "prints the index path as the last line.")
-    pack.add_argument("cache", metavar="CACHE")
+    pack.add_argument("cache", metavar="CACHE_OR_MIXTURE")
     pack.add_argument("--length", required=True, type=positive_int, metavar="N", help="tokens per packed sequence")
     pack.add_argument("--data-parallel", type=positive_int, default=1, metavar="R",
                       help="data-parallel ranks: each gets as many bins, near-equal tokens per step (default 1)")

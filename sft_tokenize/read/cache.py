@@ -63,6 +63,19 @@ class TokenizedCache(Sequence):
             out[start:start + len(chunk)] = pc.list_value_length(chunk).to_numpy()
         return out
 
+    @property
+    def fingerprint(self) -> str:
+        return self.manifest["fingerprint"]
+
+    @property
+    def caches(self) -> list[TokenizedCache]:
+        """The caches whose rows these are (a mixture has several): this one."""
+        return [self]
+
+    def locate(self, row: int) -> tuple[int, int]:
+        """(which of `caches`, which row of it) holds row `row`."""
+        return 0, row
+
     def packed(self, length: int, data_parallel: int = 1, algorithm: str = "bfd", index_dir: str | None = None):
         """Packed sequences of at most `length` tokens over the cache's global packing index, which is built
         and published beside the cache first if it is missing (see packed.py)."""

@@ -349,11 +349,27 @@ class MixedRows(Sequence):
     def __len__(self) -> int:
         return len(self.index)
 
+    @property
+    def fingerprint(self) -> str:
+        return self.index.meta["key"]
+
+    def locate(self, i: int) -> tuple[int, int]:
+        """(which of `caches`, which row of it) holds row `i` of the mixture."""
+        return int(self.index.sources[i]), int(self.index.rows[i])
+
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
         if not -len(self) <= i < len(self):
             raise IndexError(f"row {i} out of range for a mixture of {len(self)} rows")
-        i %= len(self)
-        return self.caches[int(self.index.sources[i])][int(self.index.rows[i])]
+        source, row = self.locate(i % len(self))
+        return self.caches[source][row]
+
+    def packed(self, length: int, data_parallel: int = 1, algorithm: str = "bfd", index_dir: str | None = None):
+        """Packed sequences of the mixed rows over their own packing index (built beside the mixture first
+        if it is missing)."""
+        from sft_tokenize.read.packed_sequences import packed_sequences
+
+        return packed_sequences(self, {"length": length, "data_parallel": data_parallel, "algorithm": algorithm,
+                                       "index_dir": index_dir})
 
     @cached_property
     def lengths(self) -> np.ndarray:

@@ -13,11 +13,16 @@ pickles as the cache path and the packing options, so dataloader workers re-map 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from sft_tokenize.read.cache import TokenizedCache, open_cache
-from sft_tokenize.read.packing_index import PackingIndex, PackOptions, pack_cache
+from sft_tokenize.read.cache import TokenizedCache
+from sft_tokenize.read.packing_index import PackingIndex, PackOptions, open_rows, pack_cache
+
+if TYPE_CHECKING:
+    from sft_tokenize.read.mixture_index import MixedRows
 
 IGNORE_INDEX = -100
 
@@ -41,10 +46,11 @@ class _Column:
 class PackedSequences(Sequence):
     """A map-style dataset of packed sequences: item i is bin i of the packing index."""
 
-    def __init__(self, cache: TokenizedCache, index: PackingIndex, options: PackOptions):
+    def __init__(self, cache: TokenizedCache | MixedRows, index: PackingIndex, options: PackOptions):
         self.cache, self.index, self.options = cache, index, options
         self.length, self.ranks = options.length, options.data_parallel
-        self._columns = {name: _Column(cache.table.column(name)) for name in cache.columns}
+        # Per cache whose rows these are (one, or a mixture's sources): its columns as numpy views.
+        self._columns = [{name: _Column(c.table.column(name)) for name in cache.columns} for c in cache.caches]
 
     def __len__(self) -> int:
         return len(self.index)
@@ -58,8 +64,9 @@ class PackedSequences(Sequence):
             raise IndexError(f"packed sequence {i} out of range for {len(self)} sequences")
         rows = self.index.bin(i % len(self)).tolist()
         item = {}
-        for name, column in self._columns.items():
-            parts = [column.row(row, self.length) for row in rows]
+        located = [self.cache.locate(row) for row in rows]
+        for name in self.cache.columns:
+            parts = [self._columns[source][name].row(row, self.length) for source, row in located]
             item[name] = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else np.empty(0, np.int32)
         seq_lengths = np.array([len(part) for part in parts] if rows else [], dtype=np.int32)
         cu_seqlens = np.zeros(len(seq_lengths) + 1, dtype=np.int32)
@@ -157,9 +164,10 @@ def _stream(ordered: OrderedSequences, columns: tuple[str, ...]) -> Iterator[dic
         yield {name: item[name] for name in columns}
 
 
-def packed_sequences(cache: str | TokenizedCache, options: PackOptions | dict) -> PackedSequences:
-    """Packed sequences of `cache` for `options`, building and publishing the index first if it is missing."""
-    cache = cache if isinstance(cache, TokenizedCache) else open_cache(cache)
+def packed_sequences(cache: str | TokenizedCache | MixedRows, options: PackOptions | dict) -> PackedSequences:
+    """Packed sequences of `cache` (or of a mixture's rows) for `options`, building and publishing the index
+    first if it is missing."""
+    cache = open_rows(cache) if isinstance(cache, (str, Path)) else cache
     options = options if isinstance(options, PackOptions) else PackOptions(**options)
     return PackedSequences(cache, pack_cache(cache, options), options)
 

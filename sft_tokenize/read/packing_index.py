@@ -20,7 +20,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -30,6 +30,9 @@ from sft_tokenize.errors import BadInput, CacheError
 from sft_tokenize.files import built_directory, locked
 from sft_tokenize.read.bin_packing import ALGORITHMS, arrange_for_ranks
 from sft_tokenize.read.cache import TokenizedCache, open_cache
+
+if TYPE_CHECKING:
+    from sft_tokenize.read.mixture_index import MixedRows
 
 INDEX_VERSION = 1
 INDEX_FILES = ("bins.npy", "rows.npy")
@@ -50,6 +53,19 @@ class PackOptions(BaseModel):
     @property
     def key(self) -> str:
         return f"n{self.length}-r{self.data_parallel}-{self.algorithm}"
+
+
+def open_rows(path: str | Path) -> TokenizedCache | MixedRows:
+    """The rows at `path`: a published cache, or a mixture index over several (a directory with mixture.json)."""
+    if (Path(path) / "mixture.json").is_file():
+        from sft_tokenize.read.mixture_index import open_mixture
+
+        return open_mixture(path)
+    return open_cache(path)
+
+
+def _rows(cache: str | Path | TokenizedCache | MixedRows) -> TokenizedCache | MixedRows:
+    return open_rows(cache) if isinstance(cache, (str, Path)) else cache
 
 
 def index_path(cache_path: str | Path, options: PackOptions) -> Path:
@@ -170,7 +186,7 @@ def mapped_arrays(path: Path, names: tuple[str, ...], recorded: dict[str, Any]) 
 
 
 def _cache_identity(cache: TokenizedCache) -> dict[str, Any]:
-    return {"name": cache.path.name, "fingerprint": cache.manifest["fingerprint"], "rows": len(cache),
+    return {"name": cache.path.name, "fingerprint": cache.fingerprint, "rows": len(cache),
             "lengths_sha256": _digest(cache.lengths.astype("<i4"))}
 
 
@@ -194,7 +210,7 @@ def load_index(path: Path, cache: TokenizedCache) -> PackingIndex:
 
 def find_index(cache: str | Path | TokenizedCache, options: PackOptions) -> PackingIndex | None:
     """The published index of this cache and key, or None if there is none (or a stale one)."""
-    cache = cache if isinstance(cache, TokenizedCache) else open_cache(cache)
+    cache = _rows(cache)
     try:
         return load_index(index_path(cache.path, options), cache)
     except CacheError:
@@ -217,7 +233,7 @@ def _writable_dir(path: Path, options: PackOptions) -> None:
 def pack_cache(cache: str | Path | TokenizedCache, options: PackOptions) -> PackingIndex:
     """The packing index of `cache` for these options: the published one if it is valid, else built and
     published (one build per key at a time; a concurrent run waits, then reuses it)."""
-    cache = cache if isinstance(cache, TokenizedCache) else open_cache(cache)
+    cache = _rows(cache)
     target = index_path(cache.path, options)
     existing = find_index(cache, options)
     if existing is not None:
@@ -250,13 +266,13 @@ def pack_cache(cache: str | Path | TokenizedCache, options: PackOptions) -> Pack
 def list_indexes(cache: str | Path | TokenizedCache, index_dir: str | None = None) -> list[PackingIndex]:
     """Every valid index of this cache under its index root (or `index_dir`), by key; the cache is opened
     only if there is an index directory to check."""
-    path = cache.path if isinstance(cache, TokenizedCache) else Path(cache).absolute()
+    path = Path(cache).absolute() if isinstance(cache, (str, Path)) else cache.path
     parent = index_path(path, PackOptions(length=1, index_dir=index_dir)).parent
     candidates = [p for p in sorted(parent.iterdir()) if p.is_dir() and not p.name.startswith(".")] \
         if parent.is_dir() else []
     if not candidates:
         return []
-    cache = cache if isinstance(cache, TokenizedCache) else open_cache(cache)
+    cache = _rows(cache)
     found = []
     for candidate in candidates:
         try:

@@ -162,3 +162,20 @@ def test_bad_mixtures_name_the_key(caches):
 def test_trained_lengths_count_each_rows_trained_tokens(caches):
     cache = open_cache(caches["chat"])
     assert trained_lengths(cache).tolist() == [int(cache[i]["loss_mask"].sum()) for i in range(len(cache))]
+
+
+def test_a_mixture_packs_like_a_cache_over_its_mixed_rows(caches, tmp_path):
+    from sft_tokenize.read.packing_index import PackOptions, pack_cache
+
+    index = mix_caches(_mixture(caches, budget=20_000, chat={"weight": 0.5}, alpaca={"weight": 0.5}))
+    mixed = open_mixture(index.path)
+    packing = pack_cache(index.path, PackOptions(length=512))
+    assert packing.path.parent.parent == index.path.parent / ".packing"
+    assert sorted(np.asarray(packing.rows).tolist()) == list(range(len(mixed)))  # every mixed row, once
+    packed = mixed.packed(512)
+    for i in (0, len(packed) // 2, len(packed) - 1):
+        item, rows = packed[i], packing.bin(i).tolist()
+        expected = np.concatenate([mixed[r]["input_ids"][:512] for r in rows])
+        assert item["input_ids"].tolist() == expected.tolist() and len(expected) <= 512
+        assert item["row_ids"].tolist() == rows
+    assert pickle.loads(pickle.dumps(packed))[0]["input_ids"].tolist() == packed[0]["input_ids"].tolist()
