@@ -363,13 +363,8 @@ class MixedRows(Sequence):
         source, row = self.locate(i % len(self))
         return self.caches[source][row]
 
-    def packed(self, length: int, data_parallel: int = 1, algorithm: str = "bfd", index_dir: str | None = None):
-        """Packed sequences of the mixed rows over their own packing index (built beside the mixture first
-        if it is missing)."""
-        from sft_tokenize.read.packed_sequences import packed_sequences
-
-        return packed_sequences(self, {"length": length, "data_parallel": data_parallel, "algorithm": algorithm,
-                                       "index_dir": index_dir})
+    # Packed sequences of the mixed rows over their own packing index, built beside the mixture if missing.
+    packed = TokenizedCache.packed
 
     @cached_property
     def lengths(self) -> np.ndarray:
