@@ -47,6 +47,7 @@ from support.faults import FAULT_FILE_ENV
 from support.paths import BIN, EXAMPLE_DATA, EXAMPLE_TOKENIZER, ROOT
 from support.servers import prefect_server, stop
 
+from sft_tokenize.build.options import TokenizeOptions
 from sft_tokenize.build.plan import plan_slices
 from sft_tokenize.build.recipe import Recipe
 from sft_tokenize.flows.tokenize_dataset import TokenizeRun
@@ -240,7 +241,9 @@ def test_prefect_deploy_registers_both_deployments_on_a_process_pool(server, tmp
             assert git("rev-parse", "HEAD", cwd=clone).stdout.strip() == head
             recipe = client.read_deployment_by_name("tokenize-recipe/recipe")
             assert recipe.entrypoint == "flows/tokenize_recipe.py:tokenize_recipe"
+            assert recipe.work_pool_name == "sft-tokenize"
             Recipe(**recipe.parameters["recipe"])  # a recipe the flow accepts
+            client.delete_deployment(recipe.id)
         finally:
             # The served deployments of the next tests take the same names: serve.py registers its own.
             for deployment in (nightly, on_demand):
@@ -370,3 +373,37 @@ def test_stopping_serve_leaves_the_schedules_active(server, served):
     with api(server) as client:
         nightly = client.read_deployment_by_name(f"{FLOW}/nightly")
     assert not nightly.paused and all(schedule.active for schedule in nightly.schedules)
+
+
+def test_a_recipe_deployment_run_retried_from_the_ui_redoes_only_the_failed_slice(server, served, tmp_path):
+    cache_root = tmp_path / "cache"
+    files = sorted(EXAMPLE_DATA.glob("*.jsonl"))
+    recipe = {"tokenizer": str(EXAMPLE_TOKENIZER), "cache_dir": str(cache_root), "shard_size": "50KB",
+              "mixture": {"unit": "trained_tokens", "budget": 50_000},
+              "sources": [{"name": "a", "sources": [str(files[0])], "weight": 0.5},
+                          {"name": "b", "sources": [str(files[1])], "weight": 0.5}]}
+    first = TokenizeOptions(sources=[str(files[0])], tokenizer=str(EXAMPLE_TOKENIZER), cache_dir=str(cache_root),
+                            shard_size="50KB", name="a")
+    plan = plan_slices(first, min_slices=2)
+    assert len(plan.slices) >= 2
+    served.fault_file.write_text("1")
+    try:
+        with temporary_settings(updates={PREFECT_API_URL: server}):
+            flow_run = run_deployment("tokenize-recipe/recipe", parameters={"recipe": recipe, "run": {
+                "workers": 2, "retries": 0}}, timeout=TIMEOUT, poll_interval=0.5)
+    finally:
+        served.fault_file.unlink()
+    assert flow_run.state.is_failed(), flow_run.state
+    shards = {s.index: plan.job.shard_path(s) for s in plan.slices}
+    kept = {i: (p.stat().st_ino, p.stat().st_mtime_ns) for i, p in shards.items() if p.exists()}
+    assert 1 not in kept and len(kept) == len(shards) - 1
+
+    with api(server) as client:
+        retry = client.set_flow_run_state(flow_run.id, AwaitingRetry(message="Retry from the UI"), force=False)
+        assert retry.status == SetStateStatus.ACCEPT, retry.details
+        flow_run = wait_final(client, flow_run.id)
+    assert flow_run.state.is_completed(), flow_run.state
+    assert flow_run.run_count == 2
+    assert {i: (shards[i].stat().st_ino, shards[i].stat().st_mtime_ns) for i in kept} == kept
+    [index] = [p for p in (cache_root / ".mixtures").iterdir() if p.is_dir() and not p.name.startswith(".")]
+    assert [s["name"] for s in json.loads((index / "mixture.json").read_text())["sources"]] == ["a", "b"]
