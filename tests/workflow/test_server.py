@@ -314,8 +314,9 @@ def test_schedules_create_runs_that_the_served_deployment_executes(server, serve
         local_starts = [run.expected_start_time.astimezone(ZoneInfo(schedule.schedule.timezone)) for run in runs]
         assert {(start.hour, start.minute) for start in local_starts} == {(2, 0)}
 
-        # A schedule due in three seconds, with its own parameters, as an operator adds one in the UI.
-        anchor = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=3)
+        # A schedule due in ten seconds, with its own parameters, as an operator adds one in the UI. (The
+        # scheduler only creates runs still ahead of it: on a loaded machine three seconds were not enough.)
+        anchor = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=10)
         on_demand = served.deployments["on-demand"]
         [added] = client.create_deployment_schedules(on_demand.id, [DeploymentScheduleCreate(
             schedule=IntervalSchedule(interval=datetime.timedelta(days=1), anchor_date=anchor),
@@ -367,14 +368,6 @@ def overlapping(intervals: list[tuple]) -> bool:
     return any(start < end for (_, end), (start, _) in zip(intervals, intervals[1:], strict=False))
 
 
-def test_stopping_serve_leaves_the_schedules_active(server, served):
-    """pause_on_shutdown=False: the server keeps scheduling while serve is down (a reboot, an upgrade)."""
-    stop(served.process)
-    with api(server) as client:
-        nightly = client.read_deployment_by_name(f"{FLOW}/nightly")
-    assert not nightly.paused and all(schedule.active for schedule in nightly.schedules)
-
-
 def test_a_recipe_deployment_run_retried_from_the_ui_redoes_only_the_failed_slice(server, served, tmp_path):
     cache_root = tmp_path / "cache"
     files = sorted(EXAMPLE_DATA.glob("*.jsonl"))
@@ -407,3 +400,11 @@ def test_a_recipe_deployment_run_retried_from_the_ui_redoes_only_the_failed_slic
     assert {i: (shards[i].stat().st_ino, shards[i].stat().st_mtime_ns) for i in kept} == kept
     [index] = [p for p in (cache_root / ".mixtures").iterdir() if p.is_dir() and not p.name.startswith(".")]
     assert [s["name"] for s in json.loads((index / "mixture.json").read_text())["sources"]] == ["a", "b"]
+
+
+def test_stopping_serve_leaves_the_schedules_active(server, served):
+    """pause_on_shutdown=False: the server keeps scheduling while serve is down (a reboot, an upgrade)."""
+    stop(served.process)
+    with api(server) as client:
+        nightly = client.read_deployment_by_name(f"{FLOW}/nightly")
+    assert not nightly.paused and all(schedule.active for schedule in nightly.schedules)
