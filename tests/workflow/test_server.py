@@ -257,6 +257,18 @@ def test_deployment_run_publishes_the_same_cache_as_an_ad_hoc_run(deployment_run
     assert data_files(published(deployment_run.cache_root)) == data_files(published(ad_hoc.cache_root))
 
 
+def retry_from_the_ui(client: SyncPrefectClient, flow_run):
+    """The UI's Retry button (retryFlowRun in its bundle): POST /flow_runs/{id}/set_state with a Scheduled state
+    named AwaitingRetry, not forced; the server accepts it because the run has a deployment. Returns the run
+    once it has finished again, completed, on its second attempt."""
+    retry = client.set_flow_run_state(flow_run.id, AwaitingRetry(message="Retry from the UI"), force=False)
+    assert retry.status == SetStateStatus.ACCEPT, retry.details
+    flow_run = wait_final(client, flow_run.id)
+    assert flow_run.state.is_completed(), flow_run.state
+    assert flow_run.run_count == 2
+    return flow_run
+
+
 def test_ui_retry_of_a_failed_deployment_run_redoes_only_the_failed_shard(server, served, deployment_run,
                                                                          tmp_path):
     cache_root = tmp_path / "cache"
@@ -272,13 +284,7 @@ def test_ui_retry_of_a_failed_deployment_run_redoes_only_the_failed_shard(server
     staged = staged_shards(cache_root)
 
     with api(server) as client:
-        # The UI's Retry button (retryFlowRun in its bundle): POST /flow_runs/{id}/set_state with a Scheduled
-        # state named AwaitingRetry, not forced; the server accepts it because the run has a deployment.
-        retry = client.set_flow_run_state(flow_run.id, AwaitingRetry(message="Retry from the UI"), force=False)
-        assert retry.status == SetStateStatus.ACCEPT, retry.details
-        flow_run = wait_final(client, flow_run.id)
-        assert flow_run.state.is_completed(), flow_run.state
-        assert flow_run.run_count == 2
+        flow_run = retry_from_the_ui(client, flow_run)
         states = {name: run.state.name for name, run in tokenize_runs(client, flow_run, attempt=2).items()}
     assert states == {"tokenize-00000": "Cached", "tokenize-00001": "Completed", "tokenize-00002": "Cached",
                       "tokenize-00003": "Cached"}
@@ -392,11 +398,7 @@ def test_a_recipe_deployment_run_retried_from_the_ui_redoes_only_the_failed_slic
     assert 1 not in kept and len(kept) == len(shards) - 1
 
     with api(server) as client:
-        retry = client.set_flow_run_state(flow_run.id, AwaitingRetry(message="Retry from the UI"), force=False)
-        assert retry.status == SetStateStatus.ACCEPT, retry.details
-        flow_run = wait_final(client, flow_run.id)
-    assert flow_run.state.is_completed(), flow_run.state
-    assert flow_run.run_count == 2
+        retry_from_the_ui(client, flow_run)
     assert {i: (shards[i].stat().st_ino, shards[i].stat().st_mtime_ns) for i in kept} == kept
     [index] = [p for p in (cache_root / ".mixtures").iterdir() if p.is_dir() and not p.name.startswith(".")]
     assert [s["name"] for s in json.loads((index / "mixture.json").read_text())["sources"]] == ["a", "b"]
