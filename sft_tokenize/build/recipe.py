@@ -132,8 +132,8 @@ def check_recipe(raw: Any, where: str = "recipe") -> Recipe:
         return Recipe(**raw)
     except ValidationError as error:
         key, message = _message(error)
-        raise BadInput(f"{where}: {key + ': ' if key and not message.startswith(('sources', 'mixture')) else ''}"
-                       f"{message}") from None
+        # A field's error names its key here; the recipe's own checks name theirs in the message.
+        raise BadInput(f"{where}: {key + ': ' if key else ''}{message}") from None
 
 
 def load_recipe(path: str | Path, overrides: dict[str, Any] | None = None) -> Recipe:
