@@ -64,7 +64,7 @@ def run_tokenize(settings: dict[str, Any], progress: Callable[[Any], Any] | None
     (flows.interrupts.Terminated for SIGTERM) when the run is stopped.
     """
     from sft_tokenize.build.options import TokenizeOptions
-    from sft_tokenize.build.plan import plan_slices
+    from sft_tokenize.build.plan import check_writable, plan_slices
     from sft_tokenize.flows.cluster import require_extra
 
     # The data plane's options alone, before Prefect is even imported: a bad value, bad input and a cache hit
@@ -89,6 +89,8 @@ def run_tokenize(settings: dict[str, Any], progress: Callable[[Any], Any] | None
     plan = plan_slices(checked, on_work=start_server, content_keys=False)  # the flow hashes the inputs
     if plan.cached and not settings.get("force"):
         return plan.cache_path
+    if plan.cached:  # --force of a published cache: the plan did not check the root it will write under
+        check_writable(checked.cache_root)
 
     from prefect.settings import get_current_settings
 

@@ -40,7 +40,7 @@ DIGEST_BOOK = ".digests"  # JSON, in the shard store: a dot file (gc leaves it),
 RACY_NS = 2 * 10**9  # a file changed this close before its hashing is hashed again by the next plan
 
 
-def _digest(path: str, start: int = 0, stop: int | None = None) -> str:
+def file_digest(path: str, start: int = 0, stop: int | None = None) -> str:
     """xxh3-128 of bytes [start, stop) of a local file (to its end without stop), through one bounded buffer."""
     digest = xxhash.xxh3_128()
     buffer = memoryview(bytearray(HASH_CHUNK_BYTES))
@@ -92,7 +92,7 @@ class Digests:
             self._entries[path] = entry
         span = f"{start}-{'' if stop is None else stop}"
         if span not in entry["spans"]:
-            digest = _digest(path, start, stop)
+            digest = file_digest(path, start, stop)
             if _stat(path) != stat:  # written to while being hashed: not remembered (the shard check sees it)
                 return digest
             entry["spans"][span] = digest

@@ -9,6 +9,7 @@ any work is done.
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -68,6 +69,20 @@ def cache_root(options: TokenizeOptions) -> Path:
     except OSError as error:
         raise BadInput(f"cache dir {root}: cannot create it ({error.strerror})") from None
     return root
+
+
+def check_writable(root: Path) -> None:
+    """A build writes under the cache root (its locks in .staging, its shards in .shards): refuse one that
+    cannot, in one line, before any work. A real write, not os.access: modes do not stop root, and a
+    read-only mount or an immutable directory stops everyone."""
+    for directory in (root / ".staging", store_dir(root)):
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=directory, prefix=".probe-"):
+                pass
+        except OSError as error:
+            raise BadInput(f"cache dir {root}: not writable ({error.strerror}): a run that tokenizes writes its "
+                           "shards there; choose a writable --cache-dir") from None
 
 
 def _columns(files: list[SourceFile], options: TokenizeOptions) -> ColumnMap:
@@ -156,7 +171,8 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable
     )
     mark("planned")
     if is_published(cache_path):
-        return Plan(job, [], name, cache_path, inputs, cached=True)
+        return Plan(job, [], name, cache_path, inputs, cached=True)  # read-only roots serve their caches
+    check_writable(root)
     if on_work is not None:
         on_work()
     # Here, so that a bad tokenizer, a missing extra or a refusal shows up before any task (and the threads

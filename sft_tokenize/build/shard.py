@@ -2,14 +2,16 @@
 
 Memory is bounded by the reader's batch and the writer's batch, never by the slice. The shard is written
 into the shard store under a temporary name and renamed to its content key when complete; its JSON
-sidecar, written last, is the completion marker. A shard whose sidecar names the slice's key is reused
-without tokenizing, by any run and any version that reads the same bytes the same way.
+sidecar, written last, is the completion marker and records the shard's size and digest. A shard whose
+sidecar names the slice's key, and whose file still has that size and digest, is reused without tokenizing,
+by any run and any version that reads the same bytes the same way; any other is tokenized again.
 """
 
 from __future__ import annotations
 
 import errno
 import json
+import logging
 import time
 from collections import Counter, deque
 from concurrent.futures import Future
@@ -21,8 +23,8 @@ import numpy as np
 import pyarrow as pa
 
 from sft_tokenize.build.job import Job, features
-from sft_tokenize.build.keys import forget, slice_key
-from sft_tokenize.build.stopping import raise_if_stopping
+from sft_tokenize.build.keys import Digests, forget, slice_key
+from sft_tokenize.build.stopping import Stopped, raise_if_stopping
 from sft_tokenize.build.timeline import mark
 from sft_tokenize.build.workers import slice_encoding
 from sft_tokenize.encoding.chat_encoder import EncodedBatch
@@ -31,9 +33,10 @@ from sft_tokenize.errors import BadInput, BadRow, OutOfSpace
 from sft_tokenize.files import atomic_path, atomic_write
 from sft_tokenize.read.layouts import COLUMN_TYPES, column_values, layout_columns
 from sft_tokenize.sources.conversations import to_example
-from sft_tokenize.sources.readers import read_slice
+from sft_tokenize.sources.readers import change_while_read, read_slice
 from sft_tokenize.sources.resolve import Slice, filesystem
 
+logger = logging.getLogger("sft_tokenize")
 
 def _list_array(lengths: np.ndarray, values: np.ndarray) -> pa.ListArray:
     offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
@@ -135,19 +138,44 @@ def sidecar_path(shard: Path) -> Path:
 NOT_BAD_ROWS = frozenset({"no_assistant_turn", "too_long", "truncated_away", "no_trained_tokens"})
 
 
-def finished_shard(job: Job, slice_: Slice) -> dict | None:
-    """The sidecar of a complete shard of this slice's key, or None if it must be (re)written."""
+# Digests of the store's shards this process has read (or written), under each shard's stat: a shard checked
+# once is not read again in this process until its stat changes (a write, a truncation or a rename does).
+_SHARD_DIGESTS = Digests()
+
+
+def _checked_shard(job: Job, slice_: Slice) -> tuple[dict | None, str | None]:
+    """(the sidecar of a complete shard of this slice's key, None), or (None, why a stored shard is not one:
+    None when there is nothing to trust, a message when what is there is damaged)."""
     shard = job.shard_path(slice_)
+    sidecar = sidecar_path(shard)
     try:
-        meta = json.loads(sidecar_path(shard).read_text())
+        meta = json.loads(sidecar.read_text())
         size = shard.stat().st_size
-    except (OSError, ValueError):
-        return None
-    if meta.get("key") != slice_.key or meta.get("bytes") != size:
-        return None
+    except FileNotFoundError:  # not written yet, or a run was killed before the sidecar
+        return None, None
+    except (OSError, ValueError) as error:
+        return None, f"{sidecar}: unreadable sidecar ({getattr(error, 'strerror', None) or error})"
+    if not isinstance(meta, dict) or meta.get("key") != slice_.key:
+        return None, f"{sidecar}: the sidecar is not this shard's (it names another key)"
+    if "digest" not in meta or "bytes" not in meta:
+        return None, None  # written before shards were digested: not trusted, quietly tokenized again
     if job.on_bad_row == "raise" and set(meta.get("dropped", {})) - NOT_BAD_ROWS:
-        return None  # written by a run that skipped bad rows: this run must stop at them instead
-    return meta
+        return None, None  # written by a run that skipped bad rows: this run must stop at them instead
+    if meta["bytes"] != size:
+        return None, f"{shard}: {size:,} bytes, its sidecar says {meta['bytes']:,}: the stored shard is corrupt"
+    try:
+        digest = _SHARD_DIGESTS.local(str(shard))
+    except OSError as error:
+        return None, f"{shard}: cannot read the stored shard ({error.strerror})"
+    if digest != meta["digest"]:
+        return None, f"{shard}: its bytes do not match its sidecar's digest: the stored shard is corrupt"
+    return meta, None
+
+
+def finished_shard(job: Job, slice_: Slice) -> dict | None:
+    """The sidecar of a complete shard of this slice's key, its size and digest checked against the file; None
+    if it must be (re)written."""
+    return _checked_shard(job, slice_)[0]
 
 
 def _stream_rows(job: Job, slice_: Slice, stream) -> ShardStats:
@@ -206,9 +234,11 @@ def _stream_rows(job: Job, slice_: Slice, stream) -> ShardStats:
 
 def tokenize_slice(job: Job, slice_: Slice) -> int:
     """Tokenize one slice into `<key>.arrow` in the store (reusing a finished one); return its row count."""
-    done = finished_shard(job, slice_)
+    done, damaged = _checked_shard(job, slice_)
     if done is not None:
         return done["rows"]
+    if damaged:
+        logger.warning("%s; tokenizing slice %d again", damaged, slice_.index)
     started = time.monotonic()
     mark("first_slice")
     shard = job.shard_path(slice_)
@@ -216,13 +246,23 @@ def tokenize_slice(job: Job, slice_: Slice) -> int:
         shard.parent.mkdir(parents=True, exist_ok=True)
         with atomic_path(shard) as tmp:  # <key>.arrow.tmp-<uuid> until complete (FORMAT.md)
             with open(tmp, "wb") as stream:
-                stats = _stream_rows(job, slice_, stream)
+                try:
+                    stats = _stream_rows(job, slice_, stream)
+                except Exception as error:
+                    # A file cut short or rewritten under the reader shows up as a bad row or a format error:
+                    # name the change instead, if there was one.
+                    if not isinstance(error, Stopped) and (changed := change_while_read(slice_, appended_ok=False)):
+                        raise BadInput(changed) from None
+                    raise
             # A shard is stored under the key of the bytes the plan hashed: if they changed since, it must not be.
             if slice_key(slice_, job.tokenization, job.storage_options) != slice_.key:
                 for part in slice_.parts:  # the plan's digest is not the bytes' now: the next plan hashes them
                     forget(job.digest_book, filesystem(part.url, job.storage_options)[1])
-                raise BadInput(f"{slice_.parts[0].url}: changed while it was being tokenized; run again")
-        meta = {"key": slice_.key, "slice": slice_.describe(), "bytes": shard.stat().st_size,
+                raise BadInput(change_while_read(slice_, appended_ok=False, always=True))
+        # One read of a file just written (from the page cache); remembered, so this process's later checks
+        # of it (publish, the threads runner's lease) do not read it again.
+        digest = _SHARD_DIGESTS.local(str(shard))
+        meta = {"key": slice_.key, "slice": slice_.describe(), "bytes": shard.stat().st_size, "digest": digest,
                 **stats.as_json(), "seconds": round(time.monotonic() - started, 3)}
         atomic_write(sidecar_path(shard), json.dumps(meta).encode())
     except OSError as error:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import logging
 import os
 import shutil
 import uuid
@@ -36,6 +37,8 @@ from sft_tokenize.errors import CacheError
 from sft_tokenize.files import atomic_write, is_locked, locked
 from sft_tokenize.format.manifest import read_manifest
 from sft_tokenize.sources.resolve import Slice
+
+logger = logging.getLogger("sft_tokenize")
 
 STORE = ".shards"
 GC_LOCK = ".gc.lock"
@@ -69,6 +72,24 @@ def leased(job: Job, slices: list[Slice]) -> Iterator[set[int]]:
         yield reused
     finally:
         lease.unlink(missing_ok=True)
+
+
+def _live_keys(staging: Path, remove_dead: bool = False, besides: Path | None = None) -> tuple[set[str], int]:
+    """The keys leased by live builds (their run lock is held), and how many builds; call under .gc.lock.
+    `remove_dead`: delete the leases of killed builds; `besides`: a lease not to count (the caller's own)."""
+    live: set[str] = set()
+    builds = 0
+    for lease in sorted(staging.glob("*.lease.json")):
+        if lease == besides:
+            continue
+        job_staging = staging / lease.name.removesuffix(".lease.json")
+        if is_locked(run_lock_path(job_staging)):
+            with contextlib.suppress(OSError, ValueError):
+                live.update(json.loads(lease.read_text())["keys"])
+                builds += 1
+        elif remove_dead:
+            lease.unlink(missing_ok=True)
+    return live, builds
 
 
 def published_versions(root: Path) -> dict[str, list[tuple[Path, dict]]]:
@@ -121,15 +142,7 @@ def collect_garbage(root: Path, keep: int = 1, names: set[str] | None = None) ->
     store.mkdir(parents=True, exist_ok=True)
     done = Collected()
     with locked(store / GC_LOCK):
-        live: set[str] = set()
-        for lease in sorted(staging.glob("*.lease.json")):
-            job_staging = staging / lease.name.removesuffix(".lease.json")
-            if is_locked(run_lock_path(job_staging)):
-                with contextlib.suppress(OSError, ValueError):
-                    live.update(json.loads(lease.read_text())["keys"])
-                    done.live_builds += 1
-            else:
-                lease.unlink(missing_ok=True)
+        live, done.live_builds = _live_keys(staging, remove_dead=True)
         referenced = set(live)
         for name, versions in published_versions(root).items():
             for position, (path, manifest) in enumerate(versions):
@@ -165,11 +178,22 @@ def collect_garbage(root: Path, keep: int = 1, names: set[str] | None = None) ->
 
 
 def discard_shards(job: Job, slices: list[Slice]) -> int:
-    """Remove these slices' shards from the store (a forced rebuild); returns how many there were."""
-    removed = 0
-    for slice_ in slices:
-        shard = job.shard_path(slice_)
-        removed += shard.exists()
-        shard.unlink(missing_ok=True)
-        sidecar_path(shard).unlink(missing_ok=True)
+    """Remove these slices' shards from the store (a forced rebuild), but those another running build has
+    leased: it may be about to link them (those are checked, then reused). Returns how many were removed."""
+    store = Path(job.store)
+    store.mkdir(parents=True, exist_ok=True)
+    removed = kept = 0
+    with locked(store / GC_LOCK, waiting="the shard store is being garbage-collected; waiting"):
+        in_use, _ = _live_keys(Path(job.staging).parent, besides=lease_path(job))
+        for slice_ in slices:
+            shard = job.shard_path(slice_)
+            if slice_.key in in_use:
+                kept += shard.exists()
+                continue
+            removed += shard.exists()
+            shard.unlink(missing_ok=True)
+            sidecar_path(shard).unlink(missing_ok=True)
+    if kept:
+        logger.warning("force: kept %d shards of this plan that another running build uses; they are checked "
+                       "against their sidecars and reused", kept)
     return removed

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import os
 import re
 from collections.abc import Callable, Iterator
 from functools import cached_property
@@ -410,13 +411,52 @@ def reader(source: SourceFile | Part, storage_options: dict | None = None,
     return READERS[source.kind](source, storage_options, max_row_bytes)
 
 
+def _change(part: Part, appended_ok: bool) -> str | None:
+    """How a local part's file differs from its identity when planned ("size X → Y bytes"), or None. With
+    `appended_ok`, a JSONL byte range that the file still holds is not a change: rows appended after it leave
+    its bytes alone, and an edit inside it is caught when the slice's bytes are hashed again (shard.py)."""
+    if len(part.identity) < 3 or part.identity[0] != "local":
+        return None  # a remote object's version is in its key, which is checked after tokenizing
+    planned_size, planned_mtime = part.identity[1:3]
+    try:
+        st = os.stat(part.url)
+    except FileNotFoundError:
+        return f"size {planned_size:,} bytes → deleted"
+    if (st.st_size, st.st_mtime_ns) == (planned_size, planned_mtime):
+        return None
+    if appended_ok and part.kind == "jsonl" and 0 <= part.stop <= st.st_size:
+        return None
+    if st.st_size == planned_size:
+        return f"size {planned_size:,} bytes, rewritten"
+    return f"size {planned_size:,} → {st.st_size:,} bytes"
+
+
+def _changed(url: str, change: str) -> str:
+    return f"{url}: changed while it was being tokenized ({change}); run again"
+
+
+def change_while_read(slice_: Slice, appended_ok: bool = True, always: bool = False) -> str | None:
+    """The one-line error for a slice whose input changed since it was planned, or None if its files' size and
+    mtime are as planned (`always`: the error anyway, for bytes known to differ)."""
+    for part in slice_.parts:
+        if change := _change(part, appended_ok):
+            return _changed(part.url, change)
+    return _changed(slice_.parts[0].url, "its bytes are not those planned") if always else None
+
+
 def read_slice(slice_: Slice, columns: list[str], storage_options: dict | None = None,
                max_row_bytes: int | None = None) -> Iterator[RowBatch]:
     """The slice's rows in batches, with the run's columns that each file has (an optional one may be in some
-    files only); a JSON line over `max_row_bytes` comes as a BadRow `row_too_large`."""
+    files only); a JSON line over `max_row_bytes` comes as a BadRow `row_too_large`. Each local file's size and
+    mtime are checked against the plan's before and after its part is read (two stats): a file changed under
+    the slice fails it with one line instead of giving it a mix of old and new rows."""
     for part in slice_.parts:
+        if change := _change(part, appended_ok=True):
+            raise BadInput(_changed(part.url, change))
         part_reader = reader(part, storage_options, max_row_bytes)
         if not part_reader.schemaless:
             present = set(part_reader.columns(skip_bad_rows=True))
             columns = [name for name in columns if name in present]
         yield from part_reader.read(part, columns)
+        if change := _change(part, appended_ok=True):
+            raise BadInput(_changed(part.url, change))

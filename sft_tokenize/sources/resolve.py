@@ -48,6 +48,7 @@ class Part:
     kind: str
     start: int
     stop: int
+    identity: tuple = ()  # its file's SourceFile.identity when planned: the slice checks that it still holds
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,7 @@ def cut_slices(files: list[SourceFile], target: int, storage_options: dict | Non
         if not pieces:  # e.g. a Parquet file without row groups: nothing to read
             continue
         if source.size < target:
-            parts.append(Part(source.url, source.kind, pieces[0][0], pieces[-1][1]))
+            parts.append(Part(source.url, source.kind, pieces[0][0], pieces[-1][1], source.identity))
             nbytes += sum(weight for _, _, weight in pieces)
             if _ends_group(source, target) or nbytes >= 2 * target:
                 close()
@@ -53,9 +53,9 @@ def cut_slices(files: list[SourceFile], target: int, storage_options: dict | Non
         close()
         for start, stop, weight in pieces:
             if parts and parts[-1].stop == start:
-                parts[-1] = Part(source.url, source.kind, parts[-1].start, stop)
+                parts[-1] = Part(source.url, source.kind, parts[-1].start, stop, source.identity)
             else:
-                parts.append(Part(source.url, source.kind, start, stop))
+                parts.append(Part(source.url, source.kind, start, stop, source.identity))
             nbytes += weight
             # JSONL pieces are slices already; packing them could shift every later boundary after one edit.
             if nbytes >= target or source.kind == "jsonl":

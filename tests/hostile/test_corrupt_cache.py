@@ -1,5 +1,5 @@
 """A cache damaged after publishing (a data file truncated in place): readers refuse it naming the file, and the
-next run rebuilds only the damaged shard, byte for byte."""
+next run rebuilds only the damaged shard, byte for byte, saying which stored shard it found corrupt."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from support.paths import EXAMPLE_DATA, EXAMPLE_TOKENIZER
 from sft_tokenize.build.options import TokenizeOptions
 from sft_tokenize.build.plan import run_locally
 from sft_tokenize.errors import CacheError
-from sft_tokenize.read.cache import open_cache
+from sft_tokenize.read.cache import open_cache, read_manifest
 
 
 @pytest.mark.slow
@@ -32,6 +32,9 @@ def test_a_truncated_cache_is_refused_and_rebuilt(tmp_path, api_url):
     assert rebuilt.returncode == 0, rebuilt.stderr
     # Only the truncated shard is tokenized again: the store's size check refuses it like the cache's does.
     assert "tokenizing 4 slices (3 already in the shard store)" in rebuilt.stderr
+    store_shard = cache_root / ".shards" / f"{read_manifest(cache_path)['shards'][1]['key']}.arrow"
+    assert f"{store_shard}: " in rebuilt.stderr
+    assert "the stored shard is corrupt; tokenizing slice 1 again" in rebuilt.stderr
     assert rebuilt.stdout.splitlines()[-1] == str(cache_path)
     assert contents(cache_path) == intact
     assert published_caches(cache_root) == [cache_path.name] and not list(cache_root.glob(".staging/*.corrupt-*"))
