@@ -4,7 +4,8 @@ bar drawn among them.
 The CLI picks a mode and exports it in SFT_TOKENIZE_CONSOLE, so spawned workers (which print their own
 task-run logs) follow it too. Without the variable (a deployment run, a test) nothing changes.
 
-    plain    run logs on stderr, one line each: tracebacks stay in the Prefect API, where the UI shows them
+    plain    run logs on stderr, one line each: tracebacks stay in the Prefect API, where the UI shows them, and
+             Prefect's lines that repeat a failure the CLI reports (a failed slice, the run's error) are left out
     verbose  run logs with tracebacks
     quiet    no run logs on the console
 """
@@ -25,10 +26,26 @@ class _CliConsoleFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if record.name == "prefect" and record.levelno < logging.WARNING:
             return False  # the embedded server's "Starting temporary server ..." notices
+        if self.mode != "verbose" and _repeats_a_failure(record):
+            return False
         if self.mode != "verbose":
             # The console handler sits on the root logger, so the API handler has already sent the traceback.
             record.exc_info, record.exc_text, record.stack_info = None, None, None
         return True
+
+
+def _repeats_a_failure(record: logging.LogRecord) -> bool:
+    """Prefect's own lines about a failure the CLI reports anyway: a task run's end and its last failed attempt
+    (the flow logs one line per failed slice) and the flow run's exception and end (the CLI's error line says
+    it). The retry notices stay; the Prefect API keeps every line."""
+    if record.name not in ("prefect.task_runs", "prefect.flow_runs"):
+        return False
+    message = str(record.msg)
+    if message.startswith("Finished in state Failed"):
+        return True
+    if record.name == "prefect.flow_runs":
+        return message.startswith("Encountered exception during execution")
+    return message.startswith("Task run failed with") and "will start" not in message
 
 
 def prefect_console_handler():

@@ -1,14 +1,18 @@
-"""What a published cache holds, as rows of (label, value): the flow's summary artifact and `inspect`."""
+"""What a published cache holds, as rows of (label, value): the flow's summary artifact and `inspect`; and
+what a failed slice read, for the failure artifact."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from sft_tokenize.build.publish import describe_drops
+
+if TYPE_CHECKING:
+    from sft_tokenize.sources.resolve import Slice
 
 
 def _count(n: int) -> str:
@@ -103,10 +107,35 @@ def show_row(tokenizer, input_ids: np.ndarray, loss_mask: np.ndarray, colour: bo
     return "".join(pieces)
 
 
-def markdown_table(title: str, rows: list[tuple[str, str]]) -> str:
-    lines = [f"### {title}", "", "| | |", "|---|---|"]
-    lines += [f"| {label} | {value.replace('|', '/')} |" for label, value in rows]
+def _cell(value: str, code: bool) -> str:
+    if code:  # a path or an error message, shown as written: no markdown read into its `*`, `_` or `<...>`
+        return "`" + value.replace("`", "'").replace("|", "\\|") + "`"
+    return value.replace("|", "/")
+
+
+def markdown_table(title: str, rows: list[tuple[str, ...]], header: tuple[str, ...] = ("field", "value"),
+                   code: bool = False) -> str:
+    """A titled markdown table, its columns named by `header`; `code`: every cell but the first as code."""
+    lines = [f"### {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join([first, *(_cell(v, code) for v in rest)]) + " |" for first, *rest in rows]
     return "\n".join(lines) + "\n"
+
+
+UNITS = {"jsonl": ("byte", "bytes"), "parquet": ("row group", "row groups"), "arrow": ("row", "rows")}  # resolve.Part
+
+
+def describe_slice(slice_: Slice) -> str:
+    """What a slice reads: each part's file and, where it has one, its range (first to last, counted from 0)."""
+    parts = []
+    for part in slice_.parts:
+        one, many = UNITS.get(part.kind, ("", ""))
+        if not one or part.stop < 0:  # a whole file: JSON, CSV, a compressed file
+            parts.append(part.url)
+        elif part.stop - part.start == 1:
+            parts.append(f"{part.url} ({one} {part.start:,})")
+        else:
+            parts.append(f"{part.url} ({many} {part.start:,}-{part.stop - 1:,})")
+    return ", ".join(parts)
 
 
 def text_table(rows: list[tuple[str, str]]) -> str:

@@ -31,21 +31,66 @@ logger = logging.getLogger("sft_tokenize")
 
 
 @contextlib.contextmanager
-def locked(lock_file: Path, waiting: str | None = None, shared: bool = False) -> Iterator[None]:
-    """An advisory lock (flock) across processes, exclusive or shared; says `waiting` if it has to wait."""
+def locked(lock_file: Path, waiting: str | None = None, shared: bool = False, remove: bool = False) -> Iterator[None]:
+    """An advisory lock (flock) across processes, exclusive or shared; says `waiting` if it has to wait.
+
+    `remove`: delete the lock file on release unless another process holds it (a lock per cache version would
+    otherwise leave an empty file behind each). Race-free because every holder keeps one
+    invariant: a file is unlinked only by a process holding it exclusively, and a locker that got the lock
+    checks that its path still names the file it locked (else a remover got there first: it locks the path
+    anew). So a lock held is always the file at its path, and `is_locked` keeps seeing it. Every process
+    that locks such a file must do so through this function (a raw flock would not re-check)."""
     lock_file.parent.mkdir(parents=True, exist_ok=True)
     mode = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
-    with open(lock_file, "a") as handle:
+    said = False
+    while True:
+        handle = open(lock_file, "a")  # noqa: SIM115 - closed on release, or below when the file was removed
         try:
-            fcntl.flock(handle, mode | fcntl.LOCK_NB)
-        except BlockingIOError:
-            if waiting:
-                logger.warning(waiting)
-            fcntl.flock(handle, mode)
+            try:
+                fcntl.flock(handle, mode | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if waiting and not said:
+                    logger.warning(waiting)
+                    said = True
+                fcntl.flock(handle, mode)
+            if _names(lock_file, handle):
+                break
+        except BaseException:
+            handle.close()
+            raise
+        handle.close()  # locked a file its holder removed on release: lock the one at the path now
+    with handle:
         try:
             yield
         finally:
+            if remove:
+                _remove_if_alone(lock_file, handle, shared)
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _names(path: Path, handle) -> bool:
+    """`path` still names the open file `handle` (not removed, nor replaced by a newer lock file)."""
+    try:
+        at_path = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(handle.fileno())
+    return (at_path.st_dev, at_path.st_ino) == (held.st_dev, held.st_ino)
+
+
+def _remove_if_alone(path: Path, handle, shared: bool) -> None:
+    """Unlink the lock file `handle` holds if this process can hold it exclusively at once (no other holder:
+    a waiter is woken on the removed file and locks the path anew). A shared holder tries to convert; if that
+    fails another process holds it, and the file stays."""
+    if shared:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return
+    # Held exclusively, so no other process can remove or replace the file: this check stays true to the unlink.
+    if _names(path, handle):
+        with contextlib.suppress(OSError):  # a lock file left behind is harmless: the next holder removes it
+            path.unlink()
 
 
 def is_locked(lock_file: Path) -> bool:

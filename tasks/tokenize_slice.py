@@ -23,6 +23,9 @@ from sft_tokenize.sources.resolve import Slice
 
 TAG = "sft-tokenize"  # cap parallel slices across runs with `prefect concurrency-limit create sft-tokenize N`
 RETRIES = 2
+# A bad row fails the same way every time, and a full disk does not empty itself in seconds: retrying those
+# only delays the error; an interrupted run wants no retry.
+NOT_RETRIED = (BadInput, OutOfSpace, Stopped)
 
 
 def slice_cache_key(context: Any, parameters: dict[str, Any]) -> str:
@@ -31,9 +34,8 @@ def slice_cache_key(context: Any, parameters: dict[str, Any]) -> str:
 
 
 def worth_retrying(task: Any, task_run: Any, state: Any) -> bool:
-    """A bad row fails the same way every time, and a full disk does not empty itself in seconds:
-    retrying those only delays the error; an interrupted run wants no retry."""
-    return not isinstance(state.result(raise_on_failure=False), (BadInput, OutOfSpace, Stopped))
+    """Retry any failure but those of NOT_RETRIED."""
+    return not isinstance(state.result(raise_on_failure=False), NOT_RETRIED)
 
 
 @task(

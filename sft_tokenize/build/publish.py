@@ -37,9 +37,10 @@ logger = logging.getLogger("sft_tokenize")
 
 def building(job: Job) -> contextlib.AbstractContextManager[None]:
     """Held by a run from tokenizing to publishing: a second run of the same fingerprint waits for the
-    first, then finds its cache published, instead of tokenizing the same slices beside it."""
+    first, then finds its cache published, instead of tokenizing the same slices beside it. Removed on
+    release, as the publish lock is: `.staging` keeps no empty lock file per version built (files.locked)."""
     staging = Path(job.staging)
-    return locked(staging.with_name(f"{staging.name}.run.lock"),
+    return locked(staging.with_name(f"{staging.name}.run.lock"), remove=True,
                   waiting=f"another run is building the cache {job.fingerprint}; waiting for it to finish")
 
 
@@ -124,7 +125,7 @@ def publish_cache(job: Job, slices: list[Slice], cache_path: Path, inputs: dict,
             raise CacheError(f"slice {slice_.index} has no finished shard in {job.store}")
         shards.append(meta)
     staging = Path(job.staging)
-    with locked(staging.with_name(f"{staging.name}.lock")):
+    with locked(staging.with_name(f"{staging.name}.lock"), remove=True):
         # Left by a run killed while publishing; under the lock no other run is building them.
         for leftover in [*staging.parent.glob(f"{staging.name}.publish-*"),
                          *staging.parent.glob(f"{staging.name}.corrupt-*")]:

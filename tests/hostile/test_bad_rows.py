@@ -1,21 +1,29 @@
 """Bad rows, found while tokenizing: each is named by its file and line (or item, or row), fails its own slice
-and only that one, and `--on-bad-row skip` counts what it skipped. The runs talk to the session's Prefect
-server (PREFECT_API_URL, as with a team server)."""
+and only that one, the run's error and its failure artifact name them all and what a rerun redoes, a rerun
+once they are fixed tokenizes only those slices, and `--on-bad-row skip` counts what it skipped. The runs talk
+to the session's Prefect server (PREFECT_API_URL, as with a team server)."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from support.bad_input import NO_ASSISTANT, ROW_ERRORS, built_skipping, with_a_bad_row, write_lines
-from support.caches import published_caches, staged_shards
+from support.caches import contents, published_caches, staged_shards
 from support.cli import assert_rejected, cli, run_args
 from support.data import example_rows, write_jsonl
+from support.paths import EXAMPLE_TOKENIZER
 
+from sft_tokenize.build.options import TokenizeOptions
+from sft_tokenize.build.plan import run_locally
 from sft_tokenize.read.cache import open_cache
+
+SLICES, FINISHED = 42, 31  # every line, JSON array and Parquet file of bad_rows_run is its own slice
+FILES = [f"{case}.jsonl" for case in ROW_ERRORS] + ["no-assistant-row.jsonl", "bad-item.json", "bad-row.parquet"]
 
 
 def other_formats_with_a_bad_row_2(data: Path) -> list[Path]:
@@ -35,6 +43,7 @@ def bad_rows_run(tmp_path_factory, api_url):
     files = [with_a_bad_row(data / f"{case}.jsonl", bad) for case, (bad, _) in ROW_ERRORS.items()]
     files.append(with_a_bad_row(data / "no-assistant-row.jsonl", NO_ASSISTANT))
     files += other_formats_with_a_bad_row_2(data)
+    assert [f.name for f in files] == FILES
     cache_root = data / "cache"
     result = cli(*run_args(files, cache_root, "--shard-size", "1"), home=data / "prefect-home", api_url=api_url)
     return result, data, cache_root
@@ -54,18 +63,95 @@ def test_rows_are_counted_from_1_in_every_format_as_lines_are(bad_rows_run, wher
     assert f"failed: BadInput: {data}/{where}: messages[0] has no 'role'" in result.stderr
 
 
+def failed_rows(data: Path) -> list[str]:
+    """Each bad row of bad_rows_run as its error names it."""
+    return [f"{data}/{case}.jsonl:3: {detail}" for case, (_, detail) in ROW_ERRORS.items()] + [
+        f"{data}/{where}: messages[0] has no 'role'" for where in ("bad-item.json: item 2", "bad-row.parquet: row 2")]
+
+
+def rerun_hint(cache_root: Path, failed: int) -> str:
+    return (f"the {FINISHED} finished shards stay in the shard store {cache_root / '.shards'}: fix those rows (or "
+            f"skip them: --on-bad-row skip), then run the same command again to tokenize only these {failed} slices")
+
+
 @pytest.mark.slow
-def test_bad_rows_exit_2_publish_nothing_and_keep_the_good_slices(bad_rows_run):
+def test_bad_rows_exit_2_naming_every_one_publish_nothing_and_keep_the_good_slices(bad_rows_run):
     result, data, cache_root = bad_rows_run
-    first, (_, detail) = next(iter(ROW_ERRORS.items()))
+    failed = failed_rows(data)
     last = assert_rejected(result)
-    assert last.startswith(f"sft-tokenize: error: {data}/{first}.jsonl:3: {detail}")
-    assert "Retry" not in result.stderr  # a bad row fails the same way every time
+    assert last.startswith(f"sft-tokenize: error: {len(failed)} of {SLICES} slices failed on bad input: tokenize-")
+    assert all(f": {row}" in last for row in failed), last
+    assert last.endswith("; " + rerun_hint(cache_root, len(failed)))
+    assert "retr" not in last  # a bad row fails the same way every time: it is never retried
+    assert "Retry" not in result.stderr  # nor is a flow run without a deployment
+    # Said once: each bad row on its slice's log line and in the error, not in Prefect's lines about the failure.
+    lines = result.stderr.splitlines()
+    assert all(len([line for line in lines if row in line]) == 2 for row in failed), result.stderr
     assert published_caches(cache_root) == []
     # The other slices, kept for a rerun: the same three good lines in every file are one shard each (content
     # addressed), and the row without an assistant turn is the fourth.
     assert len(staged_shards(cache_root)) == 4
     assert not list(cache_root.glob(".shards/*.tmp-*"))
+    assert not list((cache_root / ".staging").iterdir())  # no lock file (nor lease) left behind
+
+
+@pytest.mark.slow
+def test_a_failed_run_has_a_failure_artifact_that_says_the_same(bad_rows_run, api_url):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    _, data, cache_root = bad_rows_run
+    with temporary_settings(updates={PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(
+            like_="sft-cache-failed-")))
+    [artifact] = [a for a in artifacts if str(data) in a.data]
+    failed = failed_rows(data)
+    assert artifact.type == "markdown"
+    assert artifact.description == f"{len(failed)} of {SLICES} slices failed on bad input"
+    lines = artifact.data.splitlines()
+    assert lines[0].startswith("### Failed: ") and lines[0].endswith(f", {artifact.description}")
+    assert lines[2:4] == ["| slice | reads | reason |", "|---|---|---|"]
+    table = lines[4:4 + len(failed)]
+    for row, name in zip(failed, FILES[:len(ROW_ERRORS)] + FILES[-2:], strict=True):
+        [line] = [line for line in table if f"| `{row}" in line]
+        assert line.startswith("| tokenize-") and f"| `{data / name}" in line
+    hint = rerun_hint(cache_root, len(failed))
+    assert lines[-1] == f"{hint[0].upper()}{hint[1:]}."
+
+
+@pytest.mark.slow
+def test_a_rerun_once_the_rows_are_fixed_tokenizes_only_them_and_equals_a_clean_build(bad_rows_run, api_url,
+                                                                                      tmp_path):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    _, data, _ = bad_rows_run
+    fixed = Path(shutil.copytree(data, tmp_path / "fixed", ignore=shutil.ignore_patterns("prefect-home")))
+    good_row = json.dumps(example_rows()[3]).encode()
+    for case in ROW_ERRORS:
+        lines = (fixed / f"{case}.jsonl").read_bytes().splitlines()
+        write_lines(fixed / f"{case}.jsonl", [*lines[:2], good_row, *lines[3:]])
+    (fixed / "bad-item.json").write_text(json.dumps(example_rows()[:3]))
+    pq.write_table(pa.Table.from_pylist(example_rows()[:3]), fixed / "bad-row.parquet")
+    sources = [fixed / name for name in FILES]
+
+    rerun = cli(*run_args(sources, fixed / "cache", "--shard-size", "1"), home=tmp_path / "home", api_url=api_url)
+    assert rerun.returncode == 0, rerun.stderr
+    cache_path = Path(rerun.stdout.splitlines()[-1])
+    build = json.loads((cache_path / "manifest.json").read_text())["build"]
+    assert (build["slices_reused"], build["slices_tokenized"]) == (FINISHED, SLICES - FINISHED)
+    assert not list((fixed / "cache" / ".staging").iterdir())
+    clean = run_locally(TokenizeOptions(sources=list(map(str, sources)), tokenizer=str(EXAMPLE_TOKENIZER),
+                                        cache_dir=str(tmp_path / "clean"), shard_size="1"))
+    assert clean.name == cache_path.name and contents(cache_path) == contents(clean)
+
+    # Its summary artifact: a table whose header row names its columns.
+    with temporary_settings(updates={PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(like_="sft-cache-")))
+    [summary] = [a.data for a in artifacts if f"| cache | {cache_path} |" in a.data]
+    assert summary.splitlines()[2:4] == ["| field | value |", "|---|---|"]
 
 
 @pytest.mark.slow

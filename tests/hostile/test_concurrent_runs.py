@@ -26,5 +26,4 @@ def test_concurrent_runs_share_one_cache_and_leave_others_alone(tmp_path, api_ur
     assert published_caches(cache_root) == sorted([same.name, different.name])
     assert len(open_cache(same)) == 240
     assert len(open_cache(different)) == len(other.read_text().splitlines())
-    assert sorted(p.name for p in (cache_root / ".staging").iterdir()) == sorted(
-        f"{path.name.rsplit('-', 1)[1]}{suffix}" for path in (same, different) for suffix in (".lock", ".run.lock"))
+    assert list((cache_root / ".staging").iterdir()) == []  # each lock file removed by its last holder

@@ -101,7 +101,7 @@ def test_a_killed_worker_process_fails_the_run_and_the_same_command_resumes(tmp_
     workers[0].kill()
     run.finish()
     assert_clean_error(run, 1, "SlicesFailed", "BrokenProcessPool",
-                       "run again to tokenize only the failed slices")
+                       "run the same command again to tokenize only these")
     kept = staged_shards(cache_root)
     assert_no_partial_shard(cache_root)
 

@@ -130,3 +130,49 @@ def test_shared_holders_do_not_exclude_each_other(tmp_path):
         first.kill()
         first.wait()
     assert not is_locked(lock_file)
+
+
+CHURN = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    from sft_tokenize.files import locked
+    lock_file, counter = Path(sys.argv[1]), Path(sys.argv[2])
+    for _ in range(int(sys.argv[3])):
+        with locked(lock_file, remove=True):
+            assert lock_file.exists(), "held a lock whose file is gone"
+            count = int(counter.read_text())  # a read-modify-write: two holders at once would lose counts
+            counter.write_text(str(count + 1))
+""")
+
+
+def test_a_lock_removed_on_release_still_excludes_every_other_process(tmp_path):
+    """Processes that lock, remove the file and lock again as fast as they can: none ever holds the lock beside
+    another (a lost count) or holds a file no longer at the path, and the last one out leaves no file."""
+    lock_file, counter = tmp_path / "v1.run.lock", tmp_path / "count"
+    counter.write_text("0")
+    rounds = 300
+    churners = [subprocess.Popen([sys.executable, "-c", CHURN, str(lock_file), str(counter), str(rounds)])
+                for _ in range(3)]
+    assert [p.wait(timeout=120) for p in churners] == [0, 0, 0]
+    assert int(counter.read_text()) == 3 * rounds
+    assert not lock_file.exists()
+
+
+def test_a_removed_lock_file_stays_while_another_process_holds_it(tmp_path):
+    from sft_tokenize.files import locked
+
+    lock_file = tmp_path / "v1.lock"
+    holder = hold(lock_file, "shared")
+    try:
+        with locked(lock_file, shared=True, remove=True):
+            assert is_locked(lock_file)
+        assert lock_file.exists() and is_locked(lock_file)  # the other holder's file is not pulled from under it
+    finally:
+        holder.kill()
+        holder.wait()
+    with locked(lock_file, shared=True, remove=True):
+        pass
+    assert not lock_file.exists()  # the last holder out removes it
+    with locked(lock_file):
+        pass
+    assert lock_file.exists()  # without `remove`, a lock file stays as before

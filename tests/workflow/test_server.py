@@ -281,6 +281,8 @@ def test_ui_retry_of_a_failed_deployment_run_redoes_only_the_failed_shard(server
         served.fault_file.unlink()
     assert flow_run.state.is_failed(), flow_run.state
     assert "tokenize-00001" in flow_run.state.message
+    assert "Retry the flow run in the Prefect UI (or run it again) to tokenize only this slice" in \
+        flow_run.state.message  # a deployment run's message names the UI's Retry
     staged = staged_shards(cache_root)
 
     with api(server) as client:
