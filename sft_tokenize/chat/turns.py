@@ -37,7 +37,7 @@ from sft_tokenize.chat.markers import MARK_BASE, MARK_SPLIT, mark
 from sft_tokenize.chat.pairs import Twin, swapped
 from sft_tokenize.chat.template import ChatTemplate
 from sft_tokenize.errors import BadRow
-from sft_tokenize.sources.conversations import REASONING_FIELDS, Conversation
+from sft_tokenize.sources.conversations import Conversation
 
 # How trained character spans become trained tokens: "start", a token is trained when it starts inside a
 # span (the definition); "overlap", when it overlaps one (transformers' return_assistant_tokens_mask);
@@ -112,7 +112,7 @@ class TurnFinder:
     def _by_markers(self, conv: Conversation, targets: list[int]) -> tuple[Rendered, list[int]] | None:
         """(the row, targets whose reasoning the template dropped), or None when marking changes the render."""
         template = self.template
-        blank = any(not _has_text(conv.messages[i]) for i in targets)
+        blank = any(_blank_reply(message) for message in conv.messages)
         marked = mark(conv.messages, template.markable, empty=blank, twin=Twin)
         if marked is None or not marked.owners:
             template.render(conv.messages, conv.tools)  # the template's own error, if it has one, is the row's
@@ -157,14 +157,28 @@ class TurnFinder:
             self._check_rendered(conv.messages[i], i, owned.get(i, set()), kinds)
             if "reasoning" in owned.get(i, ()) and "reasoning" not in kinds:
                 stripped.append(i)
-            if not kinds:
-                continue  # a blank message the template does not render: nothing of it to train
-            first, last = anchors.extent(i)
-            gap_start, previous = anchors.before(first, i)
-            start = gap_start + self._header_end(text, gap_start, first, conv, previous)
-            end, eos = self._turn_end(text, last, anchors.after(last, i, len(text)))
-            regions.append((start, max(end, start)))
-            append_eos = append_eos or eos
+            if kinds:
+                first, last = anchors.extent(i)
+                gap_start, previous = anchors.before(first, i)
+                header = self._header_end(text, gap_start, first, conv, previous)
+                start = first if header is None else gap_start + header
+                end, eos = self._turn_end(text, last, anchors.after(last, i, len(text)))
+                regions.append((start, max(end, start)))
+                append_eos = append_eos or eos
+                continue
+            # None of its fields renders (an empty turn whose reasoning the template drops, or whose empty
+            # content it writes nothing for): the turn is its header's, between the fields around it.
+            previous = next((k for k in range(i - 1, -1, -1) if anchors.has(k)), None)
+            gap_start = anchors.extent(previous)[1] if previous is not None else 0
+            bound = anchors.after(gap_start, -1 if previous is None else previous, len(text))
+            header = self._header_end(text, gap_start, bound, conv, previous)
+            if header is None:
+                continue  # the template does not render this message: nothing of it to train
+            start = gap_start + header
+            end, eos = self._turn_end(text, start, bound)
+            if end > start or eos:
+                regions.append((start, end))
+                append_eos = append_eos or eos
         if self.train_on == "completion" and regions:
             if completion_start(conv) != targets[0]:
                 return None  # the completion opens with a non-assistant message: prefix rendering decides
@@ -179,9 +193,11 @@ class TurnFinder:
         if "content" in owned and "content" not in rendered and (message.get("content") or "").strip():
             raise BadRow("template_dropped_field", f"the chat template does not render messages[{i}].content")
 
-    def _header_end(self, text: str, gap_start: int, gap_end: int, conv: Conversation, previous: int | None) -> int:
-        """Where the header before a turn's first field ends, as an offset from `gap_start`: the header lies
-        in the text between the field before (at gap_start) and the turn's first field (at gap_end)."""
+    def _header_end(self, text: str, gap_start: int, gap_end: int, conv: Conversation,
+                    previous: int | None) -> int | None:
+        """Where the header before a turn's first field ends, as an offset from `gap_start` (None if no header
+        is there): the header lies in the text between the field before (at gap_start) and the turn's first
+        field (at gap_end)."""
         template = self.template
         gap = text[gap_start:gap_end]
         if template.generation_prompt:  # the longest run of its first tokens, which may reach into the field
@@ -191,7 +207,7 @@ class TurnFinder:
                 if found >= 0:
                     agreed = _agreeing_length(header, text, gap_start + found)
                     return found + ends[bisect.bisect_right(ends, agreed) - 1]  # ends ascend; ends[k] <= agreed
-            return len(gap)
+            return None
         # No generation prompt: the longest run of the last tokens of what a prompt ends with after that role.
         role = conv.messages[previous]["role"] if previous is not None else "user"
         role = role if template.prompt_tails.get(role) else "user"
@@ -200,7 +216,7 @@ class TurnFinder:
             found = gap.rfind(tail[start:])
             if found >= 0:
                 return found + len(tail) - start
-        return len(gap)
+        return None
 
     def _turn_end(self, text: str, last: int, bound: int) -> tuple[int, bool]:
         """(end of the turn, whether EOS must be appended): see the module docstring, step 3."""
@@ -268,6 +284,10 @@ class _Anchors:
             low, high = self.extents.get(owner, (start, end))
             self.extents[owner] = (min(low, start), max(high, end))
 
+    def has(self, message: int) -> bool:
+        """Whether any field of the message renders."""
+        return message in self.extents
+
     def extent(self, message: int) -> tuple[int, int]:
         """(first, last) position of the message's fields."""
         return self.extents[message]
@@ -294,10 +314,12 @@ def _agreeing_length(prefix: str, text: str, at: int) -> int:
     return len(os.path.commonprefix([prefix, text[at:at + len(prefix)]]))
 
 
-def _has_text(message: dict) -> bool:
-    """Whether a message has a non-blank field to locate it by."""
-    return bool(message.get("tool_calls")) or any(
-        isinstance(message.get(key), str) and message[key].strip() for key in ("content", *REASONING_FIELDS))
+def _blank_reply(message: dict) -> bool:
+    """Whether a message is an assistant reply with blank content. Its turn may be nothing else where the
+    template drops its reasoning or tool calls, so the row's blank fields are marked: that turn is then
+    located by its body, and the turn after it starts after it."""
+    content = message.get("content")
+    return message.get("role") == "assistant" and isinstance(content, str) and not content.strip()
 
 
 def completion_start(conv: Conversation) -> int:

@@ -69,12 +69,14 @@ def oracle(tokenizer, messages, train_on="all_assistant", completion_start=None,
     return ids, mask
 
 
-def turn_oracle(tokenizer, messages, tools, end_of_turn: list[str]):
+def turn_oracle(tokenizer, messages, tools, end_of_turn: list[str], train_on: str = "all_assistant"):
     """The trained-turn definition for any template, computed without the encoder's markers, as
-    (input_ids, loss_mask), for train_on all_assistant:
+    (input_ids, loss_mask), for train_on all_assistant or last_assistant:
 
     - where an assistant message's fields render: the first and last character that change when each of its
-      texts is wrapped in a snowman (a diff of two renders);
+      texts is wrapped in a snowman (a diff of two renders); the empty content of a reply without tool
+      calls is where a snowman put in its place is inserted, with what the template writes around a
+      content (a third render), so that an empty turn whose reasoning the template drops is still found;
     - the turn starts where apply_chat_template(messages[:i], add_generation_prompt=True) stops agreeing with
       the whole conversation, moved back to a token boundary of the generation prompt; for a template without
       a generation prompt, after the longest end of that prompt found before the turn's fields;
@@ -106,13 +108,28 @@ def turn_oracle(tokenizer, messages, tools, end_of_turn: list[str]):
         changed[i] = _snowman(messages[i])
         other = chat_text(tokenizer, changed, tools=tools)
         first = len(os.path.commonprefix([text, other]))
-        return None if first == len(text) else (first, len(text) - len(os.path.commonprefix([text[::-1], other[::-1]])))
+        found = [] if first == len(text) else [
+            (first, len(text) - len(os.path.commonprefix([text[::-1], other[::-1]])))]
+        content = messages[i].get("content")
+        if isinstance(content, str) and not content.strip() and not messages[i].get("tool_calls"):
+            changed[i] = {**messages[i], "content": "☃"}
+            other = chat_text(tokenizer, changed, tools=tools)
+            at = len(os.path.commonprefix([text, other]))
+            if not (other.endswith(text[at:]) and "☃" in other[at:len(other) - len(text) + at]):
+                # Not an insertion of the snowman (and what the template writes around a content, as GLM-4.5's
+                # newline): the empty content's place cannot be read.
+                raise AssertionError(f"messages[{i}]: the template renders an empty content elsewhere")
+            found.append((at, at))
+        return (min(a for a, _ in found), max(b for _, b in found)) if found else None
 
+    assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    targets = assistant[-1:] if train_on == "last_assistant" else assistant
     spans, append_eos = [], False
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant" or fields(i) is None:
+    for i in targets:
+        located = fields(i)
+        if located is None:
             continue
-        first, last = fields(i)
+        first, last = located
         following = fields(i + 1) if i + 1 < len(messages) else None
         prompt = chat_text(tokenizer, messages[:i], add_generation_prompt=True, tools=tools)
         if generation:

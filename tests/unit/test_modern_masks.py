@@ -2,9 +2,10 @@
 
 Every template gets the same conversations as data arrives in JSONL (through `to_example`): a system
 message with three assistant turns, reasoning in a field and inline, tool calls with object and string
-arguments and null content, tool replies, and OpenAI-style content parts. Each row either succeeds and
-equals the definition computed independently (tests/support/mask_oracle.py `turn_oracle`), or is a row error that
-the template itself causes. For eight families the trained text is also written out below.
+arguments and null content, tool replies, OpenAI-style content parts, and empty replies with and without
+reasoning, in history and last. Each row, trained on every assistant turn and on the last one, either
+succeeds and equals the definition computed independently (tests/support/mask_oracle.py `turn_oracle`), or
+is a row error that the template itself causes. For eight families the trained text is also written out below.
 """
 
 from __future__ import annotations
@@ -18,6 +19,16 @@ from sft_tokenize.encoding.chat_encoder import ChatEncoder, Encoded
 from sft_tokenize.encoding.tokenizer import load_tokenizer
 from sft_tokenize.errors import BadRow
 from sft_tokenize.sources.conversations import Conversation, to_example
+
+# Empty replies: an empty turn trains what the template renders for it, its end-of-turn token at least, also
+# where the template drops its reasoning (every one in history; most also in the last turn).
+ROWS = {**ROWS, "empty_turns": {"messages": [
+    {"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""},
+    {"role": "user", "content": "Again"}, {"role": "assistant", "content": ""}]},
+    "empty_turns_reasoning": {"messages": [
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "", "reasoning_content": "Say nothing."},
+        {"role": "user", "content": "Again"},
+        {"role": "assistant", "content": "", "reasoning_content": "Still nothing."}]}}
 
 # Each family's trained text, row by row (the decoded runs of 1s in loss_mask).
 _QWEN_TOOL = '<tool_call>\n{"name": "get_time", "arguments": {"city": "Oslo"}}\n</tool_call><|im_end|>'
@@ -39,6 +50,9 @@ EXPECTED: dict[str, dict[str, list[str] | str]] = {
         "tools_object": [_QWEN_TOOL, "<think>\n\n</think>\n\nIt is 10:00 in Oslo.<|im_end|>"],
         "tools_string": [_QWEN_TOOL, "<think>\n\n</think>\n\nIt is 10:00 in Oslo.<|im_end|>"],
         "content_parts": ["<think>\n\n</think>\n\nYes.<|im_end|>"],
+        # An empty turn in history is its end-of-turn token, its reasoning dropped as any other turn's.
+        "empty_turns": ["<|im_end|>", "<think>\n\n</think>\n\n<|im_end|>"],
+        "empty_turns_reasoning": ["<|im_end|>", "<think>\nStill nothing.\n</think>\n\n<|im_end|>"],
     },
     "deepseek-r1": {
         "system_three_turns": ["Hello!<｜end▁of▁sentence｜>", "Apple.<｜end▁of▁sentence｜>",
@@ -48,6 +62,8 @@ EXPECTED: dict[str, dict[str, list[str] | str]] = {
         "tools_object": [_R1_TOOL, "It is 10:00 in Oslo.<｜end▁of▁sentence｜>"],
         "tools_string": [_R1_TOOL, "It is 10:00 in Oslo.<｜end▁of▁sentence｜>"],
         "content_parts": ["Yes.<｜end▁of▁sentence｜>"],
+        "empty_turns": ["<｜end▁of▁sentence｜>", "<｜end▁of▁sentence｜>"],
+        "empty_turns_reasoning": ["<｜end▁of▁sentence｜>", "<｜end▁of▁sentence｜>"],
     },
     "gpt-oss": {
         # Harmony: the channel header is the model's own output; the analysis channel renders in the last turn.
@@ -62,6 +78,10 @@ EXPECTED: dict[str, dict[str, list[str] | str]] = {
         "tools_object": [_GPT_OSS_TOOL, "<|channel|>final<|message|>It is 10:00 in Oslo.<|return|>"],
         "tools_string": [_GPT_OSS_TOOL, "<|channel|>final<|message|>It is 10:00 in Oslo.<|return|>"],
         "content_parts": ["<|channel|>final<|message|>Yes.<|return|>"],
+        "empty_turns": ["<|channel|>final<|message|><|end|>", "<|channel|>final<|message|><|return|>"],
+        "empty_turns_reasoning": ["<|channel|>final<|message|><|end|>",
+                                  "<|channel|>analysis<|message|>Still nothing.<|end|><|start|>assistant"
+                                  "<|channel|>final<|message|><|return|>"],
     },
     "llama3.1": {
         "system_three_turns": ["Hello!<|eot_id|>", "Apple.<|eot_id|>", "Pear.<|eot_id|>"],
@@ -71,6 +91,7 @@ EXPECTED: dict[str, dict[str, list[str] | str]] = {
         "tools_object": [_LLAMA_TOOL, "It is 10:00 in Oslo.<|eot_id|>"],
         "tools_string": [_LLAMA_TOOL, "It is 10:00 in Oslo.<|eot_id|>"],
         "content_parts": ["Yes.<|eot_id|>"],
+        "empty_turns": ["<|eot_id|>", "<|eot_id|>"], "empty_turns_reasoning": ["<|eot_id|>", "<|eot_id|>"],
     },
     "mistral-small-3.1-v7": {
         "system_three_turns": ["Hello!</s>", "Apple.</s>", "Pear.</s>"],
@@ -79,6 +100,7 @@ EXPECTED: dict[str, dict[str, list[str] | str]] = {
         "tools_object": [_MISTRAL_TOOL, "It is 10:00 in Oslo.</s>"],
         "tools_string": [_MISTRAL_TOOL, "It is 10:00 in Oslo.</s>"],
         "content_parts": ["Yes.</s>"],
+        "empty_turns": ["</s>", "</s>"], "empty_turns_reasoning": ["</s>", "</s>"],
     },
     "gemma3": {
         "system_three_turns": ["Hello!<end_of_turn>", "Apple.<end_of_turn>", "Pear.<end_of_turn>"],
@@ -87,6 +109,7 @@ EXPECTED: dict[str, dict[str, list[str] | str]] = {
                              "<think>\nAdd three.\n</think>\n\nSix.<end_of_turn>"],
         "tools_object": TEMPLATE_REFUSES, "tools_string": TEMPLATE_REFUSES,
         "content_parts": ["Yes.<end_of_turn>"],
+        "empty_turns": ["<end_of_turn>", "<end_of_turn>"], "empty_turns_reasoning": ["<end_of_turn>", "<end_of_turn>"],
     },
     "glm-4.5": {
         # Nothing follows an assistant turn: the next role token ends it; after the last turn, EOS is appended.
@@ -98,6 +121,9 @@ EXPECTED: dict[str, dict[str, list[str] | str]] = {
         "tools_object": [_GLM_TOOL, "\n<think></think>\nIt is 10:00 in Oslo.<|endoftext|>"],
         "tools_string": [_GLM_TOOL, "\n<think></think>\nIt is 10:00 in Oslo.<|endoftext|>"],
         "content_parts": ["\n<think></think>\nYes.<|endoftext|>"],
+        # GLM-4.5 writes nothing for an empty content: the turn is its think block and what ends it.
+        "empty_turns": ["\n<think></think><|user|>", "\n<think></think><|endoftext|>"],
+        "empty_turns_reasoning": ["\n<think></think><|user|>", "\n<think>Still nothing.</think><|endoftext|>"],
     },
     "phi-4": {
         "system_three_turns": ["Hello!<|im_end|>", "Apple.<|im_end|>", "Pear.<|im_end|>"],
@@ -106,6 +132,7 @@ EXPECTED: dict[str, dict[str, list[str] | str]] = {
                              "<think>\nAdd three.\n</think>\n\nSix.<|im_end|>"],
         "tools_object": DROPS_TOOL_CALLS, "tools_string": DROPS_TOOL_CALLS,
         "content_parts": ["Yes.<|im_end|>"],
+        "empty_turns": ["<|im_end|>", "<|im_end|>"], "empty_turns_reasoning": ["<|im_end|>", "<|im_end|>"],
     },
 }
 
@@ -140,15 +167,18 @@ FAMILIES = sorted(f for f in MODERN_FAMILIES if f != "llama3.3")  # byte-identic
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_every_conversation_is_masked_by_the_definition_or_refused_by_the_template(tokenizers, family):
+@pytest.mark.parametrize("train_on", ["all_assistant", "last_assistant"])
+def test_every_conversation_is_masked_by_the_definition_or_refused_by_the_template(tokenizers, family, train_on):
     tokenizer = tokenizers(family)
-    encoder = ChatEncoder(tokenizer)
+    encoder = ChatEncoder(tokenizer, train_on)
     examples = [to_example(row, COLUMNS) for row in ROWS.values()]
     batch = encoder.encode_batch(examples)
     results = batch.results()
     spec = MODERN_FAMILIES[family]
     for name, example, got in zip(ROWS, examples, results, strict=True):
         expected = EXPECTED.get(family, {}).get(name)
+        if train_on == "last_assistant":  # the last turn alone; a row error of another turn may not be one here
+            expected = expected[-1:] if isinstance(expected, list) else None
         prepared = encoder.template.prepare(example)
         if isinstance(got, BadRow):
             if got.reason == "template_error":  # the template raised: so does apply_chat_template, saying the same
@@ -163,12 +193,13 @@ def test_every_conversation_is_masked_by_the_definition_or_refused_by_the_templa
             continue
         assert isinstance(got, Encoded), f"{family}/{name}: {got!r}"
         if family != "smollm3":  # {% generation %} blocks: transformers' own mask, tested below
-            want_ids, want_mask = turn_oracle(tokenizer, prepared.messages, prepared.tools, spec["end_of_turn"])
+            want_ids, want_mask = turn_oracle(tokenizer, prepared.messages, prepared.tools, spec["end_of_turn"],
+                                              train_on)
             assert got.input_ids.tolist() == want_ids, f"{family}/{name}: input_ids differ from the template's text"
             assert got.loss_mask.tolist() == want_mask, (
-                f"{family}/{name}: {trained_runs(tokenizer, got)} != definition")
+                f"{family}/{name}/{train_on}: {trained_runs(tokenizer, got)} != definition")
         if expected is not None:
-            assert trained_runs(tokenizer, got) == expected, f"{family}/{name}"
+            assert trained_runs(tokenizer, got) == expected, f"{family}/{name}/{train_on}"
     assert batch.rows_exact == 0
 
 
@@ -199,8 +230,9 @@ def test_a_row_does_not_depend_on_its_position_in_the_batch(tokenizers):
         rows = [to_example(row, COLUMNS) for row in ROWS.values()]
         batch = (rows * 167)[:1000]
         results = encoder.encode_batch(batch).results()
+        last_copy = (len(batch) - len(rows)) // len(rows) * len(rows)  # where the batch's last whole copy starts
         for k in range(len(rows)):
-            first, last = results[k], results[k + 6 * 165]
+            first, last = results[k], results[k + last_copy]
             assert first.input_ids.tolist() == last.input_ids.tolist(), family
             assert first.loss_mask.tolist() == last.loss_mask.tolist(), family
 
