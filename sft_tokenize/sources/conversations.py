@@ -1,6 +1,7 @@
 """Dataset formats: which columns a row needs and how a row becomes a conversation (or plain text).
 
-chat               messages: [{role, content}, ...], optional `system` and `tools` columns
+chat               messages: [{role, content}, ...], optional `system` and `tools` columns; either may be
+                   the JSON text of its list (a CSV cell, a string column of Parquet)
 alpaca             instruction, optional input, output
 prompt-completion  prompt + completion (or response); each a string or a list of messages
 text               text
@@ -8,6 +9,7 @@ text               text
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -181,7 +183,21 @@ def _message(raw: Any, index: int) -> dict[str, Any]:
     return message
 
 
+def _from_json_text(raw: Any, column: str, reason: str, what: str) -> Any:
+    """A CSV cell or a string column holding a list as its JSON text (what its writer meant): the list."""
+    if not isinstance(raw, str):
+        return raw
+    try:
+        value = json.loads(raw)
+    except ValueError as error:
+        raise BadRow(reason, f"{column!r} is a string that is not the JSON of {what} ({error})") from None
+    if not isinstance(value, list):
+        raise BadRow(reason, f"{column!r} holds JSON text of {_type_name(value)}, not {what}")
+    return value
+
+
 def _messages(raw: Any, column: str) -> list[dict[str, Any]]:
+    raw = _from_json_text(raw, column, "bad_messages", "a message list")
     if not isinstance(raw, list):
         raise BadRow("bad_messages", f"{column!r} must be a list of messages, got {_type_name(raw)}")
     if not raw:
@@ -222,7 +238,7 @@ def to_example(row: Mapping[str, Any], columns: ColumnMap, system_prompt: str | 
                     {"role": "assistant", "content": _string(row, c["output"])}]
         return Conversation(head + messages, completion_start=len(head) + 1)
 
-    tools = row.get(c["tools"]) if "tools" in c else None
+    tools = _from_json_text(row.get(c["tools"]), c["tools"], "bad_field", "a list of tools") if "tools" in c else None
     if tools is not None and not isinstance(tools, list):
         raise BadRow("bad_field", f"{c['tools']!r} must be a list, got {_type_name(tools)}")
     system = (_string(row, c["system"], optional=True) if "system" in c else "") or system_prompt

@@ -138,7 +138,9 @@ def test_corrupt_parquet_is_named(tmp_path):
 
 
 @pytest.mark.parametrize(("row", "reason", "detail"), [
-    ({"messages": "hi"}, "bad_messages", "'messages' must be a list of messages, got str"),
+    ({"messages": 3}, "bad_messages", "'messages' must be a list of messages, got int"),
+    ({"messages": "hi"}, "bad_messages", "'messages' is a string that is not the JSON of a message list"),
+    ({"messages": '{"role": "user"}'}, "bad_messages", "'messages' holds JSON text of dict, not a message list"),
     ({"messages": [{"content": "x"}]}, "bad_message", "messages[0] has no 'role'"),
     ({"messages": [{"role": "user"}]}, "bad_message", "messages[0] has no 'content'"),
     ({"messages": [{"role": "user", "content": 3}]}, "bad_message", 
