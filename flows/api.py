@@ -94,7 +94,7 @@ def run_tokenize(settings: dict[str, Any], progress: Callable[[Any], Any] | None
 
     from prefect.settings import get_current_settings
 
-    from sft_tokenize.flows.embedded_server import EmbeddedServer, ServerUnavailable, check_api_reachable
+    from sft_tokenize.flows.embedded_server import EmbeddedServer, ServerLost, ServerUnavailable, check_api_reachable
     from sft_tokenize.flows.tokenize_dataset import TokenizeRun, first_line, on_progress, tokenize_dataset
 
     options = _checked(TokenizeRun, settings)
@@ -120,9 +120,13 @@ def run_tokenize(settings: dict[str, Any], progress: Callable[[Any], Any] | None
             return Path(tokenize_dataset(options))
     except BadInput:
         raise
+    except ServerLost as lost:  # the embedded server's process died under the run
+        raise RunFailed(str(lost)) from None
     except TerminationSignal as signal_:  # Prefect's SIGTERM bridge, if it did not hand the signal back
         raise Terminated() from signal_
     except Exception as error:  # noqa: BLE001 - any other failure: one line, details in the Prefect logs
+        if server is not None and server.lost:  # what the calls to the lost server raised
+            raise RunFailed(server.lost) from None
         raise RunFailed(f"{type(error).__name__}: {first_line(error)}") from error
 
 

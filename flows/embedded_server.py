@@ -21,6 +21,11 @@ whose runs were all killed exits by itself after its idle time; one whose proces
 next run. `sft-tokenize server status` reports it, `sft-tokenize server stop` stops it (refused while runs use
 it, unless --force).
 
+A server that dies under a run (killed, out of memory, `server stop --force`) is noticed within a second by the
+run's watch thread: Prefect's client stops retrying and drops the logs and events it can no longer send, and the
+flow is unwound with ServerLost as Ctrl-C unwinds it (its slices stop, flows/interrupts.py). The run ends with one line
+saying so (exit 1); its finished shards stay, and the same command starts a fresh server and resumes.
+
 The first run launches the server as soon as it knows there is work, so the server boots while this process
 loads the tokenizer and cuts the slices, and waits for it up to STARTUP_TIMEOUT seconds (longer if Prefect's own
 setting says so), failing at once if the server process exits. The server runs in its own session, so Ctrl-C
@@ -36,16 +41,20 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import os
+import queue
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import httpx
+import prefect.context
 from prefect.context import refresh_global_settings_context
 from prefect.settings import (
     PREFECT_API_URL,
@@ -77,8 +86,45 @@ SERVER_CUTS = {f"PREFECT_SERVER_SERVICES_{name}_ENABLED": "false" for name in (
 SERVER_CUTS["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 
 
+WATCH_INTERVAL = 0.5  # seconds between the watch thread's looks at the server's process
+LOST_SIGNAL = signal.SIGUSR1  # how the watch thread reaches the main thread (a signal wakes a blocking wait)
+
+
 class ServerUnavailable(RuntimeError):
     """No Prefect API answers: the embedded server could not start, or PREFECT_API_URL is not reachable."""
+
+
+class ServerLost(KeyboardInterrupt):
+    """The embedded server's process died under this run. Raised in the main thread while it runs Prefect's code, a
+    KeyboardInterrupt so that the flow unwinds as on Ctrl-C: workers stopped, finished shards kept."""
+
+
+def _drop_undeliverable() -> None:
+    """Empty the queues of Prefect's log and event senders: with the server gone they would retry each item at
+    exit, for minutes, printing each one."""
+    from prefect._internal.concurrency.services import _QueueServiceBase
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for service in list(_QueueServiceBase._instances.values()):
+        if isinstance(service, (EventsWorker, APILogWorker)):
+            while True:
+                try:
+                    if service._queue.get_nowait() is None:  # the stop sentinel stays: the sender ends on it
+                        service._queue.put_nowait(None)
+                        break
+                except queue.Empty:
+                    break
+                service._queue.task_done()
+
+
+def _in_flow(frame) -> bool:
+    """The main thread is in Prefect's flow engine (or the flow it called): not yet out of the run, nor at exit."""
+    while frame is not None:
+        if frame.f_globals.get("__name__") == "prefect.flow_engine":
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _free_port() -> int:
@@ -151,6 +197,7 @@ class EmbeddedServer:
         self.answered = False  # this run has seen it answer
         self._lease: contextlib.ExitStack | None = None  # this run's shared flock on the lease file, while it uses
         self._settings = None
+        self.lost: str | None = None  # why this run failed, once its server's process is gone
 
     @staticmethod
     def needed() -> bool:
@@ -260,8 +307,45 @@ class EmbeddedServer:
             updates[PREFECT_FLOWS_HEARTBEAT_FREQUENCY] = None
         # Kept: a context manager that is garbage-collected is exited, and its settings with it.
         self._settings = temporary_settings(updates=updates)
-        self._settings.__enter__()
+        settings = self._settings.__enter__()
+        self._watch([settings, prefect.context.GLOBAL_SETTINGS_CONTEXT.settings])
         return self.url
+
+    def _watch(self, settings: list) -> None:
+        """Watch the server's process while this run uses it (see the module's docstring). From the main thread
+        only: it alone can take a signal handler, and a run in another thread fails as Prefect's client does."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def on_lost_signal(signum, frame) -> None:
+            if self.lost and _in_flow(frame):  # out of the flow (reporting the error, exiting) it is ignored
+                raise ServerLost(self.lost)
+
+        signal.signal(LOST_SIGNAL, on_lost_signal)
+
+        def watch() -> None:
+            while self._lease is not None and self._alive():
+                time.sleep(WATCH_INTERVAL)
+            if self._lease is None:  # this run left the server: it ended as it does, not under the run
+                return
+            self.lost = (f"the embedded Prefect server (pid {self.pid}) went away during the run (killed, or out of "
+                         f"memory; its log: {self.log_path}); the finished slices stay in the shard store: run the "
+                         "same command again to resume on a fresh server")
+            for each in settings:  # every call to the dead server now fails at once instead of backing off
+                each.client.max_retries = 0
+                each.logging.to_api.enabled = False
+                each.internal.logging_level = "CRITICAL"  # Prefect's services' own logger reads only this
+            # Each undeliverable log batch and event would print its complaint after the run's one line.
+            logging.raiseExceptions = False
+            for name in ("prefect.events.clients", "EventsWorker", "APILogWorker"):
+                logging.getLogger(name).setLevel(logging.CRITICAL)
+            _drop_undeliverable()
+            threading._register_atexit(_drop_undeliverable)  # what is queued meanwhile, before Prefect drains it
+            while self._lease is not None:  # until the main thread is out of Prefect's code, whatever it waits on
+                signal.pthread_kill(threading.main_thread().ident, LOST_SIGNAL)
+                time.sleep(1)
+
+        threading.Thread(target=watch, name="embedded-server-watch", daemon=True).start()
 
     def _answers(self) -> bool:
         """The server has booted: this run saw it answer, or it answers now (a warm server this run joined)."""

@@ -5,7 +5,8 @@ whose index is listed in it (whitespace-separated integers) raises a RuntimeErro
 Delete the file and the next attempt succeeds. A word `exit:N` instead kills the process (`os._exit(1)`, no
 exception, no cleanup) on the first attempt at slice N only, leaving a partial temporary shard as a worker
 dying mid-shard does; the marker file `<fault file>.exited-N`, created atomically, makes it once across
-processes and machines.
+processes and machines. A word `hold:N` makes an attempt at slice N wait, as a long slice does, until the word
+is gone from the file or the run asks its slices to stop (then it stops as a slice does between batches).
 
 The fault sits in front of `sft_tokenize.build.shard.tokenize_slice`, which the Prefect task calls for every
 attempt. This module imports nothing of the project, so that sitecustomize.py beside it can install it in
@@ -19,6 +20,7 @@ import importlib.abc
 import importlib.util
 import os
 import sys
+import time
 from pathlib import Path
 
 FAULT_FILE_ENV = "SFT_TOKENIZE_FAULT_FILE"
@@ -35,6 +37,15 @@ def raise_injected_fault(job, slice_) -> None:
         words = Path(fault_file).read_text().split()
     except FileNotFoundError:
         return
+    while f"hold:{index}" in words:
+        stopping = sys.modules.get("sft_tokenize.build.stopping")  # loaded by then: the shard module imports it
+        if stopping is not None:
+            stopping.raise_if_stopping()
+        time.sleep(0.05)
+        try:
+            words = Path(fault_file).read_text().split()
+        except FileNotFoundError:
+            return
     if f"exit:{index}" in words:
         try:
             os.close(os.open(f"{fault_file}.exited-{index}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))

@@ -1,0 +1,74 @@
+"""The embedded Prefect server SIGKILLed under a run while a slice is still tokenizing: the run ends within
+seconds with one line saying the server went away (exit 1), no traceback and no hang; the finished shards stay,
+and the same command starts a fresh server, reuses them and publishes the cache a clean build gives."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from support.caches import assert_no_partial_shard, contents, staged_shards
+from support.cli import TIMEOUT, assert_clean_error, cli, environment, run_args
+from support.data import example_rows, write_jsonl
+from support.faults import FAULT_FILE_ENV
+from support.paths import BIN, EXAMPLE_TOKENIZER
+from support.runs import assert_group_gone
+
+from sft_tokenize.build.options import TokenizeOptions
+from sft_tokenize.build.plan import run_locally
+
+HELD = 3  # the slice that is still tokenizing when the server dies
+SLICES = 14  # the example rows four times over, in slices of 100KB
+ENDS_WITHIN = 60  # seconds from the kill to the run's exit: a run that waits on a dead server fails this
+
+
+@pytest.mark.slow
+def test_a_killed_embedded_server_ends_the_run_in_one_line_and_the_same_command_resumes(tmp_path, prefect_home):
+    data = write_jsonl(tmp_path / "many.jsonl", example_rows() * 4)
+    reference = run_locally(TokenizeOptions(sources=[str(data)], tokenizer=str(EXAMPLE_TOKENIZER),
+                                            cache_dir=str(tmp_path / "reference"), shard_size="100KB"))
+    cache_root = tmp_path / "cache"
+    args = run_args([data], cache_root)
+    faults = tmp_path / "faults"
+    faults.write_text(f"hold:{HELD}")  # slice 3 tokenizes until the run stops it
+    logs = {name: tmp_path / name for name in ("stdout", "stderr")}
+    with logs["stdout"].open("w") as out, logs["stderr"].open("w") as err:
+        run = subprocess.Popen([str(BIN / "sft-tokenize"), *args], stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+                               env=environment(prefect_home, **{FAULT_FILE_ENV: str(faults)}), start_new_session=True)
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while len(staged_shards(cache_root)) < SLICES - 1:  # every slice but the held one
+            assert run.poll() is None, logs["stderr"].read_text()
+            assert time.monotonic() < deadline, logs["stderr"].read_text()
+            time.sleep(0.05)
+        server = json.loads((prefect_home / "sft-tokenize-server.json").read_text())["pid"]
+        os.kill(server, signal.SIGKILL)
+        killed = time.monotonic()
+        code = run.wait(timeout=ENDS_WITHIN)
+        assert time.monotonic() - killed < ENDS_WITHIN
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+            run.wait()
+    assert_group_gone(run.pid)
+    result = SimpleNamespace(returncode=code, stdout=logs["stdout"].read_text(), stderr=logs["stderr"].read_text())
+    assert_clean_error(result, 1, f"the embedded Prefect server (pid {server}) went away during the run",
+                       "run the same command again")
+    kept = staged_shards(cache_root)
+    assert len(kept) == SLICES - 1
+    assert_no_partial_shard(cache_root)
+    assert not list((cache_root / ".shards").glob("*.tmp-*"))  # the held slice stopped and left nothing
+
+    faults.unlink()
+    resumed = cli(*args, home=prefect_home)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"tokenizing {SLICES} slices ({SLICES - 1} already in the shard store)" in resumed.stderr
+    cache_path = Path(resumed.stdout.splitlines()[-1])
+    assert cache_path.name == reference.name
+    assert contents(cache_path) == contents(reference)
