@@ -13,13 +13,13 @@ and the tokenize_dataset flow builds the cache.
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from sft_tokenize.build.timeline import mark
 from sft_tokenize.errors import BadInput
+from sft_tokenize.files import write_problem
 
 
 class RunFailed(RuntimeError):
@@ -46,14 +46,11 @@ def prefect_home_problem() -> str | None:
     from prefect.settings import get_current_settings
 
     home = Path(get_current_settings().home).expanduser()
-    try:
-        home.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=home):
-            pass
-    except OSError as error:
-        return (f"PREFECT_HOME {os.path.abspath(home)}: Prefect's embedded server cannot keep its database there "
-                f"({error.strerror}); point PREFECT_API_URL at a server or PREFECT_HOME at a writable directory")
-    return None
+    problem = write_problem(home)
+    if problem is None:
+        return None
+    return (f"PREFECT_HOME {os.path.abspath(home)}: Prefect's embedded server cannot keep its database there "
+            f"({problem}); point PREFECT_API_URL at a server or PREFECT_HOME at a writable directory")
 
 
 def run_tokenize(settings: dict[str, Any], progress: Callable[[Any], Any] | None = None) -> Path:

@@ -1,5 +1,5 @@
 """File mechanisms the build and read sides share, each written once: an advisory lock across processes and
-its probe, a file replaced in one rename, and a directory built aside and renamed into place.
+its probe, a directory's write probe, a file replaced in one rename, and a directory built aside and renamed into place.
 
 Neutral ground: it imports nothing of the project, so the read side (the packing index, the trainers' work
 view) can use them without loading the build side.
@@ -107,6 +107,19 @@ def is_locked(lock_file: Path) -> bool:
             return True
         fcntl.flock(handle, fcntl.LOCK_UN)
         return False
+
+
+def write_problem(directory: Path) -> str | None:
+    """Why nothing can be written in `directory` (created if missing), or None if a file can be. A real write,
+    not os.access: modes do not stop root, and a read-only mount or an immutable directory stops everyone."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / f".probe-{uuid.uuid4().hex[:8]}"
+        probe.touch()
+        probe.unlink()
+    except OSError as error:
+        return os.strerror(error.errno) if error.errno else str(error)
+    return None
 
 
 def fsync_path(path: Path) -> None:

@@ -9,7 +9,6 @@ any work is done.
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -28,6 +27,7 @@ from sft_tokenize.encoding.pool import POOL_MIN_BYTES
 from sft_tokenize.encoding.prepared import prepared_dir
 from sft_tokenize.encoding.tokenizer import read_chat_template, resolve_tokenizer
 from sft_tokenize.errors import BadInput
+from sft_tokenize.files import write_problem
 from sft_tokenize.format import CACHE_FORMAT_VERSION
 from sft_tokenize.sources.conversations import REQUIRED, ColumnMap, resolve_columns
 from sft_tokenize.sources.readers import reader
@@ -73,16 +73,12 @@ def cache_root(options: TokenizeOptions) -> Path:
 
 def check_writable(root: Path) -> None:
     """A build writes under the cache root (its locks in .staging, its shards in .shards): refuse one that
-    cannot, in one line, before any work. A real write, not os.access: modes do not stop root, and a
-    read-only mount or an immutable directory stops everyone."""
+    cannot, in one line, before any work."""
     for directory in (root / ".staging", store_dir(root)):
-        try:
-            directory.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=directory, prefix=".probe-"):
-                pass
-        except OSError as error:
-            raise BadInput(f"cache dir {root}: not writable ({error.strerror}): a run that tokenizes writes its "
-                           "shards there; choose a writable --cache-dir") from None
+        problem = write_problem(directory)
+        if problem is not None:
+            raise BadInput(f"cache dir {root}: not writable ({problem}): a run that tokenizes writes its "
+                           "shards there; choose a writable --cache-dir")
 
 
 def _columns(files: list[SourceFile], options: TokenizeOptions) -> ColumnMap:

@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -27,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from sft_tokenize import __version__
 from sft_tokenize.errors import BadInput, CacheError
-from sft_tokenize.files import built_directory, locked
+from sft_tokenize.files import built_directory, locked, write_problem
 from sft_tokenize.read.bin_packing import ALGORITHMS, arrange_for_ranks
 from sft_tokenize.read.cache import TokenizedCache, open_cache
 
@@ -218,16 +216,11 @@ def find_index(cache: str | Path | TokenizedCache, options: PackOptions) -> Pack
 
 
 def _writable_dir(path: Path, options: PackOptions) -> None:
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".probe-{uuid.uuid4().hex[:8]}"
-        probe.touch()
-        probe.unlink()
-    except OSError as error:
-        reason = os.strerror(error.errno) if error.errno else str(error)
+    problem = write_problem(path)
+    if problem is not None:
         hint = ("choose a writable --index-dir" if options.index_dir else
                 "the cache root is read-only: pass --index-dir DIR (index_dir=...) to write the index elsewhere")
-        raise BadInput(f"{path}: cannot write a packing index there ({reason}); {hint}") from None
+        raise BadInput(f"{path}: cannot write a packing index there ({problem}); {hint}")
 
 
 def pack_cache(cache: str | Path | TokenizedCache, options: PackOptions) -> PackingIndex:
