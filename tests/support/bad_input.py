@@ -23,7 +23,7 @@ ROW_ERRORS = {  # a row that is wrong, and how the error says so
     "malformed-json": ('{"messages": [{"role": "user", "content": "hi"}', "not valid JSON: Expecting"),
     "not-utf8": ('{"messages": [{"role": "user", "content": "caf\xe9"}]}'.encode("latin-1"),
                  "not valid UTF-8 (byte 0xe9 at column 47)"),
-    "messages-not-a-list": ('{"messages": "hello"}', "'messages' must be a list of messages, got str"),
+    "messages-not-a-list": ('{"messages": "hello"}', "'messages' is a string that is not the JSON of a message list"),
     "no-role": ('{"messages": [{"content": "hi"}, {"role": "assistant", "content": "yo"}]}',
                 "messages[0] has no 'role'"),
     "no-content": ('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant"}]}',
