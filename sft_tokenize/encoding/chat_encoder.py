@@ -17,6 +17,8 @@ import numpy as np
 from sft_tokenize.chat.template import ChatTemplate, special_pattern
 from sft_tokenize.chat.turns import Rendered, TurnFinder
 from sft_tokenize.encoding.exact import VERIFY_ROWS, EncoderMismatch, FastEncoder, IdsEncoding
+from sft_tokenize.encoding.image_runs import ImageRuns
+from sft_tokenize.encoding.vision import VisionFamily
 from sft_tokenize.errors import BadInput, BadRow
 from sft_tokenize.sources.conversations import REASONING_FIELDS, Conversation
 
@@ -89,7 +91,7 @@ class ChatEncoder:
     def __init__(self, tokenizer, train_on: str = "all_assistant", max_length: int | None = None,
                  truncation: str = "truncate", template_kwargs: Mapping[str, Any] | None = None,
                  reasoning_turns: str = "as-rendered", special_text: str = "literal",
-                 fast: FastEncoder | None = None):
+                 fast: FastEncoder | None = None, vision: VisionFamily | None = None):
         self.tokenizer = tokenizer
         source = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
         self.template = ChatTemplate(source, tokenizer, template_kwargs) if source else None
@@ -102,6 +104,7 @@ class ChatEncoder:
         self.special = special_pattern(tokenizer)
         self._literal = None  # a copy of the tokenizer that encodes control-token text as plain text
         self.fast = fast  # ids (and token positions) from a faster exact encoder; HF checks its first rows
+        self.images = ImageRuns(vision, tokenizer) if vision is not None else None  # image rows' runs
 
     @property
     def backend(self):
@@ -125,12 +128,18 @@ class ChatEncoder:
         if self.template is None:
             raise BadInput("the tokenizer has no chat template: pass --chat-template FILE, or use text data")
         try:
+            if example.image_grids and self.images is None:
+                raise BadRow("image_without_processor", "the row has images: tokenize it with --processor")
             if self.train_on == "all":
-                return [self.turns.whole(example, with_fields=literal)]
-            targets = self.turns.targets(example)
-            if not targets:
-                return ["no_assistant_turn"]
-            return self.turns.find(example, targets)
+                rows = [self.turns.whole(example, with_fields=literal)]
+            else:
+                targets = self.turns.targets(example)
+                if not targets:
+                    return ["no_assistant_turn"]
+                rows = self.turns.find(example, targets)
+            if example.image_grids:
+                rows = [self.images.expand(row, example.image_grids) for row in rows]
+            return rows
         except BadRow as bad:
             return [bad]
         except Exception as error:  # the template raised (e.g. roles must alternate)
@@ -151,6 +160,12 @@ class ChatEncoder:
                 found = special.search(value) if isinstance(value, str) else None
                 if found:
                     return f"messages[{i}].{key}", found.group()
+            if isinstance(message.get("content"), list):  # an image row's parts
+                for k, part in enumerate(message["content"]):
+                    text = part.get("text") if part.get("type") == "text" else None
+                    found = special.search(text) if isinstance(text, str) else None
+                    if found:
+                        return f"messages[{i}].content[{k}].text", found.group()
         return None
 
     # -- tokens ----------------------------------------------------------------------------------------------
@@ -205,6 +220,8 @@ class ChatEncoder:
         for (_, rendered, _), enc, offset, length in zip(rows, encodings, starts[:-1], lengths, strict=True):
             for first, stop in self._token_spans(rendered, enc, int(length)):
                 loss_mask[offset + first:offset + stop] = 1
+        if self.images is not None:
+            loss_mask[self.images.vision_mask(input_ids)] = 0
         batch = self._apply_max_length(outcomes, origins, [c for c, _, _ in rows], input_ids, loss_mask, starts)
         return replace(batch, **counts, rows_verified=verified, unverified=tuple(unverified))
 
@@ -249,6 +266,9 @@ class ChatEncoder:
         for row, candidate in enumerate(candidates):
             if keep[row] < lengths[row] and self.truncation == "drop":
                 outcomes[candidate] = "too_long"
+            elif (keep[row] < lengths[row] and self.images is not None
+                  and self.images.cuts_a_run(input_ids[starts[row]:starts[row] + keep[row]])):
+                outcomes[candidate] = "image_truncated"  # an image's run is never cut: its pixels need all of it
             elif trained[row] == 0:
                 outcomes[candidate] = "truncated_away" if keep[row] < lengths[row] else "no_trained_tokens"
             else:

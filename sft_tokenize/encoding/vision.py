@@ -93,6 +93,7 @@ class VisionFamily(ABC):
     processor_classes: ClassVar[tuple[str, ...]] = ()  # the `processor_class` values it serves
     image_processor_classes: ClassVar[tuple[str, ...]] = ()  # and image processor classes, without backend suffix
     pil_class: ClassVar[str]  # the transformers class that makes pixels
+    probe_grid: ClassVar[tuple[int, ...]] = (1, 2, 2)  # any grid: its run shows the run's first and last ids
 
     @classmethod
     @abstractmethod

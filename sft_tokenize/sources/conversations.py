@@ -63,6 +63,9 @@ class Conversation:
     tools: list[Any] | None = None
     # Index of the first message of the completion (prompt-completion data); None for chat rows.
     completion_start: int | None = None
+    # Image rows: each image's grid, in the order the conversation shows them (its messages hold payload-less
+    # {"type": "image"} parts, which the template renders as the vision family's marker).
+    image_grids: tuple[tuple[int, ...], ...] = ()
 
 
 def resolve_columns(fmt: str, user_columns: Mapping[str, str], available: Iterable[str], where: str,

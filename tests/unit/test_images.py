@@ -14,6 +14,7 @@ import zlib
 import numpy as np
 import pytest
 from PIL import Image
+from support.images import encoded, sample_images
 from support.paths import EXAMPLE_TOKENIZER
 from transformers.image_utils import load_image
 from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
@@ -37,61 +38,9 @@ QWEN_CONFIGS = {
 GEMMA_CONFIG = {"processor_class": "Gemma3Processor", "image_processor_type": "Gemma3ImageProcessor",
                 "size": {"height": 896, "width": 896}, "image_seq_length": 256, "do_pan_and_scan": None,
                 "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "resample": 2}
-ORIENTATION = 0x0112
-
-
-def _pattern(width: int, height: int) -> np.ndarray:
-    """Pixels that differ along both axes, so a rotation or a mirror shows in the processor's pixels."""
-    y, x = np.mgrid[0:height, 0:width]
-    return np.stack([(x * 7) % 256, (y * 13) % 256, (x + 3 * y) % 256], axis=-1).astype(np.uint8)
-
-
-def _encoded(image: Image.Image, fmt: str, **options) -> bytes:
-    buffer = io.BytesIO()
-    image.save(buffer, fmt, **options)
-    return buffer.getvalue()
-
-
-def _exif(orientation: int) -> Image.Exif:
-    exif = Image.Exif()
-    exif[ORIENTATION] = orientation
-    return exif
-
-
-def _chunk_after_pixels(png: bytes, kind: bytes) -> bytes:
-    """The PNG with its `kind` chunk moved after the last IDAT, where PIL sees it only on load."""
-    chunks, offset = [], 8
-    while offset < len(png):
-        (length,) = struct.unpack(">I", png[offset:offset + 4])
-        chunks.append(png[offset:offset + 12 + length])
-        offset += 12 + length
-    moved = [c for c in chunks if c[4:8] == kind]
-    rest = [c for c in chunks if c[4:8] != kind]
-    last_idat = max(i for i, c in enumerate(rest) if c[4:8] == b"IDAT")
-    return png[:8] + b"".join(rest[:last_idat + 1] + moved + rest[last_idat + 1:])
-
-
 @pytest.fixture(scope="module")
 def images() -> dict[str, bytes]:
-    rgb = Image.fromarray(_pattern(64, 32))
-    palette = Image.fromarray(_pattern(50, 30)).convert("P", palette=Image.Palette.ADAPTIVE, colors=16)
-    palette.info["transparency"] = 0
-    rgba = Image.fromarray(np.dstack([_pattern(45, 70), np.full((70, 45), 128, np.uint8)]), "RGBA")
-    return {
-        "tiny": _encoded(Image.fromarray(_pattern(10, 10)), "PNG"),  # below every min_pixels
-        "photo": _encoded(Image.fromarray(_pattern(300, 200)), "JPEG", quality=90),
-        "wide": _encoded(Image.fromarray(_pattern(3000, 40)), "PNG"),  # aspect ratio 75
-        "tall": _encoded(Image.fromarray(_pattern(40, 3000)).convert("L"), "PNG"),
-        "exif6": _encoded(rgb, "JPEG", exif=_exif(6)),  # displayed 32 x 64
-        "png-exif8": _encoded(rgb, "PNG", exif=_exif(8)),
-        "webp-exif5": _encoded(rgb, "WEBP", exif=_exif(5)),
-        "png-exif8-after-pixels": _chunk_after_pixels(_encoded(rgb, "PNG", exif=_exif(8)), b"eXIf"),
-        "rgba": _encoded(rgba, "PNG"),
-        "gray": _encoded(Image.fromarray(_pattern(77, 33)[..., 0], "L"), "PNG"),
-        "cmyk": _encoded(Image.fromarray(_pattern(90, 60)).convert("CMYK"), "JPEG"),
-        "palette": _encoded(palette, "PNG"),
-        "huge": _encoded(Image.new("RGB", (4000, 3000), (20, 120, 220)), "JPEG"),  # above every max_pixels here
-    }
+    return sample_images()
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +135,7 @@ def test_qwen_reads_its_configuration_as_the_processor_does(qwen_tokenizer, qwen
 
 
 def test_an_aspect_ratio_over_200_is_refused_as_the_processor_refuses_it(qwen_tokenizer, qwen_processors):
-    data = _encoded(Image.new("RGB", (2010, 10)), "PNG")
+    data = encoded(Image.new("RGB", (2010, 10)), "PNG")
     with pytest.raises(ValueError, match="aspect ratio"):
         qwen_processors["qwen2-default"](images=[load_image(Image.open(io.BytesIO(data)))])
     family = load_family(QWEN_CONFIGS["qwen2-default"], qwen_tokenizer)
