@@ -44,7 +44,8 @@ class OneLineErrorParser(argparse.ArgumentParser):
             if parsed.recipe and parsed.sources:
                 self.error("run: give SOURCE arguments or --recipe, not both (a recipe lists its sources)")
             missing = [] if parsed.recipe else [label for label, value in (
-                ("SOURCE", parsed.sources), ("--tokenizer", parsed.tokenizer), ("--cache-dir", parsed.cache_dir))
+                ("SOURCE", parsed.sources), ("--tokenizer", parsed.tokenizer or parsed.processor),
+                ("--cache-dir", parsed.cache_dir))
                 if not value]
             if missing:
                 self.error(f"run: the following arguments are required: {', '.join(missing)}")

@@ -52,6 +52,8 @@ Job = make_dataclass(
         ("tokenization", str, field(default="")),
         # where the tokenizer is kept prepared (prepared.py); empty: loaded and checked each time
         ("prepared", str, field(default="")),
+        # the processor's configuration as JSON text (image rows, encoding/vision.py); empty: no processor
+        ("processor_config", str, field(default="")),
     ],
     bases=(_JobPaths,),
     frozen=True,
@@ -60,8 +62,20 @@ Job.__module__ = __name__  # pickled by reference, as a class written out would 
 Job.__doc__ = "What every slice's task needs besides its slice: small and picklable, the same for all slices."
 
 
-def features(extra_columns: tuple[str, ...] = (), layout: str = "skyrl"):
-    """The cache's row schema as `datasets` Features: the layout's columns (see layouts.py), extras on request."""
+def features(extra_columns: tuple[str, ...] = (), layout: str = "skyrl", images: bool = False):
+    """The cache's row schema as `datasets` Features: the layout's columns (see layouts.py), extras on request,
+    and with a processor each row's images (FORMAT.md, "Image rows")."""
     from datasets import Features, List, Value
 
-    return Features({name: List(Value(COLUMN_TYPES[name])) for name in layout_columns(layout, extra_columns)})
+    columns = {name: List(Value(COLUMN_TYPES[name])) for name in layout_columns(layout, extra_columns)}
+    if images:
+        columns["images"] = List({"bytes": Value("binary"), "path": Value("string"), "hash": Value("string"),
+                                  "size": Value("int64")})
+        columns["image_grid_thw"] = List(List(Value("int32")))
+        columns["image_sizes"] = List(List(Value("int32")))
+    return Features(columns)
+
+
+def job_features(job: Job):
+    """The row schema of the job's cache: what its shards hold and its dataset_info.json says."""
+    return features(job.extra_columns, job.layout, images=bool(job.processor_config))

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
 from sft_tokenize.read.layouts import Layout
@@ -33,6 +33,7 @@ ExtraColumn = Literal["labels", "attention_mask"]
 ReasoningTurns = Literal["as-rendered", "expand"]
 SpecialText = Literal["literal", "error", "keep"]
 Encoder = Literal["auto", "hf", "fastokens"]
+ImagesMode = Literal["embed", "reference"]
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
@@ -122,8 +123,22 @@ class TokenizeOptions(BaseModel):
 
     sources: Annotated[list[str], Option(INPUT, metavar="SOURCE", positional=True, fingerprint="resolved")] = Field(
         description="files, globs, directories, fsspec URLs, or hub:NAME for a Hugging Face hub dataset")
-    tokenizer: Annotated[str, Option(INPUT, metavar="PATH_OR_NAME", fingerprint="resolved")] = Field(
-        description="a local tokenizer directory or a Hugging Face hub model name")
+    tokenizer: Annotated[str | None, Option(INPUT, metavar="PATH_OR_NAME", fingerprint="resolved")] = Field(
+        None, description="a local tokenizer directory or a Hugging Face hub model name (default: the processor's)")
+    processor: Annotated[str | None, Option(INPUT, metavar="PATH_OR_NAME", fingerprint="resolved")] = Field(
+        None, description="a vision-language model's processor (a directory or hub name holding its "
+                          "preprocessor_config.json): rows with images are tokenized by its image rule; see "
+                          "docs/images.md")
+    images: Annotated[ImagesMode, Option(OUTPUT, fingerprint="value", only_with="processor", hashed_when_set=True,
+                                         job=True)] = Field(
+        "embed", description="how image rows keep their images: embed (the original encoded bytes) or reference "
+                             "(path or URL, content hash and size: for images already on shared storage)")
+    image_root: Annotated[str | None, Option(INPUT, metavar="DIR", fingerprint="value", only_with="processor",
+                                             hashed_when_set=True, job=True)] = Field(
+        None, description="where relative image paths resolve (default: the directory of the file naming them)")
+    max_image_bytes: Annotated[str, Option(INPUT, metavar="SIZE", fingerprint="value", only_with="processor",
+                                           hashed_when_set=True, job=parse_size)] = Field(
+        "50MB", description="largest image file read: a larger one is a bad row (image_too_large), never decoded")
     cache_dir: Annotated[str, Option(OUTPUT, metavar="DIR")] = Field(
         description="the cache root: published caches, their versions, staging and the shard store live under it")
     name: Annotated[str | None, Option(OUTPUT)] = Field(
@@ -206,7 +221,15 @@ class TokenizeOptions(BaseModel):
             )
         return name
 
-    @field_validator("shard_size", "writer_batch_bytes", "max_row_bytes")
+    @model_validator(mode="after")
+    def _a_tokenizer_or_a_processor(self) -> TokenizeOptions:
+        if self.tokenizer is None:
+            if self.processor is None:
+                raise ValueError("give a tokenizer (--tokenizer), or a processor (--processor) whose tokenizer it is")
+            self.tokenizer = self.processor
+        return self
+
+    @field_validator("shard_size", "writer_batch_bytes", "max_row_bytes", "max_image_bytes")
     @classmethod
     def _is_a_size(cls, size: str) -> str:
         if parse_size(size) <= 0:

@@ -8,6 +8,7 @@ any work is done.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -25,7 +26,8 @@ from sft_tokenize.chat.template_check import check_chat_template
 from sft_tokenize.encoding.chat_encoder import ChatEncoder
 from sft_tokenize.encoding.pool import POOL_MIN_BYTES
 from sft_tokenize.encoding.prepared import prepared_dir
-from sft_tokenize.encoding.tokenizer import read_chat_template, resolve_tokenizer
+from sft_tokenize.encoding.tokenizer import read_chat_template, read_processor_config, resolve_tokenizer
+from sft_tokenize.encoding.vision import load_family
 from sft_tokenize.errors import BadInput
 from sft_tokenize.files import write_problem
 from sft_tokenize.format import CACHE_FORMAT_VERSION
@@ -135,11 +137,16 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable
     tokenize (its slices have no key)."""
     root = cache_root(options)
     tokenizer_dir = resolve_tokenizer(options.tokenizer, options.tokenizer_revision)
+    processor_dir = resolve_tokenizer(options.processor, options.tokenizer_revision, "processor") \
+        if options.processor else None
+    processor_config = read_processor_config(processor_dir) if processor_dir else None
     template_override = read_chat_template(options.chat_template)
     ignored: list[str] = []
     files = resolve(options.sources, split=options.split, subset=options.subset, revision=options.revision,
                     storage_options=options.storage_options, cache_root=str(root), ignored=ignored)
     columns = _columns(files, options)
+    if processor_dir is None and "images" in columns.columns:  # read only by image rows
+        columns = replace(columns, columns={k: v for k, v in columns.columns.items() if k != "images"})
     inputs = {
         "cache_format_version": CACHE_FORMAT_VERSION,
         "sources": [[f.url, f.kind, *f.identity] for f in files],
@@ -148,6 +155,8 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable
         # The tokenizer's own chat template is one of its files; an override is hashed on its own.
         "tokenizer_files": (tokenizer_files := hash_directory(tokenizer_dir)),
         "chat_template_override": hash_text(template_override),
+        # Its configuration (the resize rule, the image tokens) decides every image row's tokens.
+        **({"processor_files": hash_directory(processor_dir)} if processor_dir else {}),
         **hashed_values(options),  # the options that change the rows by their value (options.py)
     }
     digest = fingerprint(inputs)
@@ -164,6 +173,7 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable
         columns=columns,
         **job_values(options),  # the options the slices read (options.py)
         prepared=str(prepared_dir(tokenizer_files, options.trust_remote_code)),
+        processor_config=json.dumps(processor_config, sort_keys=True) if processor_config else "",
     )
     mark("planned")
     if is_published(cache_path):
@@ -180,6 +190,8 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable
         fast.warm()  # an input this small is encoded by this process: fastokens builds while the checks run
     check_chat_template(options, tokenizer_dir, template_override, needed=columns.format != "text")
     _check_tokenizer(tokenizer, columns, options)
+    if processor_config is not None:
+        load_family(processor_config, tokenizer)  # a processor it cannot serve, or tokens it lacks: said here
     # Halving (rather than total / min_slices) keeps the target, and so every cut point, the same while the
     # input grows, until it doubles.
     target = max(1, parse_size(options.shard_size))

@@ -23,8 +23,9 @@ from typing import Any
 import numpy as np
 
 from sft_tokenize import __version__
-from sft_tokenize.build.job import Job, features
+from sft_tokenize.build.job import Job, job_features
 from sft_tokenize.build.shard import finished_shard
+from sft_tokenize.build.workers import encoder_for
 from sft_tokenize.errors import BadInput, CacheError
 from sft_tokenize.files import built_directory, locked
 from sft_tokenize.format import CACHE_FORMAT_VERSION
@@ -91,18 +92,30 @@ def build_manifest(job: Job, slices: list[Slice], shards: list[dict], files: lis
         "tokenizer": job.tokenizer_dir,  # where it was loaded from, for `inspect --row` (not fingerprinted)
         "tokenization_fingerprint": job.tokenization,
         "layout": job.layout,
-        "columns": list(features(job.extra_columns, job.layout)),
+        "columns": list(job_features(job)),
         "rows": sum(s["rows"] for s in shards),
         "tokens": sum(s["tokens"] for s in shards),
         "trained_tokens": sum(s["trained_tokens"] for s in shards),
         "dropped": dict(sorted(dropped.items())),
         "masks": {key: sum(s[key] for s in shards) for key in MASK_COUNTS},
         "lengths": length_summary(lengths),
+        **({"images": image_record(job, shards)} if job.processor_config else {}),
         "files": files,
         "shards": [{"slice": slice_.describe(), "key": slice_.key,
                     **{k: s[k] for k in ("rows", "tokens", "trained_tokens", "dropped", "seconds")}}
                    for slice_, s in zip(slices, shards, strict=True)],
     }
+
+
+def image_record(job: Job, shards: list[dict]) -> dict[str, Any]:
+    """What a reader of an image cache needs (the collator rebuilds the processor's pixels from it) and what it
+    holds: FORMAT.md, "Image rows"."""
+    vision = encoder_for(job).images.vision
+    config = vision.config_fingerprint()
+    return {"mode": job.images, "family": vision.name, "pil_class": vision.pil_class,
+            "settings": json.loads(vision.settings_json), "image_token_ids": config["image_token_ids"],  # run order
+            "config": config,
+            **{key: sum(s.get(key, 0) for s in shards) for key in ("images", "image_tokens", "image_bytes")}}
 
 
 def is_published(path: Path) -> bool:
@@ -158,7 +171,7 @@ def publish_cache(job: Job, slices: list[Slice], cache_path: Path, inputs: dict,
             (building / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True))
             from datasets import DatasetInfo
 
-            DatasetInfo(features=features(job.extra_columns, job.layout)).write_to_directory(str(building))
+            DatasetInfo(features=job_features(job)).write_to_directory(str(building))
             manifest = build_manifest(job, slices, shards, files, inputs, name)
             manifest["build"] = {"published_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="microseconds"),
                                  "slices_reused": reused, "slices_tokenized": len(slices) - reused}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import os
 import time
 from collections import Counter, deque
 from concurrent.futures import Future
@@ -22,11 +23,12 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from sft_tokenize.build.image_rows import ImageRows
 from sft_tokenize.build.job import Job, features
 from sft_tokenize.build.keys import Digests, forget, slice_key
 from sft_tokenize.build.stopping import Stopped, raise_if_stopping
 from sft_tokenize.build.timeline import mark
-from sft_tokenize.build.workers import slice_encoding
+from sft_tokenize.build.workers import encoder_for, slice_encoding
 from sft_tokenize.encoding.chat_encoder import EncodedBatch
 from sft_tokenize.encoding.exact import VERIFY_ROWS
 from sft_tokenize.errors import BadInput, BadRow, OutOfSpace
@@ -37,6 +39,9 @@ from sft_tokenize.sources.readers import change_while_read, read_slice
 from sft_tokenize.sources.resolve import Slice, filesystem
 
 logger = logging.getLogger("sft_tokenize")
+
+_IMAGE_FIELDS = ("bytes", "path", "hash", "size")  # a stored image (FORMAT.md); beside it its grid and size
+
 
 def _list_array(lengths: np.ndarray, values: np.ndarray) -> pa.ListArray:
     offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
@@ -53,27 +58,38 @@ class ShardWriter:
     """
 
     def __init__(self, stream, extra_columns: tuple[str, ...], batch_rows: int, batch_bytes: int,
-                 layout: str = "skyrl"):
+                 layout: str = "skyrl", images: bool = False):
         from datasets.arrow_writer import ArrowWriter
 
         self.columns = layout_columns(layout, extra_columns)
         self._token_bytes = sum(np.dtype(COLUMN_TYPES[name]).itemsize for name in self.columns)
         self.batch_rows, self.batch_bytes = batch_rows, batch_bytes
-        self._writer = ArrowWriter(stream=stream, features=features(extra_columns, layout),
-                                   writer_batch_size=batch_rows)
+        self.schema = features(extra_columns, layout, images)
+        self._writer = ArrowWriter(stream=stream, features=self.schema, writer_batch_size=batch_rows)
         self._chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (ids, mask, lengths)
+        self._images: list[list[dict]] | None = [] if images else None  # each buffered row's stored images
         self._rows = self._bytes = 0
         self.max_buffered_rows = 0
 
-    def add(self, batch: EncodedBatch) -> None:
+    def add(self, batch: EncodedBatch, images: list[list[dict]] | None = None) -> None:
+        """Buffer a batch's rows (with each row's stored images, in an image cache), flushing every `batch_rows`
+        rows or as soon as `batch_bytes` is reached, whatever the rows' sizes."""
         lengths = np.diff(batch.offsets)
+        sizes = lengths * self._token_bytes  # each row's bytes, tokens and images
+        if self._images is not None and images is not None:
+            sizes = sizes + np.fromiter((sum(len(image["bytes"] or b"") for image in row) for row in images),
+                                        dtype=np.int64, count=batch.rows)
         start = 0
         while start < batch.rows:
             stop = min(batch.rows, start + self.batch_rows - self._rows)
+            reached = np.cumsum(sizes[start:stop]) + self._bytes
+            stop = min(stop, start + int(np.searchsorted(reached, self.batch_bytes)) + 1)  # through the row reaching it
             a, b = batch.offsets[start], batch.offsets[stop]
             self._chunks.append((batch.input_ids[a:b], batch.loss_mask[a:b], lengths[start:stop]))
+            if self._images is not None:
+                self._images += images[start:stop] if images is not None else [[] for _ in range(stop - start)]
             self._rows += stop - start
-            self._bytes += int(b - a) * self._token_bytes
+            self._bytes = int(reached[stop - start - 1])
             self.max_buffered_rows = max(self.max_buffered_rows, self._rows)
             if self._rows >= self.batch_rows or self._bytes >= self.batch_bytes:
                 self.flush()
@@ -83,8 +99,16 @@ class ShardWriter:
         if not self._chunks:
             return
         ids, mask, lengths = (np.concatenate(parts) for parts in zip(*self._chunks, strict=True))
-        self._writer.write_table(pa.table({name: _list_array(lengths, column_values(name, ids, mask))
-                                           for name in self.columns}))
+        columns = {name: _list_array(lengths, column_values(name, ids, mask)) for name in self.columns}
+        if self._images is not None:
+            stored = self._images
+            columns["images"] = pa.array([[{k: v for k, v in image.items() if k in _IMAGE_FIELDS} for image in row]
+                                          for row in stored], type=self.schema.arrow_schema.field("images").type)
+            for name in ("image_grid_thw", "image_sizes"):
+                columns[name] = pa.array([[image[name] for image in row] for row in stored],
+                                         type=self.schema.arrow_schema.field(name).type)
+            self._images = []
+        self._writer.write_table(pa.table(columns))
         self._chunks, self._rows, self._bytes = [], 0, 0
 
     def close(self) -> None:
@@ -104,6 +128,9 @@ class ShardStats:
     rows_special_text: int = 0  # rows with a control token's text inside a message, encoded as plain text
     rows_all_trained: int = 0  # rows whose every token is trained: almost always a broken template
     max_buffered_rows: int = 0
+    images: int = 0  # images stored in the rows
+    image_tokens: int = 0  # vision tokens in the rows
+    image_bytes: int = 0  # encoded image bytes stored (embed) or referenced
     dropped: Counter = field(default_factory=Counter)
     lengths: Counter = field(default_factory=Counter)
 
@@ -126,6 +153,8 @@ class ShardStats:
                 "rows_exact": self.rows_exact, "rows_expanded": self.rows_expanded,
                 "rows_special_text": self.rows_special_text, "rows_all_trained": self.rows_all_trained,
                 "max_buffered_rows": self.max_buffered_rows,
+                **({"images": self.images, "image_tokens": self.image_tokens, "image_bytes": self.image_bytes}
+                   if self.images else {}),
                 "dropped": dict(sorted(self.dropped.items())),
                 "lengths": {"values": values, "counts": [self.lengths[v] for v in values]}}
 
@@ -135,7 +164,8 @@ def sidecar_path(shard: Path) -> Path:
 
 
 # Drop reasons that are not bad rows: the same under on_bad_row="raise" and "skip".
-NOT_BAD_ROWS = frozenset({"no_assistant_turn", "too_long", "truncated_away", "no_trained_tokens"})
+NOT_BAD_ROWS = frozenset({"no_assistant_turn", "too_long", "truncated_away", "no_trained_tokens",
+                          "image_truncated"})
 
 
 # Digests of the store's shards this process has read (or written), under each shard's stat: a shard checked
@@ -178,12 +208,27 @@ def finished_shard(job: Job, slice_: Slice) -> dict | None:
     return _checked_shard(job, slice_)[0]
 
 
+def _image_rows(job: Job) -> ImageRows | None:
+    """The job's image rows, with a processor; None without one."""
+    if not job.processor_config:
+        return None
+    return ImageRows(encoder_for(job).images, job.images, job.max_image_bytes, job.storage_options)
+
+
+def _directory(url: str) -> str:
+    """The directory of an input file (a local path or a URL): where its rows' relative image paths start."""
+    return url.rsplit("/", 1)[0] if "://" in url else os.path.dirname(url)
+
+
 def _stream_rows(job: Job, slice_: Slice, stream) -> ShardStats:
     """Read, tokenize and write the slice's rows batch by batch, in order; bad rows raise or are counted."""
     encoding, depth = slice_encoding(job)
     stats = ShardStats(trains_every_token=job.train_on == "all")
-    writer = ShardWriter(stream, job.extra_columns, job.writer_batch_rows, job.writer_batch_bytes, job.layout)
-    in_flight: deque[tuple[Future, list[int], Any]] = deque()  # (encoded batch, its rows' positions, locate)
+    image_rows = _image_rows(job)
+    writer = ShardWriter(stream, job.extra_columns, job.writer_batch_rows, job.writer_batch_bytes, job.layout,
+                         images=image_rows is not None)
+    # (encoded batch, its rows' positions, locate, its examples' stored images)
+    in_flight: deque[tuple[Future, list[int], Any, list]] = deque()
     verified = 0  # the slice's rows the fast encoder gave that HF checked: VERIFY_ROWS, then no more
 
     def reject(bad: BadRow, locate, i: int) -> None:
@@ -193,7 +238,7 @@ def _stream_rows(job: Job, slice_: Slice, stream) -> ShardStats:
 
     def write_oldest() -> None:
         nonlocal verified
-        encoded, positions, locate = in_flight.popleft()
+        encoded, positions, locate, stored = in_flight.popleft()
         batch = encoded.result()
         verified += batch.rows_verified
         for outcome, origin in zip(batch.outcomes, batch.origins, strict=True):
@@ -201,31 +246,50 @@ def _stream_rows(job: Job, slice_: Slice, stream) -> ShardStats:
                 reject(outcome, locate, positions[origin])
             elif isinstance(outcome, str):
                 stats.dropped[outcome] += 1
-        writer.add(batch)
+        images = image_rows.rows(batch, stored) if image_rows is not None else None
+        writer.add(batch, images)
         stats.add(batch)
+        if images is not None:
+            kept = [image for row in images for image in row]
+            stats.images += len(kept)
+            stats.image_tokens += image_rows.tokens(batch)
+            stats.image_bytes += sum(image["size"] for image in kept)
+
+    def submit(examples: list, positions: list[int], locate, stored: list) -> None:
+        in_flight.append((encoding.submit(examples, max(0, VERIFY_ROWS - verified)), positions, locate, stored))
+        while len(in_flight) > depth:
+            write_oldest()
 
     try:
-        for rows, locate in read_slice(slice_, job.columns.names, job.storage_options, job.max_row_bytes):
+        for rows, locate, part in read_slice(slice_, job.columns.names, job.storage_options, job.max_row_bytes):
             raise_if_stopping()
-            examples, positions = [], []
+            examples, positions, stored, loaded = [], [], [], 0
+            base = job.image_root or _directory(part.url)
             for i, row in enumerate(rows):
                 try:
                     if isinstance(row, BadRow):
                         raise row
-                    examples.append(to_example(row, job.columns, job.system_prompt))
+                    example = to_example(row, job.columns, job.system_prompt, images=image_rows is not None,
+                                         image_base=base)
+                    if image_rows is not None:
+                        example, images = image_rows.load(example)
+                        stored.append(images)
+                        loaded += sum(image["size"] for image in images)
+                    examples.append(example)
                     positions.append(i)
                 except BadRow as bad:
                     if job.on_bad_row == "raise":
                         while in_flight:  # the batches before it first: the error names the first bad row
                             write_oldest()
                     reject(bad, locate, i)
-            in_flight.append((encoding.submit(examples, max(0, VERIFY_ROWS - verified)), positions, locate))
-            while len(in_flight) > depth:
-                write_oldest()
+                if loaded >= job.writer_batch_bytes:  # images held in memory: a writer batch's worth at a time
+                    submit(examples, positions, locate, stored)
+                    examples, positions, stored, loaded = [], [], [], 0
+            submit(examples, positions, locate, stored)
         while in_flight:
             write_oldest()
     finally:
-        for encoded, _, _ in in_flight:
+        for encoded, *_ in in_flight:
             encoded.cancel()
     writer.close()
     stats.max_buffered_rows = writer.max_buffered_rows

@@ -24,6 +24,7 @@ from sft_tokenize.encoding.exact import FastEncoder, choose_encoder
 from sft_tokenize.encoding.pool import DEPTH, EncodePool
 from sft_tokenize.encoding.prepared import prepared_encoding
 from sft_tokenize.encoding.tokenizer import load_tokenizer
+from sft_tokenize.encoding.vision import load_family
 
 
 @lru_cache(maxsize=4)
@@ -73,13 +74,14 @@ def encoder_for(job: Job) -> ChatEncoder:
     """This process's ChatEncoder for the job, made once (compiling and probing a template takes a few hundred
     ms) and shared by its slices' threads: it holds no state between batches."""
     key = json.dumps([job.tokenizer_dir, job.chat_template, job.trust_remote_code, job.encoder, job.prepared,
-                      encoder_settings(job)], sort_keys=True, default=str)
+                      job.processor_config, encoder_settings(job)], sort_keys=True, default=str)
     with _making_encoder:
         if key not in _encoders:
             if len(_encoders) >= 4:  # as many as process_encoding keeps: a long-lived worker's jobs come and go
                 _encoders.pop(next(iter(_encoders)))
             tokenizer, fast = _process_encoding(job)
-            _encoders[key] = ChatEncoder(tokenizer, fast=fast, **encoder_settings(job))
+            vision = load_family(json.loads(job.processor_config), tokenizer) if job.processor_config else None
+            _encoders[key] = ChatEncoder(tokenizer, fast=fast, vision=vision, **encoder_settings(job))
         return _encoders[key]
 
 
@@ -90,7 +92,9 @@ _pools: list[tuple[Job, EncodePool]] = []  # the encode pools of this process's 
 def encoding_processes(job: Job, processes: int) -> Iterator[None]:
     """While in it, this process's slices of `job` have their batches encoded by `processes` processes (see
     encoding/pool.py); they are terminated if it ends with an error or an interrupt."""
-    entry = (job, EncodePool(encoder_for(job), encoder_settings(job), processes))
+    encoder = encoder_for(job)
+    vision = encoder.images.vision if encoder.images is not None else None  # made here: picklable, no tokenizer
+    entry = (job, EncodePool(encoder, {**encoder_settings(job), "vision": vision}, processes))
     _pools.append(entry)
     ended = False
     try:

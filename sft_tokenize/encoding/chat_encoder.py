@@ -104,7 +104,7 @@ class ChatEncoder:
         self.special = special_pattern(tokenizer)
         self._literal = None  # a copy of the tokenizer that encodes control-token text as plain text
         self.fast = fast  # ids (and token positions) from a faster exact encoder; HF checks its first rows
-        self.images = ImageRuns(vision, tokenizer) if vision is not None else None  # image rows' runs
+        self.images = ImageRuns(vision) if vision is not None else None  # image rows' runs
 
     @property
     def backend(self):

@@ -26,19 +26,14 @@ from sft_tokenize.errors import BadRow
 
 
 class ImageRuns:
-    """One vision family's run text for one tokenizer: what replaces a marker, and what is never trained."""
+    """One vision family's runs in a row's text: what replaces a marker, and what is never trained."""
 
-    def __init__(self, vision: VisionFamily, tokenizer) -> None:
+    def __init__(self, vision: VisionFamily) -> None:
         self.vision = vision
         self._marker = re.compile(re.escape(vision.image_marker))
-        self._token_text = {i: tokenizer.convert_ids_to_tokens(i) for i in vision.vision_token_ids}
         self._vision_ids = np.array(sorted(vision.vision_token_ids), dtype=np.int32)
         probe = vision.run(vision.probe_grid)
         self.run_bounds = (probe[0], probe[-1])
-
-    def _text(self, grid: Sequence[int]) -> str:
-        ids = self.vision.run(grid)
-        return self.vision.margins[0] + "".join(self._token_text[i] for i in ids) + self.vision.margins[1]
 
     def expand(self, rendered: Rendered, grids: Sequence[Sequence[int]]) -> Rendered:
         """The row with each image's marker replaced by its run (see the module docstring)."""
@@ -48,7 +43,7 @@ class ImageRuns:
                                         f"({self.vision.image_marker!r}) for the row's {len(grids)} images")
         pieces, moves, spans, position, shift = [], [], [], 0, 0
         for match, grid in zip(found, grids, strict=True):
-            run = self._text(grid)
+            run = self.vision.run_text(grid)
             pieces += [rendered.text[position:match.start()], run]
             start = match.start() + shift
             spans.append((start, start + len(run)))

@@ -8,6 +8,7 @@ tokenizer's directory to hash its files into the fingerprint, and a worker loads
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -15,29 +16,56 @@ from sft_tokenize.errors import BadInput, one_line
 
 # Files that make up a tokenizer; hashed into the fingerprint and fetched from the hub.
 TOKENIZER_FILE_PATTERNS = ("*.json", "*.jinja", "*.model", "*.txt", "*.tiktoken", "*.py")
+# A processor's own files beside them (the later one's keys win, as AutoProcessor reads them).
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
 
 
-def resolve_tokenizer(name_or_path: str, revision: str | None = None) -> Path:
-    """A local directory holding the tokenizer's files: the path itself, or a hub snapshot of them."""
+def resolve_tokenizer(name_or_path: str, revision: str | None = None, what: str = "tokenizer") -> Path:
+    """A local directory holding the tokenizer's (or processor's) files: the path itself, or a hub snapshot."""
     path = Path(os.path.abspath(Path(name_or_path).expanduser()))
+    flag = f"--{what}"
     if path.is_dir():
         return path
     if path.is_file():
-        raise BadInput(f"{path}: --tokenizer takes the tokenizer's directory (the one holding tokenizer.json and "
-                       f"tokenizer_config.json), not a file: try {path.parent}")
+        holding = "tokenizer.json and tokenizer_config.json" if what == "tokenizer" else "preprocessor_config.json"
+        raise BadInput(f"{path}: {flag} takes the {what}'s directory (the one holding {holding}), not a file: "
+                       f"try {path.parent}")
     looks_local = name_or_path.startswith(("/", ".", "~")) or name_or_path.count("/") > 1 or path.exists()
     if looks_local:
-        raise BadInput(f"tokenizer directory not found: {path}")
+        raise BadInput(f"{what} directory not found: {path}")
     from huggingface_hub import snapshot_download
 
     try:
         local = snapshot_download(name_or_path, revision=revision, allow_patterns=list(TOKENIZER_FILE_PATTERNS))
     except Exception as error:  # offline, unknown repo, gated: all end the same way for the user
         raise BadInput(
-            f"tokenizer {name_or_path!r} is not a local directory and could not be fetched from the "
+            f"{what} {name_or_path!r} is not a local directory and could not be fetched from the "
             f"Hugging Face hub ({type(error).__name__}: {one_line(error)})"
         ) from None
     return Path(local)
+
+
+def read_processor_config(directory: Path) -> dict:
+    """A processor's configuration as AutoProcessor reads it: processor_config.json (the processor's own keys,
+    its image processor's nested) under preprocessor_config.json (the image processor's)."""
+    config: dict = {}
+    found = False
+    for name in PROCESSOR_FILES:
+        path = directory / name
+        if not path.is_file():
+            continue
+        try:
+            value = json.loads(path.read_text())
+        except (OSError, ValueError) as error:
+            raise BadInput(f"{path}: not a readable JSON object ({one_line(error)})") from None
+        if not isinstance(value, dict):
+            raise BadInput(f"{path}: holds {type(value).__name__}, not a JSON object")
+        config.update(value)
+        found = True
+    if not found:
+        raise BadInput(f"{directory}: no {' or '.join(PROCESSOR_FILES)}: --processor takes a vision-language "
+                       "model's processor directory (AutoProcessor's files)")
+    return config
 
 
 def read_chat_template(template: str | None) -> str | None:

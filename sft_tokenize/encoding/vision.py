@@ -15,13 +15,11 @@ Chat code never branches on the model: it asks the run's `VisionFamily` for
 Each family mirrors its processor in transformers 5 (`processing_<model>.py`, `image_processing_pil_<model>.py`),
 read from the processor's configuration (`preprocessor_config.json`, merged with `processor_config.json`).
 Qwen2-VL, Qwen2.5-VL and Qwen3-VL share one class: they differ in patch size and pixel limits only.
-transformers is imported only inside `pixels`, so tokenizing never loads it.
+transformers is imported only when `pixels` runs, so tokenizing never loads it.
 """
 
 from __future__ import annotations
 
-import functools
-import io
 import json
 import math
 from abc import ABC, abstractmethod
@@ -29,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from sft_tokenize.errors import BadInput, BadRow, CacheError, one_line
+from sft_tokenize.errors import BadInput, BadRow
 from sft_tokenize.sources.images import ImageHeader
 
 # The EXIF and colour policy of transformers' load_image, which every family's pixels go through.
@@ -56,29 +54,18 @@ def _base_name(class_name: str | None) -> str:
     return name
 
 
+def _ids(tokenizer: Any, text: str) -> list[int]:
+    """The text's ids, from the tokenizer's backend (a prepared tokenizer, prepared.py, has only that)."""
+    return list(tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids)
+
+
 def _one_token(tokenizer: Any, token: str, family: str) -> int:
     """The id of a token that must encode as itself, alone: an added (special) token of the tokenizer."""
-    ids = tokenizer.encode(token, add_special_tokens=False)
+    ids = _ids(tokenizer, token)
     if len(ids) != 1:
         raise BadInput(f"the tokenizer has no {token!r} token (it encodes as {len(ids)} tokens): a {family} "
                        "processor needs it; use the model's own tokenizer (or --processor's)")
     return int(ids[0])
-
-
-@functools.lru_cache(maxsize=8)
-def _image_processor(class_name: str, settings_json: str) -> Any:
-    """The HF image processor (PIL backend), built once per process for each configuration."""
-    import transformers
-
-    return getattr(transformers, class_name).from_dict(json.loads(settings_json))
-
-
-def _decoded(data: bytes) -> Any:
-    """The image as transformers' load_image makes it from a file: EXIF orientation applied, converted to RGB."""
-    from PIL import Image
-    from transformers.image_utils import load_image
-
-    return load_image(Image.open(io.BytesIO(data)))
 
 
 class VisionFamily(ABC):
@@ -111,8 +98,9 @@ class VisionFamily(ABC):
     def config_fingerprint(self) -> dict[str, Any]: ...
 
     @abstractmethod
-    def _grids_of(self, output: Mapping[str, Any]) -> list[tuple[int, ...]]:
-        """The grids an image processor's output holds, one per image, in the form `grid` returns."""
+    def run_text(self, grid: Sequence[int]) -> str:
+        """The text that replaces the marker before tokenizing (margins, then the run's tokens), as the processor
+        writes it: it tokenizes to the margins' ids, wherever they merge with the text around, and `run`."""
 
     def expand(self, grid: Sequence[int]) -> list[int]:
         """The ids that replace the marker, margins tokenized on their own (exact when they are empty)."""
@@ -120,25 +108,13 @@ class VisionFamily(ABC):
 
     def pixels(self, images: Sequence[bytes], grids: Sequence[Sequence[int]],
                names: Sequence[str] | None = None) -> dict[str, Any]:
-        """The processor's inputs for these encoded images (numpy), made by its PIL image processor; each
-        image's grid must equal the stored one, or a CacheError names the image and both grids."""
-        def where(k: int) -> str:
-            return names[k] if names else f"image {k + 1}"
+        """The processor's inputs for these encoded images (numpy), made as a trainer's collator makes them
+        (`pixel_inputs`, on the read side); each image's grid must equal the stored one, or a CacheError names
+        the image and both grids."""
+        from sft_tokenize.read.image_collator import pixel_inputs
 
-        decoded = []
-        for k, data in enumerate(images):
-            try:
-                decoded.append(_decoded(data))
-            except Exception as error:  # a header that read well over pixels that do not (a truncated file)
-                raise CacheError(f"{where(k)}: the image cannot be decoded: {one_line(error, 200)}") from None
-        processor = _image_processor(self.pil_class, self.settings_json)
-        output = processor(images=decoded, return_tensors="np")
-        for k, (made, stored) in enumerate(zip(self._grids_of(output), grids, strict=True)):
-            if tuple(made) != tuple(int(v) for v in stored):
-                raise CacheError(f"{where(k)}: the processor makes grid {tuple(made)} but the cache holds "
-                                 f"{tuple(int(v) for v in stored)}: the cache was built with another processor "
-                                 "configuration; rebuild it with this one")
-        return dict(output)
+        record = {"family": self.name, "pil_class": self.pil_class, "settings": json.loads(self.settings_json)}
+        return pixel_inputs(record, images, grids, names)
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int,
@@ -181,6 +157,8 @@ class QwenVL(VisionFamily):
     min_pixels: int
     max_pixels: int
     image_token: str
+    vision_start: str
+    vision_end: str
     vision_start_id: int
     image_id: int
     vision_end_id: int
@@ -227,7 +205,8 @@ class QwenVL(VisionFamily):
         ids = [_one_token(tokenizer, token, "Qwen-VL") for token in (start, image_token, end)]
         name = cls.NAMES.get(settings.get("processor_class", ""), "qwen2_vl")
         return cls(name=name, settings_json=json.dumps(settings, sort_keys=True), **ints, min_pixels=min_pixels,
-                   max_pixels=max_pixels, image_token=image_token, vision_start_id=ids[0], image_id=ids[1],
+                   max_pixels=max_pixels, image_token=image_token, vision_start=start, vision_end=end,
+                   vision_start_id=ids[0], image_id=ids[1],
                    vision_end_id=ids[2], image_marker=start + image_token + end, vision_token_ids=frozenset(ids))
 
     def grid(self, header: ImageHeader, index: int | None = None) -> tuple[int, int, int]:
@@ -241,15 +220,15 @@ class QwenVL(VisionFamily):
     def run(self, grid: Sequence[int]) -> list[int]:
         return [self.vision_start_id] + [self.image_id] * self.tokens(grid) + [self.vision_end_id]
 
+    def run_text(self, grid: Sequence[int]) -> str:
+        return self.vision_start + self.image_token * self.tokens(grid) + self.vision_end
+
     def config_fingerprint(self) -> dict[str, Any]:
         return {"family": self.name, "class": self.pil_class, "patch_size": self.patch_size,
                 "merge_size": self.merge_size, "temporal_patch_size": self.temporal_patch_size,
                 "min_pixels": self.min_pixels, "max_pixels": self.max_pixels,
                 "image_token_ids": [self.vision_start_id, self.image_id, self.vision_end_id],
                 "resize": "smart_resize", "exif": EXIF_POLICY, "color": COLOR_POLICY}
-
-    def _grids_of(self, output: Mapping[str, Any]) -> list[tuple[int, ...]]:
-        return [tuple(int(v) for v in row) for row in output["image_grid_thw"]]
 
 
 @dataclass(frozen=True)
@@ -263,6 +242,9 @@ class Gemma3(VisionFamily):
     height: int
     width: int
     image_seq_length: int
+    boi: str
+    soft: str
+    eoi: str
     boi_id: int
     soft_id: int
     eoi_id: int
@@ -294,9 +276,10 @@ class Gemma3(VisionFamily):
         eoi = getattr(tokenizer, "eoi_token", None) or "<end_of_image>"
         soft = getattr(tokenizer, "image_token", None) or "<image_soft_token>"
         ids = [_one_token(tokenizer, token, "Gemma 3") for token in (boi, soft, eoi)]
-        margins = tuple(tuple(tokenizer.encode(text, add_special_tokens=False)) for text in cls.margins)
+        margins = tuple(tuple(_ids(tokenizer, text)) for text in cls.margins)
         return cls(name="gemma3", settings_json=json.dumps(settings, sort_keys=True), height=size["height"],
-                   width=size["width"], image_seq_length=seq, boi_id=ids[0], soft_id=ids[1], eoi_id=ids[2],
+                   width=size["width"], image_seq_length=seq, boi=boi, soft=soft, eoi=eoi, boi_id=ids[0],
+                   soft_id=ids[1], eoi_id=ids[2],
                    margin_ids=margins, image_marker=boi, vision_token_ids=frozenset(ids))
 
     def grid(self, header: ImageHeader, index: int | None = None) -> tuple[int, int, int]:
@@ -305,16 +288,14 @@ class Gemma3(VisionFamily):
     def run(self, grid: Sequence[int]) -> list[int]:
         return [self.boi_id] + [self.soft_id] * self.image_seq_length + [self.eoi_id]
 
+    def run_text(self, grid: Sequence[int]) -> str:
+        return self.margins[0] + self.boi + self.soft * self.image_seq_length + self.eoi + self.margins[1]
+
     def config_fingerprint(self) -> dict[str, Any]:
         return {"family": self.name, "class": self.pil_class, "size": [self.height, self.width],
                 "image_seq_length": self.image_seq_length, "image_token_ids": [self.boi_id, self.soft_id, self.eoi_id],
                 "margin_ids": [list(m) for m in self.margin_ids], "resize": "fixed", "pan_and_scan": False,
                 "exif": EXIF_POLICY, "color": COLOR_POLICY}
-
-    def _grids_of(self, output: Mapping[str, Any]) -> list[tuple[int, ...]]:
-        crops = [int(n) for n in output["num_crops"]]
-        return [(1 + n, *(int(v) for v in pixels.shape[-2:])) for n, pixels in zip(crops, output["pixel_values"],
-                                                                                   strict=True)]
 
 
 FAMILIES: tuple[type[VisionFamily], ...] = (QwenVL, Gemma3)

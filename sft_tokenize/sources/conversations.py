@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from sft_tokenize.errors import BadInput, BadRow
+from sft_tokenize.sources.images import IMAGE_PART_TYPES, ImageRef, normalize_images
 
 ROLES = ("system", "user", "assistant", "tool")
 # Names a message's reasoning comes under; chat templates read one or another.
@@ -34,6 +35,7 @@ DEFAULT_COLUMNS: dict[str, tuple[str, ...]] = {
     "prompt": ("prompt",),
     "completion": ("completion", "response"),
     "text": ("text",),
+    "images": ("images",),  # the images of `<image>` placeholders and payload-less image parts (image rows)
 }
 REQUIRED = {
     "chat": ("messages",),
@@ -41,8 +43,8 @@ REQUIRED = {
     "prompt-completion": ("prompt", "completion"),
     "text": ("text",),
 }
-OPTIONAL = {"chat": ("system", "tools"), "alpaca": ("input",), "prompt-completion": ("system", "tools"),
-            "text": ()}
+OPTIONAL = {"chat": ("system", "tools", "images"), "alpaca": ("input",),
+            "prompt-completion": ("system", "tools", "images"), "text": ()}
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,8 @@ class Conversation:
     # Image rows: each image's grid, in the order the conversation shows them (its messages hold payload-less
     # {"type": "image"} parts, which the template renders as the vision family's marker).
     image_grids: tuple[tuple[int, ...], ...] = ()
+    # Image rows as read, before their images are loaded: where each image's bytes are, in that order.
+    image_refs: tuple[ImageRef, ...] = ()
 
 
 def resolve_columns(fmt: str, user_columns: Mapping[str, str], available: Iterable[str], where: str,
@@ -108,21 +112,36 @@ def _type_name(value: Any) -> str:
     return "null" if value is None else type(value).__name__
 
 
-def _text(value: Any, where: str) -> str:
-    """Message text: a string, or OpenAI-style parts whose text parts are joined with newlines."""
+def _text(value: Any, where: str, images: bool = False) -> str | list[dict[str, Any]]:
+    """Message text: a string, or OpenAI-style parts whose text parts are joined with newlines. With `images`
+    (a run with a processor), parts that hold an image stay parts: text and image parts, in order."""
     if isinstance(value, str):
         return value
     if isinstance(value, list):
         texts = []
         for k, part in enumerate(value):
             kind = part.get("type") if isinstance(part, Mapping) else None
+            if images and kind in IMAGE_PART_TYPES:
+                return [_part(p, f"{where}[{j}]") for j, p in enumerate(value)]
             if kind != "text" or not isinstance(part.get("text"), str):
                 got = f"a part of type {kind!r}" if kind else _type_name(part)
+                hint = "; image rows are tokenized with --processor" if kind in IMAGE_PART_TYPES else ""
                 raise BadRow("bad_message", f"{where}[{k}] is {got}: only text parts "
-                                            "({'type': 'text', 'text': ...}) are tokenized")
+                                            f"({{'type': 'text', 'text': ...}}) are tokenized{hint}")
             texts.append(part["text"])
         return "\n".join(texts)
     raise BadRow("bad_message", f"{where} must be a string or a list of text parts, got {_type_name(value)}")
+
+
+def _part(part: Any, where: str) -> dict[str, Any]:
+    """A part of an image row's message: an image part as it is (images.normalize_images reads it), or text."""
+    kind = part.get("type") if isinstance(part, Mapping) else None
+    if kind in IMAGE_PART_TYPES:
+        return dict(part)
+    if kind != "text" or not isinstance(part.get("text"), str):
+        got = f"a part of type {kind!r}" if kind else _type_name(part)
+        raise BadRow("bad_message", f"{where} is {got}: only text and image parts are tokenized")
+    return {"type": "text", "text": part["text"]}
 
 
 def _tool_calls(raw: Any, where: str) -> list[dict[str, Any]]:
@@ -151,7 +170,7 @@ def _tool_calls(raw: Any, where: str) -> list[dict[str, Any]]:
     return calls
 
 
-def _message(raw: Any, index: int) -> dict[str, Any]:
+def _message(raw: Any, index: int, images: bool = False) -> dict[str, Any]:
     if type(raw) is dict and len(raw) == 2 and raw.get("role") in ROLES and type(raw.get("content")) is str:
         return dict(raw)  # {role, content}, as most messages are: already what the checks below would return
     if not isinstance(raw, Mapping):
@@ -175,7 +194,7 @@ def _message(raw: Any, index: int) -> dict[str, Any]:
     if message.get("tool_calls") is not None:
         message["tool_calls"] = _tool_calls(message["tool_calls"], f"messages[{index}].tool_calls")
     if "content" in message:
-        message["content"] = _text(message["content"], f"messages[{index}].content")
+        message["content"] = _text(message["content"], f"messages[{index}].content", images)
     elif message.get("tool_calls"):
         message["content"] = None  # a tool-call turn without text; the chat template's probe decides its form
     else:
@@ -199,13 +218,13 @@ def _from_json_text(raw: Any, column: str, reason: str, what: str) -> Any:
     return value
 
 
-def _messages(raw: Any, column: str) -> list[dict[str, Any]]:
+def _messages(raw: Any, column: str, images: bool = False) -> list[dict[str, Any]]:
     raw = _from_json_text(raw, column, "bad_messages", "a message list")
     if not isinstance(raw, list):
         raise BadRow("bad_messages", f"{column!r} must be a list of messages, got {_type_name(raw)}")
     if not raw:
         raise BadRow("bad_messages", f"{column!r} is an empty list")
-    return [_message(m, i) for i, m in enumerate(raw)]
+    return [_message(m, i, images) for i, m in enumerate(raw)]
 
 
 def _string(row: Mapping[str, Any], column: str, optional: bool = False) -> str:
@@ -217,18 +236,36 @@ def _string(row: Mapping[str, Any], column: str, optional: bool = False) -> str:
     return value
 
 
-def _turns(value: Any, role: str, column: str) -> list[dict[str, Any]]:
+def _turns(value: Any, role: str, column: str, images: bool = False) -> list[dict[str, Any]]:
     """A prompt or completion: a string (one message of `role`) or a list of messages."""
     if isinstance(value, str):
         return [{"role": role, "content": value}]
-    return _messages(value, column)
+    return _messages(value, column, images)
 
 
-def to_example(row: Mapping[str, Any], columns: ColumnMap, system_prompt: str | None = None) -> Conversation | str:
+def _with_images(conv: Conversation, row: Mapping[str, Any], columns: dict[str, str], base: str | None) -> Conversation:
+    """An image row: its image parts payload-less (the template renders each as its marker) and their
+    ImageRefs in order; a row without images is returned as it is."""
+    images = row.get(columns["images"]) if "images" in columns else None
+    if images is not None and not isinstance(images, list):
+        raise BadRow("image_count", f"{columns['images']!r} must be a list of images, got {_type_name(images)}")
+    messages, refs = normalize_images(conv.messages, images, base=base)
+    if not refs:
+        return conv
+    bare = [message if not isinstance(message.get("content"), list) else
+            {**message, "content": [{"type": "image"} if part.get("type") == "image" else part
+                                    for part in message["content"]]}
+            for message in messages]
+    return replace(conv, messages=bare, image_refs=tuple(refs))
+
+
+def to_example(row: Mapping[str, Any], columns: ColumnMap, system_prompt: str | None = None, *,
+               images: bool = False, image_base: str | None = None) -> Conversation | str:
     """One source row as a Conversation (or a str for text data); raises BadRow saying what is wrong.
 
     `system_prompt`, if given, is the system message of a conversation that has none of its own (neither a
-    system column's value nor a leading system message)."""
+    system column's value nor a leading system message). With `images` (a run with a processor), a row's image
+    parts (and `<image>` placeholders with an images column) are read, relative paths against `image_base`."""
     c = columns.columns
     if columns.format == "text":
         return _string(row, c["text"])
@@ -247,10 +284,12 @@ def to_example(row: Mapping[str, Any], columns: ColumnMap, system_prompt: str | 
     system = (_string(row, c["system"], optional=True) if "system" in c else "") or system_prompt
     head = [{"role": "system", "content": system}] if system else []
     if columns.format == "chat":
-        messages = _messages(row.get(c["messages"]), c["messages"])
+        messages = _messages(row.get(c["messages"]), c["messages"], images)
         if head and messages[0]["role"] == "system":
             head = []  # the conversation's own system message wins
-        return Conversation(head + messages, tools or None)
-    prompt = _turns(row.get(c["prompt"]), "user", c["prompt"])
-    completion = _turns(row.get(c["completion"]), "assistant", c["completion"])
-    return Conversation(head + prompt + completion, tools or None, completion_start=len(head) + len(prompt))
+        conv = Conversation(head + messages, tools or None)
+    else:
+        prompt = _turns(row.get(c["prompt"]), "user", c["prompt"], images)
+        completion = _turns(row.get(c["completion"]), "assistant", c["completion"], images)
+        conv = Conversation(head + prompt + completion, tools or None, completion_start=len(head) + len(prompt))
+    return _with_images(conv, row, c, image_base) if images else conv

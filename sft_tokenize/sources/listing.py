@@ -22,9 +22,34 @@ NOT_DATA = ("readme", "readme.*", "*.md", "*.markdown", "*.rst", "license", "lic
             "copying", "notice", "*.cff", "*.yaml", "*.yml", "dataset_infos.json", "dataset_info.json")
 
 
+# Images beside the rows that name them (an image dataset's usual layout): read through those rows, and
+# counted among the ignored files as one entry per directory rather than listed one by one.
+IMAGE_FILES = ("*.jpg", "*.jpeg", "*.png", "*.webp", "*.gif", "*.bmp", "*.tif", "*.tiff")
+
+
+def is_image(path: str) -> bool:
+    name = os.path.basename(path).lower()
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in IMAGE_FILES)
+
+
 def is_not_data(path: str) -> bool:
     name = os.path.basename(path).lower()
-    return any(fnmatch.fnmatchcase(name, pattern) for pattern in NOT_DATA)
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in NOT_DATA) or is_image(path)
+
+
+def _summarized(ignored: list[str]) -> list[str]:
+    """The ignored files, each image directory's images as one entry saying how many."""
+    images: dict[str, int] = {}
+    out = []
+    for path in ignored:
+        if is_image(path):
+            folder = path.rsplit("/", 1)[0] if "/" in path else "."
+            images[folder] = images.get(folder, 0) + 1
+        else:
+            out.append(path)
+    out += [f"{folder}/ ({count} image file{'s' * (count != 1)}: read through the rows that name them)"
+            for folder, count in images.items()]
+    return sorted(out)
 
 
 def is_under(path: str, root: str | None) -> bool:
@@ -85,5 +110,5 @@ def list_directory(fs: fsspec.AbstractFileSystem, path: str, local: bool,
             if info.get("type") != "file":
                 raise BadInput(f"{fs.unstrip_protocol(entry)}: not a regular file (type {info.get('type')!r})")
             entries.append(entry)
-    ignored = sorted(p for p in entries if is_not_data(p))
+    ignored = _summarized([p for p in entries if is_not_data(p)])
     return sorted(p for p in entries if not is_not_data(p)), ignored

@@ -445,11 +445,12 @@ def change_while_read(slice_: Slice, appended_ok: bool = True, always: bool = Fa
 
 
 def read_slice(slice_: Slice, columns: list[str], storage_options: dict | None = None,
-               max_row_bytes: int | None = None) -> Iterator[RowBatch]:
-    """The slice's rows in batches, with the run's columns that each file has (an optional one may be in some
-    files only); a JSON line over `max_row_bytes` comes as a BadRow `row_too_large`. Each local file's size and
-    mtime are checked against the plan's before and after its part is read (two stats): a file changed under
-    the slice fails it with one line instead of giving it a mix of old and new rows."""
+               max_row_bytes: int | None = None) -> Iterator[tuple[list[Any], Callable[[int], str], Part]]:
+    """The slice's rows in batches, each with the part it comes from, holding the run's columns that each file
+    has (an optional one may be in some files only); a JSON line over `max_row_bytes` comes as a BadRow
+    `row_too_large`. Each local file's size and mtime are checked against the plan's before and after its part
+    is read (two stats): a file changed under the slice fails it with one line instead of giving it a mix of old
+    and new rows."""
     for part in slice_.parts:
         if change := _change(part, appended_ok=True):
             raise BadInput(_changed(part.url, change))
@@ -457,6 +458,7 @@ def read_slice(slice_: Slice, columns: list[str], storage_options: dict | None =
         if not part_reader.schemaless:
             present = set(part_reader.columns(skip_bad_rows=True))
             columns = [name for name in columns if name in present]
-        yield from part_reader.read(part, columns)
+        for rows, locate in part_reader.read(part, columns):
+            yield rows, locate, part
         if change := _change(part, appended_ok=True):
             raise BadInput(_changed(part.url, change))

@@ -9,6 +9,7 @@ skipped, every line of the processor's own code runs.
 from __future__ import annotations
 
 import contextlib
+import json
 from pathlib import Path
 
 from support.families import build_modern_tokenizer
@@ -55,8 +56,13 @@ def _without_a_video_processor():
         ProcessorMixin.check_argument_for_proper_class = check
 
 
+def _save_config(out_dir: Path, config: dict) -> None:
+    (out_dir / "preprocessor_config.json").write_text(json.dumps(config, indent=2))
+
+
 def qwen_vl(out_dir: Path):
-    """(tokenizer, Qwen2_5_VLProcessor, processor config) for Qwen2.5-VL."""
+    """(tokenizer, Qwen2_5_VLProcessor, processor config) for Qwen2.5-VL; `out_dir` becomes a processor
+    directory (`--processor`): the tokenizer's files and preprocessor_config.json."""
     from transformers import AutoTokenizer, Qwen2_5_VLProcessor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -66,6 +72,7 @@ def qwen_vl(out_dir: Path):
     tokenizer.chat_template = QWEN_VL_TEMPLATE
     tokenizer.save_pretrained(str(out_dir))
     tokenizer = AutoTokenizer.from_pretrained(str(out_dir))
+    _save_config(out_dir, QWEN_CONFIG)
     with _without_a_video_processor():
         processor = Qwen2_5_VLProcessor(image_processor=Qwen2VLImageProcessorPil.from_dict(QWEN_CONFIG),
                                         tokenizer=tokenizer, video_processor=None, chat_template=QWEN_VL_TEMPLATE)
@@ -73,12 +80,15 @@ def qwen_vl(out_dir: Path):
 
 
 def gemma3(out_dir: Path):
-    """(tokenizer, Gemma3Processor, processor config) for Gemma 3, with its published chat template."""
+    """(tokenizer, Gemma3Processor, processor config) for Gemma 3, with its published chat template; `out_dir`
+    becomes a processor directory, as for qwen_vl."""
     from transformers import AutoTokenizer, Gemma3Processor
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
     tokenizer = AutoTokenizer.from_pretrained(str(build_modern_tokenizer("gemma3", out_dir)),
                                               extra_special_tokens=GEMMA_TOKENS)
+    tokenizer.save_pretrained(str(out_dir))
+    _save_config(out_dir, GEMMA_CONFIG)
     processor = Gemma3Processor(image_processor=Gemma3ImageProcessorPil.from_dict(GEMMA_CONFIG), tokenizer=tokenizer,
                                 image_seq_length=GEMMA_CONFIG["image_seq_length"],
                                 chat_template=tokenizer.chat_template)

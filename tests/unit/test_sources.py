@@ -22,7 +22,7 @@ from sft_tokenize.sources.slicing import cut_slices
 def rows_of(files, target=1 << 30, columns=("messages",)):
     out = []
     for slice_ in cut_slices(files, target):
-        for rows, _ in read_slice(slice_, list(columns)):
+        for rows, _, _ in read_slice(slice_, list(columns)):
             out += rows
     return out
 
@@ -61,9 +61,9 @@ def test_a_jsonl_slice_reads_only_its_byte_range(tmp_path, rows):
     files = resolve([str(path)])
     slices = cut_slices(files, files[0].size // 2)
     last = slices[-1]
-    got = [r for batch, _ in read_slice(last, ["messages"]) for r in batch]
+    got = [r for batch, _, _ in read_slice(last, ["messages"]) for r in batch]
     assert got and all(isinstance(r, dict) for r in got)
-    first = [r for batch, _ in read_slice(slices[0], ["messages"]) for r in batch]
+    first = [r for batch, _, _ in read_slice(slices[0], ["messages"]) for r in batch]
     assert any(isinstance(r, BadRow) for r in first)
 
 
@@ -188,7 +188,7 @@ def test_a_ragged_csv_row_is_a_bad_row_at_its_line_and_the_others_are_read(tmp_p
     [source] = resolve([str(tmp_path / "rows.csv")])
     found = []
     for slice_ in cut_slices([source], 1 << 30):
-        for batch, locate in read_slice(slice_, ["prompt", "completion"]):
+        for batch, locate, _ in read_slice(slice_, ["prompt", "completion"]):
             found += [(row, locate(i)) for i, row in enumerate(batch)]
     bad = [(row, where) for row, where in found if isinstance(row, BadRow)]
     assert [(row.reason, row.detail, where) for row, where in bad] == [

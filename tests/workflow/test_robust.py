@@ -573,7 +573,7 @@ def test_lines_over_the_limit_are_never_decoded_wherever_the_chunks_end(tmp_path
         (source,) = sources.resolve([str(path)])
         (slice_,) = slicing.cut_slices([source], source.size)
         rows, where = [], []
-        for batch, locate in source_formats.read_slice(slice_, ["text"], max_row_bytes=limit):
+        for batch, locate, _ in source_formats.read_slice(slice_, ["text"], max_row_bytes=limit):
             rows += batch
             where += [locate(i) for i in range(len(batch))]
         assert [row.reason if isinstance(row, BadRow) else row["text"] for row in rows] == \

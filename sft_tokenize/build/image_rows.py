@@ -1,0 +1,58 @@
+"""An image row's images, read while its slice is tokenized: loaded, their grids taken from their headers, and
+stored beside the row's tokens (FORMAT.md, "Image rows").
+
+The grid of each image comes from its header and the processor's resize rule (encoding/vision.py), so no pixel
+is decoded here; the encoder needs only the grids. The images are stored as their original encoded bytes
+(`--images embed`), or as their location, content hash and size (`--images reference`; an image that has no
+location, inline bytes or a data URI, is embedded). A row made of a prefix of its conversation
+(--reasoning-turns expand) stores the images its tokens show.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from sft_tokenize.encoding.chat_encoder import EncodedBatch
+from sft_tokenize.encoding.image_runs import ImageRuns
+from sft_tokenize.sources.conversations import Conversation
+from sft_tokenize.sources.images import load_images
+
+Stored = list[dict]  # one row's images as the writer stores them
+
+
+class ImageRows:
+    """A job's image rows: their images loaded (`load`), then matched to the rows the encoder kept (`rows`)."""
+
+    def __init__(self, runs: ImageRuns, mode: str, max_bytes: int, storage_options: dict | None) -> None:
+        self.runs, self.mode, self.max_bytes, self.storage_options = runs, mode, max_bytes, storage_options
+
+    def load(self, example: Conversation | str) -> tuple[Conversation | str, Stored]:
+        """The example with its images' grids (ready to encode), and its images as stored; a BadRow saying
+        "image N" for an image that is missing, corrupt, over the byte limit or of an unsupported kind."""
+        if isinstance(example, str) or not example.image_refs:
+            return example, []
+        loaded = load_images(example.image_refs, self.max_bytes, storage_options=self.storage_options)
+        grids = tuple(self.runs.vision.grid(image.header, k) for k, image in enumerate(loaded, start=1))
+        stored = []
+        for image, grid in zip(loaded, grids, strict=True):
+            url = image.ref.url if image.ref.url and not image.ref.url.startswith("data:") else None
+            stored.append({"bytes": None if self.mode == "reference" and url else image.data,
+                           "path": url or image.ref.name, "hash": image.digest, "size": len(image.data),
+                           "image_grid_thw": list(grid), "image_sizes": [image.header.height, image.header.width]})
+        return replace(example, image_grids=grids, image_refs=()), stored
+
+    def rows(self, batch: EncodedBatch, stored: list[Stored]) -> list[Stored]:
+        """Each kept row's images, in row order: its example's first ones, as many as its tokens show."""
+        first = self.runs.run_bounds[0]
+        out: list[Stored] = [[] for _ in range(batch.rows)]
+        for outcome, origin in zip(batch.outcomes, batch.origins, strict=True):
+            if isinstance(outcome, int) and stored[origin]:
+                ids = batch.input_ids[batch.offsets[outcome]:batch.offsets[outcome + 1]]
+                out[outcome] = stored[origin][:int(np.count_nonzero(ids == first))]
+        return out
+
+    def tokens(self, batch: EncodedBatch) -> int:
+        """The batch's vision tokens."""
+        return int(np.count_nonzero(self.runs.vision_mask(batch.input_ids)))

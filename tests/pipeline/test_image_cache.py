@@ -1,0 +1,237 @@
+"""Image rows through the pipeline (plan, slices, shards, publish), with a Qwen2.5-VL processor directory built
+offline (tests/support/vision.py): the four input shapes give the same rows; a mixed file gives one cache whose
+text rows equal a text-only run's; rows equal the processor's; images are stored embedded or as references; a cut
+inside an image is a counted drop; the writer's record batches are bounded by bytes whatever the images; each bad
+image is one line naming its file, line and image (exit 2), or a counted skip."""
+
+from __future__ import annotations
+
+import base64
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import xxhash
+from PIL import Image
+from support.cli import assert_rejected, cli
+from support.images import encoded, sample_images
+from support.vision import qwen_vl
+
+from sft_tokenize.build.options import TokenizeOptions
+from sft_tokenize.build.plan import run_locally
+from sft_tokenize.errors import BadInput
+from sft_tokenize.read.cache import TokenizedCache
+
+QUESTION, ANSWER = "What is in the picture?", "Stripes in three colours."
+
+
+@pytest.fixture(scope="module")
+def processor(tmp_path_factory):
+    """(processor directory, its tokenizer, the real processor)."""
+    directory = tmp_path_factory.mktemp("qwen-vl-processor")
+    tokenizer, real, _ = qwen_vl(directory)
+    return directory, tokenizer, real
+
+
+@pytest.fixture(scope="module")
+def pictures(tmp_path_factory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("pictures")
+    paths = {}
+    for name in ("photo", "rgba", "exif6", "cmyk", "wide"):
+        paths[name] = folder / f"{name}.img"
+        paths[name].write_bytes(sample_images()[name])
+    return paths
+
+
+def _options(sources, processor_dir: Path, root: Path, **extra) -> TokenizeOptions:
+    return TokenizeOptions(sources=[str(s) for s in sources], processor=str(processor_dir), cache_dir=str(root),
+                           **extra)
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def _chat(first: dict, second: dict | None = None) -> list[dict]:
+    """A user turn with one or two images, its reply, and a second exchange (the second image in the reply)."""
+    messages = [{"role": "user", "content": [first, {"type": "text", "text": QUESTION}]},
+                {"role": "assistant", "content": ANSWER}]
+    if second is not None:
+        messages += [{"role": "user", "content": "And this?"},
+                     {"role": "assistant", "content": [{"type": "text", "text": "This: "}, second]}]
+    return messages
+
+
+def _columns(cache: TokenizedCache) -> dict[str, list]:
+    table = cache.table
+    out = {name: table[name].to_pylist() for name in ("input_ids", "loss_mask", "image_grid_thw", "image_sizes")}
+    out["hashes"] = [[image["hash"] for image in row] for row in table["images"].to_pylist()]
+    return out
+
+
+def test_the_four_input_shapes_give_the_same_rows_and_the_processors_ids(tmp_path, processor, pictures):
+    directory, _, real = processor
+    photo, rgba = pictures["photo"], pictures["rgba"]
+    uri = "data:image/png;base64," + base64.b64encode(rgba.read_bytes()).decode()
+    shapes = {
+        "parts": [{"messages": _chat({"type": "image", "image": str(photo)}, {"type": "image", "image": str(rgba)})}],
+        "openai": [{"messages": _chat({"type": "image_url", "image_url": {"url": f"file://{photo}"}},
+                                      {"type": "image_url", "image_url": {"url": uri}})}],
+        "placeholders": [{"messages": [{"role": "user", "content": f"<image>{QUESTION}"},
+                                       {"role": "assistant", "content": ANSWER},
+                                       {"role": "user", "content": "And this?"},
+                                       {"role": "assistant", "content": "This: <image>"}],
+                          "images": [str(photo), str(rgba)]}],
+    }
+    caches = {}
+    for name, rows in shapes.items():
+        data = _write_jsonl(tmp_path / name / "rows.jsonl", rows)
+        caches[name] = TokenizedCache(run_locally(_options([data], directory, tmp_path / "cache")))
+    # datasets' Image() cells ({bytes, path}) in a Parquet file, with the images column of placeholders
+    cells = [{"bytes": photo.read_bytes(), "path": "photo.jpg"}, {"bytes": None, "path": str(rgba)}]
+    table = pa.table({"messages": [json.dumps(shapes["placeholders"][0]["messages"])], "images": [cells]})
+    (tmp_path / "parquet").mkdir()
+    pq.write_table(table, tmp_path / "parquet" / "rows.parquet")
+    caches["parquet"] = TokenizedCache(run_locally(_options([tmp_path / "parquet"], directory, tmp_path / "cache")))
+
+    expected = _columns(caches["parts"])
+    for name, cache in caches.items():
+        assert _columns(cache) == expected, name
+    assert len(expected["image_grid_thw"][0]) == 2
+    messages = _chat({"type": "image", "path": str(photo)}, {"type": "image", "path": str(rgba)})
+    want = real.apply_chat_template(messages, tokenize=True, return_dict=True)
+    assert expected["input_ids"][0] == list(want["input_ids"][0])
+    assert expected["image_grid_thw"][0] == want["image_grid_thw"].tolist()
+
+
+def test_a_mixed_file_is_one_cache_whose_text_rows_equal_a_text_only_runs(tmp_path, processor, pictures):
+    directory, _, _ = processor
+    text_rows = [{"messages": [{"role": "user", "content": f"Question {i}?"},
+                               {"role": "assistant", "content": f"Answer {i}."}]} for i in range(6)]
+    image_rows = [{"messages": _chat({"type": "image", "image": f"{name}.img"})}
+                  for name in ("photo", "exif6", "cmyk")]
+    mixed = [row for pair in zip(text_rows[:3], image_rows, strict=True) for row in pair] + text_rows[3:]
+    # Relative paths resolve against --image-root here (the file's own directory is the default).
+    data = _write_jsonl(tmp_path / "mixed" / "rows.jsonl", mixed)
+    cache = TokenizedCache(run_locally(_options([data], directory, tmp_path / "cache",
+                                                image_root=str(pictures["photo"].parent))))
+    text_only = TokenizedCache(run_locally(TokenizeOptions(
+        sources=[str(_write_jsonl(tmp_path / "text" / "rows.jsonl", text_rows))], tokenizer=str(directory),
+        cache_dir=str(tmp_path / "cache"))))
+    assert len(cache) == 9
+    images = cache.table["images"].to_pylist()
+    text_positions = [k for k, row in enumerate(images) if not row]
+    assert text_positions == [0, 2, 4, 6, 7, 8]
+    for column in ("input_ids", "loss_mask"):
+        values = cache.table[column].to_pylist()
+        assert [values[k] for k in text_positions] == text_only.table[column].to_pylist()
+    assert [row[0]["hash"] for row in images if row] == [
+        xxhash.xxh3_128(pictures[name].read_bytes()).hexdigest() for name in ("photo", "exif6", "cmyk")]
+    manifest = json.loads((cache.path / "manifest.json").read_text())
+    assert manifest["images"]["images"] == 3
+    assert manifest["images"]["image_bytes"] == sum(pictures[n].stat().st_size for n in ("photo", "exif6", "cmyk"))
+    assert manifest["images"]["image_tokens"] == sum(
+        (t * h * w) // 4 + 2 for row in cache.table["image_grid_thw"].to_pylist() for t, h, w in row)
+
+
+def test_reference_mode_stores_where_each_image_is_not_its_bytes(tmp_path, processor, pictures):
+    directory, _, _ = processor
+    row = {"messages": _chat({"type": "image", "image": str(pictures["wide"])})}
+    data = _write_jsonl(tmp_path / "rows.jsonl", [row])
+    embedded = TokenizedCache(run_locally(_options([data], directory, tmp_path / "cache")))
+    referenced = TokenizedCache(run_locally(_options([data], directory, tmp_path / "cache", images="reference")))
+    assert embedded.fingerprint != referenced.fingerprint
+    (stored,), (kept,) = referenced.table["images"].to_pylist()[0], embedded.table["images"].to_pylist()[0]
+    assert stored == {"bytes": None, "path": str(pictures["wide"]), "hash": kept["hash"],
+                      "size": pictures["wide"].stat().st_size}
+    assert kept["bytes"] == pictures["wide"].read_bytes()
+    assert referenced.table["input_ids"].to_pylist() == embedded.table["input_ids"].to_pylist()
+
+
+def test_a_cut_inside_an_image_is_a_counted_drop(tmp_path, processor, pictures):
+    directory, _, _ = processor
+    rows = [{"messages": _chat({"type": "image", "image": str(pictures["photo"])})},
+            {"messages": [{"role": "user", "content": "Short?"}, {"role": "assistant", "content": "Yes."}]}]
+    data = _write_jsonl(tmp_path / "rows.jsonl", rows)
+    cache = TokenizedCache(run_locally(_options([data], directory, tmp_path / "cache", max_length=60)))
+    manifest = json.loads((cache.path / "manifest.json").read_text())
+    assert manifest["dropped"] == {"image_truncated": 1}
+    assert len(cache) == 1 and cache.table["images"].to_pylist() == [[]]
+
+
+def test_record_batches_are_bounded_by_bytes_whatever_the_images(tmp_path, processor):
+    directory, _, _ = processor
+    folder = tmp_path / "big"
+    folder.mkdir()
+    sizes = []
+    for k in range(12):  # noise PNGs of about 40-120 KB: a record batch of 100 KB holds one to three
+        side = 120 + 40 * (k % 3)
+        noise = Image.fromarray(np.random.default_rng(k).integers(0, 256, (side, side, 3), dtype=np.uint8))
+        (folder / f"{k}.png").write_bytes(encoded(noise, "PNG"))
+        sizes.append((folder / f"{k}.png").stat().st_size)
+    rows = [{"messages": _chat({"type": "image", "image": f"{k}.png"})} for k in range(12)]
+    data = _write_jsonl(folder / "rows.jsonl", rows)
+    path = run_locally(_options([data], directory, tmp_path / "cache", writer_batch_bytes="100KB"))
+    (shard,) = sorted(path.glob("*.arrow"))
+    with pa.memory_map(str(shard)) as source:
+        batches = list(pa.ipc.open_stream(source))
+    assert sum(b.num_rows for b in batches) == 12 and len(batches) > 1
+    for batch in batches:
+        stored = sum(len(image["bytes"]) for row in batch.column("images").to_pylist() for image in row)
+        assert stored < 100_000 + max(sizes)  # flushed once past the limit: at most one row over it
+
+
+@pytest.mark.parametrize(("image", "reason", "detail"), [
+    ("missing.png", "image_missing", "image 1: "),
+    ("corrupt.png", "image_corrupt", "image 1: "),
+    ("gopher://example.com/a.png", "image_url_scheme", "image 1: "),
+    ("big.png", "image_too_large", "image 1: "),
+])
+def test_each_bad_image_names_its_file_line_and_image_or_is_a_counted_skip(tmp_path, processor, pictures, image,
+                                                                           reason, detail):
+    directory, _, _ = processor
+    (tmp_path / "corrupt.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"\x00" * 40)
+    big = Image.fromarray(np.random.default_rng(0).integers(0, 256, (200, 200, 3), dtype=np.uint8))  # 120 KB
+    (tmp_path / "big.png").write_bytes(encoded(big, "PNG"))
+    good = {"messages": _chat({"type": "image", "image": str(pictures["photo"])})}
+    data = _write_jsonl(tmp_path / "rows.jsonl", [good, {"messages": _chat({"type": "image", "image": image})}, good])
+    with pytest.raises(BadInput, match=rf"^{data}:2: {detail}") as raised:
+        run_locally(_options([data], directory, tmp_path / "cache", max_image_bytes="100KB"))
+    assert "\n" not in str(raised.value)
+    skipped = TokenizedCache(run_locally(_options([data], directory, tmp_path / "cache", max_image_bytes="100KB",
+                                                  on_bad_row="skip")))
+    assert len(skipped) == 2
+    assert json.loads((skipped.path / "manifest.json").read_text())["dropped"] == {reason: 1}
+
+
+def test_a_bad_image_exits_2_in_one_line_and_a_processor_it_cannot_serve_is_refused(tmp_path, processor):
+    directory, _, _ = processor
+    data = _write_jsonl(tmp_path / "rows.jsonl", [{"messages": _chat({"type": "image", "image": "nowhere.png"})}])
+    result = cli("run", str(data), "--processor", str(directory), "--cache-dir", str(tmp_path / "cache"),
+                 home=tmp_path / "home")
+    assert_rejected(result, f"{data}:1: image 1: ", "nowhere.png")
+    other = tmp_path / "llava"
+    shutil.copytree(directory, other)
+    (other / "preprocessor_config.json").write_text(json.dumps({"processor_class": "LlavaProcessor",
+                                                                "image_processor_type": "CLIPImageProcessor"}))
+    result = cli("run", str(data), "--processor", str(other), "--cache-dir", str(tmp_path / "cache"),
+                 home=tmp_path / "home")
+    assert_rejected(result, "processor 'LlavaProcessor' / 'CLIPImageProcessor' is not supported")
+    (other / "preprocessor_config.json").unlink()
+    result = cli("run", str(data), "--processor", str(other), "--cache-dir", str(tmp_path / "cache"),
+                 home=tmp_path / "home")
+    assert_rejected(result, f"{other}: no processor_config.json or preprocessor_config.json")
+
+
+def test_without_a_processor_an_image_row_says_to_give_one(tmp_path, processor, pictures):
+    directory, _, _ = processor
+    row = {"messages": _chat({"type": "image", "image": str(pictures["photo"])})}
+    data = _write_jsonl(tmp_path / "rows.jsonl", [row])
+    with pytest.raises(BadInput, match=r":1: messages\[0\]\.content\[0\] is a part of type 'image'.*--processor"):
+        run_locally(TokenizeOptions(sources=[str(data)], tokenizer=str(directory), cache_dir=str(tmp_path / "c")))
