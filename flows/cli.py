@@ -158,7 +158,8 @@ def show_rows(args: argparse.Namespace, manifest: dict) -> int:
         trained = int(row["loss_mask"].sum())
         print(f"── row {n}: {len(row['input_ids']):,} tokens, {trained:,} trained "
               f"({'green' if colour else '[[…]]'}) ──")
-        print(show_row(tokenizer, row["input_ids"], row["loss_mask"], colour))
+        print(show_row(tokenizer, row["input_ids"], row["loss_mask"], colour, row.get("image_sizes"),
+                       (manifest.get("images") or {}).get("image_token_ids")))
     return EXIT_OK
 
 

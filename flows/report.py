@@ -93,8 +93,38 @@ def fingerprint_inputs(manifest: dict[str, Any]) -> list[tuple[str, str]]:
     return rows
 
 
-def show_row(tokenizer, input_ids: np.ndarray, loss_mask: np.ndarray, colour: bool) -> str:
-    """A row's text with its trained tokens highlighted: black on green on a terminal, in [[…]] otherwise."""
+def show_row(tokenizer, input_ids: np.ndarray, loss_mask: np.ndarray, colour: bool,
+             image_sizes: list | None = None, image_token_ids: list[int] | None = None) -> str:
+    """A row's text with its trained tokens highlighted: black on green on a terminal, in [[…]] otherwise. With
+    `image_token_ids` (the manifest's `images` record: margin, run token, margin) each image's run of vision
+    tokens, margins included, is one item: `<image 1024×768 → 999 tokens>`, its size from `image_sizes`."""
+    pieces, start = [], 0
+    for n, (begin, end, run) in enumerate(_image_runs(input_ids, image_token_ids)):
+        pieces.append(_show_text(tokenizer, input_ids[start:begin], loss_mask[start:begin], colour))
+        height, width = image_sizes[n] if image_sizes is not None and n < len(image_sizes) else ("?", "?")
+        pieces.append(f"<image {width}×{height} → {run:,} tokens>")
+        start = end
+    pieces.append(_show_text(tokenizer, input_ids[start:], loss_mask[start:], colour))
+    return "".join(pieces)
+
+
+def _image_runs(input_ids: np.ndarray, image_token_ids: list[int] | None) -> list[tuple[int, int, int]]:
+    """(begin, end, run length) of each maximal run of the run token, widened over a margin token on each side."""
+    if not image_token_ids:
+        return []
+    first, token, last = image_token_ids
+    is_run = np.concatenate([[False], input_ids == token, [False]])
+    edges = np.flatnonzero(np.diff(is_run.astype(np.int8)))
+    spans = []
+    for begin, end in zip(edges[::2].tolist(), edges[1::2].tolist(), strict=True):
+        run = end - begin
+        begin -= int(begin > 0 and input_ids[begin - 1] == first)
+        end += int(end < len(input_ids) and input_ids[end] == last)
+        spans.append((begin, end, run))
+    return spans
+
+
+def _show_text(tokenizer, input_ids: np.ndarray, loss_mask: np.ndarray, colour: bool) -> str:
     cuts = np.flatnonzero(np.diff(loss_mask)) + 1
     pieces = []
     for ids, mask in zip(np.split(input_ids, cuts), np.split(loss_mask, cuts), strict=True):

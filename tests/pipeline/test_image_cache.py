@@ -235,3 +235,20 @@ def test_without_a_processor_an_image_row_says_to_give_one(tmp_path, processor, 
     data = _write_jsonl(tmp_path / "rows.jsonl", [row])
     with pytest.raises(BadInput, match=r":1: messages\[0\]\.content\[0\] is a part of type 'image'.*--processor"):
         run_locally(TokenizeOptions(sources=[str(data)], tokenizer=str(directory), cache_dir=str(tmp_path / "c")))
+
+
+def test_inspect_shows_each_images_run_as_one_item(tmp_path, processor, pictures):
+    directory, _, _ = processor
+    photo, wide = ({"type": "image", "image": str(pictures[name])} for name in ("photo", "wide"))
+    messages = _chat(photo, wide)
+    data = _write_jsonl(tmp_path / "rows.jsonl", [{"messages": messages}])
+    path = run_locally(_options([data], directory, tmp_path / "cache"))
+    row = TokenizedCache(path)[0]
+    (height, width), (wide_h, wide_w) = row["image_sizes"].tolist()
+    runs = [t * h * w // 4 for t, h, w in row["image_grid_thw"].tolist()]
+    shown = cli("inspect", str(path), "--row", "0", home=tmp_path / "home")
+    assert shown.returncode == 0, shown.stderr
+    assert f"user\n<image {width}×{height} → {runs[0]:,} tokens>{QUESTION}" in shown.stdout
+    # the image in the reply is not trained, the text around it is
+    assert f"[[This: ]]<image {wide_w}×{wide_h} → {runs[1]:,} tokens>[[<|im_end|>]]" in shown.stdout
+    assert "<|image_pad|>" not in shown.stdout and "<|vision_start|>" not in shown.stdout
