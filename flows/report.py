@@ -36,6 +36,7 @@ def summary(manifest: dict[str, Any], cache_path: str | Path) -> list[tuple[str,
         ("dropped rows", describe_drops(manifest["dropped"])),
         *mask_rows(manifest),
         ("lengths", describe_lengths(manifest["lengths"])),
+        *image_rows(manifest),
         ("data files", f"{len(manifest['files'])} ({_count(sum(f['bytes'] for f in manifest['files']))} bytes)"),
     ]
     timings = manifest.get("timings") or {}
@@ -50,6 +51,16 @@ def summary(manifest: dict[str, Any], cache_path: str | Path) -> list[tuple[str,
         rows.append(("slices", f"{len(manifest['shards'])}: {build['slices_tokenized']} tokenized, "
                                f"{build['slices_reused']} reused from the shard store"))
     return rows
+
+
+def image_rows(manifest: dict[str, Any]) -> list[tuple[str, str]]:
+    """An image cache's images: how many, their vision tokens, their bytes and how they are kept."""
+    images = manifest.get("images")
+    if not images:
+        return []
+    kept = "embedded" if images["mode"] == "embed" else "referenced"
+    return [("images", f"{_count(images['images'])} ({images['family']}), {_count(images['image_tokens'])} "
+                       f"vision tokens, {_count(images['image_bytes'])} bytes {kept}")]
 
 
 def mask_rows(manifest: dict[str, Any]) -> list[tuple[str, str]]:

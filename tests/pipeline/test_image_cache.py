@@ -251,4 +251,9 @@ def test_inspect_shows_each_images_run_as_one_item(tmp_path, processor, pictures
     assert f"user\n<image {width}×{height} → {runs[0]:,} tokens>{QUESTION}" in shown.stdout
     # the image in the reply is not trained, the text around it is
     assert f"[[This: ]]<image {wide_w}×{wide_h} → {runs[1]:,} tokens>[[<|im_end|>]]" in shown.stdout
+    manifest = json.loads((path / "manifest.json").read_text())["images"]
+    summary = cli("inspect", str(path), home=tmp_path / "home").stdout
+    assert manifest["image_tokens"] == sum(runs) + 4  # with the margins, <|vision_start|> and <|vision_end|>
+    stored = pictures["photo"].stat().st_size + pictures["wide"].stat().st_size
+    assert f"\nimages{' ' * 18}2 (qwen2_5_vl), {sum(runs) + 4:,} vision tokens, {stored:,} bytes embedded\n" in summary
     assert "<|image_pad|>" not in shown.stdout and "<|vision_start|>" not in shown.stdout
