@@ -6,6 +6,10 @@ is decoded here; the encoder needs only the grids. The images are stored as thei
 (`--images embed`), or as their location, content hash and size (`--images reference`; an image that has no
 location, inline bytes or a data URI, is embedded). A row made of a prefix of its conversation
 (--reasoning-turns expand) stores the images its tokens show.
+
+The image files a slice reads are found only while it is read, so they cannot be hashed into its key up front
+as its input file is: the shard's sidecar lists them with their identities instead, and a shard (or a
+published cache) one of whose image files changed since is stale.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ class ImageRows:
 
     def __init__(self, runs: ImageRuns, mode: str, max_bytes: int, storage_options: dict | None) -> None:
         self.runs, self.mode, self.max_bytes, self.storage_options = runs, mode, max_bytes, storage_options
+        self.files: dict[str, tuple] = {}  # each image file read, by URL: its identity when it was read
 
     def load(self, example: Conversation | str) -> tuple[Conversation | str, Stored]:
         """The example with its images' grids (ready to encode), and its images as stored; a BadRow saying
@@ -37,6 +42,8 @@ class ImageRows:
         grids = tuple(self.runs.vision.grid(image.header, k) for k, image in enumerate(loaded, start=1))
         stored = []
         for image, grid in zip(loaded, grids, strict=True):
+            if image.identity:
+                self.files[image.ref.url] = image.identity
             url = image.ref.url if image.ref.url and not image.ref.url.startswith("data:") else None
             stored.append({"bytes": None if self.mode == "reference" and url else image.data,
                            "path": url or image.ref.name, "hash": image.digest, "size": len(image.data),
@@ -52,6 +59,11 @@ class ImageRows:
                 ids = batch.input_ids[batch.offsets[outcome]:batch.offsets[outcome + 1]]
                 out[outcome] = stored[origin][:int(np.count_nonzero(ids == first))]
         return out
+
+    def file_list(self) -> list[list]:
+        """The image files read, `[url, *identity]` sorted by URL: the shard's sidecar keeps them, so that a
+        file changed since makes the shard stale (FORMAT.md, "Image rows")."""
+        return [[url, *self.files[url]] for url in sorted(self.files)]
 
     def tokens(self, batch: EncodedBatch) -> int:
         """The batch's vision tokens."""

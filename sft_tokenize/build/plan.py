@@ -9,6 +9,7 @@ any work is done.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -18,7 +19,7 @@ from sft_tokenize.build.fingerprint import fingerprint, hash_directory, hash_tex
 from sft_tokenize.build.job import Job
 from sft_tokenize.build.keys import Digests, slice_key
 from sft_tokenize.build.options import TokenizeOptions, hashed_values, job_values, parse_size
-from sft_tokenize.build.publish import is_published
+from sft_tokenize.build.publish import changed_image, is_published
 from sft_tokenize.build.store import store_dir
 from sft_tokenize.build.timeline import mark
 from sft_tokenize.build.workers import process_encoding
@@ -35,6 +36,8 @@ from sft_tokenize.sources.conversations import REQUIRED, ColumnMap, resolve_colu
 from sft_tokenize.sources.readers import reader
 from sft_tokenize.sources.resolve import Slice, SourceFile, resolve
 from sft_tokenize.sources.slicing import cut_slices
+
+logger = logging.getLogger("sft_tokenize")
 
 
 @dataclass(frozen=True)
@@ -176,8 +179,10 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable
         processor_config=json.dumps(processor_config, sort_keys=True) if processor_config else "",
     )
     mark("planned")
-    if is_published(cache_path):
+    if is_published(cache_path, options.storage_options):
         return Plan(job, [], name, cache_path, inputs, cached=True)  # read-only roots serve their caches
+    if (changed := changed_image(cache_path, options.storage_options)) is not None:
+        logger.warning("%s: the image changed since %s was built; building it again", changed, cache_path)
     check_writable(root)
     if on_work is not None:
         on_work()

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from sft_tokenize import __version__
+from sft_tokenize.build.fingerprint import fingerprint
 from sft_tokenize.build.job import Job, job_features
 from sft_tokenize.build.shard import finished_shard
 from sft_tokenize.build.workers import encoder_for
@@ -30,6 +31,7 @@ from sft_tokenize.errors import BadInput, CacheError
 from sft_tokenize.files import built_directory, locked
 from sft_tokenize.format import CACHE_FORMAT_VERSION
 from sft_tokenize.format.manifest import read_manifest
+from sft_tokenize.sources.images import changed_file
 from sft_tokenize.sources.resolve import Slice
 
 PERCENTILES = (50, 90, 99)
@@ -114,16 +116,37 @@ def image_record(job: Job, shards: list[dict]) -> dict[str, Any]:
     config = vision.config_fingerprint()
     return {"mode": job.images, "family": vision.name, "pil_class": vision.pil_class,
             "settings": json.loads(vision.settings_json), "image_token_ids": config["image_token_ids"],  # run order
-            "config": config,
+            "config": config, "image_files": len(image_files(shards)),
             **{key: sum(s.get(key, 0) for s in shards) for key in ("images", "image_tokens", "image_bytes")}}
 
 
-def is_published(path: Path) -> bool:
+IMAGE_FILES = "image_files.json"  # an image cache's image files, each [url, *identity] (FORMAT.md)
+
+
+def is_published(path: Path, storage_options: dict | None = None) -> bool:
+    """A valid cache is at `path` and none of the image files its rows were made from changed since (a
+    stale one is built again and replaced)."""
     try:
         read_manifest(path)
-        return True
     except CacheError:
         return False
+    return changed_image(path, storage_options) is None
+
+
+def changed_image(path: Path, storage_options: dict | None = None) -> str | None:
+    """The first image file of the cache at `path` that changed since it was built, or None."""
+    try:
+        files = json.loads((path / IMAGE_FILES).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as error:
+        return f"{path / IMAGE_FILES} (unreadable: {error})"
+    return changed_file(files, storage_options)
+
+
+def image_files(shards: list[dict]) -> list[list]:
+    """The image files of all these shards, one entry per URL, sorted."""
+    return sorted({entry[0]: entry for meta in shards for entry in meta.get("image_files", ())}.values())
 
 
 def publish_cache(job: Job, slices: list[Slice], cache_path: Path, inputs: dict, name: str,
@@ -143,7 +166,7 @@ def publish_cache(job: Job, slices: list[Slice], cache_path: Path, inputs: dict,
         for leftover in [*staging.parent.glob(f"{staging.name}.publish-*"),
                          *staging.parent.glob(f"{staging.name}.corrupt-*")]:
             shutil.rmtree(leftover, ignore_errors=True)
-        if is_published(cache_path):  # another run with the same fingerprint got there first
+        if is_published(cache_path, job.storage_options):  # another run with the same fingerprint got there first
             return cache_path
         if not any(s["rows"] for s in shards):
             dropped = total_drops(shards)
@@ -165,7 +188,13 @@ def publish_cache(job: Job, slices: list[Slice], cache_path: Path, inputs: dict,
                     shutil.copyfile(source, target)
                 files.append({"name": target.name, "bytes": meta["bytes"], "rows": meta["rows"],
                               "tokens": meta["tokens"]})
-            state = {"_data_files": [{"filename": f["name"]} for f in files], "_fingerprint": job.fingerprint,
+            read_from = image_files(shards)
+            if read_from:
+                (building / IMAGE_FILES).write_text(json.dumps(read_from))
+            # datasets' fingerprint of the cache: the image files' versions are a part of what it is made of
+            content = fingerprint({"cache": job.fingerprint, "image_files": read_from}) if read_from \
+                else job.fingerprint
+            state = {"_data_files": [{"filename": f["name"]} for f in files], "_fingerprint": content,
                      "_format_columns": None, "_format_kwargs": {}, "_format_type": None,
                      "_output_all_columns": False, "_split": None}
             (building / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True))

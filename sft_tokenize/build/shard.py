@@ -35,6 +35,7 @@ from sft_tokenize.errors import BadInput, BadRow, OutOfSpace
 from sft_tokenize.files import atomic_path, atomic_write
 from sft_tokenize.read.layouts import COLUMN_TYPES, column_values, layout_columns
 from sft_tokenize.sources.conversations import to_example
+from sft_tokenize.sources.images import changed_file
 from sft_tokenize.sources.readers import change_while_read, read_slice
 from sft_tokenize.sources.resolve import Slice, filesystem
 
@@ -131,6 +132,7 @@ class ShardStats:
     images: int = 0  # images stored in the rows
     image_tokens: int = 0  # vision tokens in the rows
     image_bytes: int = 0  # encoded image bytes stored (embed) or referenced
+    image_files: list[list] = field(default_factory=list)  # [url, *identity] of each image file read
     dropped: Counter = field(default_factory=Counter)
     lengths: Counter = field(default_factory=Counter)
 
@@ -155,6 +157,7 @@ class ShardStats:
                 "max_buffered_rows": self.max_buffered_rows,
                 **({"images": self.images, "image_tokens": self.image_tokens, "image_bytes": self.image_bytes}
                    if self.images else {}),
+                **({"image_files": self.image_files} if self.image_files else {}),
                 "dropped": dict(sorted(self.dropped.items())),
                 "lengths": {"values": values, "counts": [self.lengths[v] for v in values]}}
 
@@ -191,6 +194,8 @@ def _checked_shard(job: Job, slice_: Slice) -> tuple[dict | None, str | None]:
         return None, None  # written before shards were digested: not trusted, quietly tokenized again
     if job.on_bad_row == "raise" and set(meta.get("dropped", {})) - NOT_BAD_ROWS:
         return None, None  # written by a run that skipped bad rows: this run must stop at them instead
+    if meta.get("image_files") and (changed := changed_file(meta["image_files"], job.storage_options)):
+        return None, f"{changed}: the image changed since slice {slice_.index}'s shard was written"
     if meta["bytes"] != size:
         return None, f"{shard}: {size:,} bytes, its sidecar says {meta['bytes']:,}: the stored shard is corrupt"
     try:
@@ -293,6 +298,8 @@ def _stream_rows(job: Job, slice_: Slice, stream) -> ShardStats:
             encoded.cancel()
     writer.close()
     stats.max_buffered_rows = writer.max_buffered_rows
+    if image_rows is not None:
+        stats.image_files = image_rows.file_list()
     return stats
 
 

@@ -35,6 +35,7 @@ from typing import Any
 import xxhash
 
 from sft_tokenize.errors import BadRow
+from sft_tokenize.sources.resolve import file_identity, filesystem
 
 PLACEHOLDER = "<image>"
 IMAGE_PART_TYPES = ("image", "image_url", "input_image")
@@ -74,11 +75,12 @@ class ImageRef:
         return f"{self.name} ({len(self.data):,} inline bytes)" if self.name else f"{len(self.data):,} inline bytes"
 
     def load(self, max_bytes: int | None = None, *, index: int | None = None,
-             storage_options: dict | None = None) -> bytes:
-        """The image's encoded bytes, refusing more than `max_bytes`; errors are BadRows saying "image <index>"."""
+             storage_options: dict | None = None) -> tuple[bytes, tuple]:
+        """The image's encoded bytes and its file's identity (resolve.file_identity; () for inline bytes),
+        refusing more than `max_bytes`; errors are BadRows saying "image <index>"."""
         if self.data is not None:
             _check_size(len(self.data), max_bytes, index, self.describe())
-            return self.data
+            return self.data, ()
         return _read_url(self.url, max_bytes, index, storage_options)
 
 
@@ -107,18 +109,20 @@ def check_scheme(url: str, index: int | None = None) -> None:
                                                           f"installed ({error})")) from None
 
 
-def _read_url(url: str, max_bytes: int | None, index: int | None, storage_options: dict | None) -> bytes:
-    import fsspec
-
+def _read_url(url: str, max_bytes: int | None, index: int | None,
+              storage_options: dict | None) -> tuple[bytes, tuple]:
     check_scheme(url, index)
     try:
-        fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        fs, path = filesystem(url, storage_options)
         try:
-            size = fs.size(path)
-        except (NotImplementedError, OSError, ValueError):  # some servers give no length: the read below limits
-            size = None
-        if size is not None:
-            _check_size(size, max_bytes, index, url)
+            info = fs.info(path)
+        except (NotImplementedError, OSError, ValueError):  # some servers answer no HEAD: the read below limits
+            info = {}
+        if info.get("type") == "directory":
+            raise IsADirectoryError(path)
+        identity = file_identity(fs, path, info)
+        if info.get("size") is not None:
+            _check_size(info["size"], max_bytes, index, url)
         with fs.open(path, "rb") as f:
             data = f.read() if max_bytes is None else f.read(max_bytes + 1)
     except BadRow:
@@ -131,7 +135,21 @@ def _read_url(url: str, max_bytes: int | None, index: int | None, storage_option
         detail = " ".join(str(error).split())[:200] or type(error).__name__
         raise BadRow("image_unreadable", _numbered(index, f"{url} could not be read: {detail}")) from None
     _check_size(len(data), max_bytes, index, url)
-    return data
+    return data, identity
+
+
+def changed_file(files: Sequence[Sequence], storage_options: dict | None = None) -> str | None:
+    """The first of these image files (`[url, *identity]`, as `ImageRef.load` gave them) whose identity is not
+    the same now, or that is gone; None if none changed. A stat each here, a HEAD request each remotely."""
+    for url, *identity in files:
+        fs, path = filesystem(url, storage_options)
+        try:
+            now = file_identity(fs, path, fs.info(path))
+        except (OSError, ValueError):
+            return url
+        if list(now) != list(identity):
+            return url
+    return None
 
 
 def _decode_data_uri(uri: str, index: int) -> bytes:
@@ -376,6 +394,7 @@ class LoadedImage:
     data: bytes = field(repr=False)
     digest: str  # content_hash(data)
     header: ImageHeader
+    identity: tuple = ()  # its file's (resolve.file_identity) when it was read from one
 
 
 def load_images(refs: Sequence[ImageRef], max_bytes: int | None = None, *,
@@ -383,6 +402,7 @@ def load_images(refs: Sequence[ImageRef], max_bytes: int | None = None, *,
     """Each image's bytes, content hash and header; the first bad one raises a BadRow saying "image N"."""
     loaded = []
     for index, ref in enumerate(refs, start=1):
-        data = ref.load(max_bytes, index=index, storage_options=storage_options)
-        loaded.append(LoadedImage(ref=ref, data=data, digest=content_hash(data), header=read_header(data, index)))
+        data, identity = ref.load(max_bytes, index=index, storage_options=storage_options)
+        loaded.append(LoadedImage(ref=ref, data=data, digest=content_hash(data), header=read_header(data, index),
+                                  identity=identity))
     return loaded

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -257,3 +258,36 @@ def test_inspect_shows_each_images_run_as_one_item(tmp_path, processor, pictures
     stored = pictures["photo"].stat().st_size + pictures["wide"].stat().st_size
     assert f"\nimages{' ' * 18}2 (qwen2_5_vl), {sum(runs) + 4:,} vision tokens, {stored:,} bytes embedded\n" in summary
     assert "<|image_pad|>" not in shown.stdout and "<|vision_start|>" not in shown.stdout
+
+
+@pytest.mark.parametrize("mode", ["embed", "reference"])
+def test_an_image_file_that_changes_makes_its_slice_and_the_cache_stale(tmp_path, processor, pictures, mode):
+    """The image files are read only while a slice is tokenized: the shard's sidecar and the cache list them,
+    so a changed one rebuilds the slices that read it (the others are reused) and republishes the cache."""
+    directory, _, _ = processor
+    folder = tmp_path / "data"
+    folder.mkdir()
+    for name in ("photo", "wide"):
+        shutil.copy(pictures[name], folder / f"{name}.img")
+        _write_jsonl(folder / f"{name}.jsonl", [{"messages": _chat({"type": "image", "image": f"{name}.img"})}])
+    inputs = [folder / "photo.jsonl", folder / "wide.jsonl"]
+    options = _options(inputs, directory, tmp_path / "cache", images=mode, shard_size="256")  # a slice a file
+    path = run_locally(options)
+    first = json.loads((path / "manifest.json").read_text())
+    assert first["images"]["image_files"] == 2
+    assert run_locally(options) == path  # unchanged: a hit, not rebuilt
+    assert json.loads((path / "manifest.json").read_text())["build"] == first["build"]
+
+    changed = folder / "photo.img"
+    changed.write_bytes(pictures["cmyk"].read_bytes())
+    os.utime(changed, ns=(1_000_000_000, 1_000_000_000))  # whatever the clock's resolution
+    assert run_locally(options) == path  # the same inputs as listed: the same name, republished
+    again = TokenizedCache(path)
+    assert again.manifest["build"]["slices_reused"] == 1 and again.manifest["build"]["slices_tokenized"] == 1
+    hashes = sorted(row[0]["hash"] for row in again.table["images"].to_pylist())
+    assert hashes == sorted(xxhash.xxh3_128(p.read_bytes()).hexdigest() for p in (changed, folder / "wide.img"))
+    state = json.loads((path / "state.json").read_text())
+    clean = TokenizedCache(run_locally(_options(inputs, directory, tmp_path / "clean", images=mode, shard_size="256")))
+    assert _columns(again) == _columns(clean)
+    assert state["_fingerprint"] == json.loads((clean.path / "state.json").read_text())["_fingerprint"]
+    assert state["_fingerprint"] != first["fingerprint"]
