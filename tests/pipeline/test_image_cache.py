@@ -19,11 +19,14 @@ import pytest
 import xxhash
 from PIL import Image
 from support.cli import assert_rejected, cli
-from support.images import encoded, sample_images
+from support.images import encoded, sample_images, write_image_chats
 from support.vision import qwen_vl
 
+from sft_tokenize.build import workers
 from sft_tokenize.build.options import TokenizeOptions
-from sft_tokenize.build.plan import run_locally
+from sft_tokenize.build.plan import plan_slices, run_locally
+from sft_tokenize.build.shard import sidecar_path, tokenize_slice
+from sft_tokenize.encoding.pool import EncodePool
 from sft_tokenize.errors import BadInput
 from sft_tokenize.read.cache import TokenizedCache
 
@@ -291,3 +294,27 @@ def test_an_image_file_that_changes_makes_its_slice_and_the_cache_stale(tmp_path
     assert _columns(again) == _columns(clean)
     assert state["_fingerprint"] == json.loads((clean.path / "state.json").read_text())["_fingerprint"]
     assert state["_fingerprint"] != first["fingerprint"]
+
+
+def test_the_encode_pool_writes_the_image_shards_the_slices_thread_writes(tmp_path, processor):
+    """Image rows go through the same pool as text (their grids travel with the examples; the processes
+    rebuild the family from the job), and its shards are the thread's byte for byte."""
+    directory, _, _ = processor
+    inputs = write_image_chats(tmp_path / "data")
+    plan = plan_slices(_options(inputs, directory, tmp_path / "cache", shard_size="2KB"))
+    assert len(plan.slices) >= 3
+
+    def shards() -> dict[str, bytes]:
+        out = {}
+        for slice_ in plan.slices:
+            tokenize_slice(plan.job, slice_)
+            path = plan.job.shard_path(slice_)
+            out[slice_.key] = path.read_bytes()
+            path.unlink()
+            sidecar_path(path).unlink()
+        return out
+
+    inline = shards()
+    with workers.encoding_processes(plan.job, 2):
+        assert isinstance(workers.slice_encoding(plan.job)[0], EncodePool)
+        assert shards() == inline

@@ -64,3 +64,32 @@ def sample_images() -> dict[str, bytes]:
         "palette": encoded(palette, "PNG"),
         "huge": encoded(Image.new("RGB", (4000, 3000), (20, 120, 220)), "JPEG"),  # above every max_pixels here
     }
+
+
+def write_image_chats(folder, files: int = 2, rows: int = 24) -> list:
+    """`files` JSONL files of `rows` chats each under `folder`, every third one text-only, the others with one
+    or two of the sample images (saved beside them, named by relative paths); returns the files' paths."""
+    import json
+    from pathlib import Path
+
+    folder = Path(folder)
+    (folder / "img").mkdir(parents=True, exist_ok=True)
+    names = ["photo", "rgba", "exif6", "cmyk", "gray", "tiny", "wide", "palette"]
+    for name, data in sample_images().items():
+        if name in names:
+            (folder / "img" / f"{name}.bin").write_bytes(data)
+    paths = []
+    for f in range(files):
+        lines = []
+        for r in range(rows):
+            n = f * rows + r
+            parts = [{"type": "image", "image": f"img/{names[(n + k) % len(names)]}.bin"} for k in range(1 + n % 2)]
+            user = f"Row {n}: what do you see?"
+            content = user if n % 3 == 0 else [*parts, {"type": "text", "text": user}]
+            messages = [{"role": "user", "content": content}, {"role": "assistant", "content": f"Answer {n}."}]
+            if n % 4 == 1:
+                messages += [{"role": "user", "content": "More?"}, {"role": "assistant", "content": "No more."}]
+            lines.append(json.dumps({"messages": messages}))
+        paths.append(folder / f"chats-{f}.jsonl")
+        paths[-1].write_text("\n".join(lines) + "\n")
+    return paths

@@ -29,6 +29,8 @@ from support.faults import FAULT_FILE_ENV
 from support.paths import BIN, EXAMPLE_DATA, EXAMPLE_TOKENIZER
 
 from sft_tokenize.build.keys import DIGEST_BOOK
+from sft_tokenize.build.options import TokenizeOptions
+from sft_tokenize.build.plan import run_locally
 from sft_tokenize.build.store import collect_garbage
 from sft_tokenize.build.workers import process_encoding
 from sft_tokenize.flows.arguments import build_parser, options_from
@@ -203,6 +205,32 @@ def test_a_dask_worker_that_dies_mid_shard_is_replaced_and_its_slice_rescheduled
     # The nanny replaced the dead worker process: one pid changed, and the cluster is whole again.
     new_pids = dask_workers(address, 2)
     assert len(set(new_pids.values()) - set(pids.values())) == 1
+
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_image_rows_on_dask_workers_and_worker_processes_write_the_local_runs_bytes(dask_cluster, tmp_path):
+    """Image rows take the same slices and runners as text: the processor is rebuilt in each worker from the
+    job, the images are read where the slice runs."""
+    from support.images import write_image_chats
+    from support.vision import qwen_vl
+
+    processor = tmp_path / "processor"
+    processor.mkdir()
+    qwen_vl(processor)
+    inputs = [str(p) for p in write_image_chats(tmp_path / "data")]
+    options = {"sources": inputs, "processor": str(processor), "shard_size": "2KB"}
+    local = run_locally(TokenizeOptions(**options, cache_dir=str(tmp_path / "local")))
+    want = {p.name: p.read_bytes() for p in sorted(local.glob("data-*.arrow"))}
+    assert len(want) >= 3 and json.loads((local / "manifest.json").read_text())["images"]["images"] > 20
+    address, _ = dask_cluster
+    dask_workers(address, 2)
+    for runner, extra in (("dask", {"dask_address": address}), ("processes", {})):
+        run = TokenizeRun(**options, cache_dir=str(tmp_path / runner), workers=2, runner=runner, **extra)
+        state, task_runs = run_flow(run.model_dump(mode="json"))
+        assert state.is_completed(), (runner, state.message)
+        assert len([name for name in task_runs if name.startswith("tokenize-")]) == len(want)
+        got = {p.name: p.read_bytes() for p in sorted(Path(state.result()).glob("data-*.arrow"))}
+        assert got == want, runner
 
 
 def own_mount_namespace_works() -> str | None:
