@@ -28,6 +28,7 @@ SkyRL's stored rows into tensors.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -46,7 +47,7 @@ sys.path.append(str(ROOT))  # sft_tokenize without an install; after PYTHONPATH 
 
 from image_inputs import ImageCorpusSpec, build_corpus, load_processor, processor_dir  # noqa: E402
 from measure import measure  # noqa: E402
-from run import ENV, machine, prefect_env  # noqa: E402
+from run import ENV, machine, mib, prefect_env  # noqa: E402
 
 DEFAULT_ROWS = 300
 WRITE_ROWS = 8  # rows per ArrowWriter table: SkyRL's memory stays bounded by a batch
@@ -231,7 +232,8 @@ def run_skyrl(files: list[Path], processor: Path, out: Path, max_length: int, wo
     measured = measure(command, env={**env, "HF_DATASETS_CACHE": str(work / "hf-cache")}, cwd=ROOT,
                        log=work / "logs" / "skyrl.log")
     return {**json.loads(measured.stdout.strip().splitlines()[-1]), "seconds": measured.seconds,
-            "peak_anon_mib": measured.peak_anon_mib, "cache_bytes": directory_bytes(out)}
+            "peak_anon_mib": measured.peak_anon_mib, "cache_bytes": directory_bytes(out),
+            "peak_processes": mib(measured.peak_processes)}
 
 
 def project_command(files: list[Path], processor: Path, cache_dir: Path, workers: int, max_length: int,
@@ -253,7 +255,7 @@ def run_project(files: list[Path], processor: Path, cache_dir: Path, args, work:
             "images": manifest["images"]["images"], "seconds": measured.seconds,
             "peak_anon_mib": measured.peak_anon_mib, "cache_bytes": directory_bytes(cache),
             "image_bytes": manifest["images"]["image_bytes"], "slices": len(manifest["shards"]),
-            "timings": manifest.get("timings"), "cache": str(cache)}
+            "timings": manifest.get("timings"), "cache": str(cache), "peak_processes": mib(measured.peak_processes)}
 
 
 def warm_up(files: list[Path], processor: Path, work: Path, env: dict) -> None:
@@ -263,15 +265,7 @@ def warm_up(files: list[Path], processor: Path, work: Path, env: dict) -> None:
     Path(env["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
     few = work / "warm-up" / "rows.jsonl"
     few.parent.mkdir(parents=True, exist_ok=True)
-    base = files[0].parent
-    with files[0].open() as lines:
-        rows = [json.loads(next(lines)) for _ in range(4)]
-    for row in rows:  # the warm-up file is elsewhere: its image paths absolute
-        for message in row["messages"]:
-            if isinstance(message["content"], list):
-                for part in message["content"]:
-                    if part.get("type") == "image":
-                        part["image"] = str(base / part["image"])
+    rows = itertools.islice(read_rows(files[:1]), 4)  # elsewhere than the corpus: its image paths absolute
     few.write_text("".join(json.dumps(row) + "\n" for row in rows))
     measure(project_command([few], processor, work / "warm-up" / "cache", 1, 1 << 20, []), env=env, cwd=ROOT,
             log=work / "logs" / "warm-up.log")

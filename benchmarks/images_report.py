@@ -69,6 +69,11 @@ def markdown(report: dict) -> str:
               f"| cache, SkyRL / project ({sizes[0]}x) | {skyrl['cache_bytes'] / small['cache_bytes']:.0f}x |",
               f"| project peak anon RAM, {sizes[-1]}x / {sizes[0]}x | "
               f"{large['peak_anon_mib'] / small['peak_anon_mib']:.2f} |"]
+    if all(run.get("peak_processes") for run in report["runs"].values()):  # recorded since the first run
+        lines += ["", "Peak anonymous RAM by process, at each run's peak:", ""]
+        for name, run in report["runs"].items():
+            lines.append(f"- {name}: " + ", ".join(f"{mib:,.0f} MiB `{command[:60]}`"
+                                                   for command, mib in run["peak_processes"]))
     c = report["collate"]
     lines += ["", f"Collate cost, {c['batch_rows']} random rows a batch, median (mean) of {c['batches_timed']} "
                   f"batches after one untimed; rows read from the {sizes[0]}x caches, the page cache warm "
