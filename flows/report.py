@@ -60,7 +60,9 @@ def image_rows(manifest: dict[str, Any]) -> list[tuple[str, str]]:
         return []
     kept = "embedded" if images["mode"] == "embed" else "referenced"
     return [("images", f"{_count(images['images'])} ({images['family']}), {_count(images['image_tokens'])} "
-                       f"vision tokens, {_count(images['image_bytes'])} bytes {kept}")]
+                       f"vision tokens, {_count(images['image_bytes'])} bytes {kept}"
+                       + (f", {_count(images['pixel_bytes'])} bytes of pixel_values" if "pixel_bytes" in images
+                          else ""))]
 
 
 def mask_rows(manifest: dict[str, Any]) -> list[tuple[str, str]]:

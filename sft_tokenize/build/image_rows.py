@@ -7,6 +7,11 @@ is decoded here; the encoder needs only the grids. The images are stored as thei
 location, inline bytes or a data URI, is embedded). A row made of a prefix of its conversation
 (--reasoning-turns expand) stores the images its tokens show.
 
+With `--extra-column pixel_values` (Qwen-VL) the images are also decoded, here, and made into the processor's
+float32 `pixel_values`, one patch a row, as SkyRL's reader wants them in the cache. They are made while the
+slice is read, so that an image whose pixels do not decode is a bad row naming its line; the slice counts them
+among the bytes it holds, so a batch in flight holds a writer batch's worth of pixels, not a slice's.
+
 The image files a slice reads are found only while it is read, so they cannot be hashed into its key up front
 as its input file is: the shard's sidecar lists them with their identities instead, and a shard (or a
 published cache) one of whose image files changed since is stale.
@@ -20,17 +25,25 @@ import numpy as np
 
 from sft_tokenize.encoding.chat_encoder import EncodedBatch
 from sft_tokenize.encoding.image_runs import ImageRuns
+from sft_tokenize.errors import BadRow, one_line
 from sft_tokenize.sources.conversations import Conversation
 from sft_tokenize.sources.images import load_images
 
 Stored = list[dict]  # one row's images as the writer stores them
 
 
+def held_bytes(row: Stored) -> int:
+    """What one row's stored images hold in memory until written: their encoded bytes (embed) and pixels."""
+    return sum(len(image["bytes"] or b"") + (image["pixels"].nbytes if "pixels" in image else 0) for image in row)
+
+
 class ImageRows:
     """A job's image rows: their images loaded (`load`), then matched to the rows the encoder kept (`rows`)."""
 
-    def __init__(self, runs: ImageRuns, mode: str, max_bytes: int, storage_options: dict | None) -> None:
+    def __init__(self, runs: ImageRuns, mode: str, max_bytes: int, storage_options: dict | None,
+                 pixels: bool = False) -> None:
         self.runs, self.mode, self.max_bytes, self.storage_options = runs, mode, max_bytes, storage_options
+        self.pixels = pixels  # each stored image also holds its pixel_values rows, under "pixels"
         self.files: dict[str, tuple] = {}  # each image file read, by URL: its identity when it was read
 
     def load(self, example: Conversation | str) -> tuple[Conversation | str, Stored]:
@@ -48,7 +61,25 @@ class ImageRows:
             stored.append({"bytes": None if self.mode == "reference" and url else image.data,
                            "path": url or image.ref.name, "hash": image.digest, "size": len(image.data),
                            "image_grid_thw": list(grid), "image_sizes": [image.header.height, image.header.width]})
+        if self.pixels:
+            self._add_pixels([image.data for image in loaded], grids, stored)
         return replace(example, image_grids=grids, image_refs=()), stored
+
+    def _add_pixels(self, data: list[bytes], grids: tuple[tuple[int, ...], ...], stored: Stored) -> None:
+        from sft_tokenize.read.image_collator import decoded_image
+
+        pictures = []
+        for k, encoded in enumerate(data, start=1):
+            try:
+                pictures.append(decoded_image(encoded))
+            except Exception as error:  # a header that reads well over pixels that do not (a truncated file)
+                raise BadRow("image_corrupt", f"image {k}: its pixels cannot be decoded: {one_line(error, 200)}") \
+                    from None
+        vision = self.runs.vision
+        values = vision.pixels(pictures, grids)["pixel_values"].astype(np.float32, copy=False)
+        ends = np.cumsum([vision.pixel_rows(grid) for grid in grids])
+        for image, rows in zip(stored, np.split(values, ends[:-1]), strict=True):
+            image["pixels"] = rows
 
     def rows(self, batch: EncodedBatch, stored: list[Stored]) -> list[Stored]:
         """Each kept row's images, in row order: its example's first ones, as many as its tokens show."""

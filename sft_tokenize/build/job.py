@@ -73,6 +73,8 @@ def features(extra_columns: tuple[str, ...] = (), layout: str = "skyrl", images:
                                   "size": Value("int64")})
         columns["image_grid_thw"] = List(List(Value("int32")))
         columns["image_sizes"] = List(List(Value("int32")))
+        if "pixel_values" in extra_columns:  # each image's patches, one row of floats each, as SkyRL reads them
+            columns["pixel_values"] = List(List(Value("float32")))
     return Features(columns)
 
 

@@ -29,7 +29,7 @@ Format = Literal["auto", "chat", "alpaca", "prompt-completion", "text"]
 TrainOn = Literal["all_assistant", "last_assistant", "completion", "all"]
 Truncation = Literal["truncate", "drop"]
 OnBadRow = Literal["raise", "skip"]
-ExtraColumn = Literal["labels", "attention_mask"]
+ExtraColumn = Literal["labels", "attention_mask", "pixel_values"]
 ReasoningTurns = Literal["as-rendered", "expand"]
 SpecialText = Literal["literal", "error", "keep"]
 Encoder = Literal["auto", "hf", "fastokens"]
@@ -183,7 +183,9 @@ class TokenizeOptions(BaseModel):
         "truncate", description="what happens to a row longer than the maximum length: truncated or dropped")
     extra_columns: Annotated[list[ExtraColumn], Option(OUTPUT, flag="--extra-column", repeat=True,
                                                        fingerprint="value", job=sorted_tuple)] = Field(
-        default_factory=list, description="also store this column")
+        default_factory=list,
+        description="also store this column: labels, attention_mask, or pixel_values (image rows, Qwen-VL: float32, "
+                    "as SkyRL's reader wants them; ~18 KiB per image token, see docs/images.md)")
     layout: Annotated[Layout, Option(OUTPUT, fingerprint="value", job=True)] = Field(
         "skyrl", description="the trainer whose columns the cache holds: skyrl (input_ids, loss_mask), trl "
                              "(input_ids, labels), axolotl or llama-factory (input_ids, attention_mask, labels); "
@@ -227,6 +229,13 @@ class TokenizeOptions(BaseModel):
             if self.processor is None:
                 raise ValueError("give a tokenizer (--tokenizer), or a processor (--processor) whose tokenizer it is")
             self.tokenizer = self.processor
+        return self
+
+    @model_validator(mode="after")
+    def _pixels_need_a_processor(self) -> TokenizeOptions:
+        if "pixel_values" in self.extra_columns and self.processor is None:
+            raise ValueError("--extra-column pixel_values needs --processor: pixels are made by the processor's "
+                             "image processor")
         return self
 
     @field_validator("shard_size", "writer_batch_bytes", "max_row_bytes", "max_image_bytes")

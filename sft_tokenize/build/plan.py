@@ -196,7 +196,11 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable
     check_chat_template(options, tokenizer_dir, template_override, needed=columns.format != "text")
     _check_tokenizer(tokenizer, columns, options)
     if processor_config is not None:
-        load_family(processor_config, tokenizer)  # a processor it cannot serve, or tokens it lacks: said here
+        vision = load_family(processor_config, tokenizer)  # a processor it cannot serve, or tokens it lacks: said here
+        if "pixel_values" in options.extra_columns and vision.pixel_rows(vision.probe_grid) is None:
+            raise BadInput(f"--extra-column pixel_values: a {vision.name} processor's pixels are whole images, not the "
+                           "patch rows SkyRL's reader stores; leave it out, the image collator makes the pixels "
+                           "while training (docs/images.md)")
     # Halving (rather than total / min_slices) keeps the target, and so every cut point, the same while the
     # input grows, until it doubles.
     target = max(1, parse_size(options.shard_size))

@@ -117,7 +117,9 @@ def image_record(job: Job, shards: list[dict]) -> dict[str, Any]:
     return {"mode": job.images, "family": vision.name, "pil_class": vision.pil_class,
             "settings": json.loads(vision.settings_json), "image_token_ids": config["image_token_ids"],  # run order
             "config": config, "image_files": len(image_files(shards)),
-            **{key: sum(s.get(key, 0) for s in shards) for key in ("images", "image_tokens", "image_bytes")}}
+            **{key: sum(s.get(key, 0) for s in shards) for key in ("images", "image_tokens", "image_bytes")},
+            **({"pixel_bytes": sum(s.get("pixel_bytes", 0) for s in shards)} if "pixel_values" in job.extra_columns
+               else {})}
 
 
 IMAGE_FILES = "image_files.json"  # an image cache's image files, each [url, *identity] (FORMAT.md)

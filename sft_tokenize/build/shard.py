@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from sft_tokenize.build.image_rows import ImageRows
+from sft_tokenize.build.image_rows import ImageRows, held_bytes
 from sft_tokenize.build.job import Job, features
 from sft_tokenize.build.keys import Digests, forget, slice_key
 from sft_tokenize.build.stopping import Stopped, raise_if_stopping
@@ -78,8 +78,7 @@ class ShardWriter:
         lengths = np.diff(batch.offsets)
         sizes = lengths * self._token_bytes  # each row's bytes, tokens and images
         if self._images is not None and images is not None:
-            sizes = sizes + np.fromiter((sum(len(image["bytes"] or b"") for image in row) for row in images),
-                                        dtype=np.int64, count=batch.rows)
+            sizes = sizes + np.fromiter(map(held_bytes, images), dtype=np.int64, count=batch.rows)
         start = 0
         while start < batch.rows:
             stop = min(batch.rows, start + self.batch_rows - self._rows)
@@ -108,9 +107,24 @@ class ShardWriter:
             for name in ("image_grid_thw", "image_sizes"):
                 columns[name] = pa.array([[image[name] for image in row] for row in stored],
                                          type=self.schema.arrow_schema.field(name).type)
+            if "pixel_values" in self.schema:
+                columns["pixel_values"] = self._pixel_values(stored)
             self._images = []
         self._writer.write_table(pa.table(columns))
         self._chunks, self._rows, self._bytes = [], 0, 0
+
+    def _pixel_values(self, stored: list[list[dict]]) -> pa.Array:
+        """Each row's images' pixel rows end to end, `list<list<float>>` built from flat arrays (no per-float
+        Python objects)."""
+        rows = [image["pixels"] for row in stored for image in row]
+        width = rows[0].shape[1] if rows else 0
+        values = np.concatenate(rows) if rows else np.zeros((0, 0), dtype=np.float32)
+        patches = np.array([sum(len(image["pixels"]) for image in row) for row in stored], dtype=np.int64)
+        inner = _list_array(np.full(len(values), width), values.reshape(-1))
+        offsets = np.zeros(len(stored) + 1, dtype=np.int32)
+        np.cumsum(patches, out=offsets[1:])
+        return pa.ListArray.from_arrays(pa.array(offsets), inner).cast(self.schema.arrow_schema.field(
+            "pixel_values").type)
 
     def close(self) -> None:
         """Write what is buffered and the end of stream; an empty shard is still a valid Arrow file."""
@@ -132,6 +146,7 @@ class ShardStats:
     images: int = 0  # images stored in the rows
     image_tokens: int = 0  # vision tokens in the rows
     image_bytes: int = 0  # encoded image bytes stored (embed) or referenced
+    pixel_bytes: int = 0  # float32 pixel_values stored (--extra-column pixel_values)
     image_files: list[list] = field(default_factory=list)  # [url, *identity] of each image file read
     dropped: Counter = field(default_factory=Counter)
     lengths: Counter = field(default_factory=Counter)
@@ -157,6 +172,7 @@ class ShardStats:
                 "max_buffered_rows": self.max_buffered_rows,
                 **({"images": self.images, "image_tokens": self.image_tokens, "image_bytes": self.image_bytes}
                    if self.images else {}),
+                **({"pixel_bytes": self.pixel_bytes} if self.pixel_bytes else {}),
                 **({"image_files": self.image_files} if self.image_files else {}),
                 "dropped": dict(sorted(self.dropped.items())),
                 "lengths": {"values": values, "counts": [self.lengths[v] for v in values]}}
@@ -217,7 +233,8 @@ def _image_rows(job: Job) -> ImageRows | None:
     """The job's image rows, with a processor; None without one."""
     if not job.processor_config:
         return None
-    return ImageRows(encoder_for(job).images, job.images, job.max_image_bytes, job.storage_options)
+    return ImageRows(encoder_for(job).images, job.images, job.max_image_bytes, job.storage_options,
+                     pixels="pixel_values" in job.extra_columns)
 
 
 def _directory(url: str) -> str:
@@ -259,6 +276,7 @@ def _stream_rows(job: Job, slice_: Slice, stream) -> ShardStats:
             stats.images += len(kept)
             stats.image_tokens += image_rows.tokens(batch)
             stats.image_bytes += sum(image["size"] for image in kept)
+            stats.pixel_bytes += sum(image["pixels"].nbytes for image in kept if "pixels" in image)
 
     def submit(examples: list, positions: list[int], locate, stored: list) -> None:
         in_flight.append((encoding.submit(examples, max(0, VERIFY_ROWS - verified)), positions, locate, stored))
@@ -279,7 +297,7 @@ def _stream_rows(job: Job, slice_: Slice, stream) -> ShardStats:
                     if image_rows is not None:
                         example, images = image_rows.load(example)
                         stored.append(images)
-                        loaded += sum(image["size"] for image in images)
+                        loaded += held_bytes(images)
                     examples.append(example)
                     positions.append(i)
                 except BadRow as bad:
@@ -287,7 +305,7 @@ def _stream_rows(job: Job, slice_: Slice, stream) -> ShardStats:
                         while in_flight:  # the batches before it first: the error names the first bad row
                             write_oldest()
                     reject(bad, locate, i)
-                if loaded >= job.writer_batch_bytes:  # images held in memory: a writer batch's worth at a time
+                if loaded >= job.writer_batch_bytes:  # images (and pixels) held: a writer batch's worth at a time
                     submit(examples, positions, locate, stored)
                     examples, positions, stored, loaded = [], [], [], 0
             submit(examples, positions, locate, stored)

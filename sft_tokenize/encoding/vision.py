@@ -106,11 +106,16 @@ class VisionFamily(ABC):
         """The ids that replace the marker, margins tokenized on their own (exact when they are empty)."""
         return [*self.margin_ids[0], *self.run(grid), *self.margin_ids[1]]
 
-    def pixels(self, images: Sequence[bytes], grids: Sequence[Sequence[int]],
+    def pixel_rows(self, grid: Sequence[int]) -> int | None:
+        """The rows of `pixel_values` one image of this grid makes (its patches), as SkyRL's reader stores them
+        (`--extra-column pixel_values`); None for a family whose pixels are whole images, not patch rows."""
+        return None
+
+    def pixels(self, images: Sequence[Any], grids: Sequence[Sequence[int]],
                names: Sequence[str] | None = None) -> dict[str, Any]:
-        """The processor's inputs for these encoded images (numpy), made as a trainer's collator makes them
-        (`pixel_inputs`, on the read side); each image's grid must equal the stored one, or a CacheError names
-        the image and both grids."""
+        """The processor's inputs for these images (numpy; encoded bytes or decoded), made as a trainer's collator
+        makes them (`pixel_inputs`, on the read side); each image's grid must equal the stored one, or a CacheError
+        names the image and both grids."""
         from sft_tokenize.read.image_collator import pixel_inputs
 
         record = {"family": self.name, "pil_class": self.pil_class, "settings": json.loads(self.settings_json)}
@@ -216,6 +221,9 @@ class QwenVL(VisionFamily):
 
     def tokens(self, grid: Sequence[int]) -> int:
         return math.prod(grid) // self.merge_size ** 2
+
+    def pixel_rows(self, grid: Sequence[int]) -> int:
+        return math.prod(grid)
 
     def run(self, grid: Sequence[int]) -> list[int]:
         return [self.vision_start_id] + [self.image_id] * self.tokens(grid) + [self.vision_end_id]

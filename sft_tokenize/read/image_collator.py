@@ -72,16 +72,19 @@ def made_grids(pil_class: str, output: Mapping[str, Any]) -> list[tuple[int, ...
                      f"{', '.join(PIL_CLASSES)}): the cache was built by another version of sft-tokenize")
 
 
-def pixel_inputs(record: Mapping[str, Any], images: Sequence[bytes], grids: Sequence[Sequence[int]],
+def pixel_inputs(record: Mapping[str, Any], images: Sequence[Any], grids: Sequence[Sequence[int]],
                  names: Sequence[str] | None = None) -> dict[str, Any]:
-    """The image processor's output (numpy) for these encoded images, as the manifest's `images` record
-    (`pil_class`, `settings`) configures it; each image's grid must equal the stored one, or a CacheError names
-    the image and both grids."""
+    """The image processor's output (numpy) for these images (encoded bytes, or as `decoded_image` made them),
+    as the manifest's `images` record (`pil_class`, `settings`) configures it; each image's grid must equal the
+    stored one, or a CacheError names the image and both grids."""
     def where(k: int) -> str:
         return names[k] if names else f"image {k + 1}"
 
     pictures = []
     for k, data in enumerate(images):
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            pictures.append(data)
+            continue
         try:
             pictures.append(decoded_image(data))
         except Exception as error:  # a header that read well over pixels that do not (a truncated file)

@@ -14,13 +14,14 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 import xxhash
 from PIL import Image
 from support.cli import assert_rejected, cli
 from support.images import encoded, sample_images, write_image_chats
-from support.vision import qwen_vl
+from support.vision import gemma3, qwen_vl
 
 from sft_tokenize.build import workers
 from sft_tokenize.build.options import TokenizeOptions
@@ -318,3 +319,72 @@ def test_the_encode_pool_writes_the_image_shards_the_slices_thread_writes(tmp_pa
     with workers.encoding_processes(plan.job, 2):
         assert isinstance(workers.slice_encoding(plan.job)[0], EncodePool)
         assert shards() == inline
+
+
+def _pixel_rows(cache: TokenizedCache) -> list[np.ndarray]:
+    """Each row's stored pixel_values as a (patches, patch size) float32 array."""
+    out = []
+    for cell in cache.table["pixel_values"].combine_chunks():
+        patches = cell.values
+        width = len(patches[0]) if len(patches) else 1
+        out.append(patches.flatten().to_numpy(zero_copy_only=False).reshape(-1, width))
+    return out
+
+
+def test_pixel_values_for_skyrls_reader_equal_the_processors_and_are_bounded(tmp_path, processor, pictures):
+    """--extra-column pixel_values stores each image row's float32 patches as the processor makes them (what
+    SkyRL's pretokenized reader reads); the other columns are the cache's without them; record batches stay
+    bounded by bytes, pixels included; a text row holds none."""
+    directory, _, real = processor
+    image = {name: {"type": "image", "image": str(pictures[name])} for name in pictures}
+    conversations = [_chat(image["photo"], image["exif6"]), _chat(image["cmyk"]),
+                     [{"role": "user", "content": "No picture?"}, {"role": "assistant", "content": "None."}],
+                     _chat(image["rgba"], image["wide"])]
+    data = _write_jsonl(tmp_path / "rows.jsonl", [{"messages": m} for m in conversations])
+    plain = TokenizedCache(run_locally(_options([data], directory, tmp_path / "cache")))
+    path = run_locally(_options([data], directory, tmp_path / "cache", extra_columns=["pixel_values"],
+                                writer_batch_bytes="150KB"))
+    cache = TokenizedCache(path)
+    assert cache.fingerprint != plain.fingerprint
+    assert _columns(cache) == _columns(plain)
+    assert cache.table.schema.field("pixel_values").type == pa.list_(pa.list_(pa.float32()))
+    stored = _pixel_rows(cache)
+    for messages, pixels in zip(conversations, stored, strict=True):
+        want = real.apply_chat_template(messages, tokenize=True, return_dict=True)
+        if "pixel_values" not in want:
+            assert pixels.size == 0
+            continue
+        assert pixels.dtype == np.float32 and np.array_equal(pixels, np.asarray(want["pixel_values"]))
+    manifest = json.loads((path / "manifest.json").read_text())["images"]
+    assert manifest["pixel_bytes"] == sum(p.nbytes for p in stored) > 0
+    summary = cli("inspect", str(path), home=tmp_path / "home").stdout
+    assert f" bytes embedded, {manifest['pixel_bytes']:,} bytes of pixel_values\n" in summary
+
+    (shard,) = sorted(path.glob("*.arrow"))
+    with pa.memory_map(str(shard)) as source:
+        batches = list(pa.ipc.open_stream(source))
+    assert len(batches) > 1
+    largest_row = max(p.nbytes + sum(len(i["bytes"]) for i in images)
+                      for p, images in zip(stored, cache.table["images"].to_pylist(), strict=True))
+    for batch in batches:
+        held = sum(len(i["bytes"]) for row in batch.column("images").to_pylist() for i in row) + 4 * len(
+            pc.list_flatten(pc.list_flatten(batch.column("pixel_values"))))
+        assert held < 150_000 + largest_row
+
+
+def test_pixel_values_need_a_qwen_processor_and_decodable_images(tmp_path, processor, pictures):
+    directory, _, _ = processor
+    data = _write_jsonl(tmp_path / "rows.jsonl", [{"messages": _chat({"type": "image", "image": "cut.jpg"})}])
+    photo = pictures["photo"].read_bytes()
+    (tmp_path / "cut.jpg").write_bytes(photo[: len(photo) // 2])  # its header reads, its pixels do not
+    with pytest.raises(BadInput, match=rf"^{data}:1: image 1: its pixels cannot be decoded: .*truncated"):
+        run_locally(_options([data], directory, tmp_path / "cache", extra_columns=["pixel_values"]))
+    assert run_locally(_options([data], directory, tmp_path / "cache"))  # without pixels, the header is enough
+    result = cli("run", str(data), "--tokenizer", str(directory), "--extra-column", "pixel_values",
+                 "--cache-dir", str(tmp_path / "cache"), home=tmp_path / "home")
+    assert_rejected(result, "--extra-column pixel_values needs --processor")
+    gemma = tmp_path / "gemma"
+    gemma3(gemma)
+    result = cli("run", str(data), "--processor", str(gemma), "--extra-column", "pixel_values",
+                 "--cache-dir", str(tmp_path / "cache"), home=tmp_path / "home")
+    assert_rejected(result, "--extra-column pixel_values: a gemma3 processor's pixels are whole images")
