@@ -207,30 +207,45 @@ def test_a_dask_worker_that_dies_mid_shard_is_replaced_and_its_slice_rescheduled
     assert len(set(new_pids.values()) - set(pids.values())) == 1
 
 
-@pytest.mark.usefixtures("prefect_harness")
-def test_image_rows_on_dask_workers_and_worker_processes_write_the_local_runs_bytes(dask_cluster, tmp_path):
-    """Image rows take the same slices and runners as text: the processor is rebuilt in each worker from the
-    job, the images are read where the slice runs."""
+@pytest.fixture(scope="module")
+def image_chats(tmp_path_factory) -> tuple[dict, dict[str, bytes]]:
+    """Image chats, a processor and the options that tokenize them; and the data files a local run writes from
+    them: what every runner must match byte for byte."""
     from support.images import write_image_chats
     from support.vision import qwen_vl
 
-    processor = tmp_path / "processor"
+    base = tmp_path_factory.mktemp("images")
+    processor = base / "processor"
     processor.mkdir()
     qwen_vl(processor)
-    inputs = [str(p) for p in write_image_chats(tmp_path / "data")]
+    inputs = [str(p) for p in write_image_chats(base / "data")]
     options = {"sources": inputs, "processor": str(processor), "shard_size": "2KB"}
-    local = run_locally(TokenizeOptions(**options, cache_dir=str(tmp_path / "local")))
+    local = run_locally(TokenizeOptions(**options, cache_dir=str(base / "local")))
     want = {p.name: p.read_bytes() for p in sorted(local.glob("data-*.arrow"))}
     assert len(want) >= 3 and json.loads((local / "manifest.json").read_text())["images"]["images"] > 20
+    return options, want
+
+
+def assert_image_run_writes(want: dict[str, bytes], options: dict, cache_dir: Path, runner: str, **extra) -> None:
+    """The flow on `runner` tokenizes the image chats into one slice per shard, the local run's bytes."""
+    run = TokenizeRun(**options, cache_dir=str(cache_dir), workers=2, runner=runner, **extra)
+    state, task_runs = run_flow(run.model_dump(mode="json"))
+    assert state.is_completed(), (runner, state.message)
+    assert len([name for name in task_runs if name.startswith("tokenize-")]) == len(want)
+    got = {p.name: p.read_bytes() for p in sorted(Path(state.result()).glob("data-*.arrow"))}
+    assert got == want, runner
+
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_image_rows_on_dask_workers_and_worker_processes_write_the_local_runs_bytes(dask_cluster, image_chats,
+                                                                                    tmp_path):
+    """Image rows take the same slices and runners as text: the processor is rebuilt in each worker from the
+    job, the images are read where the slice runs."""
+    options, want = image_chats
     address, _ = dask_cluster
     dask_workers(address, 2)
     for runner, extra in (("dask", {"dask_address": address}), ("processes", {})):
-        run = TokenizeRun(**options, cache_dir=str(tmp_path / runner), workers=2, runner=runner, **extra)
-        state, task_runs = run_flow(run.model_dump(mode="json"))
-        assert state.is_completed(), (runner, state.message)
-        assert len([name for name in task_runs if name.startswith("tokenize-")]) == len(want)
-        got = {p.name: p.read_bytes() for p in sorted(Path(state.result()).glob("data-*.arrow"))}
-        assert got == want, runner
+        assert_image_run_writes(want, options, tmp_path / runner, runner, **extra)
 
 
 def own_mount_namespace_works() -> str | None:
@@ -298,7 +313,9 @@ def test_a_temporary_dask_cluster_writes_the_same_bytes_and_leaves_no_process(th
 
 @pytest.mark.slow  # a Ray head takes about 15 s to start on two cores
 @pytest.mark.usefixtures("prefect_harness")
-def test_ray_cluster_writes_the_same_bytes(threads_cache, tmp_path, monkeypatch):
+def test_ray_cluster_writes_the_same_bytes(threads_cache, image_chats, tmp_path, monkeypatch):
+    """Text rows, then image rows on the same head (one head's start-up, not two): each the bytes of a
+    local run."""
     pytest.importorskip("prefect_ray", reason="the ray extra is not installed: pip install 'sft-tokenize[ray]'")
     # Ray clusters check a token; the driver (this process) and the head share this one, not ~/.ray's.
     auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": os.urandom(16).hex()}
@@ -316,12 +333,15 @@ def test_ray_cluster_writes_the_same_bytes(threads_cache, tmp_path, monkeypatch)
             wait_for_port(port, "the Ray head")
             state, task_runs = run_flow(run_options(tmp_path / "cache", runner="ray",
                                                     ray_address=f"127.0.0.1:{port}"))
+            assert state.is_completed(), state.message
+            assert sorted(name for name in task_runs if name.startswith("tokenize-")) == SLICES
+            assert data_files(state.result()) == threads_cache
+            assert "checked 1 Ray node: they read the inputs and write to" in flow_log(state)
+            # Image rows: the processor rebuilt in the head's workers, the images read there.
+            options, want = image_chats
+            assert_image_run_writes(want, options, tmp_path / "images", "ray", ray_address=f"127.0.0.1:{port}")
     finally:
         shutil.rmtree(temp_dir, ignore_errors=True)
-    assert state.is_completed(), state.message
-    assert sorted(name for name in task_runs if name.startswith("tokenize-")) == SLICES
-    assert data_files(state.result()) == threads_cache
-    assert "checked 1 Ray node: they read the inputs and write to" in flow_log(state)
 
 
 # The CLI's new options, rejected before Prefect starts.
