@@ -31,6 +31,7 @@ from sft_tokenize.build.timeline import mark
 from sft_tokenize.build.workers import encoder_for, slice_encoding
 from sft_tokenize.encoding.chat_encoder import EncodedBatch
 from sft_tokenize.encoding.exact import VERIFY_ROWS
+from sft_tokenize.encoding.memory import trim_malloc
 from sft_tokenize.errors import BadInput, BadRow, OutOfSpace
 from sft_tokenize.files import atomic_path, atomic_write
 from sft_tokenize.read.layouts import COLUMN_TYPES, column_values, layout_columns
@@ -98,6 +99,11 @@ class ShardWriter:
     def flush(self) -> None:
         if not self._chunks:
             return
+        self._write_batch()
+        if self._images is not None:
+            trim_malloc()  # the batch's image bytes, just freed, would stay resident (encoding/memory.py)
+
+    def _write_batch(self) -> None:
         ids, mask, lengths = (np.concatenate(parts) for parts in zip(*self._chunks, strict=True))
         columns = {name: _list_array(lengths, column_values(name, ids, mask)) for name in self.columns}
         if self._images is not None:
