@@ -32,9 +32,14 @@ from sft_tokenize.sources.images import load_images
 Stored = list[dict]  # one row's images as the writer stores them
 
 
+def pixel_bytes(row: Stored) -> int:
+    """The bytes of one row's stored images' pixel_values (none without `--extra-column pixel_values`)."""
+    return sum(image["pixels"].nbytes for image in row if "pixels" in image)
+
+
 def held_bytes(row: Stored) -> int:
     """What one row's stored images hold in memory until written: their encoded bytes (embed) and pixels."""
-    return sum(len(image["bytes"] or b"") + (image["pixels"].nbytes if "pixels" in image else 0) for image in row)
+    return sum(len(image["bytes"] or b"") for image in row) + pixel_bytes(row)
 
 
 class ImageRows:

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from sft_tokenize.build.image_rows import ImageRows, held_bytes
+from sft_tokenize.build.image_rows import ImageRows, held_bytes, pixel_bytes
 from sft_tokenize.build.job import Job, features
 from sft_tokenize.build.keys import Digests, forget, slice_key
 from sft_tokenize.build.stopping import Stopped, raise_if_stopping
@@ -282,7 +282,7 @@ def _stream_rows(job: Job, slice_: Slice, stream) -> ShardStats:
             stats.images += len(kept)
             stats.image_tokens += image_rows.tokens(batch)
             stats.image_bytes += sum(image["size"] for image in kept)
-            stats.pixel_bytes += sum(image["pixels"].nbytes for image in kept if "pixels" in image)
+            stats.pixel_bytes += pixel_bytes(kept)
 
     def submit(examples: list, positions: list[int], locate, stored: list) -> None:
         in_flight.append((encoding.submit(examples, max(0, VERIFY_ROWS - verified)), positions, locate, stored))
