@@ -33,6 +33,7 @@ ExtraColumn = Literal["labels", "attention_mask", "pixel_values"]
 ReasoningTurns = Literal["as-rendered", "expand"]
 SpecialText = Literal["literal", "error", "keep"]
 Encoder = Literal["auto", "hf", "fastokens"]
+Render = Literal["skeleton", "full"]
 ImagesMode = Literal["embed", "reference"]
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
@@ -194,6 +195,11 @@ class TokenizeOptions(BaseModel):
         "auto", description="who turns text into ids: hf (tokenizers), fastokens (the fast extra; refused, and said "
                             "so, where its ids could differ), auto (fastokens where exact, else hf); the cache's "
                             "bytes are the same, so it is not in the fingerprint")
+    render: Annotated[Render, Option(OUTPUT, job=True)] = Field(
+        "skeleton", description="how rows reach the chat template: skeleton (a row whose shape was rendered before "
+                                "is filled in where that is exact, with samples checked against a full render; see "
+                                "docs/masks.md), full (every row rendered); the cache's bytes are the same, so it is "
+                                "not in the fingerprint")
     # A skip run may hold fewer rows than a raise run would refuse to publish: never the same cache.
     on_bad_row: Annotated[OnBadRow, Option(INPUT, fingerprint="value", job=True)] = Field(
         "raise", description="raise: stop at the first malformed row; skip: skip it and count it")

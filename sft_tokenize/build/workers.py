@@ -51,7 +51,7 @@ def encoder_settings(job: Job) -> dict:
     """The job's ChatEncoder arguments besides the tokenizer and the fast encoder."""
     return {"train_on": job.train_on, "max_length": job.max_length, "truncation": job.truncation,
             "template_kwargs": job.template_kwargs, "reasoning_turns": job.reasoning_turns,
-            "special_text": job.special_text}
+            "special_text": job.special_text, "skeletons": job.render == "skeleton"}
 
 
 def _process_encoding(job: Job) -> tuple[Any, FastEncoder | None]:

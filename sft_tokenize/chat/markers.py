@@ -53,9 +53,9 @@ def _wrap(text: str, core: str, fid: int) -> str:
 
 
 def mark(messages: Sequence[dict[str, Any]], kinds: frozenset[str], empty: bool = False,
-         twin: Callable[[str, str], Any] | None = None) -> Marked | None:
+         twin: Callable[[str, str, int], Any] | None = None) -> Marked | None:
     """Wrap every field of `kinds` in markers (None if the conversation has more fields than markers): each
-    becomes its marked text, or `twin(marked, plain)` (see `twins.Twin`).
+    becomes its marked text, or `twin(marked, plain, field id)` (see `pairs.Twin`).
 
     Blank text is marked only with `empty`: templates often branch on whether a field is empty, which marking
     would change, so it is asked for only where a turn would have nothing else to locate it by."""
@@ -73,7 +73,7 @@ def mark(messages: Sequence[dict[str, Any]], kinds: frozenset[str], empty: bool 
         field_kinds.append(kind)
         if holds_marks(text):
             out.marker_text = True
-        return twin(_wrap(text, core, fid), text) if twin else _wrap(text, core, fid)
+        return twin(_wrap(text, core, fid), text, fid) if twin else _wrap(text, core, fid)
 
     for index, message in enumerate(messages):
         marked = dict(message)

@@ -13,6 +13,12 @@ test not listed here) raises `Diverged`, and the row is rendered twice as before
 so code that expects one fails loudly rather than reading the markers. Text that holds characters of the
 markers' range (a field's, any other variable's, the template's own) is rendered twice too: one render could
 not tell them apart.
+
+A render can also be traced (`render_twins(..., trace=[])`): every fact the template learned about a field's
+text (its truth, length, comparisons, `in`, what a strip removed, how many pieces a split gave) is recorded with
+the field and the operations that led to the value it asked about (a Twin's `origin`). Another row whose fields
+give the same facts takes the same branches, which `skeleton.py` relies on. A fact that cannot be replayed on
+another row (a hash, a piece of text that left the Twins) poisons the trace.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ class Diverged(Exception):
 
 
 _state = threading.local()  # set on any divergence, in case code between here and the render swallows it
+_state.trace = None
 
 
 def _diverge(*_: Any, **__: Any):
@@ -37,27 +44,66 @@ def _diverge(*_: Any, **__: Any):
     raise Diverged
 
 
+POISON = ("poison",)  # a trace entry: the render read a field in a way another row's fields cannot replay
+
+
+def _observe(twin: Twin, op: str, args: tuple, result: Any) -> Any:
+    """Record, in a traced render, that the template learned `result` from `op(twin's value, *args)`."""
+    trace = getattr(_state, "trace", None)
+    if trace is not None:
+        refs = []
+        for arg in args:
+            if type(arg) is Twin:
+                if arg.origin is None:
+                    trace.append(POISON)
+                    return result
+                arg = (_FIELD, arg.origin)
+            refs.append(arg)
+        trace.append(POISON if twin.origin is None else (twin.origin, op, tuple(refs), result))
+    return result
+
+
+def _poison() -> None:
+    trace = getattr(_state, "trace", None)
+    if trace is not None:
+        trace.append(POISON)
+
+
+_FIELD = object()  # tags a traced argument that is another field's value: (_FIELD, origin)
+
+
 def _plain(value: Any) -> Any:
     return value.plain if type(value) is Twin else value
 
 
-def _derived(marked: str, plain: str) -> str | Twin:
-    """The result of an operation done on both texts: a Twin, or plain text once the markers are gone."""
+def _derived(marked: str, plain: str, origin: tuple | None = None) -> str | Twin:
+    """The result of an operation done on both texts: a Twin (from `origin`, when it can be replayed), or plain
+    text once the markers are gone (which a traced render cannot follow)."""
     if marked == plain:
+        _poison()
         return plain
     if MARKS.sub("", marked) != plain:
         _diverge()
-    return Twin(marked, plain)
+    return Twin(marked, plain, origin)
+
+
+def _then(twin: Twin, *step: Any) -> tuple | None:
+    """The origin of a value made from `twin` by one more operation."""
+    return None if twin.origin is None else (twin.origin[0], (*twin.origin[1], step))
 
 
 class Twin:
     """A field's text with markers (`marked`) and without (`plain`, derived from `marked` when not given);
-    see the module docstring."""
+    see the module docstring. `origin`: (field id, operations) that made it from a field's text, where known."""
 
-    __slots__ = ("marked", "_plain")
+    __slots__ = ("marked", "_plain", "origin")
 
-    def __init__(self, marked: str, plain: str | None = None):
-        self.marked, self._plain = marked, plain
+    def __init__(self, marked: str, plain: str | None = None, origin: tuple | None = None):
+        self.marked, self._plain, self.origin = marked, plain, origin
+
+    @classmethod
+    def of_field(cls, marked: str, plain: str, fid: int) -> Twin:
+        return cls(marked, plain, (fid, ()))
 
     @property
     def plain(self) -> str:
@@ -67,92 +113,111 @@ class Twin:
 
     # What the template sees is the plain text.
     def __bool__(self) -> bool:
-        return bool(self.plain)
+        return _observe(self, "bool", (), bool(self.plain))
 
     def __len__(self) -> int:
-        return len(self.plain)
+        return _observe(self, "len", (), len(self.plain))
 
     def __hash__(self) -> int:
+        _poison()
         return hash(self.plain)
 
     def __eq__(self, other: Any) -> bool:
-        return self.plain == _plain(other)
+        return _observe(self, "eq", (other,), self.plain == _plain(other))
 
     def __ne__(self, other: Any) -> bool:
-        return self.plain != _plain(other)
+        return _observe(self, "ne", (other,), self.plain != _plain(other))
 
     def __lt__(self, other: Any) -> bool:
-        return self.plain < _plain(other)
+        return _observe(self, "lt", (other,), self.plain < _plain(other))
 
     def __le__(self, other: Any) -> bool:
-        return self.plain <= _plain(other)
+        return _observe(self, "le", (other,), self.plain <= _plain(other))
 
     def __gt__(self, other: Any) -> bool:
-        return self.plain > _plain(other)
+        return _observe(self, "gt", (other,), self.plain > _plain(other))
 
     def __ge__(self, other: Any) -> bool:
-        return self.plain >= _plain(other)
+        return _observe(self, "ge", (other,), self.plain >= _plain(other))
 
     def __contains__(self, item: Any) -> bool:
-        return (item.plain if type(item) is Twin else item) in (self._plain or self.plain)
+        return _observe(self, "contains", (item,), _plain(item) in (self._plain or self.plain))
 
     def startswith(self, *args: Any) -> bool:
-        return self.plain.startswith(*args)
+        return _observe(self, "startswith", args, self.plain.startswith(*args))
 
     def endswith(self, *args: Any) -> bool:
-        return self.plain.endswith(*args)
+        return _observe(self, "endswith", args, self.plain.endswith(*args))
 
     # Text made from it is made from both (the marked text, which gives the plain one).
     def __add__(self, other: Any) -> Twin:
         if type(other) is Twin:
             return Twin(self.marked + other.marked)
         if isinstance(other, str):
-            return Twin(self.marked + _unmarked(other))
+            return Twin(self.marked + _unmarked(other), None, _then(self, "add", other))
         return NotImplemented
 
     def __radd__(self, other: Any) -> Twin:
         if isinstance(other, str):
-            return Twin(_unmarked(other) + self.marked)
+            return Twin(_unmarked(other) + self.marked, None, _then(self, "radd", other))
         return NotImplemented
 
     def strip(self, chars: str | None = None) -> Twin:
-        return self._trimmed(chars, self.marked.strip(chars), self.plain.strip(chars))
+        return self._trimmed("strip", chars, self.marked.strip(chars), self.plain.strip(chars))
 
     def lstrip(self, chars: str | None = None) -> Twin:
-        return self._trimmed(chars, self.marked.lstrip(chars), self.plain.lstrip(chars))
+        return self._trimmed("lstrip", chars, self.marked.lstrip(chars), self.plain.lstrip(chars))
 
     def rstrip(self, chars: str | None = None) -> Twin:
-        return self._trimmed(chars, self.marked.rstrip(chars), self.plain.rstrip(chars))
+        return self._trimmed("rstrip", chars, self.marked.rstrip(chars), self.plain.rstrip(chars))
 
-    def _trimmed(self, chars: str | None, marked: str, plain: str) -> Twin:
+    def _trimmed(self, method: str, chars: str | None, marked: str, plain: str) -> Twin:
         """A strip's results agree when both texts lost as many characters: stripping stops at a marker (if
         `chars` holds none), so the marked text lost only characters the plain one lost too."""
         if len(self.marked) - len(marked) != len(self.plain) - len(plain) or (chars and holds_marks(chars)):
             _diverge()
-        return Twin(marked, plain)
+        if chars is not None and type(chars) is not str:
+            _poison()
+        _observe(self, method, (chars,), trimmed(self.plain, method, chars))
+        return Twin(marked, plain, _then(self, method, chars))
 
     def split(self, sep: str | None = None, maxsplit: int = -1) -> list:
-        return _pieces(self.marked.split(sep, maxsplit), self.plain.split(sep, maxsplit))
+        return self._split("split", sep, maxsplit)
 
     def rsplit(self, sep: str | None = None, maxsplit: int = -1) -> list:
-        return _pieces(self.marked.rsplit(sep, maxsplit), self.plain.rsplit(sep, maxsplit))
+        return self._split("rsplit", sep, maxsplit)
+
+    def _split(self, method: str, sep: Any, maxsplit: Any) -> list:
+        if type(sep) is Twin:
+            _diverge()
+        marked = getattr(self.marked, method)(sep, maxsplit)
+        plain = getattr(self.plain, method)(sep, maxsplit)
+        if len(marked) != len(plain):
+            _diverge()
+        _observe(self, method, (sep, maxsplit), len(plain))
+        return [_derived(m, p, _then(self, method, sep, maxsplit, k, len(plain)))
+                for k, (m, p) in enumerate(zip(marked, plain, strict=True))]
 
     def replace(self, old: str, new: Any, count: int = -1) -> str | Twin:
-        if type(old) is Twin:
+        if type(old) is Twin or type(new) is Twin:
             _diverge()
-        return _derived(self.marked.replace(old, _marked(new), count), self.plain.replace(old, _plain(new), count))
+        _observe(self, "count", (old,), self.plain.count(old) if old else -1)
+        return _derived(self.marked.replace(old, _marked(new), count), self.plain.replace(old, _plain(new), count),
+                        _then(self, "replace", old, new, count))
 
     def __getitem__(self, key: Any) -> str | Twin:
         """A slice of the plain text, with the markers inside it and at its two ends (an index diverges)."""
         if type(key) is not slice or key.step not in (None, 1):
             _diverge()
         start, stop, _ = key.indices(len(self.plain))
+        _observe(self, "slice", (key.start, key.stop), (start, stop))
         if stop <= start:
+            _poison()
             return ""
         # Where each marker sits in the plain text, counted in plain characters before it.
         at = [found.start() - k for k, found in enumerate(MARKS.finditer(self.marked))]
         return _derived(self.marked[start + bisect.bisect_left(at, start):stop + bisect.bisect_right(at, stop)],
-                        self.plain[start:stop])
+                        self.plain[start:stop], _then(self, "slice", key.start, key.stop))
 
     # Whatever else would read the marked text.
     __str__ = __repr__ = __format__ = __iter__ = __reversed__ = _diverge
@@ -176,10 +241,11 @@ def _unmarked(text: str) -> str:
     return text
 
 
-def _pieces(marked: list[str], plain: list[str]) -> list:
-    if len(marked) != len(plain):
-        _diverge()
-    return [_derived(m, p) for m, p in zip(marked, plain, strict=True)]
+def trimmed(text: str, method: str, chars: str | None) -> tuple[int, int]:
+    """How many characters `text.<method>(chars)` removes at its start and at its end."""
+    left = len(text) - len(text.lstrip(chars)) if method != "rstrip" else 0
+    right = len(text) - len(text.rstrip(chars)) if method != "lstrip" else 0
+    return (left, right) if left < len(text) else (left, 0)
 
 
 def twin_attribute(twin: Twin, attribute: str, undefined: Callable[..., Any]) -> Any:
@@ -257,6 +323,7 @@ def twin_filters(filters: dict[str, Callable]) -> dict[str, Callable]:
         def twin_tojson(value, *args, **kwargs):
             if not holds_twin(value):
                 return tojson(value, *args, **kwargs)
+            _poison()  # escaping: a field's JSON text is not the field's text
             return _derived(tojson(swapped(value, "marked"), *args, **kwargs),
                             tojson(swapped(value, "plain"), *args, **kwargs))
         out["tojson"] = twin_tojson
@@ -288,16 +355,20 @@ def _guarded(function: Callable) -> Callable:
     return guarded
 
 
-def render_twins(template, variables: dict[str, Any]) -> str | None:
+def render_twins(template, variables: dict[str, Any], trace: list | None = None) -> str | None:
     """The marked text of one render of a template compiled for Twins (without its markers, it is the plain
     render), or None if it diverged or failed (the caller renders twice, and meets the template's own error
     there). The Twins' own plain texts must hold no marker-range character (`marks.Marked.marker_text`);
-    any other text that reaches the output is checked on its way in."""
+    any other text that reaches the output is checked on its way in. `trace`: a list that receives what the
+    template learned about the fields (see the module docstring)."""
     _state.diverged = False
+    _state.trace = trace
     try:
         result = concat(template.root_render_func(template.new_context(variables)))
     except Exception:
         return None
+    finally:
+        _state.trace = None
     if _state.diverged:
         return None
     if type(result) is Twin:

@@ -89,15 +89,16 @@ class ChatTemplate:
         return self.compiled.render(messages=messages, tools=tools, documents=None,
                                     add_generation_prompt=add_generation_prompt, **self.kwargs)
 
-    def render_marked(self, marked: Marked, tools: list | None = None) -> str | None:
+    def render_marked(self, marked: Marked, tools: list | None = None, trace: list | None = None) -> str | None:
         """The marked text, in one render of messages whose marked fields are Twins (the text is the marked
         text without its markers), or None where the two could differ (the caller then renders twice): the
         template reads a field in a way Twins do not follow, or text the render meets (the template's, a
-        field's, any variable's) holds characters of the markers' range."""
+        field's, any variable's) holds characters of the markers' range. `trace`: see `pairs.render_twins`."""
         if self.compiled_for_twins is None or marked.marker_text:
             return None
         return twins.render_twins(self.compiled_for_twins, dict(
-            messages=marked.messages, tools=tools, documents=None, add_generation_prompt=False, **self.kwargs))
+            messages=marked.messages, tools=tools, documents=None, add_generation_prompt=False, **self.kwargs),
+            trace)
 
     def render_generation(self, messages: Sequence[dict], tools: list | None = None) -> tuple[str, list]:
         """The text and the character spans of its `{% generation %}` blocks, as transformers records them."""
@@ -206,6 +207,10 @@ class ChatTemplate:
         `<think>…</think>` moved to the reasoning field when the template renders one."""
         messages = []
         for index, message in enumerate(conversation.messages):
+            if len(message) == 2 and type(content := message.get("content")) is str and "role" in message and (
+                    message["role"] != "assistant" or not self.renders_reasoning or "</think>" not in content):
+                messages.append(message)  # a role and its text, as the template reads them already
+                continue
             reasoning = next((message[key] for key in REASONING_FIELDS if message.get(key) is not None), None)
             if reasoning is not None:
                 message = {**message, **dict.fromkeys(REASONING_FIELDS, reasoning)}

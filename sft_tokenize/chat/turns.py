@@ -35,6 +35,7 @@ from typing import Literal
 
 from sft_tokenize.chat.markers import MARK_BASE, MARK_SPLIT, mark
 from sft_tokenize.chat.pairs import Twin, swapped
+from sft_tokenize.chat.skeleton import Shape, SkeletonMismatch, Skeletons, agree, learn, shape_of
 from sft_tokenize.chat.template import ChatTemplate
 from sft_tokenize.errors import BadRow
 from sft_tokenize.sources.conversations import Conversation
@@ -61,11 +62,15 @@ class Rendered:
 class TurnFinder:
     """Finds the trained character spans of a conversation for one template and one training mode."""
 
-    def __init__(self, template: ChatTemplate, train_on: str = "all_assistant", reasoning_turns: str = "as-rendered"):
+    def __init__(self, template: ChatTemplate, train_on: str = "all_assistant", reasoning_turns: str = "as-rendered",
+                 skeletons: bool = True):
         self.template = template
         self.train_on = train_on
         self.reasoning_turns = reasoning_turns
         self._tail_ends = {role: template.boundaries(tail) for role, tail in template.prompt_tails.items()}
+        # Rows of a shape already rendered are filled in (skeleton.py), where the template reads fields as Twins.
+        usable = skeletons and template.compiled_for_twins is not None and not template.has_generation_blocks
+        self.skeletons = Skeletons(getattr(template.tokenizer, "name_or_path", "")) if usable else None
 
     def targets(self, conv: Conversation) -> list[int]:
         """Indices of the assistant messages whose turns are trained."""
@@ -76,13 +81,23 @@ class TurnFinder:
             return [i for i in assistant if i >= completion_start(conv)]
         return assistant
 
-    def find(self, conv: Conversation, targets: list[int]) -> list[Rendered]:
+    def find(self, conv: Conversation, targets: list[int], fields: bool = False) -> list[Rendered]:
         """The rows this conversation becomes: one, or with --reasoning-turns expand one more per turn whose
-        reasoning the template drops in history."""
+        reasoning the template drops in history. `fields`: each row says where its fields are (a row filled
+        from a skeleton does not)."""
         conv = self.template.prepare(conv)
         if self.template.has_generation_blocks:
             return [self._generation_spans(conv, targets)]
-        located = self._by_markers(conv, targets)
+        shape = None
+        if self.skeletons is not None and not fields and not conv.image_grids:
+            shape = shape_of(conv.messages, conv.tools, self.template.markable,
+                             any(_blank_reply(m) for m in conv.messages))
+            shape = shape and Shape((shape.key, tuple(targets), conv.completion_start), shape.values, shape.kinds,
+                                    shape.empty)
+            filled = self._filled(conv, targets, shape) if shape is not None else None
+            if filled is not None:
+                return [filled]
+        located = self._by_markers(conv, targets, shape)
         if located is None:
             return [self._by_prefixes(conv, targets)]
         main, stripped = located
@@ -107,17 +122,37 @@ class TurnFinder:
         located = self._by_markers(conv, []) if with_fields else None
         return Rendered(text, [(0, len(text))], fields=located[0].fields if located else ())
 
+    def _filled(self, conv: Conversation, targets: list[int], shape: Shape) -> Rendered | None:
+        """The row from a skeleton of its shape, checked against a full render where the guard rail says so."""
+        found = self.skeletons.find(shape)
+        if found is None:
+            return None
+        skeleton, check = found
+        text, regions = skeleton.fill(shape.values)
+        row = Rendered(text, regions, skeleton.append_eos)
+        if check:
+            full = self._by_markers(conv, targets)
+            if full is None or (full[0].text, full[0].regions, full[0].append_eos) != (text, regions, row.append_eos):
+                raise SkeletonMismatch(
+                    f"the chat template of {self.skeletons.name or 'the tokenizer'} renders a row "
+                    f"({text[:60]!r}...) otherwise than its learned skeleton: report the row; --render full "
+                    "renders every row in full")
+        return row
+
     # -- the two-render path ---------------------------------------------------------------------------------
 
-    def _by_markers(self, conv: Conversation, targets: list[int]) -> tuple[Rendered, list[int]] | None:
-        """(the row, targets whose reasoning the template dropped), or None when marking changes the render."""
+    def _by_markers(self, conv: Conversation, targets: list[int],
+                    shape: Shape | None = None) -> tuple[Rendered, list[int]] | None:
+        """(the row, targets whose reasoning the template dropped), or None when marking changes the render.
+        With the row's `shape`, a skeleton is learned from the render where one is exact."""
         template = self.template
         blank = any(_blank_reply(message) for message in conv.messages)
-        marked = mark(conv.messages, template.markable, empty=blank, twin=Twin)
+        marked = mark(conv.messages, template.markable, empty=blank, twin=Twin.of_field)
         if marked is None or not marked.owners:
             template.render(conv.messages, conv.tools)  # the template's own error, if it has one, is the row's
             return None
-        marked_text = template.render_marked(marked, conv.tools)
+        trace = [] if shape is not None and self.skeletons.learning() else None
+        marked_text = template.render_marked(marked, conv.tools, trace)
         plain_text = None
         if marked_text is None:  # the template reads a field in a way Twins cannot follow: render twice
             plain_text = template.render(conv.messages, conv.tools)
@@ -152,6 +187,7 @@ class TurnFinder:
             rendered.setdefault(marked.owners[fid], set()).add(marked.kinds[fid])
         anchors = _Anchors(fields)
         stripped, regions, append_eos = [], [], False
+        reach: list[tuple[int, str]] | None = [] if trace is not None else None  # headers read into a field
         for i in targets:
             kinds = rendered.get(i, set())
             self._check_rendered(conv.messages[i], i, owned.get(i, set()), kinds)
@@ -160,7 +196,7 @@ class TurnFinder:
             if kinds:
                 first, last = anchors.extent(i)
                 gap_start, previous = anchors.before(first, i)
-                header = self._header_end(text, gap_start, first, conv, previous)
+                header = self._header_end(text, gap_start, first, conv, previous, reach)
                 start = first if header is None else gap_start + header
                 end, eos = self._turn_end(text, last, anchors.after(last, i, len(text)))
                 regions.append((start, max(end, start)))
@@ -171,7 +207,7 @@ class TurnFinder:
             previous = next((k for k in range(i - 1, -1, -1) if anchors.has(k)), None)
             gap_start = anchors.extent(previous)[1] if previous is not None else 0
             bound = anchors.after(gap_start, -1 if previous is None else previous, len(text))
-            header = self._header_end(text, gap_start, bound, conv, previous)
+            header = self._header_end(text, gap_start, bound, conv, previous, reach)
             if header is None:
                 continue  # the template does not render this message: nothing of it to train
             start = gap_start + header
@@ -183,6 +219,15 @@ class TurnFinder:
             if completion_start(conv) != targets[0]:
                 return None  # the completion opens with a non-assistant message: prefix rendering decides
             regions = [(regions[0][0], regions[-1][1])]
+        if trace is not None and plain_text is None and not stripped:
+            starts = {position: fid for fid, position in opened.items()}
+            for position, rest in reach:  # the turn's start depends on how the field there begins: a fact too
+                if position not in starts or list(opened.values()).count(position) > 1:
+                    return Rendered(text, regions, append_eos, fields=tuple(fields)), stripped
+                trace.append(((starts[position], ()), "agree", (rest,), agree(rest, shape.values[starts[position]])))
+            skeleton = learn(shape, marked.kinds, marked_text, trace, regions, append_eos)
+            if skeleton is not None:
+                self.skeletons.keep(shape, skeleton)
         return Rendered(text, regions, append_eos, fields=tuple(fields)), stripped
 
     @staticmethod
@@ -194,10 +239,11 @@ class TurnFinder:
             raise BadRow("template_dropped_field", f"the chat template does not render messages[{i}].content")
 
     def _header_end(self, text: str, gap_start: int, gap_end: int, conv: Conversation,
-                    previous: int | None) -> int | None:
+                    previous: int | None, reach: list[tuple[int, str]] | None = None) -> int | None:
         """Where the header before a turn's first field ends, as an offset from `gap_start` (None if no header
         is there): the header lies in the text between the field before (at gap_start) and the turn's first
-        field (at gap_end)."""
+        field (at gap_end). Where the header's text still agrees at gap_end, what it agrees with is the field's:
+        (gap_end, the rest of the header) goes to `reach`."""
         template = self.template
         gap = text[gap_start:gap_end]
         if template.generation_prompt:  # the longest run of its first tokens, which may reach into the field
@@ -206,6 +252,9 @@ class TurnFinder:
                 found = gap.rfind(header[:end])
                 if found >= 0:
                     agreed = _agreeing_length(header, text, gap_start + found)
+                    inside = len(gap) - found  # of the header, what the gap holds
+                    if reach is not None and inside <= agreed < len(header):
+                        reach.append((gap_end, header[inside:]))
                     return found + ends[bisect.bisect_right(ends, agreed) - 1]  # ends ascend; ends[k] <= agreed
             return None
         # No generation prompt: the longest run of the last tokens of what a prompt ends with after that role.
@@ -319,7 +368,7 @@ def _blank_reply(message: dict) -> bool:
     template drops its reasoning or tool calls, so the row's blank fields are marked: that turn is then
     located by its body, and the turn after it starts after it."""
     content = message.get("content")
-    return message.get("role") == "assistant" and isinstance(content, str) and not content.strip()
+    return message.get("role") == "assistant" and isinstance(content, str) and (not content or content.isspace())
 
 
 def completion_start(conv: Conversation) -> int:

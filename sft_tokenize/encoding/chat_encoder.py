@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from itertools import chain
 from typing import Any
 
 import numpy as np
 
+from sft_tokenize.chat.skeleton import SkeletonMismatch
 from sft_tokenize.chat.template import ChatTemplate, special_pattern
 from sft_tokenize.chat.turns import Rendered, TurnFinder
-from sft_tokenize.encoding.exact import VERIFY_ROWS, EncoderMismatch, FastEncoder, IdsEncoding
+from sft_tokenize.encoding.exact import VERIFY_ROWS, EncoderMismatch, FastEncoder, FlatPlacement, IdsEncoding
 from sft_tokenize.encoding.image_runs import ImageRuns
 from sft_tokenize.encoding.vision import VisionFamily
 from sft_tokenize.errors import BadInput, BadRow
@@ -69,6 +69,15 @@ def first_token_at_or_after(enc, position: int, n_tokens: int, n_chars: int) -> 
     return n_tokens
 
 
+def _kept(placement: FlatPlacement) -> FlatPlacement:
+    """The placed rows of a placement only."""
+    counts = np.diff(placement.bounds)
+    tokens = np.repeat(placement.placed, counts)
+    bounds = np.concatenate([[0], np.cumsum(counts[placement.placed])])
+    return FlatPlacement(placement.ids[tokens], bounds, placement.starts[tokens], placement.ends[tokens],
+                         np.ones(int(placement.placed.sum()), dtype=bool))
+
+
 class _Segments:
     """A row encoded piece by piece (control-token text inside messages encoded as plain text): ids and
     token offsets, with the same interface the mask code uses on a tokenizers Encoding."""
@@ -91,11 +100,11 @@ class ChatEncoder:
     def __init__(self, tokenizer, train_on: str = "all_assistant", max_length: int | None = None,
                  truncation: str = "truncate", template_kwargs: Mapping[str, Any] | None = None,
                  reasoning_turns: str = "as-rendered", special_text: str = "literal",
-                 fast: FastEncoder | None = None, vision: VisionFamily | None = None):
+                 fast: FastEncoder | None = None, vision: VisionFamily | None = None, skeletons: bool = True):
         self.tokenizer = tokenizer
         source = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
         self.template = ChatTemplate(source, tokenizer, template_kwargs) if source else None
-        self.turns = TurnFinder(self.template, train_on, reasoning_turns) if self.template else None
+        self.turns = TurnFinder(self.template, train_on, reasoning_turns, skeletons) if self.template else None
         self.train_on = train_on
         self.max_length = max_length
         self.truncation = truncation
@@ -136,12 +145,14 @@ class ChatEncoder:
                 targets = self.turns.targets(example)
                 if not targets:
                     return ["no_assistant_turn"]
-                rows = self.turns.find(example, targets)
+                rows = self.turns.find(example, targets, fields=literal)
             if example.image_grids:
                 rows = [self.images.expand(row, example.image_grids) for row in rows]
             return rows
         except BadRow as bad:
             return [bad]
+        except SkeletonMismatch:
+            raise
         except Exception as error:  # the template raised (e.g. roles must alternate)
             detail = (str(error).strip().splitlines() or [type(error).__name__])[0]
             return [BadRow("template_error", f"chat template failed: {detail}")]
@@ -154,6 +165,18 @@ class ChatEncoder:
         if isinstance(example, str):
             found = special.search(example)
             return ("text", found.group()) if found else None
+        # One search over the usual fields joined (no control token holds NUL); the walk below says where.
+        texts, plain = [], True
+        for message in example.messages:
+            content = message.get("content")
+            if type(content) is str:
+                texts.append(content)
+            elif content is not None:
+                plain = False
+            if len(message) > 2:
+                texts += [value for key in REASONING_FIELDS if type(value := message.get(key)) is str]
+        if plain and not special.search("\0".join(texts)):
+            return None
         for i, message in enumerate(example.messages):
             for key in ("content", *REASONING_FIELDS):
                 value = message.get(key)
@@ -203,27 +226,71 @@ class ChatEncoder:
                 else:
                     outcomes[-1] = result
         unverified: list[tuple] = []
-        encodings, verified = self._encode(rows, verify_rows, unverified if defer_verify else None)
-        ids_lists = []
-        for (_, rendered, _), enc in zip(rows, encodings, strict=True):
+        encodings, verified, flat = self._encode(rows, verify_rows, unverified if defer_verify else None)
+        if flat is not None and len(flat[0]) == len(rows) and not any(r.append_eos for _, r, _ in rows):
+            input_ids, loss_mask, starts = flat[1].ids, self._flat_mask(rows, *flat), flat[1].bounds
+        else:
+            input_ids, loss_mask, starts = self._assemble(rows, encodings, flat)
+        if self.images is not None:
+            loss_mask[self.images.vision_mask(input_ids)] = 0
+        batch = self._apply_max_length(outcomes, origins, [c for c, _, _ in rows], input_ids, loss_mask, starts)
+        return replace(batch, **counts, rows_verified=verified, unverified=tuple(unverified))
+
+    def _assemble(self, rows: list[tuple[int, Rendered, bool]], encodings: list[Any],
+                  flat: tuple[list[int], FlatPlacement] | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every row's ids and mask end to end: the flat placement's rows sliced, the others one by one."""
+        flat_mask = self._flat_mask(rows, *flat) if flat is not None else None
+        in_flat = {k: j for j, k in enumerate(flat[0])} if flat is not None else {}
+        ids_parts, mask_parts = [], []
+        for k, ((_, rendered, _), enc) in enumerate(zip(rows, encodings, strict=True)):
+            j = in_flat.get(k)
+            if j is not None:
+                a, b = flat[1].bounds[j], flat[1].bounds[j + 1]
+                ids_parts.append(flat[1].ids[a:b])
+                mask_parts.append(flat_mask[a:b])
+                if rendered.append_eos and self.eos_id is not None:  # no end-of-turn token after the last turn
+                    ids_parts.append(np.array([self.eos_id], dtype=np.int32))
+                    mask_parts.append(np.ones(1, dtype=np.int8))
+                continue
             ids = list(enc.ids)
             if rendered.token_rule == "text" and self.eos_id is not None and (not ids or ids[-1] != self.eos_id):
                 ids.append(self.eos_id)  # plain text: BOS as the tokenizer adds it, then EOS
             elif rendered.append_eos and self.eos_id is not None:
                 ids.append(self.eos_id)  # the template wrote no end-of-turn token after the last turn
-            ids_lists.append(ids)
-        lengths = np.fromiter(map(len, ids_lists), dtype=np.int64, count=len(ids_lists))
-        starts = np.zeros(len(lengths) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=starts[1:])
-        input_ids = np.fromiter(chain.from_iterable(ids_lists), dtype=np.int32, count=int(starts[-1]))
-        loss_mask = np.zeros(len(input_ids), dtype=np.int8)
-        for (_, rendered, _), enc, offset, length in zip(rows, encodings, starts[:-1], lengths, strict=True):
-            for first, stop in self._token_spans(rendered, enc, int(length)):
-                loss_mask[offset + first:offset + stop] = 1
-        if self.images is not None:
-            loss_mask[self.images.vision_mask(input_ids)] = 0
-        batch = self._apply_max_length(outcomes, origins, [c for c, _, _ in rows], input_ids, loss_mask, starts)
-        return replace(batch, **counts, rows_verified=verified, unverified=tuple(unverified))
+            mask = np.zeros(len(ids), dtype=np.int8)
+            for first, stop in self._token_spans(rendered, enc, len(ids)):
+                mask[first:stop] = 1
+            ids_parts.append(np.asarray(ids, dtype=np.int32))
+            mask_parts.append(mask)
+        lengths = np.fromiter(map(len, ids_parts), dtype=np.int64, count=len(ids_parts))
+        per_row = np.zeros(len(rows) + 1, dtype=np.int64)
+        owners = np.repeat(np.arange(len(rows)), [2 if (k in in_flat and rows[k][1].append_eos and
+                                                       self.eos_id is not None) else 1 for k in range(len(rows))])
+        np.add.at(per_row, owners + 1, lengths)
+        empty = (np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int8))
+        return (np.concatenate(ids_parts) if ids_parts else empty[0], np.concatenate(mask_parts) if mask_parts
+                else empty[1], np.cumsum(per_row))
+
+    @staticmethod
+    def _flat_mask(rows: list[tuple[int, Rendered, bool]], chosen: list[int], placed: FlatPlacement) -> np.ndarray:
+        """The loss mask of the flat placement's rows: each trained character span becomes the tokens from the
+        first starting at or after its start to the first starting at or after its end, for all rows at once."""
+        texts = np.fromiter((len(rows[k][1].text) for k in chosen), dtype=np.int64, count=len(chosen))
+        base = np.concatenate([[0], np.cumsum(texts)])  # each row's first character, rows end to end
+        counts = np.diff(placed.bounds)
+        starts = placed.starts + np.repeat(base[:-1], counts)  # ascending across the batch
+        row_of, edges = [], []
+        for j, k in enumerate(chosen):
+            for begin, end in rows[k][1].regions:
+                row_of.append(j)
+                edges.append((begin, end))
+        delta = np.zeros(len(starts) + 1, dtype=np.int32)
+        if edges:
+            at = np.asarray(edges, dtype=np.int64) + base[np.asarray(row_of)][:, None]
+            first, stop = np.searchsorted(starts, at[:, 0], "left"), np.searchsorted(starts, at[:, 1], "left")
+            np.add.at(delta, first, 1)
+            np.add.at(delta, stop, -1)
+        return (np.cumsum(delta[:-1]) > 0).astype(np.int8)
 
     def verify(self, batch: EncodedBatch) -> EncodedBatch:
         """Check the rows another process's encoder deferred (see encode_batch) against HF's."""
@@ -279,27 +346,34 @@ class ChatEncoder:
             input_ids, loss_mask = input_ids[selection], loss_mask[selection]
         return EncodedBatch(input_ids, loss_mask, np.array(kept_offsets, dtype=np.int64), outcomes, origins)
 
-    def _encode(self, rows: list[tuple[int, Rendered, bool]], verify_rows: int,
-                deferred: list[tuple] | None = None) -> tuple[list[Any], int]:
+    def _encode(self, rows: list[tuple[int, Rendered, bool]], verify_rows: int, deferred: list[tuple] | None = None
+                ) -> tuple[list[Any], int, tuple[list[int], FlatPlacement] | None]:
         """One batch call for ordinary rows; rows with control-token text in them are encoded in pieces. Also
-        the number of rows verified (see encode_batch), or put in `deferred` to be verified elsewhere."""
+        the number of rows verified (see encode_batch), or put in `deferred` to be verified elsewhere, and the
+        chat rows the fast encoder placed, as (their indices in `rows`, the placement), whose encodings are None."""
         encodings: list[Any] = [None] * len(rows)
-        verified = 0
+        verified, flat = 0, None
         for add_special in (False, True):  # rendered chats carry their own special tokens; text rows do not
             chosen = [k for k, (_, rendered, literal) in enumerate(rows)
                       if not literal and (rendered.token_rule == "text") == add_special]
             if chosen and self.fast is not None:
-                placed = self.fast.encode([rows[k][1].text for k in chosen], add_special_tokens=add_special)
-                for k, enc in zip(chosen, placed, strict=True):
-                    encodings[k] = enc
-                verify = max(verify_rows - verified, 0)
-                checked = ([rows[k][1] for k in chosen[:verify]], placed[:verify], add_special)
+                placement = self.fast.encode_flat([rows[k][1].text for k in chosen], add_special_tokens=add_special)
+                verify = min(max(verify_rows - verified, 0), len(chosen))
+                checked = ([rows[k][1] for k in chosen[:verify]], [placement.row(j) for j in range(verify)],
+                           add_special)
                 if deferred is None:
                     self._verify(*checked)
                 elif checked[0]:
                     deferred.append(checked)
-                verified += len(chosen[:verify])
-                chosen = [k for k in chosen if encodings[k] is None]  # rows it could not place: HF's
+                verified += verify
+                if not add_special and all(rows[k][1].token_rule == "start" for k in chosen):
+                    flat = ([k for j, k in enumerate(chosen) if placement.placed[j]],
+                            placement if placement.placed.all() else _kept(placement))
+                else:
+                    for j, k in enumerate(chosen):
+                        encodings[k] = placement.row(j)
+                placed = set(flat[0]) if flat is not None and not add_special else set()
+                chosen = [k for k in chosen if encodings[k] is None and k not in placed]  # rows it could not place
             if chosen:
                 batch = self.backend.encode_batch([rows[k][1].text for k in chosen], add_special_tokens=add_special)
                 for k, enc in zip(chosen, batch, strict=True):
@@ -307,7 +381,7 @@ class ChatEncoder:
         for k, (_, rendered, literal) in enumerate(rows):
             if literal:
                 encodings[k] = self._encode_literally(rendered)
-        return encodings, verified
+        return encodings, verified, flat
 
     def _verify(self, rendered: list[Rendered], placed: list, add_special: bool) -> None:
         """The first rows the fast encoder gives: the same ids and trained spans as HF's, or a loud failure."""

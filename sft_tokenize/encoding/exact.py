@@ -176,24 +176,61 @@ class FastEncoder:
             self._native.start()
 
     def encode(self, texts: list[str], add_special_tokens: bool) -> list[IdsEncoding | None]:
+        placed = self.encode_flat(texts, add_special_tokens)
+        return [placed.row(k) for k in range(len(texts))]
+
+    def encode_flat(self, texts: list[str], add_special_tokens: bool) -> FlatPlacement:
+        """Every row's ids end to end and each token's first character, for the whole batch at once (numpy over
+        the batch, no per-row work where the batch is ASCII)."""
         flat, bounds = self.native.encode_batch_flat(texts, add_special_tokens=add_special_tokens)
-        ids = np.frombuffer(flat, dtype=np.uint32).astype(np.int64)
+        ids = np.frombuffer(flat, dtype=np.uint32)
         bounds = np.frombuffer(bounds, dtype=np.uint64).astype(np.int64)
         known = ids < len(self.byte_lengths)
         lengths = np.where(known, self.byte_lengths[np.where(known, ids, 0)], -1)
-        return [self._place(text, ids[a:b], lengths[a:b]) for text, a, b in zip(texts, bounds[:-1], bounds[1:],
-                                                                                 strict=True)]
+        counts = np.diff(bounds)
+        ascii_ = "".join(texts).isascii()  # O(1) per text in CPython; the usual case
+        chars = np.fromiter(map(len, texts), dtype=np.int64, count=len(texts))
+        row_bytes = chars if ascii_ else np.fromiter((len(t.encode("utf-8")) for t in texts), dtype=np.int64,
+                                                     count=len(texts))
+        covered = np.concatenate([[0], np.cumsum(lengths)])
+        unknown = np.concatenate([[0], np.cumsum(lengths <= 0)])
+        placed = covered[bounds[1:]] - covered[bounds[:-1]] == row_bytes  # the tokens cover the text byte for byte
+        placed &= unknown[bounds[1:]] == unknown[bounds[:-1]]
+        if self.nfc and not ascii_:  # the tokens cover the normalized text, not this one
+            placed &= np.fromiter((unicodedata.is_normalized("NFC", t) for t in texts), dtype=bool, count=len(texts))
+        row_of = np.repeat(np.arange(len(texts)), counts)
+        byte_starts = covered[:-1] - covered[bounds[:-1]][row_of]  # each token's first byte in its row
+        if ascii_:
+            starts, ends = byte_starts, byte_starts + lengths
+        else:  # characters of each byte, over the batch's texts end to end
+            data = np.frombuffer("".join(texts).encode("utf-8"), dtype=np.uint8)
+            char_of_byte = np.cumsum((data & 0xC0) != 0x80, dtype=np.int64) - 1
+            row_byte = np.concatenate([[0], np.cumsum(row_bytes)])[:-1][row_of]
+            row_char = np.concatenate([[0], np.cumsum(chars)])[:-1][row_of]
+            ok = np.repeat(placed, counts)  # an unplaced row's tokens may point past its text
+            first = np.where(ok, byte_starts + row_byte, 0)
+            last = np.where(ok, byte_starts + lengths - 1 + row_byte, 0)
+            starts, ends = char_of_byte[first] - row_char, char_of_byte[last] + 1 - row_char
+        starts[~np.repeat(placed, counts)] = 0  # unplaced rows' tokens: never read
+        return FlatPlacement(ids.astype(np.int32), bounds, starts, ends, placed)
 
-    def _place(self, text: str, ids: np.ndarray, lengths: np.ndarray) -> IdsEncoding | None:
-        data = text.encode("utf-8")
-        if (lengths <= 0).any() or int(lengths.sum()) != len(data):
-            return None  # an id of unknown length, or text the tokens do not cover byte for byte
-        if self.nfc and not unicodedata.is_normalized("NFC", text):
-            return None  # the tokens cover the normalized text, not this one
-        char_of_byte = np.cumsum((np.frombuffer(data, dtype=np.uint8) & 0xC0) != 0x80, dtype=np.int64) - 1
-        ends = np.cumsum(lengths)
-        starts = char_of_byte[ends - lengths] if len(ids) else np.zeros(0, dtype=np.int64)
-        return IdsEncoding(ids.tolist(), starts, char_of_byte[ends - 1] + 1 if len(ids) else starts)
+
+@dataclass(frozen=True)
+class FlatPlacement:
+    """A batch's ids end to end (`bounds`: row k is [bounds[k], bounds[k+1])), each token's first and past-last
+    character in its row, and whether each row was placed (the tokens cover its text byte for byte)."""
+
+    ids: np.ndarray  # int32
+    bounds: np.ndarray  # int64
+    starts: np.ndarray  # int64
+    ends: np.ndarray  # int64
+    placed: np.ndarray  # bool, per row
+
+    def row(self, k: int) -> IdsEncoding | None:
+        if not self.placed[k]:
+            return None
+        a, b = self.bounds[k], self.bounds[k + 1]
+        return IdsEncoding(self.ids[a:b].tolist(), self.starts[a:b], self.ends[a:b])
 
 
 def rebuilt_encoder(tokenizer_json: str, byte_lengths: np.ndarray, nfc: bool) -> FastEncoder:

@@ -100,7 +100,8 @@ def test_the_fingerprints_of_an_option_set_are_those_of_the_caches_built_before(
 
 def test_what_does_not_change_the_rows_does_not_change_the_fingerprint(inputs):
     default = planned(inputs)
-    other = planned(inputs, encoder="hf", shard_size="1MB", writer_batch_rows=10, writer_batch_bytes="1MB",
+    other = planned(inputs, encoder="hf", render="full", shard_size="1MB", writer_batch_rows=10,
+                    writer_batch_bytes="1MB",
                     name="renamed", storage_options={"anon": False},
                     truncation="drop")  # no --max-length: nothing is ever truncated or dropped
     assert other.job.fingerprint == default.job.fingerprint
@@ -126,7 +127,8 @@ def test_the_job_carries_the_options_as_the_slices_use_them(inputs):
         "chat_template": None,
         "columns": {"format": "chat", "columns": {"messages": "messages", "system": "system", "tools": "tools"}},
         "train_on": "all_assistant", "template_kwargs": {}, "reasoning_turns": "expand", "special_text": "keep",
-        "encoder": "hf", "max_length": 300, "truncation": "drop", "on_bad_row": "skip", "max_row_bytes": 1 << 20,
+        "encoder": "hf", "render": "skeleton", "max_length": 300, "truncation": "drop", "on_bad_row": "skip",
+        "max_row_bytes": 1 << 20,
         "extra_columns": ("labels",), "layout": "skyrl", "writer_batch_rows": 10, "writer_batch_bytes": 10**6,
         "trust_remote_code": False, "storage_options": {"anon": False}, "system_prompt": None,
         "images": "embed", "image_root": None, "max_image_bytes": 50 * 10**6, "processor_config": "",
@@ -146,7 +148,8 @@ def test_the_command_line_gives_the_flow_its_options():
         "system_prompt": None,
         "train_on": "all_assistant", "max_length": None, "truncation": "truncate", "chat_template": None,
         "extra_columns": [], "template_kwargs": {}, "reasoning_turns": "as-rendered", "special_text": "literal",
-        "encoder": "auto", "layout": "skyrl", "split": "train", "subset": None, "on_bad_row": "raise",
+        "encoder": "auto", "render": "skeleton", "layout": "skyrl", "split": "train", "subset": None,
+        "on_bad_row": "raise",
         "shard_size": "256MB", "max_row_bytes": "2MB", "storage_options": {}, "runner": "threads",
         "dask_address": None, "ray_address": None, "workers": None, "encode_processes": None, "force": False,
         "keep_versions": None,
@@ -157,7 +160,8 @@ def test_the_command_line_gives_the_flow_its_options():
         "--messages-column", "conv", "--column", "system=sys", "--system-prompt", "Be brief.",
         "--train-on", "last_assistant", "--max-length", "256",
         "--truncation", "drop", "--chat-template", "f.jinja", "--template-kwargs", '{"x": 1}',
-        "--reasoning-turns", "expand", "--special-text", "keep", "--encoder", "hf", "--extra-column", "labels",
+        "--reasoning-turns", "expand", "--special-text", "keep", "--encoder", "hf", "--render", "full",
+        "--extra-column", "labels",
         "--extra-column", "attention_mask", "--layout", "trl", "--split", "test", "--subset", "s",
         "--on-bad-row", "skip", "--shard-size", "1MB", "--max-row-bytes", "1MB", "--storage-options",
         '{"anon": true}', "--runner", "dask", "--dask-address", "tcp://h:1", "--workers", "3",
@@ -169,7 +173,7 @@ def test_the_command_line_gives_the_flow_its_options():
         "train_on": "last_assistant", "max_length": 256,
         "truncation": "drop", "chat_template": "f.jinja", "extra_columns": ["labels", "attention_mask"],
         "template_kwargs": {"x": 1}, "reasoning_turns": "expand", "special_text": "keep", "encoder": "hf",
-        "layout": "trl", "split": "test", "subset": "s", "on_bad_row": "skip", "shard_size": "1MB",
+        "render": "full", "layout": "trl", "split": "test", "subset": "s", "on_bad_row": "skip", "shard_size": "1MB",
         "max_row_bytes": "1MB", "storage_options": {"anon": True}, "runner": "dask", "dask_address": "tcp://h:1",
         "ray_address": None, "workers": 3, "encode_processes": 0, "force": True, "keep_versions": 2, "retries": 5,
     }

@@ -22,7 +22,7 @@ def renders(template, conversation: Conversation):
         plain = template.render(prepared.messages, prepared.tools)
     except Exception:  # noqa: BLE001 - the template's own refusal: nothing to compare
         return None
-    twins = mark(prepared.messages, template.markable, twin=Twin)
+    twins = mark(prepared.messages, template.markable, twin=Twin.of_field)
     marked = mark(prepared.messages, template.markable)
     return (template.render_marked(twins, prepared.tools), plain,
             template.render(marked.messages, prepared.tools))
@@ -76,7 +76,7 @@ def test_other_readings_of_a_field_render_twice_with_the_same_mask(family_tokeni
     encoder = ChatEncoder(tokenizer)
     conversation = Conversation(CONVERSATIONS[1])
     prepared = encoder.template.prepare(conversation)
-    twins = mark(prepared.messages, encoder.template.markable, twin=Twin)
+    twins = mark(prepared.messages, encoder.template.markable, twin=Twin.of_field)
     assert encoder.template.render_marked(twins) is None
     [got] = encoder.encode_batch([conversation]).results()
     want = oracle(tokenizer, conversation.messages)
@@ -91,7 +91,7 @@ def test_the_template_takes_the_branches_of_the_plain_text(family_tokenizer):
     tokenizer = load_tokenizer(family_tokenizer("chatml"), chat_template=CHATML_WITH.format(body=body))
     template = ChatEncoder(tokenizer).template
     messages = [{"role": "user", "content": "<tool>q</tool>"}, {"role": "assistant", "content": " <tool>a</tool> "}]
-    one = template.render_marked(mark(messages, template.markable, twin=Twin))
+    one = template.render_marked(mark(messages, template.markable, twin=Twin.of_field))
     assert MARKS.sub("", one) == template.render(messages)
     assert one.count("[T]") == 1 and len(MARKS.findall(one)) == 4  # " <tool>" does not start with "<tool>"
 
@@ -122,7 +122,7 @@ def test_text_that_holds_marker_characters_is_rendered_twice(family_tokenizer, w
     if where == "template":
         assert encoder.template.compiled_for_twins is None
     else:
-        twins = mark(messages, encoder.template.markable, twin=Twin)
+        twins = mark(messages, encoder.template.markable, twin=Twin.of_field)
         assert twins.owners and twins.marker_text == (where == "content")
         assert encoder.template.render_marked(twins) is None
     # The oracle renders with apply_chat_template, which takes no template arguments: the icon goes in the source.

@@ -1,0 +1,323 @@
+"""Skeletons: a template's render of one conversation shape, learned once, filled with each row's fields.
+
+Most rows of a dataset share a handful of shapes: the same roles in the same order, the same keys, the same
+tools. A chat template renders every row of a shape the same way around its fields, unless it looks at a
+field's text and branches on it. So the first row of a shape is rendered with its fields marked and the render
+traced (`pairs.py`): the output splits into constant text and field slots, the trained spans are known offsets
+from them, and the trace lists every fact the template learned about a field (`'</think>' in content`, what a
+strip removed, whether a field is empty). A later row of that shape whose fields give the same facts takes the
+same branches, so its text is the constants with its fields in the slots and its trained spans are the same
+offsets: no Jinja, no marker search.
+
+A shape is learned only where that is exact by construction: every field reaches the output whole (the text
+between its markers is the field's text), the trace holds only facts that can be checked on another row, and
+no trained span starts or ends inside a field. Anything else (a row whose fields hold marker characters, a
+template that JSON-escapes a field, hashes it or cuts pieces out of it) keeps taking the full render. The key
+holds every value that is not a field as it is, and each field's surrounding whitespace.
+
+The guard rail: the first row filled from each skeleton, and one row in `SAMPLE_EVERY` after that, are also
+rendered in full and must agree, or the run stops (`SkeletonMismatch`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from itertools import accumulate
+from os.path import commonprefix
+from typing import Any
+
+import orjson
+
+from sft_tokenize.chat.markers import _NO_REASONING, MARK_BASE, MARK_LIMIT, MARK_SPLIT, holds_marks
+from sft_tokenize.chat.pairs import _FIELD, POISON, trimmed
+from sft_tokenize.sources.conversations import REASONING_FIELDS
+
+SAMPLE_EVERY = 64  # one filled row in this many is rendered in full too, and compared
+MAX_PER_SHAPE = 8  # skeletons kept for one shape (rows whose fields take other branches)
+MAX_SKELETONS = 4096  # in all, per template: a dataset whose every row is its own shape stops learning
+
+
+_ROLE_CONTENT = ("role", "content")
+
+
+class SkeletonMismatch(RuntimeError):
+    """A skeleton's text or trained spans differ from the full render of a row: never written, always raised."""
+
+
+class _Miss(Exception):
+    """A row's fields do not give a skeleton's facts."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a row is keyed by, and its fields' texts (in the order `markers.mark` numbers them)."""
+
+    key: tuple
+    values: list[str]
+    kinds: list[str]
+    empty: bool  # blank assistant replies are marked too (see turns._blank_reply)
+
+
+def _frozen(value: Any) -> Any:
+    """A value that is not a field, as a key part; raises _Miss for one that could hold marker characters."""
+    kind = type(value)
+    if kind is str:
+        if holds_marks(value):
+            raise _Miss
+        return value
+    if value is None or kind is bool or kind is int or kind is float:
+        return (kind, value)
+    try:
+        dumped = orjson.dumps(value)
+    except TypeError:
+        raise _Miss from None
+    if b"\xf3" in dumped:  # the UTF-8 lead byte of the markers' plane
+        raise _Miss
+    return (kind, dumped)
+
+
+def shape_of(messages: list[dict], tools: Any, kinds: frozenset[str], empty: bool) -> Shape | None:
+    """The row's shape, walking its messages as `markers.mark` does (same fields, same order), or None when a
+    skeleton cannot stand for it."""
+    values: list[str] = []
+    field_kinds: list[str] = []
+
+    def field(text: Any, kind: str) -> Any:
+        if type(text) is not str or kind not in kinds:
+            return _frozen(text)
+        core = text.strip()
+        if not (core or empty):
+            return _frozen(text)
+        if holds_marks(text):
+            raise _Miss
+        values.append(text)
+        field_kinds.append(kind)
+        if len(core) == len(text):
+            return 0
+        if not core:
+            return (1, text)
+        return (2, text[: len(text) - len(text.lstrip())], text[len(text.rstrip()):])
+
+    markable_content = "content" in kinds
+    try:
+        key: list[Any] = [_frozen(tools), empty]
+        for message in messages:
+            if type(message) is not dict:
+                return None
+            if len(message) == 2 and tuple(message) == _ROLE_CONTENT and type(role := message["role"]) is str:
+                content = message["content"]  # the usual message, keyed apart from the general case's tuples
+                if type(content) is str and markable_content and not holds_marks(role):
+                    key.append((role, field(content, "content")))
+                    continue
+            reasoning_keys = (message.get("role") == "assistant" and not _NO_REASONING.issuperset(message))
+            reasoning = None
+            if reasoning_keys:
+                reasoning = next((message[k] for k in REASONING_FIELDS if isinstance(message.get(k), str)), None)
+            parts: list[Any] = []
+            for name, value in message.items():
+                if name == "content":
+                    parts.append(field(value, "content"))
+                elif name in REASONING_FIELDS and reasoning is not None:
+                    parts.append(name)  # all of them carry the one reasoning field
+                elif name == "tool_calls" and value:
+                    parts.append(_frozen(None))  # placeholder: the calls come after the reasoning, as mark numbers them
+                else:
+                    parts.append((name, _frozen(value)))
+            if reasoning is not None:
+                parts.append(field(reasoning, "reasoning"))
+            if message.get("tool_calls"):
+                calls = message["tool_calls"]
+                if type(calls) is not list:
+                    return None
+                for call in calls:
+                    if type(call) is not dict:
+                        return None
+                    function = call.get("function") or {}
+                    if type(function) is not dict:
+                        return None
+                    parts.append((tuple(call), tuple(function),
+                                  field(call["id"], "tool_id") if "id" in call else None,
+                                  field(function.get("name"), "tool_name"),
+                                  field(function.get("arguments"), "tool_arguments"),
+                                  tuple((k, _frozen(v)) for k, v in call.items() if k not in ("id", "function")),
+                                  tuple((k, _frozen(v)) for k, v in function.items()
+                                        if k not in ("name", "arguments"))))
+            key.append((tuple(message), tuple(parts)))
+    except _Miss:
+        return None
+    if MARK_BASE + 2 * len(values) > MARK_LIMIT:
+        return None
+    return Shape(tuple(key), values, field_kinds, empty)
+
+
+# -- replaying a trace ---------------------------------------------------------------------------------------
+
+def _replayed(origin: tuple, values: list[str]) -> str:
+    """The value a traced render asked about: a field's text with the same operations applied."""
+    fid, steps = origin
+    value = values[fid]
+    for step in steps:
+        name = step[0]
+        if name == "add":
+            value = value + step[1]
+        elif name == "radd":
+            value = step[1] + value
+        elif name in ("strip", "lstrip", "rstrip"):
+            value = getattr(value, name)(step[1])
+        elif name in ("split", "rsplit"):
+            pieces = getattr(value, name)(step[1], step[2])
+            if len(pieces) != step[4]:
+                raise _Miss
+            value = pieces[step[3]]
+        elif name == "replace":
+            value = value.replace(step[1], step[2], step[3])
+        elif name == "slice":
+            value = value[step[1]:step[2]]
+        else:
+            raise _Miss
+    return value
+
+
+def agree(rest: str, value: str) -> int:
+    """How many characters of `rest` (a header's text past the constant text) the field's text begins with, or
+    -1 where all of the field's text agrees (the text after it, another row's, would decide)."""
+    core = value.strip()
+    n = len(commonprefix([rest, core]))
+    return n if n < len(core) or n == len(rest) else -1
+
+
+_FACTS: dict[str, Callable[..., Any]] = {
+    "agree": lambda v, rest: agree(rest, v),
+    "bool": bool, "len": len,
+    "eq": lambda v, o: v == o, "ne": lambda v, o: v != o, "lt": lambda v, o: v < o, "le": lambda v, o: v <= o,
+    "gt": lambda v, o: v > o, "ge": lambda v, o: v >= o,
+    "contains": lambda v, item: item in v,
+    "startswith": lambda v, *a: v.startswith(*a), "endswith": lambda v, *a: v.endswith(*a),
+    "strip": lambda v, chars: trimmed(v, "strip", chars), "lstrip": lambda v, chars: trimmed(v, "lstrip", chars),
+    "rstrip": lambda v, chars: trimmed(v, "rstrip", chars),
+    "split": lambda v, sep, n: len(v.split(sep, n)), "rsplit": lambda v, sep, n: len(v.rsplit(sep, n)),
+    "count": lambda v, old: v.count(old) if old else -1,
+    "slice": lambda v, start, stop: slice(start, stop).indices(len(v))[:2],
+}
+
+
+def _is_ref(arg: Any) -> bool:
+    return type(arg) is tuple and len(arg) == 2 and arg[0] is _FIELD
+
+
+@dataclass(frozen=True)
+class Skeleton:
+    """Constant text around field slots, the facts a row must give, and the trained spans as offsets."""
+
+    constants: tuple[str, ...]  # len(slots) + 1
+    slots: tuple[int, ...]  # field ids, in the order they appear
+    facts: tuple[tuple, ...]  # (origin, fact, args, result)
+    regions: tuple[tuple[int, int, int, int], ...]  # (slots before, constant chars before) of start, then end
+    append_eos: bool
+
+    def holds(self, values: list[str]) -> bool:
+        try:
+            for origin, fact, args, result in self.facts:
+                value = _replayed(origin, values)
+                if args:
+                    args = tuple(_replayed(a[1], values) if _is_ref(a) else a for a in args)
+                if _FACTS[fact](value, *args) != result:
+                    return False
+        except _Miss:
+            return False
+        return True
+
+    def fill(self, values: list[str]) -> tuple[str, list[tuple[int, int]]]:
+        cores = [values[fid].strip() for fid in self.slots]
+        constants = self.constants
+        parts = [constants[0]]
+        for k, core in enumerate(cores):
+            parts.append(core)
+            parts.append(constants[k + 1])
+        before = list(accumulate(map(len, cores), initial=0))
+        regions = [(c0 + before[s0], c1 + before[s1]) for s0, c0, s1, c1 in self.regions]
+        return "".join(parts), regions
+
+
+def learn(shape: Shape, marked_kinds: list[str], marked_text: str, trace: list,
+          regions: list[tuple[int, int]], append_eos: bool) -> Skeleton | None:
+    """The skeleton of a marked render of `shape`'s row with its trace and trained spans, or None where it
+    would not be exact (see the module docstring)."""
+    if POISON in trace or marked_kinds != shape.kinds or any(f[1] == "agree" and f[3] < 0 for f in trace):
+        return None
+    cores = [value.strip() for value in shape.values]
+    pieces = MARK_SPLIT.split(marked_text)  # text, mark, text, mark, ..., text
+    constants, slots = [pieces[0]], []
+    starts: list[int] = [0]  # where each constant begins in the plain text
+    k, position = 1, len(pieces[0])
+    while k < len(pieces):
+        code = ord(pieces[k]) - MARK_BASE
+        fid = code >> 1
+        # An opening marker, the field's whole text, its closing marker; nothing else between.
+        if (code & 1 or fid >= len(cores) or k + 2 >= len(pieces) or pieces[k + 1] != cores[fid]
+                or ord(pieces[k + 2]) != MARK_BASE + 2 * fid + 1):
+            return None
+        slots.append(fid)
+        position += len(cores[fid])
+        starts.append(position)
+        constants.append(pieces[k + 3])
+        position += len(pieces[k + 3])
+        k += 4
+    lengths = [len(cores[fid]) for fid in slots]
+    before = list(accumulate(lengths, initial=0))
+
+    def offset(point: int) -> tuple[int, int] | None:
+        for s, start in enumerate(starts):  # constant s spans [start, start + len(constants[s])]
+            if start <= point <= start + len(constants[s]):
+                return s, point - before[s]
+        return None  # inside a field's text
+
+    mapped = []
+    for begin, end in regions:
+        a, b = offset(begin), offset(end)
+        if a is None or b is None:
+            return None
+        mapped.append((*a, *b))
+    facts: dict[tuple, Any] = {}
+    for origin, fact, args, result in trace:
+        try:
+            facts.setdefault((origin, fact, args), result)
+        except TypeError:  # an unhashable argument (a list compared with a field): not kept as a fact
+            return None
+    return Skeleton(tuple(constants), tuple(slots), tuple((*key, result) for key, result in facts.items()),
+                    tuple(mapped), append_eos)
+
+
+class Skeletons:
+    """One template's learned skeletons, by shape; shared by the threads of a process."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._by_key: dict[tuple, list[Skeleton]] = {}
+        self._count = 0
+        self._uses: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self.filled = 0
+
+    def find(self, shape: Shape) -> tuple[Skeleton, bool] | None:
+        """A skeleton whose facts the row gives, and whether this row must be checked against a full render."""
+        for skeleton in self._by_key.get(shape.key, ()):
+            if skeleton.holds(shape.values):
+                with self._lock:
+                    uses = self._uses.get(id(skeleton), 0)
+                    self._uses[id(skeleton)] = uses + 1
+                    self.filled += 1
+                return skeleton, uses == 0 or self.filled % SAMPLE_EVERY == 0
+        return None
+
+    def keep(self, shape: Shape, skeleton: Skeleton) -> None:
+        with self._lock:
+            known = self._by_key.setdefault(shape.key, [])
+            if self._count < MAX_SKELETONS and len(known) < MAX_PER_SHAPE:
+                known.append(skeleton)
+                self._count += 1
+
+    def learning(self) -> bool:
+        return self._count < MAX_SKELETONS
