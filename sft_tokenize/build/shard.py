@@ -37,7 +37,7 @@ from sft_tokenize.files import atomic_path, atomic_write
 from sft_tokenize.read.layouts import COLUMN_TYPES, column_values, layout_columns
 from sft_tokenize.sources.conversations import to_example
 from sft_tokenize.sources.images import changed_file
-from sft_tokenize.sources.readers import change_while_read, read_slice
+from sft_tokenize.sources.readers import Rows, change_while_read, read_slice
 from sft_tokenize.sources.resolve import Slice, filesystem
 
 logger = logging.getLogger("sft_tokenize")
@@ -290,8 +290,12 @@ def _stream_rows(job: Job, slice_: Slice, stream) -> ShardStats:
             write_oldest()
 
     try:
-        for rows, locate, part in read_slice(slice_, job.columns.names, job.storage_options, job.max_row_bytes):
+        for rows, locate, part in read_slice(slice_, job.columns.names, job.storage_options, job.max_row_bytes,
+                                             raw=image_rows is None):
             raise_if_stopping()
+            if image_rows is None:  # rows become conversations where they are encoded: no per-row work here
+                submit(Rows(rows, job.columns, job.system_prompt), list(range(len(rows))), locate, [])
+                continue
             examples, positions, stored, loaded = [], [], [], 0
             base = job.image_root or _directory(part.url)
             for i, row in enumerate(rows):

@@ -21,6 +21,7 @@ from sft_tokenize.encoding.image_runs import ImageRuns
 from sft_tokenize.encoding.vision import VisionFamily
 from sft_tokenize.errors import BadInput, BadRow
 from sft_tokenize.sources.conversations import REASONING_FIELDS, Conversation
+from sft_tokenize.sources.readers import Rows
 
 
 @dataclass(frozen=True)
@@ -193,17 +194,24 @@ class ChatEncoder:
 
     # -- tokens ----------------------------------------------------------------------------------------------
 
-    def encode_batch(self, examples: Sequence[Conversation | str], verify_rows: int = VERIFY_ROWS,
+    def encode_batch(self, examples: Sequence[Conversation | str | BadRow] | Rows, verify_rows: int = VERIFY_ROWS,
                      defer_verify: bool = False) -> EncodedBatch:
         """Render and mask every example, then one tokenizer call for the batch's ordinary rows; HF encodes the
         first `verify_rows` rows the fast encoder gives as well, and they must agree. `defer_verify`: those rows
         come back in `unverified`, for `verify` in another process (the encode pool's processes need no HF
-        tokenizer then)."""
+        tokenizer then). Read rows (`Rows`) become examples here; an example that is a BadRow is that row's
+        outcome."""
+        if isinstance(examples, Rows):
+            examples = examples.examples()
         counts = dict.fromkeys(("rows_exact", "rows_expanded", "rows_special_text"), 0)
         outcomes: list[int | str | BadRow | None] = []
         origins: list[int] = []
         rows: list[tuple[int, Rendered, bool]] = []  # (candidate, row, encode control-token text literally)
         for index, example in enumerate(examples):
+            if isinstance(example, BadRow):
+                outcomes.append(example)
+                origins.append(index)
+                continue
             literal = False
             if self.special_text != "keep":
                 control = self._control_text(example)

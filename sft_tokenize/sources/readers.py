@@ -16,6 +16,7 @@ import json
 import os
 import re
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
@@ -26,6 +27,7 @@ import pyarrow.parquet as pq
 
 from sft_tokenize.errors import BadInput, BadRow, one_line
 from sft_tokenize.sources.compressed import compression_of, open_decompressed
+from sft_tokenize.sources.conversations import ColumnMap, Conversation, to_example
 from sft_tokenize.sources.resolve import Part, Slice, SourceFile, filesystem, is_local
 
 # Rows handed to the tokenizer at a time: at most this many, and (JSONL) at most this much input. A batch's
@@ -136,7 +138,8 @@ class _JsonLines(_Reader):
             elif any(carry):
                 yield b"".join(carry)
 
-    def read(self, part: Part, columns: list[str]) -> Iterator[RowBatch]:
+    def read(self, part: Part, columns: list[str], raw: bool = False) -> Iterator[RowBatch]:
+        """With `raw`, each line comes as its bytes, parsed where it is turned into a conversation (`Rows`)."""
         first_line = _LazyLineNumber(self, part.start)
         rows: list[Any] = []
         lines: list[int] = []  # line index of each row, relative to the part's first line
@@ -148,7 +151,7 @@ class _JsonLines(_Reader):
                 lines.append(index)
                 pending += READ_BATCH_BYTES  # alone in its batch: the rows before it need not wait
             elif line.strip():
-                rows.append(_parse_line(line))
+                rows.append(line if raw else _parse_line(line))
                 lines.append(index)
                 pending += len(line)
                 if len(rows) >= READ_BATCH_ROWS or pending >= READ_BATCH_BYTES:
@@ -445,12 +448,13 @@ def change_while_read(slice_: Slice, appended_ok: bool = True, always: bool = Fa
 
 
 def read_slice(slice_: Slice, columns: list[str], storage_options: dict | None = None,
-               max_row_bytes: int | None = None) -> Iterator[tuple[list[Any], Callable[[int], str], Part]]:
+               max_row_bytes: int | None = None, raw: bool = False
+               ) -> Iterator[tuple[list[Any], Callable[[int], str], Part]]:
     """The slice's rows in batches, each with the part it comes from, holding the run's columns that each file
     has (an optional one may be in some files only); a JSON line over `max_row_bytes` comes as a BadRow
-    `row_too_large`. Each local file's size and mtime are checked against the plan's before and after its part
-    is read (two stats): a file changed under the slice fails it with one line instead of giving it a mix of old
-    and new rows."""
+    `row_too_large`. With `raw`, a JSON line comes as its bytes (see `Rows`). Each local file's size and mtime
+    are checked against the plan's before and after its part is read (two stats): a file changed under the
+    slice fails it with one line instead of giving it a mix of old and new rows."""
     for part in slice_.parts:
         if change := _change(part, appended_ok=True):
             raise BadInput(_changed(part.url, change))
@@ -458,7 +462,32 @@ def read_slice(slice_: Slice, columns: list[str], storage_options: dict | None =
         if not part_reader.schemaless:
             present = set(part_reader.columns(skip_bad_rows=True))
             columns = [name for name in columns if name in present]
-        for rows, locate in part_reader.read(part, columns):
+        batches = part_reader.read(part, columns, raw=True) if raw and isinstance(part_reader, _JsonLines) \
+            else part_reader.read(part, columns)
+        for rows, locate in batches:
             yield rows, locate, part
         if change := _change(part, appended_ok=True):
             raise BadInput(_changed(part.url, change))
+
+
+@dataclass(frozen=True)
+class Rows:
+    """A read batch on its way to an encoder: JSON lines still as bytes, parsed and turned into conversations
+    where they are encoded (an encode pool's process, when there is one, so the slice's thread does no per-row
+    work), with what that needs. Each row becomes its example or the BadRow that says what is wrong with it."""
+
+    rows: list[Any]  # bytes (a JSON line), a dict, or a BadRow
+    columns: ColumnMap
+    system_prompt: str | None
+
+    def examples(self) -> list[Conversation | str | BadRow]:
+        out: list[Conversation | str | BadRow] = []
+        for raw in self.rows:
+            row = _parse_line(raw) if type(raw) is bytes else raw
+            if not isinstance(row, BadRow):
+                try:
+                    row = to_example(row, self.columns, self.system_prompt)
+                except BadRow as bad:
+                    row = bad
+            out.append(row)
+        return out
