@@ -43,6 +43,7 @@ class _Reader:
     """One file format: its columns, its pieces (cut points with byte weights) and how to read a part."""
 
     schemaless = False  # rows are JSON objects whose keys may differ from row to row
+    first_bad: tuple[str, BadRow] | None = None  # after columns() found only bad rows: where the first is, and why
 
     def __init__(self, source: SourceFile | Part, storage_options: dict | None, max_row_bytes: int | None = None):
         self.url = source.url
@@ -76,7 +77,7 @@ class _JsonLines(_Reader):
     def columns(self, skip_bad_rows: bool = False) -> list[str] | None:
         """The first readable row's keys; None when skipping bad rows and every row is one (they are read, and
         counted, as the bad rows they are)."""
-        self.first_bad: tuple[str, BadRow] | None = None  # where the first bad row is, and what is wrong with it
+        self.first_bad = None
         for number, line in enumerate(self._lines(0, -1), start=1):
             if not isinstance(line, int) and not line.strip():
                 continue
