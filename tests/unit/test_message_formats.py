@@ -8,6 +8,7 @@ import json
 
 import pytest
 from support.data import COLUMNS
+from support.families import MODERN_FAMILIES
 
 from sft_tokenize.build.keys import file_digest
 from sft_tokenize.encoding.chat_encoder import ChatEncoder, Encoded
@@ -260,3 +261,18 @@ def test_a_malformed_function_call_is_a_bad_row_naming_the_turn(value, detail):
     with pytest.raises(BadRow) as error:
         to_example(sharegpt_call(value), SHAREGPT)
     assert error.value.reason == "bad_tool_call" and str(error.value).startswith(detail)
+
+
+@pytest.mark.parametrize("family", sorted(MODERN_FAMILIES))
+@pytest.mark.parametrize("result_role", ["function", "ipython"])
+def test_no_template_leaves_out_a_developer_or_function_message_without_a_word(tokenizers, family, result_role):
+    """Every current template either renders each message's text or refuses the row in one line."""
+    tokenizer = tokenizers(family)
+    row = legacy_call(result_role)
+    row["messages"].insert(0, {"role": "developer", "content": "Be brief."})
+    got = encode(tokenizer, row)
+    if isinstance(got, BadRow):
+        assert got.reason in ("role_not_rendered", "template_error", "template_dropped_field"), (family, got)
+        return
+    text = tokenizer.decode(got.input_ids.tolist())
+    assert "Be brief." in text and "10:00" in text and "It is 10:00." in text, family
