@@ -64,6 +64,12 @@ def test_a_message_weight_overrides_train_on_for_that_message(tokenizers, train_
     # The weight is not the template's to see: the text is the one without it.
     plain = {"messages": [{k: v for k, v in m.items() if k != "weight"} for m in WEIGHTED["messages"]]}
     assert got.input_ids.tolist() == encode(tokenizer, plain, train_on).input_ids.tolist()
+    # Rows of one shape share a learned render: the weights still decide each row's mask.
+    batch = [to_example(row, COLUMNS) for row in (plain, WEIGHTED) * 3]
+    results = ChatEncoder(tokenizer, train_on).encode_batch(batch).results()
+    assert all(trained_runs(tokenizer, r) == trained for r in results[1::2])
+    assert all(r.loss_mask.tolist() == results[0].loss_mask.tolist() for r in results[2::2])
+    assert results[0].loss_mask.tolist() != got.loss_mask.tolist()
 
 
 def test_a_last_turn_its_author_excluded_is_never_trained(tokenizers):
