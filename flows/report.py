@@ -101,6 +101,8 @@ def fingerprint_inputs(manifest: dict[str, Any]) -> list[tuple[str, str]]:
     for key, value in manifest["fingerprint_inputs"].items():
         if key == "sources":
             rows += [("source", f"{url} ({kind}, {', '.join(map(str, identity))})") for url, kind, *identity in value]
+        elif key == "train_on":  # a message's own weight (OpenAI's fine-tuning format) wins for that message
+            rows.append(("train on", f"{_describe_input(value)} (a message's \"weight\" of 0 or 1 overrides it)"))
         else:
             rows.append((key.replace("_", " "), _describe_input(value)))
     return rows

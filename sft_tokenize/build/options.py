@@ -149,7 +149,7 @@ class TokenizeOptions(BaseModel):
     columns: Annotated[dict[str, str], Option(INPUT, metavar="ROLE=NAME", flag="--column", parse=role_column,
                                               repeat=True, fingerprint="resolved")] = Field(
         default_factory=dict,
-        description="the column of a role (messages, system, tools, instruction, input, output, prompt, "
+        description="the column of a role (messages, system, tools, instruction, input, output, history, prompt, "
                     "completion, text) where it is not the role's usual name, e.g. completion=response")
     split: Annotated[str, Option(INPUT, fingerprint="resolved")] = Field(
         "train", description="split of a hub dataset or of a saved DatasetDict")

@@ -32,7 +32,7 @@ from sft_tokenize.encoding.vision import load_family
 from sft_tokenize.errors import BadInput
 from sft_tokenize.files import write_problem
 from sft_tokenize.format import CACHE_FORMAT_VERSION
-from sft_tokenize.sources.conversations import REQUIRED, ColumnMap, resolve_columns
+from sft_tokenize.sources.conversations import DEFAULT_COLUMNS, REQUIRED, ColumnMap, resolve_columns
 from sft_tokenize.sources.readers import reader
 from sft_tokenize.sources.resolve import Slice, SourceFile, resolve
 from sft_tokenize.sources.slicing import cut_slices
@@ -90,19 +90,29 @@ def _columns(files: list[SourceFile], options: TokenizeOptions) -> ColumnMap:
     """One format and column mapping for all files: the required columns must agree (a file that does not fit
     is named); an optional one (system, tools) is read from the files that have it."""
     merged: ColumnMap | None = None
+    first_bad = None
     for source in files:
         source_reader = reader(source, options.storage_options, parse_size(options.max_row_bytes))
         available = source_reader.columns(skip_bad_rows=options.on_bad_row == "skip")
+        if available is None:
+            first_bad = first_bad or source_reader.first_bad
+            continue  # only bad rows, skipped: its rows are read with the columns the other files name
         found = resolve_columns(options.format if merged is None else merged.format, options.columns, available,
                                 source.url, source_reader.schemaless)
         if merged is None:
-            merged = found
+            merged, first_url = found, source.url
             continue
         required = {role: found.columns[role] for role in REQUIRED[found.format]}
         if required != {role: merged.columns[role] for role in REQUIRED[merged.format]}:
-            raise BadInput(f"{source.url}: columns {found.columns} differ from {files[0].url}'s {merged.columns}")
+            raise BadInput(f"{source.url}: columns {found.columns} differ from {first_url}'s {merged.columns}")
         merged = ColumnMap(merged.format, {**found.columns, **merged.columns})
-    assert merged is not None
+    if merged is None:  # every file holds only bad rows, skipped: the columns are the format's, as named
+        if options.format == "auto":
+            where, bad = first_bad
+            raise BadInput(f"{where}: {bad.detail}; no row of the input can be read (every one is a bad row), so "
+                           "its format cannot be told: pass --format to count them as skipped rows")
+        named = [options.columns.get(role, DEFAULT_COLUMNS[role][0]) for role in REQUIRED[options.format]]
+        merged = resolve_columns(options.format, options.columns, named, files[0].url, schemaless=True)
     return merged
 
 

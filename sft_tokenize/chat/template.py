@@ -6,7 +6,8 @@ Probing renders small made-up conversations (never user data) and learns, with n
   each role, which mark where a trained turn starts;
 - the tokens that end an assistant turn (the special tokens a final assistant turn is followed by);
 - which message fields can carry position markers without changing the render (see `turns.py`);
-- whether tool-call arguments must be a mapping or a JSON string, and whether reasoning fields render.
+- whether tool-call arguments must be a mapping or a JSON string, and whether reasoning fields render;
+- which of the roles `developer`, `function` and `ipython` it has as roles of its own (see `prepare`).
 """
 
 from __future__ import annotations
@@ -14,13 +15,14 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from sft_tokenize.chat import pairs as twins
 from sft_tokenize.chat.environment import compile_template
 from sft_tokenize.chat.markers import MARK_BASE, MARKS, Marked, holds_marks, mark
 from sft_tokenize.errors import BadInput, BadRow
-from sft_tokenize.sources.conversations import REASONING_FIELDS, Conversation
+from sft_tokenize.sources.conversations import OTHER_ROLES, REASONING_FIELDS, Conversation
 
 GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 # What marking can wrap. Each kind is used only where probing showed the template renders it unchanged.
@@ -29,6 +31,8 @@ PROBE_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the weather in a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 PROBE_CALL_ID = "call12345"  # nine alphanumerics, as Mistral's templates require
+# What a role of OTHER_ROLES is given as where the template has no such role of its own.
+ROLE_STANDS_FOR = {"developer": "system", "function": "tool", "ipython": "tool"}
 
 
 def _probe_call(arguments: Any) -> dict:
@@ -132,6 +136,8 @@ class ChatTemplate:
         rendered = {name: self._try(messages, tools) for name, (messages, tools) in probes.items()}
         self.renders_reasoning = bool(rendered["reasoning"]) and "The user wants the weather." in rendered["reasoning"]
 
+        self.renders_tool = bool(rendered["tools"]) and "Sunny, 22 C." in rendered["tools"]
+        self.own_roles = frozenset(role for role in OTHER_ROLES if self._has_own_role(role, user, reply, calling))
         self.markable = frozenset(kind for kind in FIELD_KINDS if self._marks_cleanly(probes, rendered, kind))
         # The generation prompt: what add_generation_prompt appends to a conversation ending in a user turn.
         plain = self._try([user]) or ""
@@ -164,6 +170,20 @@ class ChatTemplate:
                         and "'zq_key'" not in after and '\\"zq_key\\"' not in after):
                     return content, style
         return "", None
+
+    def _has_own_role(self, role: str, user: dict, reply: dict, calling: dict) -> bool:
+        """True if the template renders a `role` message's content, and otherwise than it renders a role it
+        cannot know (a template that writes any role's name as a header has no `developer` of its own)."""
+        def text_as(name: str) -> str | None:
+            message = {"role": name, "content": "Qx9 probe text."}
+            if ROLE_STANDS_FOR[role] == "system":
+                return self._try([message, user, reply])
+            message |= {"tool_call_id": PROBE_CALL_ID, "name": "get_weather"}
+            return self._try([user, calling, message, reply], [PROBE_TOOL])
+
+        text, unknown = text_as(role), text_as("zqrole")
+        return (text is not None and "Qx9 probe text." in text
+                and (unknown is None or text != unknown.replace("zqrole", role)))
 
     def _marks_cleanly(self, probes: dict, rendered: dict, kind: str) -> bool:
         """True if wrapping `kind` fields in markers renders the same text plus markers, and shows them."""
@@ -204,9 +224,13 @@ class ChatTemplate:
     def prepare(self, conversation: Conversation) -> Conversation:
         """The conversation in the shapes this template reads: reasoning under each of its names (as
         apply_chat_template passes it), tool-call arguments as the template renders them, and an inline
-        `<think>…</think>` moved to the reasoning field when the template renders one."""
+        `<think>…</think>` moved to the reasoning field when the template renders one, and a `developer`,
+        `function` or `ipython` message given as a system message or a tool reply where the template has no such
+        role of its own (probed, not told by the template's name: gpt-oss has a developer role)."""
         messages = []
         for index, message in enumerate(conversation.messages):
+            if message.get("role") in ROLE_STANDS_FOR and message["role"] not in self.own_roles:
+                message = {**message, "role": self._role_for(message["role"], index)}
             if len(message) == 2 and type(content := message.get("content")) is str and "role" in message and (
                     message["role"] != "assistant" or not self.renders_reasoning or "</think>" not in content):
                 messages.append(message)  # a role and its text, as the template reads them already
@@ -217,7 +241,15 @@ class ChatTemplate:
             if message.get("role") == "assistant":
                 message = self._prepare_assistant(message, index)
             messages.append(message)
-        return Conversation(messages, conversation.tools, conversation.completion_start)
+        return replace(conversation, messages=messages)
+
+    def _role_for(self, role: str, index: int) -> str:
+        """The role a message of `role` is given as, where the template has no such role of its own."""
+        stands_for = ROLE_STANDS_FOR[role]
+        if stands_for == "tool" and not self.renders_tool:
+            raise BadRow("role_not_rendered", f"messages[{index}] has role {role!r}, which this chat template renders "
+                                              "neither as a role of its own nor as a tool reply")
+        return stands_for
 
     def _prepare_assistant(self, message: dict, index: int) -> dict:
         content = message.get("content")

@@ -73,13 +73,26 @@ class TurnFinder:
         self.skeletons = Skeletons(getattr(template.tokenizer, "name_or_path", "")) if usable else None
 
     def targets(self, conv: Conversation) -> list[int]:
-        """Indices of the assistant messages whose turns are trained."""
+        """Indices of the assistant messages whose turns are trained: as --train-on says, except a message
+        whose own `weight` says otherwise (Conversation.trained)."""
         assistant = [i for i, m in enumerate(conv.messages) if m["role"] == "assistant"]
         if self.train_on == "last_assistant":
-            return assistant[-1:]
-        if self.train_on == "completion":
-            return [i for i in assistant if i >= completion_start(conv)]
-        return assistant
+            chosen = assistant[-1:]
+        elif self.train_on == "completion":
+            chosen = [i for i in assistant if i >= completion_start(conv)]
+        else:
+            chosen = assistant
+        if not conv.trained:
+            return chosen
+        wanted = [i for i in assistant if conv.trained[i] or (conv.trained[i] is None and i in chosen)]
+        if self.train_on == "completion" and wanted != chosen:
+            # The completion is trained as one span, tool replies included: a weight that trains a prompt
+            # message or leaves out one inside the completion cannot be honoured there.
+            differs = next(i for i in assistant if (i in wanted) != (i in chosen))
+            raise BadRow("weight_in_completion", f"messages[{differs}].weight is {int(differs in wanted)}, which "
+                                                 "--train-on completion cannot honour (it trains the completion as "
+                                                 "one span): use all_assistant or last_assistant")
+        return wanted
 
     def find(self, conv: Conversation, targets: list[int], fields: bool = False) -> list[Rendered]:
         """The rows this conversation becomes: one, or with --reasoning-turns expand one more per turn whose
@@ -117,6 +130,10 @@ class TurnFinder:
 
     def whole(self, conv: Conversation, with_fields: bool = False) -> Rendered:
         """The conversation trained on every token (train_on all), with its fields located on request."""
+        if False in conv.trained:
+            excluded = conv.trained.index(False)
+            raise BadRow("weight_in_train_all", f"messages[{excluded}].weight is 0, which --train-on all cannot "
+                                                "honour (it trains every token): use all_assistant")
         conv = self.template.prepare(conv)
         text = self.template.render(conv.messages, conv.tools)
         located = self._by_markers(conv, []) if with_fields else None
@@ -316,6 +333,10 @@ class TurnFinder:
         assistant = [i for i, m in enumerate(conv.messages) if m["role"] == "assistant"]
         if len(spans) == len(assistant):
             spans = [span for span, i in zip(spans, assistant, strict=True) if i in targets]
+        elif conv.trained:  # which span is whose is unknown: a message's weight cannot be honoured
+            raise BadRow("weight_unplaceable", f"the chat template's generation blocks ({len(spans)}) do not match "
+                                               f"the {len(assistant)} assistant messages, so their weights cannot "
+                                               "be honoured")
         elif self.train_on == "last_assistant":
             spans = spans[-1:]
         return Rendered(text, [tuple(s) for s in spans], token_rule="overlap")

@@ -2,7 +2,8 @@
 
 chat               messages: [{role, content}, ...], optional `system` and `tools` columns; either may be
                    the JSON text of its list (a CSV cell, a string column of Parquet)
-alpaca             instruction, optional input, output
+alpaca             instruction, optional input, output, and LLaMA-Factory's optional system and history
+                   ([[instruction, output], ...]: the earlier turns)
 prompt-completion  prompt + completion (or response); each a string or a list of messages
 text               text
 """
@@ -18,11 +19,19 @@ from sft_tokenize.errors import BadInput, BadRow
 from sft_tokenize.sources.images import IMAGE_PART_TYPES, ImageRef, normalize_images
 
 ROLES = ("system", "user", "assistant", "tool")
+# Roles read as they are and given to the template, which maps them to one of ROLES where it has no such role
+# of its own (ChatTemplate.prepare): OpenAI's `developer` (its name for system) and legacy `function` (a
+# function's result), Llama's `ipython` (a tool's result).
+OTHER_ROLES = ("developer", "function", "ipython")
 # Names a message's reasoning comes under; chat templates read one or another.
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 # ShareGPT-style data (`conversations` of {from, value}) uses other names for the same roles.
+# Its `function_call` turns are assistant tool calls whose value is the JSON of {name, arguments} (or a list of
+# them), as LLaMA-Factory defines the format: read as tool_calls.
 ROLE_ALIASES = {"human": "user", "gpt": "assistant", "bot": "assistant", "function_call": "assistant",
                 "observation": "tool"}
+# What a message's `weight` may be (OpenAI's fine-tuning format): 0, not trained; 1, trained.
+WEIGHTS = {0: False, 1: True}
 
 # Column roles and the names tried, in order, when the user did not name the column.
 DEFAULT_COLUMNS: dict[str, tuple[str, ...]] = {
@@ -32,6 +41,7 @@ DEFAULT_COLUMNS: dict[str, tuple[str, ...]] = {
     "instruction": ("instruction",),
     "input": ("input",),
     "output": ("output",),
+    "history": ("history",),
     "prompt": ("prompt",),
     "completion": ("completion", "response"),
     "text": ("text",),
@@ -43,7 +53,7 @@ REQUIRED = {
     "prompt-completion": ("prompt", "completion"),
     "text": ("text",),
 }
-OPTIONAL = {"chat": ("system", "tools", "images"), "alpaca": ("input",),
+OPTIONAL = {"chat": ("system", "tools", "images"), "alpaca": ("input", "system", "history"),
             "prompt-completion": ("system", "tools", "images"), "text": ()}
 
 
@@ -70,6 +80,9 @@ class Conversation:
     image_grids: tuple[tuple[int, ...], ...] = ()
     # Image rows as read, before their images are loaded: where each image's bytes are, in that order.
     image_refs: tuple[ImageRef, ...] = ()
+    # Per message, whether its author asked for it to be trained (a `weight` of 1: True, of 0: False) or left
+    # it to --train-on (None); empty when no message says. It overrides --train-on for that message.
+    trained: tuple[bool | None, ...] = ()
 
 
 def resolve_columns(fmt: str, user_columns: Mapping[str, str], available: Iterable[str], where: str,
@@ -170,27 +183,52 @@ def _tool_calls(raw: Any, where: str) -> list[dict[str, Any]]:
     return calls
 
 
+def _function_call(value: Any, where: str) -> list[dict[str, Any]]:
+    """A ShareGPT `function_call` turn's value (or a legacy OpenAI message's `function_call`): one call
+    {name, arguments} or a list of them, as an object or its JSON text; as tool_calls."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as error:
+            raise BadRow("bad_tool_call", f"{where} is not the JSON of a function call ({error})") from None
+    calls = value if isinstance(value, list) else [value]
+    if not calls or not all(isinstance(call, Mapping) and "name" in call for call in calls):
+        raise BadRow("bad_tool_call", f"{where} must be a function call {{\"name\": ..., \"arguments\": ...}} "
+                                      f"or a list of them, got {_type_name(value)}")
+    return _tool_calls(calls, where)
+
+
 def _message(raw: Any, index: int, images: bool = False) -> dict[str, Any]:
     if type(raw) is dict and len(raw) == 2 and raw.get("role") in ROLES and type(raw.get("content")) is str:
         return dict(raw)  # {role, content}, as most messages are: already what the checks below would return
     if not isinstance(raw, Mapping):
         raise BadRow("bad_message", f"messages[{index}] must be an object, got {_type_name(raw)}")
     message = dict(raw)
+    text_field = "content"
     if "role" not in message and "from" in message:  # ShareGPT
         message["role"] = message.pop("from")
         if "value" in message:
             message["content"] = message.pop("value")
+            text_field = "value"
     role = message.get("role")
     if role is None:
         raise BadRow("bad_message", f"messages[{index}] has no 'role'")
     if not isinstance(role, str):
         raise BadRow("bad_message", f"messages[{index}].role must be a string, got {_type_name(role)}")
+    if role == "function_call":  # ShareGPT's tool-call turn: its value is the call, not text to train
+        message["tool_calls"] = _function_call(message.pop("content", None), f"messages[{index}].{text_field}")
     role = ROLE_ALIASES.get(role, role)
-    if role not in ROLES:
-        raise BadRow("unknown_role", f"messages[{index}] has unknown role {role!r} (known: {', '.join(ROLES)})")
+    if role not in ROLES and role not in OTHER_ROLES:
+        raise BadRow("unknown_role", f"messages[{index}] has unknown role {role!r} "
+                                     f"(known: {', '.join(ROLES + OTHER_ROLES)})")
     # A key whose value is null is not passed on (Arrow and Parquet rows carry every column of the schema).
-    message = {key: value for key, value in message.items() if value is not None}
+    # `weight` is read by _weight: it says whether to train the message, which is not the template's to see.
+    message = {key: value for key, value in message.items() if value is not None and key != "weight"}
     message["role"] = role
+    if "function_call" in message:  # OpenAI's legacy form of one tool call
+        if message.get("tool_calls"):
+            raise BadRow("bad_tool_call", f"messages[{index}] has both tool_calls and the legacy function_call")
+        message["tool_calls"] = _function_call(message.pop("function_call"), f"messages[{index}].function_call")
     if message.get("tool_calls") is not None:
         message["tool_calls"] = _tool_calls(message["tool_calls"], f"messages[{index}].tool_calls")
     if "content" in message:
@@ -198,11 +236,29 @@ def _message(raw: Any, index: int, images: bool = False) -> dict[str, Any]:
     elif message.get("tool_calls"):
         message["content"] = None  # a tool-call turn without text; the chat template's probe decides its form
     else:
-        raise BadRow("bad_message", f"messages[{index}] has no 'content' (and no tool_calls)")
+        has = ", ".join(repr(key) for key in message if key != "role") or "nothing but its role"
+        raise BadRow("bad_message", f"messages[{index}] has no 'content' (and no tool_calls or function_call), which "
+                                    f"{'an' if role[0] in 'aeiou' else 'a'} {role} message needs: it has only {has}")
     for key in REASONING_FIELDS:
         if key in message and not isinstance(message[key], str):
             raise BadRow("bad_message", f"messages[{index}].{key} must be a string, got {_type_name(message[key])}")
     return message
+
+
+def _weight(raw: Any, message: dict[str, Any], index: int) -> bool | None:
+    """A message's `weight` as whether to train it (None: as --train-on says). Only an assistant message is
+    trained: a weight of 0 elsewhere says what is true anyway, and a weight of 1 there cannot be honoured."""
+    weight = raw.get("weight") if isinstance(raw, Mapping) else None
+    if weight is None:
+        return None
+    if isinstance(weight, bool) or not isinstance(weight, int | float) or weight not in WEIGHTS:
+        raise BadRow("bad_weight", f"messages[{index}].weight must be 0 (not trained) or 1 (trained), got {weight!r}")
+    if message["role"] != "assistant":
+        if weight:
+            raise BadRow("bad_weight", f"messages[{index}].weight is 1 on a {message['role']} message: only "
+                                       "assistant messages are trained")
+        return None
+    return WEIGHTS[weight]
 
 
 def _from_json_text(raw: Any, column: str, reason: str, what: str) -> Any:
@@ -218,13 +274,37 @@ def _from_json_text(raw: Any, column: str, reason: str, what: str) -> Any:
     return value
 
 
-def _messages(raw: Any, column: str, images: bool = False) -> list[dict[str, Any]]:
+def _messages(raw: Any, column: str, images: bool = False) -> tuple[list[dict[str, Any]], list[bool | None]]:
+    """The messages, and whether each is to be trained by its own `weight` (None: as --train-on says)."""
     raw = _from_json_text(raw, column, "bad_messages", "a message list")
     if not isinstance(raw, list):
         raise BadRow("bad_messages", f"{column!r} must be a list of messages, got {_type_name(raw)}")
     if not raw:
         raise BadRow("bad_messages", f"{column!r} is an empty list")
-    return [_message(m, i, images) for i, m in enumerate(raw)]
+    messages = [_message(m, i, images) for i, m in enumerate(raw)]
+    return messages, [_weight(m, message, i) for i, (m, message) in enumerate(zip(raw, messages, strict=True))]
+
+
+def _trained(*flags: list[bool | None]) -> tuple[bool | None, ...]:
+    """Conversation.trained of messages in these groups: empty where no message has a weight."""
+    joined = tuple(flag for group in flags for flag in group)
+    return joined if any(flag is not None for flag in joined) else ()
+
+
+def _history(raw: Any, column: str) -> list[dict[str, Any]]:
+    """LLaMA-Factory's alpaca `history`: [[instruction, output], ...], the turns before the row's own."""
+    raw = _from_json_text(raw, column, "bad_field", "a list of [instruction, output] pairs")
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise BadRow("bad_field", f"{column!r} must be a list of [instruction, output] pairs, got {_type_name(raw)}")
+    turns = []
+    for k, pair in enumerate(raw):
+        if not (isinstance(pair, list | tuple) and len(pair) == 2 and all(isinstance(t, str) for t in pair)):
+            got = f"{len(pair)} items" if isinstance(pair, list | tuple) else _type_name(pair)
+            raise BadRow("bad_field", f"{column}[{k}] must be [instruction, output], two strings, got {got}")
+        turns += [{"role": "user", "content": pair[0]}, {"role": "assistant", "content": pair[1]}]
+    return turns
 
 
 def _string(row: Mapping[str, Any], column: str, optional: bool = False) -> str:
@@ -236,10 +316,10 @@ def _string(row: Mapping[str, Any], column: str, optional: bool = False) -> str:
     return value
 
 
-def _turns(value: Any, role: str, column: str, images: bool = False) -> list[dict[str, Any]]:
-    """A prompt or completion: a string (one message of `role`) or a list of messages."""
+def _turns(value: Any, role: str, column: str, images: bool = False) -> tuple[list[dict[str, Any]], list[bool | None]]:
+    """A prompt or completion: a string (one message of `role`) or a list of messages; as _messages."""
     if isinstance(value, str):
-        return [{"role": role, "content": value}]
+        return [{"role": role, "content": value}], [None]
     return _messages(value, column, images)
 
 
@@ -269,27 +349,28 @@ def to_example(row: Mapping[str, Any], columns: ColumnMap, system_prompt: str | 
     c = columns.columns
     if columns.format == "text":
         return _string(row, c["text"])
+    system = (_string(row, c["system"], optional=True) if "system" in c else "") or system_prompt
+    head = [{"role": "system", "content": system}] if system else []
     if columns.format == "alpaca":
         instruction = _string(row, c["instruction"])
         extra = _string(row, c["input"], optional=True) if "input" in c else ""
         prompt = f"{instruction}\n\n{extra}" if extra else instruction
-        head = [{"role": "system", "content": system_prompt}] if system_prompt else []
-        messages = [{"role": "user", "content": prompt},
+        history = _history(row.get(c["history"]), c["history"]) if "history" in c else []
+        messages = [*head, *history, {"role": "user", "content": prompt},
                     {"role": "assistant", "content": _string(row, c["output"])}]
-        return Conversation(head + messages, completion_start=len(head) + 1)
+        return Conversation(messages, completion_start=len(messages) - 1)
 
     tools = _from_json_text(row.get(c["tools"]), c["tools"], "bad_field", "a list of tools") if "tools" in c else None
     if tools is not None and not isinstance(tools, list):
         raise BadRow("bad_field", f"{c['tools']!r} must be a list, got {_type_name(tools)}")
-    system = (_string(row, c["system"], optional=True) if "system" in c else "") or system_prompt
-    head = [{"role": "system", "content": system}] if system else []
     if columns.format == "chat":
-        messages = _messages(row.get(c["messages"]), c["messages"], images)
-        if head and messages[0]["role"] == "system":
+        messages, weights = _messages(row.get(c["messages"]), c["messages"], images)
+        if head and messages[0]["role"] in ("system", "developer"):
             head = []  # the conversation's own system message wins
-        conv = Conversation(head + messages, tools or None)
+        conv = Conversation(head + messages, tools or None, trained=_trained([None] * len(head), weights))
     else:
-        prompt = _turns(row.get(c["prompt"]), "user", c["prompt"], images)
-        completion = _turns(row.get(c["completion"]), "assistant", c["completion"], images)
-        conv = Conversation(head + prompt + completion, tools or None, completion_start=len(head) + len(prompt))
+        prompt, prompt_weights = _turns(row.get(c["prompt"]), "user", c["prompt"], images)
+        completion, completion_weights = _turns(row.get(c["completion"]), "assistant", c["completion"], images)
+        conv = Conversation(head + prompt + completion, tools or None, completion_start=len(head) + len(prompt),
+                            trained=_trained([None] * len(head), prompt_weights, completion_weights))
     return _with_images(conv, row, c, image_base) if images else conv

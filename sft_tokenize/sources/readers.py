@@ -45,6 +45,7 @@ class _Reader:
     """One file format: its columns, its pieces (cut points with byte weights) and how to read a part."""
 
     schemaless = False  # rows are JSON objects whose keys may differ from row to row
+    first_bad: tuple[str, BadRow] | None = None  # after columns() found only bad rows: where the first is, and why
 
     def __init__(self, source: SourceFile | Part, storage_options: dict | None, max_row_bytes: int | None = None):
         self.url = source.url
@@ -58,8 +59,9 @@ class _Reader:
         options = {"cache_type": "none"} if exact and not self.compressed else {"block_size": 1 << 16}
         return open_decompressed(self.fs, self.path, self.url, READ_CHUNK_BYTES, **options)
 
-    def columns(self, skip_bad_rows: bool = False) -> list[str]:
-        """The columns, from the schema or the first row (the first readable one, when skipping bad rows)."""
+    def columns(self, skip_bad_rows: bool = False) -> list[str] | None:
+        """The columns, from the schema or the first row (the first readable one, when skipping bad rows; None
+        when there is none, only bad rows)."""
         raise NotImplementedError
 
     def pieces(self, size: int, target: int, first: int) -> list[tuple[int, int, int]]:
@@ -74,17 +76,24 @@ class _Reader:
 class _JsonLines(_Reader):
     schemaless = True
 
-    def columns(self, skip_bad_rows: bool = False) -> list[str]:
+    def columns(self, skip_bad_rows: bool = False) -> list[str] | None:
+        """The first readable row's keys; None when skipping bad rows and every row is one (they are read, and
+        counted, as the bad rows they are)."""
+        self.first_bad = None
         for number, line in enumerate(self._lines(0, -1), start=1):
-            if isinstance(line, int) or not line.strip():
-                continue  # a row over max_row_bytes is not decoded, even to find the columns
-            row = _parse_line(line)
+            if not isinstance(line, int) and not line.strip():
+                continue
+            # A row over max_row_bytes is not decoded, even to find the columns.
+            row = _too_large(line, self.max_row_bytes) if isinstance(line, int) else _parse_line(line)
             if isinstance(row, BadRow):
                 if skip_bad_rows:
+                    self.first_bad = self.first_bad or (f"{self.url}:{number}", row)
                     continue
                 raise row.at(f"{self.url}:{number}")
             return list(row)
-        raise BadInput(f"{self.url}: the file has no rows" + (" that can be read" if skip_bad_rows else ""))
+        if self.first_bad:
+            return None
+        raise BadInput(f"{self.url}: the file has no rows")
 
     def pieces(self, size: int, target: int, first: int) -> list[tuple[int, int, int]]:
         if self.compressed:
@@ -146,8 +155,7 @@ class _JsonLines(_Reader):
         pending = 0
         for index, line in enumerate(self._lines(part.start, part.stop)):
             if isinstance(line, int):
-                rows.append(BadRow("row_too_large", f"the row is {line:,} bytes, over the {self.max_row_bytes:,}-byte "
-                                   "limit (--max-row-bytes; --on-bad-row skip drops such rows)"))
+                rows.append(_too_large(line, self.max_row_bytes))
                 lines.append(index)
                 pending += READ_BATCH_BYTES  # alone in its batch: the rows before it need not wait
             elif line.strip():
@@ -187,6 +195,11 @@ def _line_locator(url: str, first: _LazyLineNumber, lines: list[int]) -> Callabl
 # A \\uD800-\\uDFFF escape: JSON can spell a lone surrogate, which is not Unicode and no tokenizer can encode.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 TOO_DEEP = BadRow("malformed_json", "not valid JSON: nested too deeply (more than about 1,000 levels)")
+
+
+def _too_large(size: int, limit: int) -> BadRow:
+    return BadRow("row_too_large", f"the row is {size:,} bytes, over the {limit:,}-byte limit (--max-row-bytes; "
+                                   "--on-bad-row skip drops such rows)")
 
 
 def _parse_line(line: bytes) -> dict | BadRow:

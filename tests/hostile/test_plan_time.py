@@ -61,6 +61,12 @@ def _jsonl_lines(path: Path, first: str) -> list[str]:
     return [str(path)]
 
 
+def _only_row_too_large(d: Path) -> list[str]:
+    row = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x" * 3000}]}
+    write_lines(d / "huge.jsonl", [json.dumps(row)])  # 3,087 bytes
+    return [str(d / "huge.jsonl"), "--max-row-bytes", "1KB"]
+
+
 def _ragged_csv(d: Path) -> list[str]:
     file_with(d / "rows.csv", "prompt,completion\nhi,yo\nhow are you,fine,thanks\nbye,ciao\n")
     return [str(d / "rows.csv")]
@@ -124,6 +130,8 @@ PLAN_TIME_ERRORS: dict[str, tuple[Callable[[Path], list[str]], str]] = {
                                "{d}/rows.jsonl:1: not valid JSON: nested too deeply"),
     "literal-name-with-brackets": (lambda d: _jsonl_lines(d / "data[1].jsonl", BAD_LINE),
                                    "{d}/data[1].jsonl:1: not valid JSON"),
+    "only-row-over-max-row-bytes": (_only_row_too_large, "{d}/huge.jsonl:1: the row is 3,087 bytes, over the "
+                                                         "1,000-byte limit (--max-row-bytes"),
     "ragged-csv": (_ragged_csv, "{d}/rows.csv:3: 3 fields where the header has 2"),
     "manifest-is-an-empty-object": (lambda d: _manifest(d, {}), "{d}/cache-dir: manifest.json lacks name, fingerprint"),
     "manifest-is-a-list": (lambda d: _manifest(d, [1]),

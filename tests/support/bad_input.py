@@ -32,7 +32,8 @@ ROW_ERRORS = {  # a row that is wrong, and how the error says so
                          '{"url": "x.png"}}]}, {"role": "assistant", "content": "yo"}]}',
                          "messages[0].content[0] is a part of type 'image_url': only text parts"),
     "unknown-role": ('{"messages": [{"role": "narrator", "content": "hi"}, {"role": "assistant", "content": "yo"}]}',
-                     "messages[0] has unknown role 'narrator' (known: system, user, assistant, tool)"),
+                     "messages[0] has unknown role 'narrator' (known: system, user, assistant, tool, developer, "
+                     "function, ipython)"),
     "lone-surrogate": ('{"messages": [{"role": "user", "content": "\\ud83d"}, {"role": "assistant", "content": "yo"}]}',
                        "a lone surrogate \\ud83d in a string"),
     "deep-nesting": ('{"messages": ' + "[" * 100_000 + "]" * 100_000 + "}", "not valid JSON: nested too deeply"),
