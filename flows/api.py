@@ -127,19 +127,85 @@ def run_tokenize(settings: dict[str, Any], progress: Callable[[Any], Any] | None
         raise RunFailed(f"{type(error).__name__}: {first_line(error)}") from error
 
 
-def tokenize(sources: str | list[str], *, tokenizer: str, cache_dir: str | os.PathLike, **options: Any) -> Path:
+# tokenize()'s options beyond TokenizeOptions: how the run runs (TokenizeRun's own fields, in the flow's module),
+# named here so that a misspelt option is refused before Prefect is imported.
+RUN_OPTIONS = ("runner", "dask_address", "ray_address", "workers", "encode_processes", "retries", "force", "pack",
+               "keep_versions")
+_PASSED = ("sources", "tokenizer", "cache_dir")  # tokenize()'s own parameters
+
+
+def check_option_names(options: dict[str, Any], caller: str = "tokenize()") -> None:
+    """TypeError naming an option no run has, and the known one closest to it: a misspelt option would
+    otherwise be dropped, and the cache built without it."""
+    import difflib
+
+    from sft_tokenize.build.options import TokenizeOptions
+
+    known = sorted((set(TokenizeOptions.model_fields) | set(RUN_OPTIONS)) - set(_PASSED))
+    for name in options:
+        if name not in known:
+            close = difflib.get_close_matches(name.replace("-", "_").lower(), known, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else "the options are listed in docs/cli.md"
+            raise TypeError(f"{caller} got an unknown option {name!r} ({hint})")
+
+
+def _source_list(sources: Any) -> list[str]:
+    """`sources` as the run's list of specs; one line saying what is expected if it is not one."""
+    expected = "a path, a glob, hub:NAME or a list of them"
+    if isinstance(sources, (str, os.PathLike)):
+        return [os.fspath(sources)]
+    # A dict would give its keys and a set an order that changes between processes (and with it the rows' order).
+    if isinstance(sources, (dict, set, frozenset, bytes)) or not hasattr(sources, "__iter__"):
+        raise TypeError(f"tokenize(): sources is {type(sources).__name__} {_shown(sources)}; expected {expected}")
+    specs = list(sources)
+    if not specs:
+        raise BadInput(f"tokenize(): sources is an empty {type(sources).__name__}; expected {expected}")
+    for i, spec in enumerate(specs):
+        if not isinstance(spec, (str, os.PathLike)):
+            raise TypeError(f"tokenize(): sources[{i}] is {type(spec).__name__} {_shown(spec)}; expected a path, "
+                            "a glob or hub:NAME")
+    return [os.fspath(spec) for spec in specs]
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:59] + "…"
+
+
+def _model_path(value: Any, what: str) -> str | None:
+    """A tokenizer or processor given as a path or hub name, or as a loaded transformers object (saved by the
+    content of its files, see saved_pretrained); one line saying what to pass if it is neither."""
+    if value is None or isinstance(value, (str, os.PathLike)):
+        return None if value is None else os.fspath(value)
+    if callable(getattr(value, "save_pretrained", None)):
+        from sft_tokenize.encoding.tokenizer import saved_pretrained
+
+        return str(saved_pretrained(value, what))
+    raise TypeError(f"tokenize(): {what} is {type(value).__name__} {_shown(value)}; expected its directory, a hub "
+                    f"name, or a loaded transformers {what}")
+
+
+def tokenize(sources: str | os.PathLike | list[str | os.PathLike], *, tokenizer: Any = None,
+             cache_dir: str | os.PathLike, **options: Any) -> Path:
     """Tokenize `sources` into a published cache under `cache_dir`, as `sft-tokenize run` does, and return its path.
 
-    `options` are the run's options by their flow-parameter names (the command line's flags with `_` for `-`:
-    `max_length=4096`, `train_on="last_assistant"`, `runner="dask"`, `workers=8`, ...; docs/cli.md lists
-    them). A second call with the same inputs is a cache hit: it returns the same path without Prefect.
+    `tokenizer` (and `processor`) is a directory, a hub model name, or a loaded transformers tokenizer (processor):
+    an object is saved under the user's cache, in a directory named by its files' content, and runs as that
+    path does (the same content, the same cache). `options` are the run's options by their flow-parameter names
+    (the command line's flags with `_` for `-`: `max_length=4096`, `train_on="last_assistant"`,
+    `runner="dask"`, `workers=8`, ...; docs/cli.md lists them); an unknown one is a TypeError naming the
+    closest known. A second call with the same inputs is a cache hit: it returns the same path without Prefect.
     Raises sft_tokenize.BadInput (bad options or input: the message names the file, row and problem) or
     RunFailed (the flow failed; the finished slices stay, and calling again resumes).
     """
-    if isinstance(sources, (str, os.PathLike)):
-        sources = [sources]
-    settings = {"sources": [os.fspath(s) for s in sources], "tokenizer": os.fspath(tokenizer),
+    check_option_names(options)
+    if not isinstance(cache_dir, (str, os.PathLike)):
+        raise TypeError(f"tokenize(): cache_dir is {type(cache_dir).__name__} {_shown(cache_dir)}; expected a "
+                        "directory's path")
+    settings = {"sources": _source_list(sources), "tokenizer": _model_path(tokenizer, "tokenizer"),
                 "cache_dir": os.fspath(cache_dir), **options}
+    if "processor" in options:
+        settings["processor"] = _model_path(options["processor"], "processor")
     return run_tokenize(settings)
 
 

@@ -123,7 +123,7 @@ class TokenizeOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     sources: Annotated[list[str], Option(INPUT, metavar="SOURCE", positional=True, fingerprint="resolved")] = Field(
-        description="files, globs, directories, fsspec URLs, or hub:NAME for a Hugging Face hub dataset")
+        min_length=1, description="files, globs, directories, fsspec URLs, or hub:NAME for a Hugging Face hub dataset")
     tokenizer: Annotated[str | None, Option(INPUT, metavar="PATH_OR_NAME", fingerprint="resolved")] = Field(
         None, description="a local tokenizer directory or a Hugging Face hub model name (default: the processor's)")
     processor: Annotated[str | None, Option(INPUT, metavar="PATH_OR_NAME", fingerprint="resolved")] = Field(

@@ -8,9 +8,14 @@ tokenizer's directory to hash its files into the fingerprint, and a worker loads
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
+from typing import Any
 
 from sft_tokenize.errors import BadInput, one_line
 
@@ -43,6 +48,38 @@ def resolve_tokenizer(name_or_path: str, revision: str | None = None, what: str 
             f"Hugging Face hub ({type(error).__name__}: {one_line(error)})"
         ) from None
     return Path(local)
+
+
+def saved_pretrained(loaded: Any, what: str = "tokenizer") -> Path:
+    """A loaded transformers tokenizer or processor as a directory of its files, kept in this user's cache under
+    the hash of their content (`saved/<sha256>/`): the same tokenizer, loaded twice, is one directory, so a run
+    given the object is keyed by its files as a run given a path is, and an edited one (a new chat template)
+    is another directory. Recomputable, so nothing is fsynced."""
+    from sft_tokenize.encoding.prepared import user_cache
+
+    root = user_cache() / "saved"
+    root.mkdir(parents=True, exist_ok=True)
+    saving = Path(tempfile.mkdtemp(prefix=".saving-", dir=root))
+    try:
+        try:
+            loaded.save_pretrained(str(saving))
+        except Exception as error:  # noqa: BLE001 - a half-built object (a processor without its parts)
+            raise BadInput(f"the {what} passed could not be saved by its save_pretrained ({type(error).__name__}: "
+                           f"{one_line(error)}): pass its directory or hub name instead") from None
+        digest = hashlib.sha256()
+        for file in sorted(path for path in saving.rglob("*") if path.is_file()):
+            digest.update(f"{file.relative_to(saving).as_posix()}\0{file.stat().st_size}\0".encode())
+            digest.update(file.read_bytes())
+        target = root / digest.hexdigest()
+        if not target.is_dir():
+            try:
+                os.rename(saving, target)
+            except OSError as error:  # another process saved the same content first: use its directory
+                if error.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                    raise
+        return target
+    finally:
+        shutil.rmtree(saving, ignore_errors=True)
 
 
 def read_processor_config(directory: Path) -> dict:
