@@ -20,11 +20,15 @@
 Each source is an ordinary run with its own options and its own content-addressed cache (versions, gc and
 resumption as for any run), so a changed weight re-tokenizes nothing and a grown source rebuilds alone; the
 mixture index (read/mixture_index.py) is then built over the published caches. A bad recipe is one error
-naming the key (`gold.yaml: sources[1].weight: ...`), raised before anything runs.
+naming the key (`gold.yaml: sources[1].weight: ...`), raised before anything runs: a key given twice and a file
+that is not UTF-8 among them. A recipe file's relative paths are
+relative to its directory, wherever it is run.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -136,19 +140,132 @@ def check_recipe(raw: Any, where: str = "recipe") -> Recipe:
         raise BadInput(f"{where}: {key + ': ' if key else ''}{message}") from None
 
 
-def load_recipe(path: str | Path, overrides: dict[str, Any] | None = None) -> Recipe:
-    """The recipe in a YAML (or JSON) file, `overrides` (e.g. the command line's --cache-dir) on top."""
+# A recipe saved in another encoding starts with its byte-order mark (the longer UTF-32 marks first: they begin
+# with UTF-16's).
+_BYTE_ORDER_MARKS = ((b"\x00\x00\xfe\xff", "UTF-32 (big-endian)"), (b"\xff\xfe\x00\x00", "UTF-32 (little-endian)"),
+                     (b"\xfe\xff", "UTF-16 (big-endian)"), (b"\xff\xfe", "UTF-16 (little-endian)"))
+
+
+def _recipe_text(path: Path) -> str:
+    """The recipe file's text: UTF-8 (a UTF-8 byte-order mark is allowed); BadInput naming what it is if not."""
+    try:
+        data = path.read_bytes()
+    except OSError as error:
+        raise BadInput(f"{path}: cannot read the recipe ({error.strerror})") from None
+    for mark, encoding in _BYTE_ORDER_MARKS:
+        if data.startswith(mark):
+            raise BadInput(f"{path}: the recipe is {encoding} text (it starts with that byte-order mark); save it "
+                           "as UTF-8")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        raise BadInput(f"{path}, line {line}: not UTF-8 text (byte 0x{data[error.start]:02x} at offset "
+                       f"{error.start}); save the recipe as UTF-8") from None
+    if "\x00" in text:  # valid UTF-8, but no YAML holds a NUL: UTF-16 or UTF-32 saved without a byte-order mark
+        raise BadInput(f"{path}: not UTF-8 text (a NUL byte at offset {data.index(0)}: UTF-16 or UTF-32 without a "
+                       "byte-order mark?); save the recipe as UTF-8")
+    return text.removeprefix("\ufeff")
+
+
+class DuplicateKey(Exception):
+    """A mapping of the recipe gives a key twice (YAML would keep the last one without a word)."""
+
+    def __init__(self, key: Any, line: int, first: int):
+        self.key, self.line, self.first = key, line, first
+        super().__init__(f"line {line}: {key}: given twice (first on line {first}); give each key once")
+
+
+def _loader() -> type:
+    import yaml
+
+    class RecipeLoader(yaml.SafeLoader):
+        """YAML's safe loader, refusing a mapping that gives a key twice (`<<` merges may still be overridden)."""
+
+        def construct_mapping(self, node: Any, deep: bool = False) -> dict:
+            if isinstance(node, yaml.MappingNode):
+                seen: dict[Any, int] = {}
+                for key_node, _ in node.value:
+                    if key_node.tag == "tag:yaml.org,2002:merge":
+                        continue
+                    key, line = self.construct_object(key_node, deep=True), key_node.start_mark.line + 1
+                    try:
+                        if key in seen:
+                            raise DuplicateKey(key, line, seen[key])
+                        seen[key] = line
+                    except TypeError:  # an unhashable key: the base loader says so
+                        continue
+            return super().construct_mapping(node, deep=deep)
+
+    return RecipeLoader
+
+
+def read_recipe_file(path: str | Path) -> Any:
+    """The parsed YAML (or JSON) of a recipe file; BadInput naming the file and the line if it is not one."""
     import yaml
 
     path = Path(path)
+    text = _recipe_text(path)
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except OSError as error:
-        raise BadInput(f"{path}: cannot read the recipe ({error.strerror})") from None
+        return yaml.load(text, Loader=_loader())  # a SafeLoader subclass: plain data only
+    except DuplicateKey as error:
+        raise BadInput(f"{path}, {error}") from None
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         line = f", line {mark.line + 1}" if mark else ""
         raise BadInput(f"{path}{line}: not YAML ({getattr(error, 'problem', None) or error})") from None
-    if isinstance(raw, dict):
-        raw = {**raw, **(overrides or {})}
+
+
+def _is_relative_path(value: Any) -> bool:
+    """A relative local path (not ~, a URL or hub:NAME)."""
+    return (isinstance(value, str) and bool(value) and not os.path.isabs(value) and not value.startswith(("~", "hub:"))
+            and "://" not in value)
+
+
+def _model_path(value: Any, base: Path) -> Any:
+    """A tokenizer or processor: a path when it names one beside the recipe or looks like one (as
+    encoding/tokenizer.py tells them), else a hub name, left as it is."""
+    if not _is_relative_path(value):
+        return value
+    beside = os.path.normpath(base / value)
+    return beside if os.path.exists(beside) or value.startswith(".") or value.count("/") > 1 else value
+
+
+def relative_to(raw: dict[str, Any], base: Path) -> dict[str, Any]:
+    """`raw` with its relative paths made absolute against `base` (the recipe file's directory), as compose
+    files resolve theirs: the recipe means the same files from whatever directory it is run."""
+    def path(value: Any) -> Any:
+        return os.path.normpath(base / value) if _is_relative_path(value) else value
+
+    out = dict(raw)
+    for key in ("cache_dir", "image_root"):
+        if key in out:
+            out[key] = path(out[key])
+    for key in ("tokenizer", "processor"):
+        if key in out:
+            out[key] = _model_path(out[key], base)
+    template = out.get("chat_template")
+    if isinstance(template, str) and "{" not in template:  # a file's path, not the template's text
+        out["chat_template"] = path(template)
+    if isinstance(out.get("mixture"), dict) and "index_dir" in out["mixture"]:
+        out["mixture"] = {**out["mixture"], "index_dir": path(out["mixture"]["index_dir"])}
+    if isinstance(out.get("sources"), list):
+        out["sources"] = [_source_relative_to(source, path) for source in out["sources"]]
+    return out
+
+
+def _source_relative_to(source: Any, path: Callable[[Any], Any]) -> Any:
+    if not isinstance(source, dict) or not isinstance(source.get("sources"), list) or not source["sources"]:
+        return source
+    named = {} if "name" in source or not isinstance(source["sources"][0], str) else {
+        "name": default_name(source["sources"][0])}  # the name its spec gave (`.` is not its directory's name)
+    return {**source, **named, "sources": [path(spec) for spec in source["sources"]]}
+
+
+def load_recipe(path: str | Path, overrides: dict[str, Any] | None = None) -> Recipe:
+    """The recipe in a YAML (or JSON) file, `overrides` (e.g. the command line's --cache-dir) on top."""
+    path = Path(path)
+    raw = read_recipe_file(path)
+    if isinstance(raw, dict):  # the command line's overrides are relative to where it runs, not to the recipe
+        raw = {**relative_to(raw, Path(os.path.abspath(path)).parent), **(overrides or {})}
     return check_recipe(raw, where=str(path))

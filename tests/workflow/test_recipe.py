@@ -4,6 +4,7 @@ re-weighting re-tokenizes nothing; a bad recipe is one line naming the key, befo
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -16,8 +17,10 @@ from support.data import example_rows, write_jsonl
 from support.faults import FAULT_FILE_ENV
 from support.paths import EXAMPLE_TOKENIZER
 
+from sft_tokenize.build.options import TokenizeOptions
 from sft_tokenize.build.plan import plan_slices
 from sft_tokenize.build.recipe import load_recipe
+from sft_tokenize.errors import BadInput
 from sft_tokenize.read.cache import open_cache
 from sft_tokenize.read.mixture_index import load_mixture, open_mixture
 
@@ -123,3 +126,96 @@ def test_the_recipe_flow_retried_after_a_failed_slice_redoes_only_that_slice(tmp
             flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id])))
     [summary] = [a.data for a in artifacts if a.key == f"sft-mixture-{meta['key']}"]
     assert "first" in summary and "asked weight 0.7" in summary and "second" in summary
+
+
+def _recipe_text(folder: Path, text: str, name: str = "recipe.yaml") -> Path:
+    path = folder / name
+    path.write_text(f"tokenizer: {EXAMPLE_TOKENIZER}\ncache_dir: {folder / 'caches'}\n" + text)
+    return path
+
+
+@pytest.mark.parametrize("text, line, key, first", [
+    ("max_length: 100\nmax_length: 50000\nsources:\n  - {sources: [a.jsonl], epochs: 1}\n", 4, "max_length", 3),
+    ("sources:\n  - {name: a, sources: [a.jsonl], epochs: 1}\nsources:\n  - {name: b, sources: [b.jsonl], epochs: 1}\n",
+     5, "sources", 3),
+    ("sources:\n  - name: a\n    sources: [a.jsonl]\n    weight: 0.5\n    weight: 1.0\n"
+     "mixture: {budget: 100}\n", 7, "weight", 6),
+    ("mixture: {budget: 100, budget: 200}\nsources:\n  - {sources: [a.jsonl], weight: 1}\n", 3, "budget", 3),
+])
+def test_a_key_given_twice_is_refused_naming_the_file_the_line_and_the_key(tmp_path, text, line, key, first):
+    recipe = _recipe_text(tmp_path, text)
+    with pytest.raises(BadInput) as raised:
+        load_recipe(recipe)
+    assert str(raised.value) == (f"{recipe}, line {line}: {key}: given twice (first on line {first}); give each "
+                                 "key once")
+
+
+def test_a_json_recipe_with_a_key_twice_is_refused_and_a_yaml_merge_may_still_override(tmp_path):
+    recipe = tmp_path / "recipe.json"
+    first = json.dumps({"tokenizer": str(EXAMPLE_TOKENIZER), "cache_dir": str(tmp_path)})[1:-1]
+    recipe.write_text(f'{{{first},\n"sources": [{{"sources": ["a.jsonl"], "epochs": 1}}],\n"cache_dir": "x"}}')
+    with pytest.raises(BadInput, match=r"recipe.json, line 3: cache_dir: given twice \(first on line 1\)"):
+        load_recipe(recipe)
+    merged = _recipe_text(tmp_path, "sources:\n  - &first {name: a, sources: [a.jsonl], epochs: 1}\n"
+                          "  - {<<: *first, name: b, epochs: 2}\n")
+    assert [r.name for r in load_recipe(merged).runs()] == ["a", "b"]
+
+
+@pytest.mark.parametrize("data, expected", [
+    ("sources: []\n".encode("utf-16"), "recipe.yaml: the recipe is UTF-16 (little-endian) text (it starts with that "
+                                       "byte-order mark); save it as UTF-8"),
+    (b"\xfe\xff" + "sources: []\n".encode("utf-16-be"), "recipe.yaml: the recipe is UTF-16 (big-endian) text"),
+    ("sources: []\n".encode("utf-32"), "recipe.yaml: the recipe is UTF-32 (little-endian) text"),
+    ("sources: []\n".encode("utf-16-le"), "recipe.yaml: not UTF-8 text (a NUL byte at offset 1: UTF-16 or UTF-32 "
+                                          "without a byte-order mark?); save the recipe as UTF-8"),
+    ("tokenizer: x\n# caf\u00e9\n".encode("latin-1"), "recipe.yaml, line 2: not UTF-8 text (byte 0xe9 at offset "
+                                                      "18); save the recipe as UTF-8"),
+])
+def test_a_recipe_not_in_utf8_is_one_line_naming_the_file_and_the_encoding(tmp_path, data, expected):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_bytes(data)
+    with pytest.raises(BadInput) as raised:
+        load_recipe(recipe)
+    assert str(raised.value).startswith(f"{tmp_path}/{expected}")
+
+
+def test_a_recipe_with_a_utf8_byte_order_mark_is_read(tmp_path):
+    recipe = _recipe_text(tmp_path, "sources:\n  - {name: a, sources: [a.jsonl], epochs: 1}\n")
+    recipe.write_bytes(b"\xef\xbb\xbf" + recipe.read_bytes())
+    assert load_recipe(recipe).runs()[0].tokenizer == str(EXAMPLE_TOKENIZER)
+
+
+def test_relative_paths_resolve_against_the_recipe_file_wherever_it_is_run(tmp_path, monkeypatch):
+    project = tmp_path / "project"
+    shutil.copytree(EXAMPLE_TOKENIZER, project / "tokenizer")
+    write_jsonl(project / "data" / "a.jsonl", example_rows()[:4])
+    (project / "template.jinja").write_text((EXAMPLE_TOKENIZER / "chat_template.jinja").read_text())
+    recipe = project / "recipe.yaml"
+    recipe.write_text("tokenizer: tokenizer\ncache_dir: caches\nchat_template: template.jinja\n"
+                      "mixture: {index_dir: ../indexes}\n"
+                      "sources:\n  - {sources: [data/a.jsonl], epochs: 1}\n"
+                      "  - {name: hub, sources: ['hub:org/set', 's3://bucket/b.jsonl', /abs/c.jsonl], epochs: 1}\n")
+    monkeypatch.chdir(project)  # where such a recipe always worked: what it meant there, it means everywhere
+    before = plan_slices(TokenizeOptions(sources=["data/a.jsonl"], tokenizer="tokenizer", cache_dir="caches",
+                                         chat_template="template.jinja", name="a"), content_keys=False)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    loaded = load_recipe(Path("..") / "project" / "recipe.yaml", {"cache_dir": "from-the-command-line"})
+    first, second = loaded.runs()
+    assert first.sources == [str(project / "data" / "a.jsonl")] and first.name == "a"
+    assert first.tokenizer == str(project / "tokenizer")
+    assert first.chat_template == str(project / "template.jinja")
+    assert loaded.mixture.index_dir == str(tmp_path / "indexes")
+    assert second.sources == ["hub:org/set", "s3://bucket/b.jsonl", "/abs/c.jsonl"]  # not paths beside it
+    assert first.cache_root == elsewhere / "from-the-command-line"  # the command line's: relative to where it runs
+    after = plan_slices(first.model_copy(update={"cache_dir": str(project / "caches")}), content_keys=False)
+    assert after.cache_path == before.cache_path  # the same cache: nothing is rebuilt
+
+
+def test_a_hub_tokenizer_name_in_a_recipe_stays_a_hub_name(tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("tokenizer: Qwen/Qwen2.5-0.5B-Instruct\ncache_dir: caches\n"
+                      "sources:\n  - {name: a, sources: [a.jsonl], epochs: 1}\n")
+    [run] = load_recipe(recipe).runs()
+    assert run.tokenizer == "Qwen/Qwen2.5-0.5B-Instruct" and run.cache_root == tmp_path / "caches"
