@@ -20,8 +20,8 @@
 Each source is an ordinary run with its own options and its own content-addressed cache (versions, gc and
 resumption as for any run), so a changed weight re-tokenizes nothing and a grown source rebuilds alone; the
 mixture index (read/mixture_index.py) is then built over the published caches. A bad recipe is one error
-naming the key (`gold.yaml: sources[1].weight: ...`), raised before anything runs: a key given twice and a file
-that is not UTF-8 among them. A recipe file's relative paths are
+naming the key (`gold.yaml: sources[1].weight: ...`), raised before anything runs: a key given twice, a file
+that is not UTF-8 and an amount too large for an index among them. A recipe file's relative paths are
 relative to its directory, wherever it is run.
 """
 
@@ -37,7 +37,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from sft_tokenize.build.options import TokenizeOptions
 from sft_tokenize.build.plan import default_name
 from sft_tokenize.errors import BadInput
-from sft_tokenize.read.mixture_index import AMOUNTS, MixtureOptions, MixtureSettings, MixtureSource
+from sft_tokenize.read.mixture_index import (
+    AMOUNTS,
+    MixtureOptions,
+    MixtureSettings,
+    MixtureSource,
+    check_index_size,
+    least_rows,
+)
 
 # What each source decides for itself; every other run option is the recipe's, shared by its sources.
 SOURCE_KEYS = ("sources", "name", "format", "columns", "system_prompt", "train_on", "template_kwargs", "split",
@@ -69,7 +76,12 @@ class Recipe(BaseModel):
         for name in names:
             if names.count(name) > 1:
                 raise ValueError(f"sources: two sources are named {name!r}; give each its own name")
-        self.mixture_options([""] * len(self.sources))
+        mixture = self.mixture_options([""] * len(self.sources))
+        # What the amounts alone say of the index's size: a typo is refused now, not after every source ran.
+        shared = self.source_options(0)
+        root = shared.cache_root / ".mixtures"
+        check_index_size(least_rows(mixture, shared.max_length), mixture,
+                         Path(os.path.abspath(mixture.index_dir)) if mixture.index_dir else root, at_least=True)
         return self
 
     def _own(self, i: int) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -119,8 +131,14 @@ class Recipe(BaseModel):
 
     def mixture_options(self, caches: list[str]) -> MixtureOptions:
         """The mixture of these published caches (one per source, in order)."""
-        specs = [MixtureSource(cache=cache, name=self.source_name(i), **self._own(i)[1])
-                 for i, cache in enumerate(caches)]
+        specs = []
+        for i, cache in enumerate(caches):
+            name = self.source_name(i)
+            try:
+                specs.append(MixtureSource(cache=cache, name=name, **self._own(i)[1]))
+            except ValidationError as error:
+                where, message = _message(error)
+                raise ValueError(f"sources[{i}] ({name}): {where}: {message}") from None
         try:
             return MixtureOptions(sources=specs, **self.mixture.model_dump())
         except ValidationError as error:

@@ -20,12 +20,18 @@ reached within one row. The order merges the sources by how far each has got thr
 (the fraction of it before the row), which is what always picking the source furthest behind does: every
 prefix of the index keeps the ratios, so a run stopped early still saw them. `order="shuffle"` is a seeded
 permutation of the same entries instead. See FORMAT.md, "Mixture index".
+
+An index takes 16 bytes a row on disk and about 96 in memory while it is built: amounts that would make it
+larger than `max_index_rows` (or than the memory and disk at hand) are refused before it is built, naming the
+source.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
+import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -48,6 +54,12 @@ MIXTURE_FILES = ("sources.npy", "rows.npy")
 Unit = Literal["rows", "tokens", "trained_tokens"]
 AMOUNTS = ("weight", "epochs", "rows", "tokens")
 SUM_CHUNK_ROWS = 65_536
+# The largest index built unless `max_index_rows` says otherwise: a typo (`rows: 1000000000`, `epochs: 1e9`) is
+# refused, naming its source, instead of filling the memory or the disk. 100M rows are 1.6 GB on disk.
+MAX_INDEX_ROWS = 100_000_000
+INDEX_BYTES_PER_ROW = 16  # on disk: an int64 in sources.npy and one in rows.npy
+# Memory while an index is built, per row: its arrays, the interleaving's keys and sort (87 measured, 20M rows).
+INDEX_BUILD_BYTES_PER_ROW = 96
 
 
 class MixtureSource(BaseModel):
@@ -57,10 +69,10 @@ class MixtureSource(BaseModel):
 
     cache: str = Field(description="The source's published cache (a directory `load_from_disk` opens).")
     name: str | None = Field(None, description="What the summary calls it (default: the cache's name).")
-    weight: float | None = Field(None, gt=0, description="Its share of what the budget leaves after the "
-                                 "absolute amounts, relative to the other weights.")
-    epochs: float | None = Field(None, gt=0, description="Every row this many times (2.5: each row 2 or 3 "
-                                 "times, half of them 3).")
+    weight: float | None = Field(None, gt=0, allow_inf_nan=False, description="Its share of what the budget "
+                                 "leaves after the absolute amounts, relative to the other weights.")
+    epochs: float | None = Field(None, gt=0, allow_inf_nan=False, description="Every row this many times (2.5: "
+                                 "each row 2 or 3 times, half of them 3).")
     rows: int | None = Field(None, gt=0, description="This many rows (more than it holds: whole epochs and a "
                              "prefix of one more).")
     tokens: int | None = Field(None, gt=0, description="This many tokens of the mixture's unit (input tokens "
@@ -93,6 +105,9 @@ class MixtureSettings(BaseModel):
                                                     "behind its amount comes next, so every prefix keeps the "
                                                     "ratios; shuffle: a seeded permutation of the same rows.")
     index_dir: str | None = Field(None, description="Where to write the index (default: <cache root>/.mixtures).")
+    max_index_rows: int = Field(MAX_INDEX_ROWS, gt=0, description="The largest index built, in rows (16 bytes "
+                                "each on disk, about 96 in memory while it is built): amounts that would take more "
+                                "are refused before the index is built.")
 
 
 class MixtureOptions(MixtureSettings):
@@ -209,6 +224,104 @@ def choose_rows(sources: list[SourceRows], options: MixtureOptions) -> list[np.n
     return chosen
 
 
+def _asked(kind: str, amount: float) -> str:
+    return f"{kind} {amount:,}" if isinstance(amount, int) else f"{kind} {amount:g}"
+
+
+def _about(units: np.ndarray, target: float) -> int:
+    """About how many rows, taken in epochs, reach `target` units (one epoch if no row holds any)."""
+    n, total = len(units), float(units.sum())
+    return n if total == 0 else math.ceil(target * n / total)
+
+
+def planned_rows(sources: list[SourceRows], options: MixtureOptions) -> list[tuple[str, str, int]]:
+    """Per source, about how many rows choose_rows will take for it, from its rows' units alone (no row chosen):
+    (name, what it asks, rows)."""
+    planned, absolute = [], 0.0
+    for source in sources:
+        kind, amount = source.spec.amount
+        n, total = len(source.units), float(source.units.sum())
+        if kind == "epochs":
+            rows, units = round(amount * n), amount * total
+        elif kind == "rows":
+            rows, units = int(amount), amount / max(n, 1) * total
+        elif kind == "tokens":
+            rows = _about(source.units if options.unit != "rows" else source.tokens, amount)
+            units = amount if options.unit != "rows" else rows
+        else:
+            continue
+        planned.append((f"source {source.name}", _asked(kind, amount), rows))
+        absolute += units
+    left = (options.budget or 0) - absolute  # a budget the absolute amounts use up: choose_rows says so
+    for source in sources:
+        if source.spec.weight is not None and left > 0:
+            planned.append((f"source {source.name}", _asked("weight", source.spec.weight),
+                            _about(source.units, left * source.spec.weight)))
+    return planned
+
+
+def least_rows(options: MixtureOptions, max_length: int | None = None) -> list[tuple[str, str, int]]:
+    """What the amounts alone say of the index's size, before any source's cache exists: at least these rows
+    (name, what it asks, rows). Every source holds a row, and no row holds more than `max_length` tokens."""
+    least = []
+    for source in options.sources:
+        kind, amount = source.amount
+        if kind in ("epochs", "rows"):
+            least.append((f"source {source.name or source.cache}", _asked(kind, amount), round(amount)))
+        elif kind == "tokens" and max_length:
+            least.append((f"source {source.name or source.cache}", _asked(kind, amount),
+                          math.ceil(amount / max_length)))
+    weighted = [s for s in options.sources if s.weight is not None]
+    if weighted and options.budget and (options.unit == "rows" or max_length):
+        per_row = 1 if options.unit == "rows" else max_length
+        least.append((f"the weighted sources {', '.join(s.name or s.cache for s in weighted)}",
+                      f"budget {options.budget:,} {options.unit}",
+                      math.ceil(options.budget / per_row)))
+    return least
+
+
+def _size(count: int) -> str:
+    for scale, unit in ((10**12, "TB"), (10**9, "GB"), (10**6, "MB")):
+        if count >= scale:
+            return f"{count / scale:,.1f} {unit}"
+    return f"{count / 10**3:,.0f} kB" if count >= 10**3 else f"{count} bytes"
+
+
+def _available_memory() -> int | None:
+    """The memory this machine can give without swapping (Linux's MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_index_size(planned: list[tuple[str, str, int]], options: MixtureSettings, index_root: Path | None,
+                     at_least: bool = False) -> None:
+    """BadInput naming the largest source, if the index of these planned rows (`planned_rows`, or `least_rows`
+    with `at_least`) would be over `options.max_index_rows`, the memory at hand or the disk under `index_root`."""
+    total = sum(rows for _, _, rows in planned)
+    if not planned or total == 0:
+        return
+    name, asked, rows = max(planned, key=lambda entry: entry[2])
+    its = "" if rows == total else f", {rows:,} of them its own"
+    what = (f"{name} ({asked}) would make a mixture index of {'at least' if at_least else 'about'} {total:,} rows "
+            f"({_size(total * INDEX_BYTES_PER_ROW)} on disk, {_size(total * INDEX_BUILD_BYTES_PER_ROW)} of memory "
+            f"to build it{its})")
+    if total > options.max_index_rows:
+        raise BadInput(f"{what}, over the bound of {options.max_index_rows:,} rows (the mixture's max_index_rows: "
+                       "raise it if you mean it)")
+    memory = _available_memory()
+    if memory is not None and total * INDEX_BUILD_BYTES_PER_ROW > memory:
+        raise BadInput(f"{what}, more than the {_size(memory)} of memory available")
+    existing = next((p for p in (index_root, *index_root.parents) if p.exists()), None) if index_root else None
+    if existing is not None and total * INDEX_BYTES_PER_ROW > shutil.disk_usage(existing).free:
+        raise BadInput(f"{what}, more than the {_size(shutil.disk_usage(existing).free)} free under {existing}")
+
+
 def interleave(sources: list[SourceRows], chosen: list[np.ndarray], options: MixtureOptions
                ) -> tuple[np.ndarray, np.ndarray]:
     """(sources, rows) of the whole index: merged by each row's place in its source's amount, or shuffled."""
@@ -307,6 +420,7 @@ def mix_caches(options: MixtureOptions) -> MixtureIndex:
     target = _index_root(sources, options) / key
     if (target / "mixture.json").is_file():
         return load_mixture(target)
+    check_index_size(planned_rows(sources, options), options, target.parent)
     target.parent.mkdir(parents=True, exist_ok=True)
     with locked(target.with_name(f"{key}.lock")):
         if (target / "mixture.json").is_file():

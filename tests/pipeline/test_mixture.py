@@ -179,3 +179,26 @@ def test_a_mixture_packs_like_a_cache_over_its_mixed_rows(caches, tmp_path):
         assert item["input_ids"].tolist() == expected.tolist() and len(expected) <= 512
         assert item["row_ids"].tolist() == rows
     assert pickle.loads(pickle.dumps(packed))[0]["input_ids"].tolist() == packed[0]["input_ids"].tolist()
+
+
+@pytest.mark.parametrize("amounts, unit, budget, expected", [
+    ({"gold": {"epochs": 1000}}, "rows", None, r"source gold-\w+ \(epochs 1000\) would make a mixture index of "
+                                               r"about 40,000 rows \(640 kB on disk, 3.8 MB of memory to build it\)"),
+    ({"chat": {"rows": 10}, "gold": {"tokens": 10**7}}, "tokens", None,
+     r"source gold-\w+ \(tokens 10,000,000\) would make a mixture index of about [\d,]+ rows \(.*, [\d,]+ of them "
+     r"its own\)"),
+    ({"chat": {"weight": 0.5}, "alpaca": {"weight": 0.5}}, "rows", 50_000,
+     r"source chat-\w+ \(weight 0.5\) would make a mixture index of about 50,000 rows \(.*, 25,000 of them its own\)"),
+])
+def test_an_amount_too_large_for_the_index_is_refused_before_it_is_built(caches, tmp_path, amounts, unit, budget,
+                                                                        expected):
+    options = _mixture(caches, unit=unit, budget=budget, **amounts).model_copy(
+        update={"max_index_rows": 10_000, "index_dir": str(tmp_path / "indexes")})
+    with pytest.raises(BadInput, match=f"^{expected}, over the bound of 10,000 rows \\(the mixture's max_index_rows"):
+        mix_caches(options)
+    assert not (tmp_path / "indexes").exists()  # nothing written, not even a lock
+
+
+def test_epochs_that_are_not_finite_are_refused_by_name():
+    with pytest.raises(ValueError, match="epochs\n  Input should be a finite number"):
+        MixtureSource(cache="a", name="gold", epochs=float("inf"))

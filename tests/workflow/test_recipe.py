@@ -84,6 +84,11 @@ def test_a_recipe_builds_a_cache_per_source_and_a_reweighting_only_a_new_index(t
      "add up to 1.1"),
     ({"sources": [{"sources": ["a.jsonl"], "weight": 0.5, "epochs": 2}]}, "sources[0]: give exactly one of"),
     ({"sources": [{"sources": ["nothing-here/*.jsonl"], "epochs": 1}]}, "sources[0]"),
+    # Refused before any source is tokenized: they used to tokenize everything, then fail or fill the memory.
+    ({"sources": [{"name": "gold", "sources": ["a.jsonl"], "epochs": float("inf")}]},
+     "sources[0] (gold): epochs: Input should be a finite number"),
+    ({"sources": [{"name": "typo", "sources": ["a.jsonl"], "rows": 1_000_000_000}]},
+     "source typo (rows 1,000,000,000) would make a mixture index of at least 1,000,000,000 rows"),
 ])
 def test_a_bad_recipe_is_one_line_naming_the_key(tmp_path, data, change, expected):
     recipe = write_recipe(tmp_path, data, **change)
@@ -183,6 +188,45 @@ def test_a_recipe_with_a_utf8_byte_order_mark_is_read(tmp_path):
     recipe = _recipe_text(tmp_path, "sources:\n  - {name: a, sources: [a.jsonl], epochs: 1}\n")
     recipe.write_bytes(b"\xef\xbb\xbf" + recipe.read_bytes())
     assert load_recipe(recipe).runs()[0].tokenizer == str(EXAMPLE_TOKENIZER)
+
+
+def test_epochs_zero_is_refused_naming_its_source(tmp_path):
+    recipe = _recipe_text(tmp_path, "sources:\n  - {name: chat, sources: [a.jsonl], epochs: 1}\n"
+                                    "  - {name: gold, sources: [b.jsonl], epochs: 0}\n")
+    with pytest.raises(BadInput) as raised:
+        load_recipe(recipe)
+    assert str(raised.value) == f"{recipe}: sources[1] (gold): epochs: Input should be greater than 0"
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("sources:\n  - {name: typo, sources: [a.jsonl], rows: 1000000000}\n",
+     "source typo (rows 1,000,000,000) would make a mixture index of at least 1,000,000,000 rows (16.0 GB on disk, "
+     "96.0 GB of memory to build it), over the bound of 100,000,000 rows (the mixture's max_index_rows"),
+    ("sources:\n  - {name: chat, sources: [a.jsonl], epochs: 1}\n  - {name: gold, sources: [b.jsonl], epochs: .inf}\n",
+     "sources[1] (gold): epochs: Input should be a finite number"),
+    ("sources:\n  - {name: gold, sources: [b.jsonl], epochs: 1e9}\n",
+     "source gold (epochs 1e+09) would make a mixture index of at least 1,000,000,000 rows"),
+    ("max_length: 4096\nsources:\n  - {name: chat, sources: [a.jsonl], tokens: 1000000000000}\n",
+     "source chat (tokens 1,000,000,000,000) would make a mixture index of at least 244,140,625 rows"),
+    ("mixture: {unit: rows, budget: 300000000}\nsources:\n  - {name: a, sources: [a.jsonl], weight: 0.5}\n"
+     "  - {name: b, sources: [b.jsonl], weight: 0.5}\n",
+     "the weighted sources a, b (budget 300,000,000 rows) would make a mixture index of at least 300,000,000 rows"),
+    ("mixture: {max_index_rows: 10}\nsources:\n  - {name: a, sources: [a.jsonl], rows: 6}\n"
+     "  - {name: b, sources: [b.jsonl], rows: 5}\n",
+     "source a (rows 6) would make a mixture index of at least 11 rows (176 bytes on disk, 1 kB of memory to build "
+     "it, 6 of them its own), over the bound of 10 rows"),
+])
+def test_an_amount_too_large_for_an_index_is_refused_before_anything_runs(tmp_path, text, expected):
+    recipe = _recipe_text(tmp_path, text)
+    with pytest.raises(BadInput) as raised:
+        load_recipe(recipe)
+    assert str(raised.value).startswith(f"{recipe}: {expected}")
+
+
+def test_the_index_bound_is_an_option(tmp_path):
+    recipe = _recipe_text(tmp_path, "mixture: {max_index_rows: 11}\nsources:\n  - {name: a, sources: [a.jsonl], "
+                                    "rows: 6}\n  - {name: b, sources: [b.jsonl], rows: 5}\n")
+    assert load_recipe(recipe).mixture.max_index_rows == 11
 
 
 def test_relative_paths_resolve_against_the_recipe_file_wherever_it_is_run(tmp_path, monkeypatch):
