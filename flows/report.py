@@ -222,4 +222,5 @@ def mixture_summary(meta: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append((source["name"], f"asked {kind} {amount}; achieved {source['rows']:,} rows, "
                                      f"{source['tokens']:,} tokens, {source['trained_tokens']:,} trained, share "
                                      f"{source['share']:.1%}, {source['epochs']:.2f} epochs"))
+    rows += [("warning", warning) for warning in meta.get("warnings", [])]
     return rows

@@ -34,6 +34,8 @@ def tokenize_recipe(recipe: Recipe, run: dict[str, Any] | None = None) -> str:
         caches.append(tokenize_dataset.with_options(flow_run_name=f"{options.name}")(source_run))
     index = mix_caches(recipe.mixture_options(caches))
     logger.info("mixture %s: %s rows from %d sources", index.path, f"{len(index):,}", len(caches))
+    for warning in index.meta.get("warnings", []):
+        logger.warning("mixture %s: %s", index.meta["key"], warning)
     create_markdown_artifact(markdown_table(f"Mixture {index.meta['key']}", mixture_summary(index.meta)),
                              key=artifact_key("sft-mixture", index.meta["key"]))
     return str(index.path)

@@ -23,13 +23,15 @@ permutation of the same entries instead. See FORMAT.md, "Mixture index".
 
 An index takes 16 bytes a row on disk and about 96 in memory while it is built: amounts that would make it
 larger than `max_index_rows` (or than the memory and disk at hand) are refused before it is built, naming the
-source.
+source. Whole rows can miss small budgets' weights: the index records a warning for each weighted source
+more than SHARE_TOLERANCE off its weight.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import shutil
 import time
@@ -49,6 +51,8 @@ from sft_tokenize.files import built_directory, locked
 from sft_tokenize.read.cache import TokenizedCache, open_cache
 from sft_tokenize.read.packing_index import mapped_arrays, write_npy
 
+logger = logging.getLogger("sft_tokenize")
+
 MIXTURE_VERSION = 1
 MIXTURE_FILES = ("sources.npy", "rows.npy")
 Unit = Literal["rows", "tokens", "trained_tokens"]
@@ -60,6 +64,9 @@ MAX_INDEX_ROWS = 100_000_000
 INDEX_BYTES_PER_ROW = 16  # on disk: an int64 in sources.npy and one in rows.npy
 # Memory while an index is built, per row: its arrays, the interleaving's keys and sort (87 measured, 20M rows).
 INDEX_BUILD_BYTES_PER_ROW = 96
+# A weighted source whose achieved share of the weighted sources' total misses its weight by more than this
+# (absolute: 0.05 is five points) is warned about: the budget is too small for its rows.
+SHARE_TOLERANCE = 0.05
 
 
 class MixtureSource(BaseModel):
@@ -363,6 +370,24 @@ def _summary(sources: list[SourceRows], chosen: list[np.ndarray], unit: str) -> 
     return out
 
 
+def share_warnings(sources: list[SourceRows], chosen: list[np.ndarray], options: MixtureOptions) -> list[str]:
+    """One line per weighted source whose share of the weighted sources' total misses its weight by more than
+    SHARE_TOLERANCE: rows are whole, and each weighted source takes at least one."""
+    weighted = [i for i, source in enumerate(sources) if source.spec.weight is not None]
+    achieved = {i: int(sources[i].units[chosen[i]].sum()) for i in weighted}
+    total = sum(achieved.values())
+    warnings = []
+    for i in weighted if total else []:
+        share, weight = achieved[i] / total, sources[i].spec.weight
+        if abs(share - weight) > SHARE_TOLERANCE:
+            warnings.append(
+                f"source {sources[i].name}: asked weight {weight:g}, achieved {share:.1%} of the weighted sources' "
+                f"{options.unit} ({achieved[i]:,} of {total:,}), more than {SHARE_TOLERANCE * 100:g} points off: "
+                f"the budget ({options.budget:,} {options.unit}) is small against whole rows of up to "
+                f"{int(sources[i].units.max()):,}; a larger budget comes closer")
+    return warnings
+
+
 def mixture_key(sources: list[SourceRows], options: MixtureOptions) -> str:
     described = {"version": MIXTURE_VERSION, "sources": [s.identity() for s in sources], "unit": options.unit,
                  "budget": options.budget, "seed": options.seed, "order": options.order}
@@ -419,12 +444,12 @@ def mix_caches(options: MixtureOptions) -> MixtureIndex:
     key = mixture_key(sources, options)
     target = _index_root(sources, options) / key
     if (target / "mixture.json").is_file():
-        return load_mixture(target)
+        return _said(load_mixture(target))
     check_index_size(planned_rows(sources, options), options, target.parent)
     target.parent.mkdir(parents=True, exist_ok=True)
     with locked(target.with_name(f"{key}.lock")):
         if (target / "mixture.json").is_file():
-            return load_mixture(target)
+            return _said(load_mixture(target))
         started = time.perf_counter()
         chosen = choose_rows(sources, options)
         source_ids, rows = interleave(sources, chosen, options)
@@ -435,12 +460,20 @@ def mix_caches(options: MixtureOptions) -> MixtureIndex:
             meta = {"mixture_version": MIXTURE_VERSION, "key": key, "unit": options.unit, "budget": options.budget,
                     "seed": options.seed, "order": options.order, "rows": int(len(rows)),
                     "sources": _summary(sources, chosen, options.unit),
+                    "warnings": share_warnings(sources, chosen, options),
                     "source_caches": [str(s.cache.path) for s in sources], "files": files}
             (building / "mixture.json").write_text(json.dumps(meta, indent=2) + "\n")
             build = {"seconds": round(time.perf_counter() - started, 3), "tool_version": __version__}
             (building / "build.json").write_text(json.dumps(build, indent=2) + "\n")
     index = load_mixture(target)
     index.built_now = True
+    return _said(index)
+
+
+def _said(index: MixtureIndex) -> MixtureIndex:
+    """The index, its warnings logged (a found index's too: the run that asked for it is told again)."""
+    for warning in index.meta.get("warnings", []):  # an index older than its warnings has none
+        logger.warning("mixture %s: %s", index.meta["key"], warning)
     return index
 
 

@@ -202,3 +202,26 @@ def test_an_amount_too_large_for_the_index_is_refused_before_it_is_built(caches,
 def test_epochs_that_are_not_finite_are_refused_by_name():
     with pytest.raises(ValueError, match="epochs\n  Input should be a finite number"):
         MixtureSource(cache="a", name="gold", epochs=float("inf"))
+
+
+def test_shares_far_from_the_weights_are_warned_about_in_the_index_and_its_summary(caches, caplog):
+    from sft_tokenize.flows.report import mixture_summary
+    from sft_tokenize.read.mixture_index import SHARE_TOLERANCE
+
+    amounts = {"chat": {"weight": 0.5}, "gold": {"weight": 0.5}}
+    small = mix_caches(_mixture(caches, budget=60, **amounts))  # a row or two each: far from 50/50
+    warnings = small.meta["warnings"]
+    shares = [s["share"] for s in small.meta["sources"]]
+    assert abs(shares[0] - 0.5) > SHARE_TOLERANCE and len(warnings) == 2
+    names = [s["name"] for s in small.meta["sources"]]
+    for name, share, warning in zip(names, shares, warnings, strict=True):
+        assert warning.startswith(f"source {name}: asked weight 0.5, achieved {share:.1%} of the weighted sources' "
+                                  "trained_tokens")
+        assert "the budget (60 trained_tokens) is small against whole rows" in warning
+    assert [text for key, text in mixture_summary(small.meta) if key == "warning"] == warnings
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="sft_tokenize"):
+        again = mix_caches(_mixture(caches, budget=60, **amounts))  # found, not built: still said
+    assert not again.built_now and [r.getMessage() for r in caplog.records] == [
+        f"mixture {again.meta['key']}: {warning}" for warning in warnings]
+    assert mix_caches(_mixture(caches, budget=20_000, **amounts)).meta["warnings"] == []
