@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 from os.path import commonprefix
 from typing import Any
@@ -58,6 +58,7 @@ class Shape:
     values: list[str]
     kinds: list[str]
     empty: bool  # blank assistant replies are marked too (see turns._blank_reply)
+    cores: list[str]  # each value without its surrounding whitespace: what its slot holds
 
 
 def _frozen(value: Any) -> Any:
@@ -78,11 +79,22 @@ def _frozen(value: Any) -> Any:
     return (kind, dumped)
 
 
-def shape_of(messages: list[dict], tools: Any, kinds: frozenset[str], empty: bool) -> Shape | None:
-    """The row's shape, walking its messages as `markers.mark` does (same fields, same order), or None when a
-    skeleton cannot stand for it."""
+def _blank(role: Any, content: Any) -> bool:
+    """turns._blank_reply, on a message's role and content."""
+    return role == "assistant" and type(content) is str and (not content or content.isspace())
+
+
+def shape_of(messages: list[dict], tools: Any, kinds: frozenset[str], extra: tuple) -> Shape | None:
+    """The row's shape (keyed with `extra` too), walking its messages as `markers.mark` does (same fields, same
+    order), or None when a skeleton cannot stand for it."""
+    if tools is None and "content" in kinds:
+        simple = _simple_shape(messages, extra)
+        if simple is not False:
+            return simple
+    empty = any(_blank(m.get("role"), m.get("content")) for m in messages if type(m) is dict)
     values: list[str] = []
     field_kinds: list[str] = []
+    cores: list[str] = []
 
     def field(text: Any, kind: str) -> Any:
         if type(text) is not str or kind not in kinds:
@@ -94,23 +106,18 @@ def shape_of(messages: list[dict], tools: Any, kinds: frozenset[str], empty: boo
             raise _Miss
         values.append(text)
         field_kinds.append(kind)
+        cores.append(core)
         if len(core) == len(text):
             return 0
         if not core:
             return (1, text)
         return (2, text[: len(text) - len(text.lstrip())], text[len(text.rstrip()):])
 
-    markable_content = "content" in kinds
     try:
-        key: list[Any] = [_frozen(tools), empty]
+        key: list[Any] = [_frozen(tools), empty, extra]
         for message in messages:
             if type(message) is not dict:
                 return None
-            if len(message) == 2 and tuple(message) == _ROLE_CONTENT and type(role := message["role"]) is str:
-                content = message["content"]  # the usual message, keyed apart from the general case's tuples
-                if type(content) is str and markable_content and not holds_marks(role):
-                    key.append((role, field(content, "content")))
-                    continue
             reasoning_keys = (message.get("role") == "assistant" and not _NO_REASONING.issuperset(message))
             reasoning = None
             if reasoning_keys:
@@ -149,36 +156,36 @@ def shape_of(messages: list[dict], tools: Any, kinds: frozenset[str], empty: boo
         return None
     if MARK_BASE + 2 * len(values) > MARK_LIMIT:
         return None
-    return Shape(tuple(key), values, field_kinds, empty)
+    return Shape(tuple(key), values, field_kinds, empty, cores)
+
+
+def _simple_shape(messages: list[dict], extra: tuple) -> Shape | None | bool:
+    """shape_of for the usual row, every message {role, content} with text and no tools, in a few passes over
+    lists; False for any other row (the general walk decides), None where no skeleton can stand for it."""
+    if not all([type(m) is dict and len(m) == 2 and tuple(m) == _ROLE_CONTENT for m in messages]):
+        return False
+    roles = [m["role"] for m in messages]
+    values = [m["content"] for m in messages]
+    if not all([type(r) is str and type(c) is str for r, c in zip(roles, values, strict=True)]):
+        return False
+    joined = "\0".join(roles) + "\0" + "\0".join(values)
+    if holds_marks(joined):  # O(1) for ASCII text: the markers' plane is not ASCII
+        return None
+    empty = any([_blank(r, c) for r, c in zip(roles, values, strict=True)])
+    cores = [c.strip() for c in values]
+    tags = []
+    for value, core in zip(values, cores, strict=True):
+        tags.append(value if not (core or empty) else 0 if len(core) == len(value) else (1, value) if not core
+                    else (2, value[: len(value) - len(value.lstrip())], value[len(value.rstrip()):]))
+    if not empty and not all(cores):  # a blank text is not a field here: the template sees it as it is
+        kept = [k for k, core in enumerate(cores) if core]
+        values, cores = [values[k] for k in kept], [cores[k] for k in kept]
+    if MARK_BASE + 2 * len(values) > MARK_LIMIT:
+        return None
+    return Shape(("simple", tuple(roles), tuple(tags), empty, extra), values, ["content"] * len(values), empty, cores)
 
 
 # -- replaying a trace ---------------------------------------------------------------------------------------
-
-def _replayed(origin: tuple, values: list[str]) -> str:
-    """The value a traced render asked about: a field's text with the same operations applied."""
-    fid, steps = origin
-    value = values[fid]
-    for step in steps:
-        name = step[0]
-        if name == "add":
-            value = value + step[1]
-        elif name == "radd":
-            value = step[1] + value
-        elif name in ("strip", "lstrip", "rstrip"):
-            value = getattr(value, name)(step[1])
-        elif name in ("split", "rsplit"):
-            pieces = getattr(value, name)(step[1], step[2])
-            if len(pieces) != step[4]:
-                raise _Miss
-            value = pieces[step[3]]
-        elif name == "replace":
-            value = value.replace(step[1], step[2], step[3])
-        elif name == "slice":
-            value = value[step[1]:step[2]]
-        else:
-            raise _Miss
-    return value
-
 
 def agree(rest: str, value: str) -> int:
     """How many characters of `rest` (a header's text past the constant text) the field's text begins with, or
@@ -188,23 +195,71 @@ def agree(rest: str, value: str) -> int:
     return n if n < len(core) or n == len(rest) else -1
 
 
-_FACTS: dict[str, Callable[..., Any]] = {
-    "agree": lambda v, rest: agree(rest, v),
-    "bool": bool, "len": len,
-    "eq": lambda v, o: v == o, "ne": lambda v, o: v != o, "lt": lambda v, o: v < o, "le": lambda v, o: v <= o,
-    "gt": lambda v, o: v > o, "ge": lambda v, o: v >= o,
-    "contains": lambda v, item: item in v,
-    "startswith": lambda v, *a: v.startswith(*a), "endswith": lambda v, *a: v.endswith(*a),
-    "strip": lambda v, chars: trimmed(v, "strip", chars), "lstrip": lambda v, chars: trimmed(v, "lstrip", chars),
-    "rstrip": lambda v, chars: trimmed(v, "rstrip", chars),
-    "split": lambda v, sep, n: len(v.split(sep, n)), "rsplit": lambda v, sep, n: len(v.rsplit(sep, n)),
-    "count": lambda v, old: v.count(old) if old else -1,
-    "slice": lambda v, start, stop: slice(start, stop).indices(len(v))[:2],
-}
 
 
 def _is_ref(arg: Any) -> bool:
     return type(arg) is tuple and len(arg) == 2 and arg[0] is _FIELD
+
+
+def _piece(pieces: list[str], index: int, count: int) -> str:
+    if len(pieces) != count:
+        raise _Miss
+    return pieces[index]
+
+
+_EXPRESSIONS = {  # each fact (pairs._observe) as an expression of the replayed value v and its arguments
+    "bool": "bool({v})", "len": "len({v})", "eq": "({v} == {a0})", "ne": "({v} != {a0})", "lt": "({v} < {a0})",
+    "le": "({v} <= {a0})", "gt": "({v} > {a0})", "ge": "({v} >= {a0})", "contains": "({a0} in {v})",
+    "startswith": "{v}.startswith({args})", "endswith": "{v}.endswith({args})",
+    "strip": "_trimmed({v}, 'strip', {a0})", "lstrip": "_trimmed({v}, 'lstrip', {a0})",
+    "rstrip": "_trimmed({v}, 'rstrip', {a0})", "split": "len({v}.split({a0}, {a1}))",
+    "rsplit": "len({v}.rsplit({a0}, {a1}))", "count": "({v}.count({a0}) if {a0} else -1)",
+    "slice": "slice({a0}, {a1}).indices(len({v}))[:2]", "agree": "_agree({a0}, {v})",
+}
+
+
+def _compiled(facts: tuple[tuple, ...]) -> Callable[[list[str]], bool]:
+    """One function that checks every fact on a row's field texts: a skeleton is tried on most rows, so its
+    facts are Python expressions, not a loop over them."""
+    constants: dict[str, Any] = {"_Miss": _Miss, "_piece": _piece, "_trimmed": trimmed, "_agree": agree}
+
+    def constant(value: Any) -> str:
+        name = f"_c{len(constants)}"
+        constants[name] = value
+        return name
+
+    def value_of(origin: tuple) -> str:
+        fid, steps = origin
+        text = f"v[{fid}]"
+        for step in steps:
+            name, args = step[0], [constant(a) for a in step[1:]]
+            if name == "add":
+                text = f"({text} + {args[0]})"
+            elif name == "radd":
+                text = f"({args[0]} + {text})"
+            elif name in ("strip", "lstrip", "rstrip"):
+                text = f"{text}.{name}({args[0]})"
+            elif name in ("split", "rsplit"):
+                text = f"_piece({text}.{name}({args[0]}, {args[1]}), {step[3]}, {step[4]})"
+            elif name == "replace":
+                text = f"{text}.replace({args[0]}, {args[1]}, {args[2]})"
+            elif name == "slice":
+                text = f"{text}[{args[0]}:{args[1]}]"
+            else:
+                raise ValueError(f"no replay for {name!r}")
+        return text
+
+    checks = []
+    for origin, fact, args, result in facts:
+        value = value_of(origin)
+        a = [value_of(arg[1]) if _is_ref(arg) else constant(arg) for arg in args]
+        expression = _EXPRESSIONS[fact].format(v=value, a0=a[0] if a else "", a1=a[1] if len(a) > 1 else "",
+                                               args=", ".join(a))
+        checks.append(f"        if {expression} != {constant(result)}:\n            return False")
+    body = "".join(check + "\n" for check in checks)
+    source = f"def holds(v):\n    try:\n{body}        return True\n    except _Miss:\n        return False\n"
+    exec(compile(source, "<skeleton facts>", "exec"), constants)  # it names only v and registered constants
+    return constants["holds"]
 
 
 @dataclass(frozen=True)
@@ -216,29 +271,21 @@ class Skeleton:
     facts: tuple[tuple, ...]  # (origin, fact, args, result)
     regions: tuple[tuple[int, int, int, int], ...]  # (slots before, constant chars before) of start, then end
     append_eos: bool
+    holds: Callable[[list[str]], bool] = field(init=False, compare=False, repr=False)
 
-    def holds(self, values: list[str]) -> bool:
-        try:
-            for origin, fact, args, result in self.facts:
-                value = _replayed(origin, values)
-                if args:
-                    args = tuple(_replayed(a[1], values) if _is_ref(a) else a for a in args)
-                if _FACTS[fact](value, *args) != result:
-                    return False
-        except _Miss:
-            return False
-        return True
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "holds", _compiled(self.facts))
 
-    def fill(self, values: list[str]) -> tuple[str, list[tuple[int, int]]]:
-        cores = [values[fid].strip() for fid in self.slots]
+    def fill(self, cores: list[str]) -> tuple[str, list[tuple[int, int]]]:
+        """The row's text from its fields' cores, and its trained spans."""
         constants = self.constants
+        filled = [cores[fid] for fid in self.slots]
         parts = [constants[0]]
-        for k, core in enumerate(cores):
+        for k, core in enumerate(filled):
             parts.append(core)
             parts.append(constants[k + 1])
-        before = list(accumulate(map(len, cores), initial=0))
-        regions = [(c0 + before[s0], c1 + before[s1]) for s0, c0, s1, c1 in self.regions]
-        return "".join(parts), regions
+        before = list(accumulate(map(len, filled), initial=0))
+        return "".join(parts), [(c0 + before[s0], c1 + before[s1]) for s0, c0, s1, c1 in self.regions]
 
 
 def learn(shape: Shape, marked_kinds: list[str], marked_text: str, trace: list,
@@ -247,7 +294,7 @@ def learn(shape: Shape, marked_kinds: list[str], marked_text: str, trace: list,
     would not be exact (see the module docstring)."""
     if POISON in trace or marked_kinds != shape.kinds or any(f[1] == "agree" and f[3] < 0 for f in trace):
         return None
-    cores = [value.strip() for value in shape.values]
+    cores = shape.cores
     pieces = MARK_SPLIT.split(marked_text)  # text, mark, text, mark, ..., text
     constants, slots = [pieces[0]], []
     starts: list[int] = [0]  # where each constant begins in the plain text

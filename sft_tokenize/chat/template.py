@@ -22,7 +22,7 @@ from sft_tokenize.chat import pairs as twins
 from sft_tokenize.chat.environment import compile_template
 from sft_tokenize.chat.markers import MARK_BASE, MARKS, Marked, holds_marks, mark
 from sft_tokenize.errors import BadInput, BadRow
-from sft_tokenize.sources.conversations import OTHER_ROLES, REASONING_FIELDS, Conversation
+from sft_tokenize.sources.conversations import OTHER_ROLES, REASONING_FIELDS, ROLES, Conversation
 
 GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 # What marking can wrap. Each kind is used only where probing showed the template renders it unchanged.
@@ -227,6 +227,11 @@ class ChatTemplate:
         `<think>…</think>` moved to the reasoning field when the template renders one, and a `developer`,
         `function` or `ipython` message given as a system message or a tool reply where the template has no such
         role of its own (probed, not told by the template's name: gpt-oss has a developer role)."""
+        reasoning = self.renders_reasoning
+        if all([len(m) == 2 and type(content := m.get("content")) is str and m.get("role") in ROLES
+                and (not reasoning or m["role"] != "assistant" or "</think>" not in content)
+                for m in conversation.messages]):
+            return conversation  # roles and their texts, as the template reads them already
         messages = []
         for index, message in enumerate(conversation.messages):
             if message.get("role") in ROLE_STANDS_FOR and message["role"] not in self.own_roles:

@@ -103,10 +103,7 @@ class TurnFinder:
             return [self._generation_spans(conv, targets)]
         shape = None
         if self.skeletons is not None and not fields and not conv.image_grids:
-            shape = shape_of(conv.messages, conv.tools, self.template.markable,
-                             any(_blank_reply(m) for m in conv.messages))
-            shape = shape and Shape((shape.key, tuple(targets), conv.completion_start), shape.values, shape.kinds,
-                                    shape.empty)
+            shape = shape_of(conv.messages, conv.tools, self.template.markable, (tuple(targets), conv.completion_start))
             filled = self._filled(conv, targets, shape) if shape is not None else None
             if filled is not None:
                 return [filled]
@@ -145,7 +142,7 @@ class TurnFinder:
         if found is None:
             return None
         skeleton, check = found
-        text, regions = skeleton.fill(shape.values)
+        text, regions = skeleton.fill(shape.cores)
         row = Rendered(text, regions, skeleton.append_eos)
         if check:
             full = self._by_markers(conv, targets)
