@@ -29,6 +29,7 @@ from sft_tokenize.build.keys import Digests, forget, slice_key
 from sft_tokenize.build.stopping import Stopped, raise_if_stopping
 from sft_tokenize.build.timeline import mark
 from sft_tokenize.build.workers import encoder_for, slice_encoding
+from sft_tokenize.chat.skeleton import SkeletonMismatch
 from sft_tokenize.encoding.chat_encoder import EncodedBatch
 from sft_tokenize.encoding.exact import VERIFY_ROWS
 from sft_tokenize.encoding.memory import trim_malloc
@@ -267,7 +268,10 @@ def _stream_rows(job: Job, slice_: Slice, stream) -> ShardStats:
     def write_oldest() -> None:
         nonlocal verified
         encoded, positions, locate, stored = in_flight.popleft()
-        batch = encoded.result()
+        try:
+            batch = encoded.result()
+        except SkeletonMismatch as mismatch:
+            raise SkeletonMismatch(f"{locate(positions[mismatch.row])}: {mismatch}") from None
         verified += batch.rows_verified
         for outcome, origin in zip(batch.outcomes, batch.origins, strict=True):
             if isinstance(outcome, BadRow):

@@ -43,7 +43,18 @@ _ROLE_CONTENT = ("role", "content")
 
 
 class SkeletonMismatch(RuntimeError):
-    """A skeleton's text or trained spans differ from the full render of a row: never written, always raised."""
+    """A skeleton's text or trained spans differ from the full render of a row: never written, always raised.
+    `row`: the row's index in the batch the encoder was given, once known (its reader names it)."""
+
+    def __init__(self, message: str, row: int | None = None):
+        super().__init__(message, row)  # both in args: the exception crosses an encode pool's pipe
+
+    @property
+    def row(self) -> int | None:
+        return self.args[1]
+
+    def __str__(self) -> str:
+        return self.args[0]
 
 
 class _Miss(Exception):

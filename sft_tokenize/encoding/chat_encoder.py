@@ -223,7 +223,11 @@ class ChatEncoder:
                     origins.append(index)
                     continue
                 literal = control is not None
-            for result in self._render_rows(example, literal):
+            try:
+                results = self._render_rows(example, literal)
+            except SkeletonMismatch as mismatch:
+                raise SkeletonMismatch(str(mismatch), index) from None
+            for result in results:
                 origins.append(index)
                 outcomes.append(None)
                 if isinstance(result, Rendered):

@@ -131,6 +131,26 @@ def test_a_skeleton_made_wrong_is_caught_by_the_guard_rail(tokenizers, monkeypat
     assert not np.array_equal(want.input_ids, got.input_ids) or not np.array_equal(want.loss_mask, got.loss_mask)
 
 
+def test_a_mismatch_stops_the_run_naming_the_row(modern_tokenizer, tmp_path, monkeypatch):
+    """In a run, the guard rail's error names the file and line of the row that a wrong skeleton filled in."""
+    from support.data import write_jsonl
+
+    from sft_tokenize.build.options import TokenizeOptions
+    from sft_tokenize.build.plan import run_locally
+
+    plain = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+                          {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Bye."}]}
+    thinking = copy.deepcopy(plain)
+    thinking["messages"][1]["content"] = "Wave.</think>\n\nHello."
+    data = write_jsonl(tmp_path / "data.jsonl", [plain, thinking])  # the second row is its skeleton's first fill
+    _ignoring_facts(monkeypatch)
+    options = TokenizeOptions(sources=[str(data)], tokenizer=str(modern_tokenizer("qwen3")),
+                              cache_dir=str(tmp_path / "cache"), render="skeleton")
+    with pytest.raises(SkeletonMismatch, match=r"data\.jsonl:2: the chat template .* otherwise than its learned"):
+        run_locally(options)
+    assert not list((tmp_path / "cache").glob("data-*"))  # nothing published
+
+
 def _unchecked(find):
     def unchecked(self, shape):
         found = find(self, shape)
