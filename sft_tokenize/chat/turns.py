@@ -160,6 +160,10 @@ class TurnFinder:
         """(the row, targets whose reasoning the template dropped), or None when marking changes the render.
         With the row's `shape`, a skeleton is learned from the render where one is exact."""
         template = self.template
+        if any(type(message.get("content")) is list for message in conv.messages):
+            # Content parts (an image row's messages) are not marked, so a turn of them has no anchor and the
+            # search between its neighbours' anchors could take another turn's header: prefix rendering decides.
+            return None
         blank = any(_blank_reply(message) for message in conv.messages)
         marked = mark(conv.messages, template.markable, empty=blank, twin=Twin.of_field)
         if marked is None or not marked.owners:

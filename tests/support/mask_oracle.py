@@ -176,3 +176,62 @@ def _snowman(message: dict) -> dict:
             calls.append({**call, "function": function})
         changed["tool_calls"] = calls
     return changed
+
+
+def image_oracle(processor, messages, replacements: list[str], vision_tokens: list[str], end_of_turn: list[str]):
+    """The loss-mask definition for an image row (every assistant turn trained), computed without the
+    encoder's markers or image runs, as (input_ids, loss_mask):
+
+    - the text is `processor.apply_chat_template(messages, tokenize=False)`, where each image is the
+      processor's `image_token`; the k-th becomes `replacements[k]` (what the processor's
+      `replace_image_token` puts there for that image), as the processor does before it tokenizes;
+    - an assistant turn starts where the prompt before it (`add_generation_prompt=True`) stops agreeing
+      with the text, moved back to a token boundary of the generation prompt, and ends after the first
+      end-of-turn token after that;
+    - a token is trained when it starts inside a turn, outside every replacement, and is not one of
+      `vision_tokens`.
+    """
+    tokenizer = processor.tokenizer
+
+    def render(part, add_generation_prompt=False):
+        return processor.apply_chat_template(part, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    text = render(messages)
+    one = [{"role": "user", "content": "x"}]
+    generation = render(one, True)[len(render(one)):]
+    generation_ends = sorted({end for _, end in tokenizer(generation, add_special_tokens=False,
+                                                           return_offsets_mapping=True)["offset_mapping"]})
+    eot = re.compile("|".join(map(re.escape, end_of_turn)))
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        prompt = render(messages[:i], True)
+        start = len(os.path.commonprefix([prompt, text]))
+        header_at = len(prompt) - len(generation)
+        if start > header_at:
+            start = header_at + max([0] + [e for e in generation_ends if e <= start - header_at])
+        spans.append((start, eot.search(text, start).end()))
+    # The images' replacements, and the turns moved with them.
+    pieces, images, position, shift, moves = [], [], 0, 0, []
+    at = [m.start() for m in re.finditer(re.escape(processor.image_token), text)]
+    assert len(at) == len(replacements), (len(at), len(replacements))
+    for start, replacement in zip(at, replacements, strict=True):
+        pieces += [text[position:start], replacement]
+        images.append((start + shift, start + shift + len(replacement)))
+        shift += len(replacement) - len(processor.image_token)
+        moves.append((start, shift))
+        position = start + len(processor.image_token)
+    pieces.append(text[position:])
+    expanded = "".join(pieces)
+
+    def moved(p):
+        return p + next((s for start, s in reversed(moves) if start < p), 0)
+
+    spans = [(moved(a), moved(b)) for a, b in spans]
+    encoded = tokenizer(expanded, add_special_tokens=False, return_offsets_mapping=True)
+    ids = list(encoded["input_ids"])
+    vision = set(tokenizer.convert_tokens_to_ids(vision_tokens))
+    mask = [int(any(a <= s < b for a, b in spans) and not any(a <= s < b for a, b in images) and t not in vision)
+            for t, (s, _) in zip(ids, encoded["offset_mapping"], strict=True)]
+    return ids, mask

@@ -1,9 +1,12 @@
-"""Image rows encoded against the real processors, Qwen2.5-VL's and Gemma 3's (built offline, PIL backend): on
-200 generated conversations with 0 to 3 images each (every kind of tests/support/images.py, in user and in
-assistant turns, over several turns), every row's input_ids equal `processor.apply_chat_template(...,
-tokenize=True, return_dict=True)`, its grids equal the processor's, no vision token is trained, and its trained
-text is the text-only definition's on the same conversation with the images removed. A cut by max_length
-inside an image's run drops the row; an image row without a processor is a row error."""
+"""Image rows encoded against the real processors, Qwen2.5-VL's and Gemma 3's (built offline, PIL backend).
+
+A property test: 500 generated conversations per family (seeded), images placed at random in every role
+and position (first, middle and last part; one or several per message; over several turns), messages
+without images as strings or as text parts, as sources give them. Every row's input_ids equal
+`processor.apply_chat_template(..., tokenize=True, return_dict=True)`, its grids the processor's, and its
+loss mask equals `image_oracle`'s, computed from the processor's rendered text by prefix renders (no marker,
+no image run of the encoder's). A cut by max_length inside an image's run drops the row; an image row
+without a processor is a row error."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import random
 import numpy as np
 import pytest
 from support.images import sample_images
+from support.mask_oracle import image_oracle
 from support.vision import gemma3, qwen_vl
 
 from sft_tokenize.encoding.chat_encoder import ChatEncoder
@@ -20,9 +24,17 @@ from sft_tokenize.errors import BadRow
 from sft_tokenize.sources.conversations import Conversation
 from sft_tokenize.sources.images import load_images, normalize_images
 
-CONVERSATIONS = 200
+CONVERSATIONS = 500
 WORDS = "the cat sat on a mat and looked at what was there Über naïve 12 34 ,".split()
 BUILDERS = {"qwen2.5-vl": qwen_vl, "gemma3": gemma3}
+# Per family: its tokens that end a turn, its vision tokens, and whether its template renders a system
+# message's image parts (Gemma 3's reads only the first part's text).
+END_OF_TURN = {"qwen2.5-vl": ["<|im_end|>"], "gemma3": ["<end_of_turn>"]}
+VISION_TOKENS = {"qwen2.5-vl": ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"],
+                 "gemma3": ["<start_of_image>", "<image_soft_token>", "<end_of_image>"]}
+SYSTEM_IMAGES = {"qwen2.5-vl": True, "gemma3": False}
+# Small images of every kind the processors treat apart: the large ones cost seconds of pixels and add no case.
+SMALL = ("tiny", "photo", "exif6", "png-exif8", "rgba", "gray", "cmyk", "palette")
 
 
 @pytest.fixture(scope="module")
@@ -41,33 +53,58 @@ def family(request, tmp_path_factory):
     return request.param, tokenizer, processor, load_family(config, tokenizer)
 
 
-def conversations(image_files, seed: int = 0) -> list[list[dict]]:
-    """Chats of 1 to 3 exchanges with 0 to 3 images, as users write them (image parts with a path)."""
+def conversations(image_files, name: str, count: int = CONVERSATIONS, seed: int = 0) -> list[list[dict]]:
+    """Chats of 1 to 4 exchanges, some with a system message; each message a string or 1 to 4 parts, any of
+    them an image (a path), at most 6 images a chat."""
     rng = random.Random(seed)
-    names = sorted(image_files)
+    names = [n for n in SMALL if n in image_files]
 
     def text() -> str:
         return " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 8)))
 
+    def content(role: str, budget: list[int]) -> str | list[dict]:
+        images = role != "system" or SYSTEM_IMAGES[name]
+        if rng.random() < 0.3 or not (images or rng.random() < 0.5):
+            return text()
+        parts = []
+        for _ in range(rng.randint(1, 4)):
+            if images and budget[0] and rng.random() < 0.45:
+                parts.append({"type": "image", "path": str(image_files[rng.choice(names)])})
+                budget[0] -= 1
+            else:
+                parts.append({"type": "text", "text": text()})
+        if not images:
+            parts = parts[:1]  # a system message of Gemma 3's template: its first part's text
+        return parts
+
     out = []
-    for _ in range(CONVERSATIONS):
-        budget, messages = rng.randint(0, 3), []
-        plain = budget == 0 and rng.random() < 0.5  # a text row: string contents
-        for _ in range(rng.randint(1, 3)):
+    for _ in range(count):
+        budget = [rng.randint(0, 6)]
+        messages = [{"role": "system", "content": content("system", budget)}] if rng.random() < 0.3 else []
+        for _ in range(rng.randint(1, 4)):
             for role in ("user", "assistant"):
-                if plain:
-                    messages.append({"role": role, "content": text()})
-                    continue
-                parts = []
-                for _ in range(rng.randint(1, 3)):
-                    if budget and rng.random() < (0.5 if role == "user" else 0.2):
-                        parts.append({"type": "image", "path": str(image_files[rng.choice(names)])})
-                        budget -= 1
-                    else:
-                        parts.append({"type": "text", "text": text()})
-                messages.append({"role": role, "content": parts})
+                messages.append({"role": role, "content": content(role, budget)})
         out.append(messages)
     return out
+
+
+def image_positions(chats: list[list[dict]], role: str) -> set[str]:
+    """Where images stand in `role`'s messages: first, middle or last part, several in one message, and in
+    two messages of the same chat."""
+    seen = set()
+    for chat in chats:
+        with_images = 0
+        for message in chat:
+            parts = message["content"] if message["role"] == role and isinstance(message["content"], list) else []
+            at = [k for k, p in enumerate(parts) if p["type"] == "image"]
+            with_images += bool(at)
+            seen |= {"first" for k in at if k == 0 and len(parts) > 1}
+            seen |= {"last" for k in at if k == len(parts) - 1 and len(parts) > 1}
+            seen |= {"middle" for k in at if 0 < k < len(parts) - 1}
+            seen |= {"alone"} if len(parts) == 1 and at else set()
+            seen |= {"several"} if len(at) > 1 else set()
+        seen |= {"two messages"} if with_images > 1 else set()
+    return seen
 
 
 def image_row(messages: list[dict], vision) -> Conversation:
@@ -80,34 +117,46 @@ def image_row(messages: list[dict], vision) -> Conversation:
     return Conversation(bare, image_grids=grids)
 
 
-def without_images(conv: Conversation) -> Conversation:
-    return Conversation([m if isinstance(m["content"], str) else
-                         {**m, "content": [p for p in m["content"] if p["type"] != "image"]} for m in conv.messages])
+def replacements(processor, messages: list[dict], made: dict) -> list[str]:
+    """What the processor puts where each image of the chat stands (`replace_image_token`), one image at a time."""
+    from transformers.image_utils import load_image
+
+    out = []
+    for message in messages:
+        for part in message["content"] if isinstance(message["content"], list) else []:
+            if part["type"] == "image":
+                if part["path"] not in made:
+                    inputs = processor.image_processor(images=[load_image(part["path"])])
+                    made[part["path"]] = processor.replace_image_token(inputs, 0)
+                out.append(made[part["path"]])
+    return out
 
 
-def test_image_rows_equal_the_processors_and_train_only_their_text(family, image_files):
+def test_image_rows_equal_the_processors_and_train_what_the_definition_trains(family, image_files):
     name, tokenizer, processor, vision = family
-    chats = conversations(image_files)
+    chats = conversations(image_files, name)
     rows = [image_row(messages, vision) for messages in chats]
-    assert sum(len(r.image_grids) for r in rows) > CONVERSATIONS  # about one image a row
-    assert {len(r.image_grids) for r in rows} == {0, 1, 2, 3}
-    assert any(isinstance(m["content"], list) and any(p["type"] == "image" for p in m["content"])
-               for chat in chats for m in chat if m["role"] == "assistant")  # images in assistant turns too
+    assert {len(r.image_grids) for r in rows} >= set(range(7))
+    everywhere = {"first", "middle", "last", "alone", "several"}
+    assert image_positions(chats, "user") == image_positions(chats, "assistant") == everywhere | {"two messages"}
+    assert image_positions(chats, "system") == (everywhere if SYSTEM_IMAGES[name] else set())
     results = ChatEncoder(tokenizer, vision=vision).encode_batch(rows).results()
-    text_only = ChatEncoder(tokenizer).encode_batch([without_images(r) for r in rows]).results()
     vision_ids = np.array(sorted(vision.vision_token_ids))
-    for k, (messages, row, got, plain) in enumerate(zip(chats, rows, results, text_only, strict=True)):
+    made: dict[str, str] = {}
+    for k, (messages, row, got) in enumerate(zip(chats, rows, results, strict=True)):
+        assert not isinstance(got, (str, BadRow)), f"{name} row {k}: {got}"
+        ids, mask = image_oracle(processor, messages, replacements(processor, messages, made),
+                                 VISION_TOKENS[name], END_OF_TURN[name])
+        assert got.input_ids.tolist() == ids, f"{name} row {k}"
+        assert got.loss_mask.tolist() == mask, f"{name} row {k}: {messages}"
+        assert not got.loss_mask[np.isin(got.input_ids, vision_ids)].any(), f"{name} row {k}: a vision token trained"
+        # The processor's own ids and grids.
         want = processor.apply_chat_template(messages, tokenize=True, return_dict=True)
         assert got.input_ids.tolist() == list(want["input_ids"][0]), f"{name} row {k}"
         if name == "qwen2.5-vl" and row.image_grids:
             assert [tuple(g) for g in want["image_grid_thw"].tolist()] == list(row.image_grids), f"row {k}"
         elif name == "gemma3":
             assert len(want.get("pixel_values", [])) == len(row.image_grids), f"row {k}"
-        assert not got.loss_mask[np.isin(got.input_ids, vision_ids)].any(), f"{name} row {k}: a vision token trained"
-        trained = tokenizer.decode(got.input_ids[got.loss_mask == 1].tolist())
-        assert trained == tokenizer.decode(
-            plain.input_ids[plain.loss_mask == 1].tolist()), f"{name} row {k}"
-        assert got.loss_mask.any()
 
 
 def test_a_cut_inside_an_image_run_drops_the_row_and_a_cut_after_it_truncates(family, image_files):
@@ -132,3 +181,18 @@ def test_an_image_row_without_a_processor_is_a_row_error(family, image_files):
                      {"role": "assistant", "content": "Small."}], vision)
     (got,) = ChatEncoder(tokenizer).encode_batch([row]).results()
     assert isinstance(got, BadRow) and got.reason == "image_without_processor"
+
+
+def test_two_assistant_turns_that_open_with_an_image_are_both_trained(family, image_files):
+    """Messages with images are parts, the others strings (as sources give them): each turn's text is trained,
+    though no message but the system's has a string to locate it by."""
+    name, tokenizer, processor, vision = family
+    image = {"type": "image", "path": str(image_files["photo"])}
+    messages = [{"role": "system", "content": "Describe what you are shown."},
+                {"role": "user", "content": [image, {"type": "text", "text": "And this?"}]},
+                {"role": "assistant", "content": [image, {"type": "text", "text": "The first answer."}]},
+                {"role": "user", "content": [{"type": "text", "text": "Again?"}, image]},
+                {"role": "assistant", "content": [image, {"type": "text", "text": "The second answer."}]}]
+    (got,) = ChatEncoder(tokenizer, vision=vision).encode_batch([image_row(messages, vision)]).results()
+    trained = tokenizer.decode(got.input_ids[got.loss_mask == 1].tolist())
+    assert "The first answer." in trained and "The second answer." in trained, trained
