@@ -1,5 +1,6 @@
 """File mechanisms the build and read sides share, each written once: an advisory lock across processes and
-its probe, a directory's write probe, a file replaced in one rename, and a directory built aside and renamed into place.
+its probe, a directory's write probe, a file replaced in one rename, a directory built aside and renamed into place,
+and which image locations a run (and the image collator) may read.
 
 Neutral ground: it imports nothing of the project, so the read side (the packing index, the trainers' work
 view) can use them without loading the build side.
@@ -22,9 +23,10 @@ import errno
 import fcntl
 import logging
 import os
+import re
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 logger = logging.getLogger("sft_tokenize")
@@ -191,3 +193,43 @@ def built_directory(final: Path, building: Path, displaced: Path) -> Iterator[Pa
         fsync_path(final.parent)
     finally:
         shutil.rmtree(temp, ignore_errors=True)
+
+
+# -- image access ------------------------------------------------------------------------------------------------
+# A dataset comes from strangers: its image locations may name any file or URL its reader can reach. By default
+# (`root`) an image path must be relative and resolve, links followed, inside the image root (--image-root, or
+# the directory of the file naming it); `local` also reads absolute paths, `~` and paths that leave the root;
+# `+urls` also reads URLs (http, s3, gs, hf, ...). Inline bytes and data: URIs read nothing and are always taken.
+IMAGE_ACCESS = ("root", "root+urls", "local", "local+urls")
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def _inside(path: str, root: str) -> bool:
+    if _URL.match(root):
+        return path.startswith(root.rstrip("/") + "/")
+    real_root = os.path.realpath(root)
+    return os.path.commonpath([os.path.realpath(path), real_root]) == real_root
+
+
+def image_access_refusal(location: str, roots: Sequence[str], access: str,
+                         written: str | None = None) -> tuple[str, str] | None:
+    """(why, which policy would allow it) if the image access policy `access` (IMAGE_ACCESS) refuses to read the
+    image at `location` (an absolute path or a URL), written in its row as `written` (None: a location stored
+    already resolved, as a reference-mode cache holds it) and resolved against one of `roots`; None if allowed."""
+    scheme = _URL.match(location)
+    local = not scheme or scheme.group(1).lower() == "file"
+    path = location[len("file://"):] if scheme and local else location
+    shown = written if written is not None else location
+    relative = written is None or not (_URL.match(written) or written.startswith("~") or os.path.isabs(written))
+    if relative and any(_inside(path, root) for root in roots):
+        return None
+    if not local:
+        if access.endswith("+urls"):
+            return None
+        return f"{shown} is a URL, and URLs are read only where allowed", "root+urls or local+urls"
+    if access.startswith("local"):
+        return None
+    if not relative:
+        what = "a path under ~" if written.startswith("~") else "an absolute path"
+        return f"{shown} is {what}, and only paths relative to the image root are read", "local"
+    return f"{shown} resolves outside the image root ({', '.join(roots) or 'none'})", "local"

@@ -23,6 +23,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
+from sft_tokenize.files import IMAGE_ACCESS
 from sft_tokenize.read.layouts import Layout
 
 Format = Literal["auto", "chat", "alpaca", "prompt-completion", "text"]
@@ -35,6 +36,7 @@ SpecialText = Literal["literal", "error", "keep"]
 Encoder = Literal["auto", "hf", "fastokens"]
 Render = Literal["skeleton", "full"]
 ImagesMode = Literal["embed", "reference"]
+ImageAccess = Literal[IMAGE_ACCESS]  # type: ignore[valid-type]  # the read side's collator checks the same values
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
@@ -75,6 +77,16 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not (value > 0 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
     return value
 
 
@@ -137,6 +149,14 @@ class TokenizeOptions(BaseModel):
     image_root: Annotated[str | None, Option(INPUT, metavar="DIR", fingerprint="value", only_with="processor",
                                              hashed_when_set=True, job=True)] = Field(
         None, description="where relative image paths resolve (default: the directory of the file naming them)")
+    image_access: Annotated[ImageAccess, Option(INPUT, fingerprint="value", only_with="processor",
+                                                hashed_when_set=True, job=True)] = Field(
+        "root", description="which image locations a row may name: root (relative paths that stay inside the image "
+                            "root), local (any local file: absolute paths, ~, ../), root+urls or local+urls (URLs "
+                            "too: http(s), s3, gs, hf, ...); see docs/images.md")
+    image_timeout: Annotated[float, Option(INPUT, metavar="SECONDS", parse=positive_seconds, job=True)] = Field(
+        30.0, gt=0, description="how long a remote image's connect and each of its reads may wait before the row is "
+                                "a bad row (image_unreadable)")
     max_image_bytes: Annotated[str, Option(INPUT, metavar="SIZE", fingerprint="value", only_with="processor",
                                            hashed_when_set=True, job=parse_size)] = Field(
         "50MB", description="largest image file read: a larger one is a bad row (image_too_large), never decoded")

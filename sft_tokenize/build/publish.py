@@ -31,7 +31,7 @@ from sft_tokenize.errors import BadInput, CacheError
 from sft_tokenize.files import built_directory, locked
 from sft_tokenize.format import CACHE_FORMAT_VERSION
 from sft_tokenize.format.manifest import read_manifest
-from sft_tokenize.sources.images import changed_file
+from sft_tokenize.sources.images import changed_file, image_base
 from sft_tokenize.sources.resolve import Slice
 
 PERCENTILES = (50, 90, 99)
@@ -101,7 +101,7 @@ def build_manifest(job: Job, slices: list[Slice], shards: list[dict], files: lis
         "dropped": dict(sorted(dropped.items())),
         "masks": {key: sum(s[key] for s in shards) for key in MASK_COUNTS},
         "lengths": length_summary(lengths),
-        **({"images": image_record(job, shards)} if job.processor_config else {}),
+        **({"images": image_record(job, slices, shards)} if job.processor_config else {}),
         "files": files,
         "shards": [{"slice": slice_.describe(), "key": slice_.key,
                     **{k: s[k] for k in ("rows", "tokens", "trained_tokens", "dropped", "seconds")}}
@@ -109,12 +109,15 @@ def build_manifest(job: Job, slices: list[Slice], shards: list[dict], files: lis
     }
 
 
-def image_record(job: Job, shards: list[dict]) -> dict[str, Any]:
-    """What a reader of an image cache needs (the collator rebuilds the processor's pixels from it) and what it
-    holds: FORMAT.md, "Image rows"."""
+def image_record(job: Job, slices: list[Slice], shards: list[dict]) -> dict[str, Any]:
+    """What a reader of an image cache needs (the collator rebuilds the processor's pixels from it, and reads
+    referenced images under the same access policy and roots) and what it holds: FORMAT.md, "Image rows"."""
     vision = encoder_for(job).images.vision
     config = vision.config_fingerprint()
-    return {"mode": job.images, "family": vision.name, "pil_class": vision.pil_class,
+    roots = [job.image_root if "://" in job.image_root else os.path.abspath(job.image_root)] if job.image_root \
+        else sorted({image_base(part.url) for slice_ in slices for part in slice_.parts})
+    return {"mode": job.images, "access": job.image_access, "roots": roots,
+            "family": vision.name, "pil_class": vision.pil_class,
             "settings": json.loads(vision.settings_json), "image_token_ids": config["image_token_ids"],  # run order
             "config": config, "image_files": len(image_files(shards)),
             **{key: sum(s.get(key, 0) for s in shards) for key in ("images", "image_tokens", "image_bytes")},

@@ -12,7 +12,6 @@ from __future__ import annotations
 import errno
 import json
 import logging
-import os
 import time
 from collections import Counter, deque
 from concurrent.futures import Future
@@ -37,7 +36,7 @@ from sft_tokenize.errors import BadInput, BadRow, OutOfSpace
 from sft_tokenize.files import atomic_path, atomic_write
 from sft_tokenize.read.layouts import COLUMN_TYPES, column_values, layout_columns
 from sft_tokenize.sources.conversations import to_example
-from sft_tokenize.sources.images import changed_file
+from sft_tokenize.sources.images import changed_file, image_base
 from sft_tokenize.sources.readers import Rows, change_while_read, read_slice
 from sft_tokenize.sources.resolve import Slice, filesystem
 
@@ -244,11 +243,6 @@ def _image_rows(job: Job) -> ImageRows | None:
                      pixels="pixel_values" in job.extra_columns)
 
 
-def _directory(url: str) -> str:
-    """The directory of an input file (a local path or a URL): where its rows' relative image paths start."""
-    return url.rsplit("/", 1)[0] if "://" in url else os.path.dirname(url)
-
-
 def _stream_rows(job: Job, slice_: Slice, stream) -> ShardStats:
     """Read, tokenize and write the slice's rows batch by batch, in order; bad rows raise or are counted."""
     encoding, depth = slice_encoding(job)
@@ -301,13 +295,13 @@ def _stream_rows(job: Job, slice_: Slice, stream) -> ShardStats:
                 submit(Rows(rows, job.columns, job.system_prompt), list(range(len(rows))), locate, [])
                 continue
             examples, positions, stored, loaded = [], [], [], 0
-            base = job.image_root or _directory(part.url)
+            base = job.image_root or image_base(part.url)
             for i, row in enumerate(rows):
                 try:
                     if isinstance(row, BadRow):
                         raise row
                     example = to_example(row, job.columns, job.system_prompt, images=image_rows is not None,
-                                         image_base=base)
+                                         image_base=base, image_access=job.image_access)
                     if image_rows is not None:
                         example, images = image_rows.load(example)
                         stored.append(images)

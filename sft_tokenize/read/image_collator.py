@@ -17,6 +17,10 @@ What a batch holds beside input_ids, attention_mask and labels, per family, as i
 feature tokens: `get_rope_index` builds the 3D positions from it); Gemma 3 `pixel_values` and `token_type_ids`
 (1 on the soft tokens: the bidirectional attention inside an image). A text-only batch has no pixel keys.
 
+In reference mode the images are read from where the cache says they are, under the same image access policy
+the build applied (`files.image_access_refusal`): by default the one the manifest records with the roots the
+build resolved paths against, so a cache whose rows name other files or URLs is refused, naming the image.
+
 transformers, torch, PIL and fsspec are imported inside the functions: importing the read side loads none of them.
 """
 
@@ -32,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from sft_tokenize.errors import CacheError, one_line
+from sft_tokenize.files import IMAGE_ACCESS, image_access_refusal
 from sft_tokenize.format.manifest import read_manifest
 from sft_tokenize.read.layouts import IGNORE_INDEX
 
@@ -100,9 +105,11 @@ def pixel_inputs(record: Mapping[str, Any], images: Sequence[Any], grids: Sequen
     return dict(output)
 
 
-def image_bytes(entry: Mapping[str, Any], where: str, storage_options: Mapping[str, Any] | None = None) -> bytes:
+def image_bytes(entry: Mapping[str, Any], where: str, storage_options: Mapping[str, Any] | None = None,
+                access: tuple[str, Sequence[str]] | None = None) -> bytes:
     """One `images` cell's encoded file: its bytes (embed mode), or read from its path (reference mode) and
-    checked against the size and xxh3-128 hash the cache recorded, since the file may have changed since."""
+    checked against the size and xxh3-128 hash the cache recorded, since the file may have changed since.
+    `access`: (policy, roots) a path must pass (files.image_access_refusal) before it is opened."""
     import xxhash
 
     data = entry.get("bytes")
@@ -110,6 +117,9 @@ def image_bytes(entry: Mapping[str, Any], where: str, storage_options: Mapping[s
     if data is None:
         if not path:
             raise CacheError(f"{where}: the cache holds neither the image's bytes nor its path: the cache is corrupt")
+        if access is not None and (refused := image_access_refusal(path, access[1], access[0])):
+            why, allowed_by = refused
+            raise CacheError(f"{where}: {why}; the collator reads it only with image_access={allowed_by}")
         import fsspec
 
         try:
@@ -156,13 +166,23 @@ class ImageCollator:
     """Rows of a cache with image columns -> a padded batch of torch tensors with the pixels the model needs.
 
     `source` is a cache's path (its manifest's images record is read) or that record itself. Picklable: it
-    holds the record and a few ints, so DataLoader workers each build their own image processor."""
+    holds the record and a few ints, so DataLoader workers each build their own image processor.
+
+    `image_access` and `image_roots`: the policy (files.IMAGE_ACCESS) a referenced image's path must pass, and the
+    directories (or URLs) it must lie under; by default the record's (`root` and none for a cache that records
+    none: built before the policy, its referenced images need image_roots or a wider image_access)."""
 
     def __init__(self, source: str | Path | Mapping[str, Any], pad_token_id: int, *,
-                 storage_options: Mapping[str, Any] | None = None) -> None:
+                 storage_options: Mapping[str, Any] | None = None, image_access: str | None = None,
+                 image_roots: Sequence[str] | None = None) -> None:
         self.record = images_record(source)
         self.pad_token_id = int(pad_token_id)
         self.storage_options = dict(storage_options or {})
+        access = image_access or self.record.get("access", "root")
+        if access not in IMAGE_ACCESS:
+            raise ValueError(f"image_access must be one of {', '.join(IMAGE_ACCESS)}, not {access!r}")
+        self.access = (access, [str(root) for root in (image_roots if image_roots is not None
+                                                         else self.record.get("roots", []))])
         self.qwen = self.record["family"] in QWEN_FAMILIES
         self.feature_id = int(self.record["image_token_ids"][1])
         settings = self.record["settings"]
@@ -202,7 +222,7 @@ class ImageCollator:
                                  f"{sum(self._features(grid) for grid in row_grids)}: the cache is corrupt")
             for j, cell in enumerate(cells):
                 names.append(f"batch row {k} image {j + 1}" + (f" ({cell['path']})" if cell.get("path") else ""))
-                encoded.append(image_bytes(cell, names[-1], self.storage_options))
+                encoded.append(image_bytes(cell, names[-1], self.storage_options, self.access))
             grids += row_grids
 
         batch = {"input_ids": torch.from_numpy(batch_ids), "attention_mask": torch.from_numpy(attention),

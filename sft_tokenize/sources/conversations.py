@@ -323,13 +323,14 @@ def _turns(value: Any, role: str, column: str, images: bool = False) -> tuple[li
     return _messages(value, column, images)
 
 
-def _with_images(conv: Conversation, row: Mapping[str, Any], columns: dict[str, str], base: str | None) -> Conversation:
+def _with_images(conv: Conversation, row: Mapping[str, Any], columns: dict[str, str], base: str | None,
+                 access: str | None) -> Conversation:
     """An image row: its image parts payload-less (the template renders each as its marker) and their
     ImageRefs in order; a row without images is returned as it is."""
     images = row.get(columns["images"]) if "images" in columns else None
     if images is not None and not isinstance(images, list):
         raise BadRow("image_count", f"{columns['images']!r} must be a list of images, got {_type_name(images)}")
-    messages, refs = normalize_images(conv.messages, images, base=base)
+    messages, refs = normalize_images(conv.messages, images, base=base, access=access)
     if not refs:
         return conv
     bare = [message if not isinstance(message.get("content"), list) else
@@ -340,12 +341,14 @@ def _with_images(conv: Conversation, row: Mapping[str, Any], columns: dict[str, 
 
 
 def to_example(row: Mapping[str, Any], columns: ColumnMap, system_prompt: str | None = None, *,
-               images: bool = False, image_base: str | None = None) -> Conversation | str:
+               images: bool = False, image_base: str | None = None,
+               image_access: str | None = None) -> Conversation | str:
     """One source row as a Conversation (or a str for text data); raises BadRow saying what is wrong.
 
     `system_prompt`, if given, is the system message of a conversation that has none of its own (neither a
     system column's value nor a leading system message). With `images` (a run with a processor), a row's image
-    parts (and `<image>` placeholders with an images column) are read, relative paths against `image_base`."""
+    parts (and `<image>` placeholders with an images column) are read, relative paths against `image_base`, and
+    their locations checked against the image access policy `image_access` (files.IMAGE_ACCESS)."""
     c = columns.columns
     if columns.format == "text":
         return _string(row, c["text"])
@@ -373,4 +376,4 @@ def to_example(row: Mapping[str, Any], columns: ColumnMap, system_prompt: str | 
         completion, completion_weights = _turns(row.get(c["completion"]), "assistant", c["completion"], images)
         conv = Conversation(head + prompt + completion, tools or None, completion_start=len(head) + len(prompt),
                             trained=_trained([None] * len(head), prompt_weights, completion_weights))
-    return _with_images(conv, row, c, image_base) if images else conv
+    return _with_images(conv, row, c, image_base, image_access) if images else conv

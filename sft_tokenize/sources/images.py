@@ -35,6 +35,7 @@ from typing import Any
 import xxhash
 
 from sft_tokenize.errors import BadRow
+from sft_tokenize.files import image_access_refusal
 from sft_tokenize.sources.resolve import file_identity, filesystem
 
 PLACEHOLDER = "<image>"
@@ -165,6 +166,11 @@ def _decode_data_uri(uri: str, index: int) -> bytes:
     return urllib.parse.unquote_to_bytes(payload)
 
 
+def image_base(url: str) -> str:
+    """The directory of an input file (a local path or a URL): where its rows' relative image paths start."""
+    return url.rsplit("/", 1)[0] if "://" in url else os.path.dirname(url)
+
+
 def resolve_location(location: str, base: str | None) -> str:
     """A path or URL as written in a row, made absolute: a relative path joins `base` (the input file's
     directory, or an image root; a local path or a URL), or the working directory without one."""
@@ -179,8 +185,9 @@ def resolve_location(location: str, base: str | None) -> str:
     return os.path.abspath(os.path.join(base or os.getcwd(), location))
 
 
-def image_ref(value: Any, index: int, base: str | None = None) -> ImageRef:
-    """One image's value, in any shape the module docstring lists, as an ImageRef."""
+def image_ref(value: Any, index: int, base: str | None = None, access: str | None = None) -> ImageRef:
+    """One image's value, in any shape the module docstring lists, as an ImageRef; a location the image access
+    policy `access` (files.IMAGE_ACCESS; None: no check) does not allow under `base` is a BadRow."""
     if isinstance(value, (bytes, bytearray, memoryview)):
         return ImageRef(data=bytes(value))
     if isinstance(value, Mapping):
@@ -191,10 +198,10 @@ def image_ref(value: Any, index: int, base: str | None = None) -> ImageRef:
                     raise BadRow("image_part", _numbered(index, f"its 'bytes' holds a {type(data).__name__}"))
                 return ImageRef(data=bytes(data), name=path if isinstance(path, str) else None)
             if isinstance(path, str) and path:
-                return image_ref(path, index, base)
+                return image_ref(path, index, base, access)
             raise BadRow("image_part", _numbered(index, "its datasets cell has neither bytes nor a path"))
         if isinstance(value.get("url"), str):
-            return image_ref(value["url"], index, base)
+            return image_ref(value["url"], index, base, access)
     if isinstance(value, str):
         text = value.strip()
         if not text:
@@ -202,6 +209,10 @@ def image_ref(value: Any, index: int, base: str | None = None) -> ImageRef:
         if text[:5].lower() == "data:":
             return ImageRef(data=_decode_data_uri(text, index))
         url = resolve_location(text, base)
+        if access is not None and (refused := image_access_refusal(url, [base or os.getcwd()], access, text)):
+            why, allowed_by = refused
+            raise BadRow("image_access", _numbered(index, f"{why} (--image-access {allowed_by} allows it): a "
+                                                          "dataset's images are read only where the run allows"))
         check_scheme(url, index)
         return ImageRef(url=url, name=text)
     shown = "nothing" if value is None else f"a value of type {type(value).__name__}"
@@ -237,14 +248,15 @@ def _text_pieces(text: str, placeholder: str) -> list[str | None]:
 
 
 def normalize_images(messages: Sequence[Mapping[str, Any]], images: Sequence[Any] | None = None, *,
-                     base: str | None = None,
+                     base: str | None = None, access: str | None = None,
                      placeholder: str = PLACEHOLDER) -> tuple[list[Mapping[str, Any]], list[ImageRef]]:
     """Messages whose images are `{"type": "image", "image": ImageRef}` parts between `{"type": "text"}` parts,
     in their order, and the conversation's ImageRefs in that order (image 1 first).
 
     With an `images` list (a row's `images` column), each `placeholder` in a message's text and each image part
     without a payload stands for the next image in it, and their count must equal its length. Without one
-    (None), the placeholder is ordinary text. A message without images is returned as it is.
+    (None), the placeholder is ordinary text. A message without images is returned as it is. Locations are
+    checked against the image access policy `access` (see `image_ref`).
     """
     refs: list[ImageRef] = []
     pending = list(images) if images is not None else None
@@ -257,7 +269,7 @@ def normalize_images(messages: Sequence[Mapping[str, Any]], images: Sequence[Any
         if used > len(pending):
             raise BadRow("image_count", _numbered(index, f"has no entry in images: the conversation has more image "
                                                          f"placeholders than the row's {len(pending)} images"))
-        return image_ref(pending[used - 1], index, base)
+        return image_ref(pending[used - 1], index, base, access)
 
     def text_parts(text: str) -> list[dict] | None:
         if pending is None or placeholder not in text:
@@ -283,7 +295,7 @@ def normalize_images(messages: Sequence[Mapping[str, Any]], images: Sequence[Any
                 kind = part.get("type") if isinstance(part, Mapping) else None
                 if kind in IMAGE_PART_TYPES:
                     has_payload, value = _part_value(part)
-                    refs.append(image_ref(value, len(refs) + 1, base) if has_payload or pending is None
+                    refs.append(image_ref(value, len(refs) + 1, base, access) if has_payload or pending is None
                                 else take())
                     parts.append({"type": "image", "image": refs[-1]})
                     changed = True

@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from sft_tokenize.build.options import TokenizeOptions
 from sft_tokenize.build.plan import plan_slices, run_locally
 from sft_tokenize.build.shard import sidecar_path, tokenize_slice
 from sft_tokenize.encoding.pool import EncodePool
-from sft_tokenize.errors import BadInput
+from sft_tokenize.errors import BadInput, CacheError
 from sft_tokenize.read.cache import TokenizedCache
 
 QUESTION, ANSWER = "What is in the picture?", "Stripes in three colours."
@@ -53,8 +54,10 @@ def pictures(tmp_path_factory) -> dict[str, Path]:
 
 
 def _options(sources, processor_dir: Path, root: Path, **extra) -> TokenizeOptions:
+    """Most rows here name their images by absolute paths (another temporary directory than the data's): the
+    access policy is allowed every location unless a test says otherwise."""
     return TokenizeOptions(sources=[str(s) for s in sources], processor=str(processor_dir), cache_dir=str(root),
-                           **extra)
+                           **{"image_access": "local+urls", **extra})
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> Path:
@@ -388,3 +391,94 @@ def test_pixel_values_need_a_qwen_processor_and_decodable_images(tmp_path, proce
     result = cli("run", str(data), "--processor", str(gemma), "--extra-column", "pixel_values",
                  "--cache-dir", str(tmp_path / "cache"), home=tmp_path / "home")
     assert_rejected(result, "--extra-column pixel_values: a gemma3 processor's pixels are whole images")
+
+
+# -- which image locations a dataset may name (--image-access) ------------------------------------------------
+
+@pytest.fixture
+def strangers_data(tmp_path, pictures) -> Path:
+    """A data directory with an image inside it and, beside it, files a stranger's dataset could name."""
+    data = tmp_path / "data"
+    (data / "img").mkdir(parents=True)
+    shutil.copy(pictures["photo"], data / "img" / "photo.img")
+    shutil.copy(pictures["rgba"], tmp_path / "outside.img")
+    (data / "img" / "link.img").symlink_to(tmp_path / "outside.img")
+    return data
+
+
+@pytest.mark.parametrize(("written", "needs"), [
+    ("../outside.img", "local"),
+    ("img/../../outside.img", "local"),
+    ("img/link.img", "local"),  # a link inside that leads outside
+    ("{outside}", "local"),  # an absolute path
+    ("file://{outside}", "local"),
+    ("~/outside.img", "local"),
+    ("http://127.0.0.1:9/cat.png", "root+urls or local+urls"),
+    ("s3://bucket/cat.png", "root+urls or local+urls"),
+])
+def test_by_default_an_image_outside_the_image_root_is_refused_naming_its_row(tmp_path, processor, strangers_data,
+                                                                              written, needs):
+    directory, _, _ = processor
+    written = written.format(outside=tmp_path / "outside.img")
+    good = {"messages": _chat({"type": "image", "image": "img/photo.img"})}
+    data = _write_jsonl(strangers_data / "rows.jsonl", [good, good, {"messages": _chat({"type": "image",
+                                                                                        "image": written})}])
+    options = TokenizeOptions(sources=[str(data)], processor=str(directory), cache_dir=str(tmp_path / "cache"))
+    expected = rf"^{data}:3: image 1: {re.escape(written)} .*\(--image-access {re.escape(needs)} allows it\)"
+    with pytest.raises(BadInput, match=expected) as raised:
+        run_locally(options)
+    assert "\n" not in str(raised.value)
+    skipped = TokenizedCache(run_locally(options.model_copy(update={"on_bad_row": "skip"})))
+    assert len(skipped) == 2 and skipped.manifest["dropped"] == {"image_access": 1}
+    if needs == "local" and not written.startswith("~"):  # the flag reads it (~ is the user's home, not here)
+        allowed = TokenizedCache(run_locally(options.model_copy(update={"image_access": "local"})))
+        assert allowed.table["images"].to_pylist()[2][0]["hash"] == xxhash.xxh3_128(
+            (tmp_path / "outside.img").read_bytes()).hexdigest()
+
+
+def test_an_image_root_is_where_relative_paths_must_stay_and_the_cli_says_so_in_one_line(tmp_path, processor,
+                                                                                         strangers_data):
+    directory, _, _ = processor
+    rows = [{"messages": _chat({"type": "image", "image": "photo.img"})},
+            {"messages": _chat({"type": "image", "image": "../outside.img"})}]
+    data = _write_jsonl(tmp_path / "elsewhere" / "rows.jsonl", rows)
+    root = strangers_data / "img"
+    with pytest.raises(BadInput, match=rf"^{data}:2: image 1: \.\./outside\.img resolves outside the image root "
+                                       rf"\({root}\)"):
+        run_locally(TokenizeOptions(sources=[str(data)], processor=str(directory), cache_dir=str(tmp_path / "c"),
+                                    image_root=str(root)))
+    result = cli("run", str(data), "--processor", str(directory), "--image-root", str(root),
+                 "--cache-dir", str(tmp_path / "cache"), home=tmp_path / "home")
+    assert_rejected(result, f"{data}:2: image 1: ../outside.img resolves outside the image root",
+                    "--image-access local allows it")
+
+
+def test_the_collator_reads_referenced_images_under_the_policy_the_cache_was_built_with(tmp_path, processor,
+                                                                                        strangers_data):
+    from sft_tokenize.read.image_collator import ImageCollator, image_bytes
+
+    directory, _, _ = processor
+    row = {"messages": _chat({"type": "image", "image": "img/photo.img"})}
+    data = _write_jsonl(strangers_data / "rows.jsonl", [row])
+    path = run_locally(TokenizeOptions(sources=[str(data)], processor=str(directory), images="reference",
+                                       cache_dir=str(tmp_path / "cache")))
+    record = json.loads((path / "manifest.json").read_text())["images"]
+    assert (record["access"], record["roots"]) == ("root", [str(strangers_data)])
+    (cell,) = TokenizedCache(path).table["images"].to_pylist()[0]
+    collator = ImageCollator(path, pad_token_id=0)
+    assert image_bytes(cell, "row 0 image 1", None, collator.access) == (strangers_data / "img/photo.img").read_bytes()
+    outside = tmp_path / "outside.img"  # a cache whose rows name another file: refused before it is opened
+    elsewhere = {**cell, "path": str(outside), "size": outside.stat().st_size,
+                 "hash": xxhash.xxh3_128(outside.read_bytes()).hexdigest()}
+    with pytest.raises(CacheError,
+                       match=rf"^row 0 image 1: {outside} resolves outside the image root \({strangers_data}\); "
+                             "the collator reads it only with image_access=local"):
+        image_bytes(elsewhere, "row 0 image 1", None, collator.access)
+    for url in ("http://127.0.0.1:9/cat.png", "s3://bucket/cat.png"):
+        with pytest.raises(CacheError, match=f"^row 0 image 1: {url} is a URL, and URLs are read only where allowed; "
+                                             "the collator reads it only with image_access=root\\+urls or local"):
+            image_bytes({**cell, "path": url}, "row 0 image 1", None, collator.access)
+    widened = ImageCollator(path, pad_token_id=0, image_access="local")
+    assert image_bytes(elsewhere, "row 0 image 1", None, widened.access) == outside.read_bytes()
+    with pytest.raises(ValueError, match="image_access must be one of root, root\\+urls, local, local\\+urls"):
+        ImageCollator(path, pad_token_id=0, image_access="anything")

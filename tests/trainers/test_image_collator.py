@@ -87,7 +87,8 @@ def as_dataset(chats: list[list[dict]], vision, tokenizer, *, mode: str = "embed
     data.parent.mkdir(parents=True, exist_ok=True)
     data.write_text("".join(json.dumps({"messages": messages}) + "\n" for messages in chats))
     path = run_locally(TokenizeOptions(sources=[str(data)], processor=str(processor_dir), images=mode,
-                                       layout=layout, cache_dir=str(work / "cache")))
+                                       layout=layout, cache_dir=str(work / "cache"),
+                                       image_access="local"))  # the images lie outside the data's directory
     assert json.loads((path / "manifest.json").read_text())["images"]["family"] == vision.name
     return load_from_disk(str(path))
 

@@ -131,7 +131,8 @@ def test_the_job_carries_the_options_as_the_slices_use_them(inputs):
         "max_row_bytes": 1 << 20,
         "extra_columns": ("labels",), "layout": "skyrl", "writer_batch_rows": 10, "writer_batch_bytes": 10**6,
         "trust_remote_code": False, "storage_options": {"anon": False}, "system_prompt": None,
-        "images": "embed", "image_root": None, "max_image_bytes": 50 * 10**6, "processor_config": "",
+        "images": "embed", "image_root": None, "image_access": "root", "image_timeout": 30.0,
+        "max_image_bytes": 50 * 10**6, "processor_config": "",
     }
     assert Path(job.tokenizer_dir) == EXAMPLE_TOKENIZER.resolve()
     assert Path(job.staging).name == job.fingerprint and Path(job.staging).parent.name == ".staging"
@@ -144,7 +145,8 @@ def parsed(*argv: str) -> dict:
 def test_the_command_line_gives_the_flow_its_options():
     assert parsed("a.jsonl", "--tokenizer", "t", "--cache-dir", "c") == {
         "sources": ["a.jsonl"], "tokenizer": "t", "cache_dir": "c", "name": None, "format": "auto", "columns": {},
-        "processor": None, "images": "embed", "image_root": None, "max_image_bytes": "50MB",
+        "processor": None, "images": "embed", "image_root": None, "image_access": "root", "image_timeout": 30.0,
+        "max_image_bytes": "50MB",
         "system_prompt": None,
         "train_on": "all_assistant", "max_length": None, "truncation": "truncate", "chat_template": None,
         "extra_columns": [], "template_kwargs": {}, "reasoning_turns": "as-rendered", "special_text": "literal",
@@ -156,7 +158,8 @@ def test_the_command_line_gives_the_flow_its_options():
     }
     every_flag = parsed(
         "a.jsonl", "b", "--tokenizer", "t", "--cache-dir", "c", "--name", "n", "--format", "chat",
-        "--processor", "p", "--images", "reference", "--image-root", "imgs", "--max-image-bytes", "9MB",
+        "--processor", "p", "--images", "reference", "--image-root", "imgs", "--image-access", "local+urls",
+        "--image-timeout", "2.5", "--max-image-bytes", "9MB",
         "--messages-column", "conv", "--column", "system=sys", "--system-prompt", "Be brief.",
         "--train-on", "last_assistant", "--max-length", "256",
         "--truncation", "drop", "--chat-template", "f.jinja", "--template-kwargs", '{"x": 1}',
@@ -168,7 +171,8 @@ def test_the_command_line_gives_the_flow_its_options():
         "--encode-processes", "0", "--retries", "5", "--force", "--keep-versions", "2", "--server-idle", "5", "-q")
     assert every_flag == {
         "sources": ["a.jsonl", "b"], "tokenizer": "t", "cache_dir": "c", "name": "n", "format": "chat",
-        "processor": "p", "images": "reference", "image_root": "imgs", "max_image_bytes": "9MB",
+        "processor": "p", "images": "reference", "image_root": "imgs", "image_access": "local+urls",
+        "image_timeout": 2.5, "max_image_bytes": "9MB",
         "columns": {"system": "sys", "messages": "conv"}, "system_prompt": "Be brief.",
         "train_on": "last_assistant", "max_length": 256,
         "truncation": "drop", "chat_template": "f.jinja", "extra_columns": ["labels", "attention_mask"],
