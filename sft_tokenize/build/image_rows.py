@@ -23,11 +23,12 @@ from dataclasses import replace
 
 import numpy as np
 
+from sft_tokenize.build.stopping import interruptible
 from sft_tokenize.encoding.chat_encoder import EncodedBatch
 from sft_tokenize.encoding.image_runs import ImageRuns
 from sft_tokenize.errors import BadRow, one_line
 from sft_tokenize.sources.conversations import Conversation
-from sft_tokenize.sources.images import load_images
+from sft_tokenize.sources.images import LoadedImage, load_images
 
 Stored = list[dict]  # one row's images as the writer stores them
 
@@ -46,8 +47,9 @@ class ImageRows:
     """A job's image rows: their images loaded (`load`), then matched to the rows the encoder kept (`rows`)."""
 
     def __init__(self, runs: ImageRuns, mode: str, max_bytes: int, storage_options: dict | None,
-                 pixels: bool = False) -> None:
+                 pixels: bool = False, timeout: float | None = None) -> None:
         self.runs, self.mode, self.max_bytes, self.storage_options = runs, mode, max_bytes, storage_options
+        self.timeout = timeout  # seconds a remote image's connection and each of its reads may wait
         self.pixels = pixels  # each stored image also holds its pixel_values rows, under "pixels"
         self.files: dict[str, tuple] = {}  # each image file read, by URL: its identity when it was read
 
@@ -56,7 +58,14 @@ class ImageRows:
         "image N" for an image that is missing, corrupt, over the byte limit or of an unsupported kind."""
         if isinstance(example, str) or not example.image_refs:
             return example, []
-        loaded = load_images(example.image_refs, self.max_bytes, storage_options=self.storage_options)
+        def load() -> list[LoadedImage]:
+            return load_images(example.image_refs, self.max_bytes, storage_options=self.storage_options,
+                               timeout=self.timeout)
+
+        # A remote read waits on the network: a stop (Ctrl-C, SIGTERM) must not wait for it.
+        remote = any(ref.url is not None and "://" in ref.url and not ref.url.startswith("file://")
+                     for ref in example.image_refs)
+        loaded = interruptible(load) if remote else load()
         grids = tuple(self.runs.vision.grid(image.header, k) for k, image in enumerate(loaded, start=1))
         stored = []
         for image, grid in zip(loaded, grids, strict=True):

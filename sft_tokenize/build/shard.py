@@ -240,7 +240,7 @@ def _image_rows(job: Job) -> ImageRows | None:
     if not job.processor_config:
         return None
     return ImageRows(encoder_for(job).images, job.images, job.max_image_bytes, job.storage_options,
-                     pixels="pixel_values" in job.extra_columns)
+                     pixels="pixel_values" in job.extra_columns, timeout=job.image_timeout)
 
 
 def _stream_rows(job: Job, slice_: Slice, stream) -> ShardStats:

@@ -1,12 +1,18 @@
 """A run's request to stop (Ctrl-C, SIGTERM): tokenizing threads check it between batches.
 
 A slice that sees it raises Stopped and leaves no file under a finished name (its temporary shard is
-removed as on any failure); the slices that finished keep their shards for the next run.
+removed as on any failure); the slices that finished keep their shards for the next run. A wait that can
+last (a remote image's read, bounded only by its timeout) runs `interruptible`, so a stop does not wait for it.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+POLL_SECONDS = 0.2
 
 _stop = threading.Event()
 
@@ -22,3 +28,25 @@ def request_stop() -> None:
 def raise_if_stopping() -> None:
     if _stop.is_set():
         raise Stopped("the run was interrupted")
+
+
+def interruptible(work: Callable[[], T]) -> T:
+    """`work()`, run in a daemon thread and waited for here a moment at a time: a stop request raises Stopped
+    at once instead of waiting for it (the run's thread pool would otherwise wait for this thread on its way
+    out); the thread left behind ends with its own timeout, or with the process."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = work()
+        except BaseException as error:  # handed to the waiting thread as it is
+            outcome["error"] = error
+
+    thread = threading.Thread(target=run, name="sft-tokenize-remote-read", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(POLL_SECONDS)
+        raise_if_stopping()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]

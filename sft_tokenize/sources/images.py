@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import errno
 import io
 import os
 import posixpath
@@ -36,7 +37,7 @@ import xxhash
 
 from sft_tokenize.errors import BadRow
 from sft_tokenize.files import image_access_refusal
-from sft_tokenize.sources.resolve import file_identity, filesystem
+from sft_tokenize.sources.resolve import file_identity, filesystem, with_timeouts
 
 PLACEHOLDER = "<image>"
 IMAGE_PART_TYPES = ("image", "image_url", "input_image")
@@ -76,13 +77,14 @@ class ImageRef:
         return f"{self.name} ({len(self.data):,} inline bytes)" if self.name else f"{len(self.data):,} inline bytes"
 
     def load(self, max_bytes: int | None = None, *, index: int | None = None,
-             storage_options: dict | None = None) -> tuple[bytes, tuple]:
+             storage_options: dict | None = None, timeout: float | None = None) -> tuple[bytes, tuple]:
         """The image's encoded bytes and its file's identity (resolve.file_identity; () for inline bytes),
-        refusing more than `max_bytes`; errors are BadRows saying "image <index>"."""
+        refusing more than `max_bytes`, a remote one waiting at most `timeout` seconds for its connection and
+        for each read; errors are BadRows saying "image <index>"."""
         if self.data is not None:
             _check_size(len(self.data), max_bytes, index, self.describe())
             return self.data, ()
-        return _read_url(self.url, max_bytes, index, storage_options)
+        return _read_url(self.url, max_bytes, index, storage_options, timeout)
 
 
 def _check_size(size: int, max_bytes: int | None, index: int | None, what: str) -> None:
@@ -110,14 +112,31 @@ def check_scheme(url: str, index: int | None = None) -> None:
                                                           f"installed ({error})")) from None
 
 
+def _network_failure(error: BaseException, url: str, timeout: float | None) -> str | None:
+    """What went wrong on the network, if that is why reading `url` failed (fsspec's HTTP backend reports a
+    refused or timed-out connection as a missing file: the cause is in the exception's chain)."""
+    seen = 0
+    while error is not None and seen < 10:
+        if isinstance(error, ConnectionRefusedError) or getattr(error, "errno", None) == errno.ECONNREFUSED:
+            return f"{url}: connection refused"
+        if isinstance(error, TimeoutError) or type(error).__name__ in ("ServerTimeoutError", "ConnectTimeoutError",
+                                                                        "ReadTimeoutError", "FSTimeoutError"):
+            within = f" within {timeout:g} s (--image-timeout)" if timeout is not None else ""
+            return f"{url}: no answer{within}"
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return None
+
+
 def _read_url(url: str, max_bytes: int | None, index: int | None,
-              storage_options: dict | None) -> tuple[bytes, tuple]:
+              storage_options: dict | None, timeout: float | None = None) -> tuple[bytes, tuple]:
     check_scheme(url, index)
     try:
-        fs, path = filesystem(url, storage_options)
+        fs, path = filesystem(url, with_timeouts(url, storage_options, timeout))
         try:
             info = fs.info(path)
-        except (NotImplementedError, OSError, ValueError):  # some servers answer no HEAD: the read below limits
+        except (NotImplementedError, OSError, ValueError) as error:  # some servers answer no HEAD: the read
+            if _network_failure(error, url, timeout):  # below limits, but none answers a refused connection
+                raise
             info = {}
         if info.get("type") == "directory":
             raise IsADirectoryError(path)
@@ -128,11 +147,14 @@ def _read_url(url: str, max_bytes: int | None, index: int | None,
             data = f.read() if max_bytes is None else f.read(max_bytes + 1)
     except BadRow:
         raise
-    except FileNotFoundError:
-        raise BadRow("image_missing", _numbered(index, f"{url}: file not found")) from None
-    except IsADirectoryError:
-        raise BadRow("image_missing", _numbered(index, f"{url} is a directory, not an image file")) from None
-    except Exception as error:  # fsspec backends raise their own types (aiohttp, botocore, …): name it, one line
+    except Exception as error:
+        if failure := _network_failure(error, url, timeout):
+            raise BadRow("image_unreadable", _numbered(index, failure)) from None
+        if isinstance(error, FileNotFoundError):
+            raise BadRow("image_missing", _numbered(index, f"{url}: file not found")) from None
+        if isinstance(error, IsADirectoryError):
+            raise BadRow("image_missing", _numbered(index, f"{url} is a directory, not an image file")) from None
+        # fsspec backends raise their own types (aiohttp, botocore, …): name it, one line
         detail = " ".join(str(error).split())[:200] or type(error).__name__
         raise BadRow("image_unreadable", _numbered(index, f"{url} could not be read: {detail}")) from None
     _check_size(len(data), max_bytes, index, url)
@@ -410,11 +432,11 @@ class LoadedImage:
 
 
 def load_images(refs: Sequence[ImageRef], max_bytes: int | None = None, *,
-                storage_options: dict | None = None) -> list[LoadedImage]:
+                storage_options: dict | None = None, timeout: float | None = None) -> list[LoadedImage]:
     """Each image's bytes, content hash and header; the first bad one raises a BadRow saying "image N"."""
     loaded = []
     for index, ref in enumerate(refs, start=1):
-        data, identity = ref.load(max_bytes, index=index, storage_options=storage_options)
+        data, identity = ref.load(max_bytes, index=index, storage_options=storage_options, timeout=timeout)
         loaded.append(LoadedImage(ref=ref, data=data, digest=content_hash(data), header=read_header(data, index),
                                   identity=identity))
     return loaded

@@ -1,12 +1,15 @@
 """A real `prefect server start` on a free loopback port, as a team runs one: for the tests whose runs talk to
-a server (PREFECT_API_URL) instead of starting Prefect's embedded one."""
+a server (PREFECT_API_URL) instead of starting Prefect's embedded one. And a server that accepts and never
+answers, for the tests of remote reads that would hang."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import signal
+import socket
 import subprocess
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -62,3 +65,49 @@ def prefect_server(home: Path, **env: str) -> Iterator[str]:
         yield f"http://127.0.0.1:{port}/api"
     finally:
         stop(process)
+
+
+class SilentServer:
+    """A TCP server on 127.0.0.1 that accepts every connection and never answers (what a hung HTTP server
+    looks like to its client): `url(path)` names it, `accepted` counts its connections."""
+
+    def __init__(self) -> None:
+        self._socket = socket.create_server(("127.0.0.1", 0))
+        self._socket.settimeout(0.05)  # accept() wakes to see `close`: closing a socket does not wake it
+        self.port = self._socket.getsockname()[1]
+        self._held: list = []
+        self._closing = threading.Event()
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while not self._closing.is_set():
+            try:
+                connection, _ = self._socket.accept()
+            except TimeoutError:
+                continue
+            self._held.append(connection)
+
+    @property
+    def accepted(self) -> int:
+        return len(self._held)
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}/{path}"
+
+    def close(self) -> None:
+        self._closing.set()
+        self._thread.join()
+        self._socket.close()
+        for connection in self._held:
+            connection.close()
+
+
+@contextlib.contextmanager
+def silent_server() -> Iterator[SilentServer]:
+    """A SilentServer for the block, closed after it."""
+    server = SilentServer()
+    try:
+        yield server
+    finally:
+        server.close()
