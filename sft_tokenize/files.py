@@ -1,6 +1,6 @@
 """File mechanisms the build and read sides share, each written once: an advisory lock across processes and
 its probe, a directory's write probe, a file replaced in one rename, a directory built aside and renamed into place,
-and which image locations a run (and the image collator) may read.
+which image locations a run (and the image collator) may read, and the timeouts of their remote reads.
 
 Neutral ground: it imports nothing of the project, so the read side (the packing index, the trainers' work
 view) can use them without loading the build side.
@@ -233,3 +233,43 @@ def image_access_refusal(location: str, roots: Sequence[str], access: str,
         what = "a path under ~" if written.startswith("~") else "an absolute path"
         return f"{shown} is {what}, and only paths relative to the image root are read", "local"
     return f"{shown} resolves outside the image root ({', '.join(roots) or 'none'})", "local"
+
+
+REMOTE_TIMEOUT = 30.0  # seconds, the default of --image-timeout and of the collator's image_timeout
+
+
+def with_timeouts(url: str, storage_options: dict | None, seconds: float | None) -> dict:
+    """Storage options that bound how long the URL's backend waits for a connection and for each read (HTTP
+    through aiohttp, S3 through botocore), so that a server that accepts and never answers cannot hang a
+    run; what the caller's options already say wins."""
+    options = dict(storage_options or {})
+    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+    if seconds is None:
+        return options
+    if scheme in ("http", "https"):
+        import aiohttp
+
+        client = dict(options.get("client_kwargs") or {})
+        client.setdefault("timeout", aiohttp.ClientTimeout(total=None, sock_connect=seconds, sock_read=seconds))
+        options["client_kwargs"] = client
+    elif scheme in ("s3", "s3a"):
+        config = dict(options.get("config_kwargs") or {})
+        config.setdefault("connect_timeout", seconds)
+        config.setdefault("read_timeout", seconds)
+        options["config_kwargs"] = config
+    return options
+
+
+def network_failure(error: BaseException) -> str | None:
+    """"connection refused" or "no answer" where that is why a remote read failed, else None. fsspec's HTTP
+    backend reports both as a missing file: the cause is in the exception's chain."""
+    for _ in range(10):
+        if error is None:
+            return None
+        if isinstance(error, ConnectionRefusedError) or getattr(error, "errno", None) == errno.ECONNREFUSED:
+            return "connection refused"
+        if isinstance(error, TimeoutError) or type(error).__name__ in ("ServerTimeoutError", "ConnectTimeoutError",
+                                                                        "ReadTimeoutError", "FSTimeoutError"):
+            return "no answer"
+        error = error.__cause__ or error.__context__
+    return None

@@ -23,7 +23,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
-from sft_tokenize.files import IMAGE_ACCESS
+from sft_tokenize.files import IMAGE_ACCESS, REMOTE_TIMEOUT
 from sft_tokenize.read.layouts import Layout
 
 Format = Literal["auto", "chat", "alpaca", "prompt-completion", "text"]
@@ -155,8 +155,8 @@ class TokenizeOptions(BaseModel):
                             "root), local (any local file: absolute paths, ~, ../), root+urls or local+urls (URLs "
                             "too: http(s), s3, gs, hf, ...); see docs/images.md")
     image_timeout: Annotated[float, Option(INPUT, metavar="SECONDS", parse=positive_seconds, job=True)] = Field(
-        30.0, gt=0, description="how long a remote image's connect and each of its reads may wait before the row is "
-                                "a bad row (image_unreadable)")
+        REMOTE_TIMEOUT, gt=0, description="how long a remote image's connect and each of its reads may wait before "
+                                          "the row is a bad row (image_unreadable)")
     max_image_bytes: Annotated[str, Option(INPUT, metavar="SIZE", fingerprint="value", only_with="processor",
                                            hashed_when_set=True, job=parse_size)] = Field(
         "50MB", description="largest image file read: a larger one is a bad row (image_too_large), never decoded")

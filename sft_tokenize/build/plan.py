@@ -189,9 +189,9 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable
         processor_config=json.dumps(processor_config, sort_keys=True) if processor_config else "",
     )
     mark("planned")
-    if is_published(cache_path, options.storage_options):
+    if is_published(cache_path, options.storage_options, options.image_timeout):
         return Plan(job, [], name, cache_path, inputs, cached=True)  # read-only roots serve their caches
-    if (changed := changed_image(cache_path, options.storage_options)) is not None:
+    if (changed := changed_image(cache_path, options.storage_options, options.image_timeout)) is not None:
         logger.warning("%s: the image changed since %s was built; building it again", changed, cache_path)
     check_writable(root)
     if on_work is not None:

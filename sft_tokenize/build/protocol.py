@@ -47,7 +47,7 @@ def build_cache(plan: Plan, tokenize_slices: TokenizeSlices, publish: Publish = 
     with building(plan.job):
         if rebuild is not None:
             plan = rebuild(plan)
-        if is_published(plan.cache_path, plan.job.storage_options):
+        if is_published(plan.cache_path, plan.job.storage_options, plan.job.image_timeout):
             return Built(plan, "published meanwhile")
         with leased(plan.job, plan.slices) as reused:  # gc keeps these shards until the cache is published
             timings = tokenize_slices(plan, reused)

@@ -128,25 +128,26 @@ def image_record(job: Job, slices: list[Slice], shards: list[dict]) -> dict[str,
 IMAGE_FILES = "image_files.json"  # an image cache's image files, each [url, *identity] (FORMAT.md)
 
 
-def is_published(path: Path, storage_options: dict | None = None) -> bool:
+def is_published(path: Path, storage_options: dict | None = None, timeout: float | None = None) -> bool:
     """A valid cache is at `path` and none of the image files its rows were made from changed since (a
     stale one is built again and replaced)."""
     try:
         read_manifest(path)
     except CacheError:
         return False
-    return changed_image(path, storage_options) is None
+    return changed_image(path, storage_options, timeout) is None
 
 
-def changed_image(path: Path, storage_options: dict | None = None) -> str | None:
-    """The first image file of the cache at `path` that changed since it was built, or None."""
+def changed_image(path: Path, storage_options: dict | None = None, timeout: float | None = None) -> str | None:
+    """The first image file of the cache at `path` that changed since it was built, or None (`timeout`: of each
+    remote file's answer)."""
     try:
         files = json.loads((path / IMAGE_FILES).read_text())
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as error:
         return f"{path / IMAGE_FILES} (unreadable: {error})"
-    return changed_file(files, storage_options)
+    return changed_file(files, storage_options, timeout)
 
 
 def image_files(shards: list[dict]) -> list[list]:
@@ -171,7 +172,8 @@ def publish_cache(job: Job, slices: list[Slice], cache_path: Path, inputs: dict,
         for leftover in [*staging.parent.glob(f"{staging.name}.publish-*"),
                          *staging.parent.glob(f"{staging.name}.corrupt-*")]:
             shutil.rmtree(leftover, ignore_errors=True)
-        if is_published(cache_path, job.storage_options):  # another run with the same fingerprint got there first
+        # another run with the same fingerprint got there first
+        if is_published(cache_path, job.storage_options, job.image_timeout):
             return cache_path
         if not any(s["rows"] for s in shards):
             dropped = total_drops(shards)

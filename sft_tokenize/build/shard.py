@@ -216,7 +216,8 @@ def _checked_shard(job: Job, slice_: Slice) -> tuple[dict | None, str | None]:
         return None, None  # written before shards were digested: not trusted, quietly tokenized again
     if job.on_bad_row == "raise" and set(meta.get("dropped", {})) - NOT_BAD_ROWS:
         return None, None  # written by a run that skipped bad rows: this run must stop at them instead
-    if meta.get("image_files") and (changed := changed_file(meta["image_files"], job.storage_options)):
+    files = meta.get("image_files")
+    if files and (changed := changed_file(files, job.storage_options, job.image_timeout)):
         return None, f"{changed}: the image changed since slice {slice_.index}'s shard was written"
     if meta["bytes"] != size:
         return None, f"{shard}: {size:,} bytes, its sidecar says {meta['bytes']:,}: the stored shard is corrupt"

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from sft_tokenize.errors import CacheError, one_line
-from sft_tokenize.files import IMAGE_ACCESS, image_access_refusal
+from sft_tokenize.files import IMAGE_ACCESS, REMOTE_TIMEOUT, image_access_refusal, network_failure, with_timeouts
 from sft_tokenize.format.manifest import read_manifest
 from sft_tokenize.read.layouts import IGNORE_INDEX
 
@@ -106,10 +106,11 @@ def pixel_inputs(record: Mapping[str, Any], images: Sequence[Any], grids: Sequen
 
 
 def image_bytes(entry: Mapping[str, Any], where: str, storage_options: Mapping[str, Any] | None = None,
-                access: tuple[str, Sequence[str]] | None = None) -> bytes:
+                access: tuple[str, Sequence[str]] | None = None, timeout: float | None = REMOTE_TIMEOUT) -> bytes:
     """One `images` cell's encoded file: its bytes (embed mode), or read from its path (reference mode) and
     checked against the size and xxh3-128 hash the cache recorded, since the file may have changed since.
-    `access`: (policy, roots) a path must pass (files.image_access_refusal) before it is opened."""
+    `access`: (policy, roots) a path must pass (files.image_access_refusal) before it is opened; `timeout`:
+    how long a remote one's connection and each read may wait."""
     import xxhash
 
     data = entry.get("bytes")
@@ -123,10 +124,12 @@ def image_bytes(entry: Mapping[str, Any], where: str, storage_options: Mapping[s
         import fsspec
 
         try:
-            with fsspec.open(path, "rb", **(storage_options or {})) as file:
+            with fsspec.open(path, "rb", **with_timeouts(path, dict(storage_options or {}), timeout)) as file:
                 data = file.read()
         except Exception as error:
-            raise CacheError(f"{where}: {path} cannot be read: {one_line(error, 200)}") from None
+            if (failure := network_failure(error)) == "no answer" and timeout:
+                failure += f" within {timeout:g} s (image_timeout)"
+            raise CacheError(f"{where}: {path} cannot be read: {failure or one_line(error, 200)}") from None
     data = bytes(data)
     what = path or "the embedded image"
     size = entry.get("size")
@@ -170,14 +173,16 @@ class ImageCollator:
 
     `image_access` and `image_roots`: the policy (files.IMAGE_ACCESS) a referenced image's path must pass, and the
     directories (or URLs) it must lie under; by default the record's (`root` and none for a cache that records
-    none: built before the policy, its referenced images need image_roots or a wider image_access)."""
+    none: built before the policy, its referenced images need image_roots or a wider image_access).
+    `image_timeout`: how long a remote image's connection and each of its reads may wait."""
 
     def __init__(self, source: str | Path | Mapping[str, Any], pad_token_id: int, *,
                  storage_options: Mapping[str, Any] | None = None, image_access: str | None = None,
-                 image_roots: Sequence[str] | None = None) -> None:
+                 image_roots: Sequence[str] | None = None, image_timeout: float = REMOTE_TIMEOUT) -> None:
         self.record = images_record(source)
         self.pad_token_id = int(pad_token_id)
         self.storage_options = dict(storage_options or {})
+        self.image_timeout = image_timeout
         access = image_access or self.record.get("access", "root")
         if access not in IMAGE_ACCESS:
             raise ValueError(f"image_access must be one of {', '.join(IMAGE_ACCESS)}, not {access!r}")
@@ -222,7 +227,7 @@ class ImageCollator:
                                  f"{sum(self._features(grid) for grid in row_grids)}: the cache is corrupt")
             for j, cell in enumerate(cells):
                 names.append(f"batch row {k} image {j + 1}" + (f" ({cell['path']})" if cell.get("path") else ""))
-                encoded.append(image_bytes(cell, names[-1], self.storage_options, self.access))
+                encoded.append(image_bytes(cell, names[-1], self.storage_options, self.access, self.image_timeout))
             grids += row_grids
 
         batch = {"input_ids": torch.from_numpy(batch_ids), "attention_mask": torch.from_numpy(attention),

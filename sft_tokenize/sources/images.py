@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import errno
 import io
 import os
 import posixpath
@@ -36,8 +35,8 @@ from typing import Any
 import xxhash
 
 from sft_tokenize.errors import BadRow
-from sft_tokenize.files import image_access_refusal
-from sft_tokenize.sources.resolve import file_identity, filesystem, with_timeouts
+from sft_tokenize.files import image_access_refusal, network_failure, with_timeouts
+from sft_tokenize.sources.resolve import file_identity, filesystem
 
 PLACEHOLDER = "<image>"
 IMAGE_PART_TYPES = ("image", "image_url", "input_image")
@@ -112,21 +111,6 @@ def check_scheme(url: str, index: int | None = None) -> None:
                                                           f"installed ({error})")) from None
 
 
-def _network_failure(error: BaseException, url: str, timeout: float | None) -> str | None:
-    """What went wrong on the network, if that is why reading `url` failed (fsspec's HTTP backend reports a
-    refused or timed-out connection as a missing file: the cause is in the exception's chain)."""
-    seen = 0
-    while error is not None and seen < 10:
-        if isinstance(error, ConnectionRefusedError) or getattr(error, "errno", None) == errno.ECONNREFUSED:
-            return f"{url}: connection refused"
-        if isinstance(error, TimeoutError) or type(error).__name__ in ("ServerTimeoutError", "ConnectTimeoutError",
-                                                                        "ReadTimeoutError", "FSTimeoutError"):
-            within = f" within {timeout:g} s (--image-timeout)" if timeout is not None else ""
-            return f"{url}: no answer{within}"
-        error, seen = error.__cause__ or error.__context__, seen + 1
-    return None
-
-
 def _read_url(url: str, max_bytes: int | None, index: int | None,
               storage_options: dict | None, timeout: float | None = None) -> tuple[bytes, tuple]:
     check_scheme(url, index)
@@ -135,7 +119,7 @@ def _read_url(url: str, max_bytes: int | None, index: int | None,
         try:
             info = fs.info(path)
         except (NotImplementedError, OSError, ValueError) as error:  # some servers answer no HEAD: the read
-            if _network_failure(error, url, timeout):  # below limits, but none answers a refused connection
+            if network_failure(error):  # below limits, but none answers a refused connection
                 raise
             info = {}
         if info.get("type") == "directory":
@@ -148,8 +132,9 @@ def _read_url(url: str, max_bytes: int | None, index: int | None,
     except BadRow:
         raise
     except Exception as error:
-        if failure := _network_failure(error, url, timeout):
-            raise BadRow("image_unreadable", _numbered(index, failure)) from None
+        if failure := network_failure(error):
+            within = f" within {timeout:g} s (--image-timeout)" if failure == "no answer" and timeout else ""
+            raise BadRow("image_unreadable", _numbered(index, f"{url}: {failure}{within}")) from None
         if isinstance(error, FileNotFoundError):
             raise BadRow("image_missing", _numbered(index, f"{url}: file not found")) from None
         if isinstance(error, IsADirectoryError):
@@ -161,11 +146,13 @@ def _read_url(url: str, max_bytes: int | None, index: int | None,
     return data, identity
 
 
-def changed_file(files: Sequence[Sequence], storage_options: dict | None = None) -> str | None:
+def changed_file(files: Sequence[Sequence], storage_options: dict | None = None,
+                 timeout: float | None = None) -> str | None:
     """The first of these image files (`[url, *identity]`, as `ImageRef.load` gave them) whose identity is not
-    the same now, or that is gone; None if none changed. A stat each here, a HEAD request each remotely."""
+    the same now, or that is gone; None if none changed. A stat each here, a HEAD request each remotely, which
+    waits at most `timeout` seconds for its connection and its answer (a file that does not answer changed)."""
     for url, *identity in files:
-        fs, path = filesystem(url, storage_options)
+        fs, path = filesystem(url, with_timeouts(url, storage_options, timeout))
         try:
             now = file_identity(fs, path, fs.info(path))
         except (OSError, ValueError):

@@ -67,28 +67,6 @@ def filesystem(url: str, storage_options: dict | None = None) -> tuple[fsspec.Ab
     return fsspec.core.url_to_fs(url, **(storage_options or {}))
 
 
-def with_timeouts(url: str, storage_options: dict | None, seconds: float | None) -> dict:
-    """Storage options that bound how long the URL's backend waits for a connection and for each read (HTTP
-    through aiohttp, S3 through botocore), so that a server that accepts and never answers cannot hang a
-    run; what the caller's options already say wins."""
-    options = dict(storage_options or {})
-    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
-    if seconds is None:
-        return options
-    if scheme in ("http", "https"):
-        import aiohttp
-
-        client = dict(options.get("client_kwargs") or {})
-        client.setdefault("timeout", aiohttp.ClientTimeout(total=None, sock_connect=seconds, sock_read=seconds))
-        options["client_kwargs"] = client
-    elif scheme in ("s3", "s3a"):
-        config = dict(options.get("config_kwargs") or {})
-        config.setdefault("connect_timeout", seconds)
-        config.setdefault("read_timeout", seconds)
-        options["config_kwargs"] = config
-    return options
-
-
 def is_local(fs: fsspec.AbstractFileSystem) -> bool:
     """The filesystem is this machine's (paths can be stat'ed, memory-mapped)."""
     return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))

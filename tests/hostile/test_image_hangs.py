@@ -112,3 +112,16 @@ def test_a_signal_stops_a_run_waiting_on_a_silent_server_within_seconds(tmp_path
     assert f"interrupted ({signum.name})" in error_line(run.stderr)
     assert sorted(p.name for p in (cache / ".shards").glob("*.arrow")) == kept and len(kept) == 1
     assert not list((cache / ".shards").glob("*.tmp-*"))
+
+
+def test_the_collator_reads_a_referenced_image_with_the_same_timeout():
+    from sft_tokenize.errors import CacheError
+    from sft_tokenize.read.image_collator import image_bytes
+
+    with silent_server() as server:
+        cell = {"bytes": None, "path": server.url("cat.png"), "hash": None, "size": None}
+        started = time.monotonic()
+        with pytest.raises(CacheError, match=rf"^row 0 image 1: {server.url('cat.png')} cannot be read: no answer "
+                                             r"within 0.5 s \(image_timeout\)$"):
+            image_bytes(cell, "row 0 image 1", None, ("root+urls", []), timeout=0.5)
+        assert time.monotonic() - started < 5
