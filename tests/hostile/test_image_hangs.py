@@ -107,6 +107,7 @@ def test_a_signal_stops_a_run_waiting_on_a_silent_server_within_seconds(tmp_path
         except Exception:
             pytest.fail(f"still running 20 s after {signum.name}:\n{run.stderr}")
         stopped_after = time.monotonic() - signalled
+        print(f"{signum.name}: stopped {stopped_after:.1f} s after the signal")
     assert code == 128 + signum, run.stderr
     assert stopped_after < 10, f"{signum.name}: stopped {stopped_after:.1f} s after the signal"
     assert f"interrupted ({signum.name})" in error_line(run.stderr)
