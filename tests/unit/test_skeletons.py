@@ -47,7 +47,7 @@ def _edited(row: dict, rng: random.Random, edits: tuple) -> dict:
     return row
 
 
-def corpus(seed: int = 0, copies: int = 12, edits: tuple = EDITS) -> list:
+def corpus(seed: int = 0, copies: int = 8, edits: tuple = EDITS) -> list:
     """Every test conversation, then `copies` variants of each: the same shapes, other texts."""
     rng = random.Random(seed)
     base = [{"messages": messages} for messages in CONVERSATIONS] + list(ROWS.values())
