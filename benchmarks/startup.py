@@ -43,13 +43,12 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
 from build_inputs import CorpusSpec, build, qwen_tokenizer  # noqa: E402
-from measure import measure  # noqa: E402
+from measure import TRACE_VARIABLE, measure, read_trace  # noqa: E402
 from run import ENV, machine  # noqa: E402
 
 EVENTS = ("imports", "planned", "encoding", "server", "flow", "first_slice", "published", "exit")
 MODES = ("cold", "hit", "warm")
 MODE_LABELS = {"cold": "cold, fresh Prefect home", "hit": "cache hit", "warm": "cold, server warm"}
-TRACE_VARIABLE = "SFT_TOKENIZE_TRACE"
 SERVER_IDLE = "60"
 MISSING = "—"
 
@@ -91,20 +90,6 @@ def migrate(prefect: list[str], home: Path, env: dict[str, str]) -> float:
     subprocess.run([*prefect, "server", "database", "upgrade", "-y"], check=True, capture_output=True, timeout=600,
                    env={**environ, **env, "PREFECT_HOME": str(home)})
     return time.monotonic() - started
-
-
-def read_trace(path: Path) -> dict[str, float]:
-    """event -> t (the first of each name), from the JSON lines the CLI appended; {} if none."""
-    events: dict[str, float] = {}
-    if not path.exists():
-        return events
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-            events.setdefault(str(record["event"]), float(record["t"]))
-        except (ValueError, KeyError, TypeError):
-            continue
-    return events
 
 
 def timed_run(command: list[str], env: dict[str, str], cwd: Path, trace: Path, log: Path) -> dict:
