@@ -168,8 +168,11 @@ def git_state(root: Path) -> dict:
 
     try:
         changed = [line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines()]
+        # The last commit that changed what a run executes (not benchmarks/): two results with the same one
+        # measured the same project code, whatever the benchmark scripts' commits.
+        code = git("log", "-1", "--format=%H", "--", "sft_tokenize", "flows", "tasks", "pyproject.toml").strip()
         return {"commit": git("rev-parse", "HEAD").strip(), "branch": git("rev-parse", "--abbrev-ref", "HEAD").strip(),
-                "dirty": bool(changed), "changed": changed[:20]}
+                "dirty": bool(changed), "changed": changed[:20], "project_code_commit": code}
     except (OSError, subprocess.CalledProcessError) as error:
         return {"commit": None, "dirty": None, "error": str(error)[:200]}
 

