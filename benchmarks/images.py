@@ -314,8 +314,8 @@ def main(argv: list[str] | None = None) -> None:
     env = prefect_env({**ENV, "PREFECT_HOME": str(work / "prefect-home")}, "fresh", work)
     source_env, source = project_source(args.project_src, work)
     env.update(source_env)
-    spec = ImageCorpusSpec(rows=args.rows)
-    processor = processor_dir()
+    spec = ImageCorpusSpec(rows=args.rows, pool=args.pool)
+    processor = args.processor.absolute() if args.processor else processor_dir()
     units = build_corpus(spec, max(args.sizes))
     warm_up(units, processor, work, env)
     report = {"command": shlex.join(["python", "benchmarks/images.py", *(sys.argv[1:] if argv is None else argv)]),
@@ -359,6 +359,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sizes", default="1,4", help="the project's sizes in units; SkyRL runs the smallest "
                                                        "(default 1,4)")
     parser.add_argument("--workers", type=int, default=2, help="the project's --workers (default 2)")
+    parser.add_argument("--pool", type=int, default=ImageCorpusSpec.pool,
+                        help=f"distinct JPEGs the rows draw from (default {ImageCorpusSpec.pool}; a new pool is "
+                             "drawn for another value)")
+    parser.add_argument("--processor", type=Path, default=None,
+                        help="a Qwen2.5-VL processor directory (tokenizer with the vision tokens, chat template, "
+                             "preprocessor_config.json) instead of the one built on Qwen's real tokenizer")
     parser.add_argument("--max-length", type=int, default=8192, help="longer rows are dropped (default 8192)")
     parser.add_argument("--batch", type=int, default=8, help="rows per collated batch (default 8)")
     parser.add_argument("--batches", type=int, default=10, help="batches timed (default 10)")
@@ -381,8 +387,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.sizes = sorted({int(s) for s in args.sizes.split(",") if s.strip()})
     args.work = args.work or HERE / "work" / ("images-smoke" if args.smoke else "images")
     args.out = args.out or (args.work / "results" if args.smoke else HERE / "results" / "images")
-    if not args.sizes or min(args.sizes) < 1 or args.rows < args.batch or args.workers < 1:
-        parser.error("--sizes must be whole units >= 1, --rows at least --batch, --workers >= 1")
+    if not args.sizes or min(args.sizes) < 1 or args.rows < args.batch or args.workers < 1 or args.pool < 1:
+        parser.error("--sizes must be whole units >= 1, --rows at least --batch, --workers and --pool >= 1")
     return args
 
 

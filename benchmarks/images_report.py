@@ -32,12 +32,15 @@ def targets(report: dict) -> list[dict]:
 def markdown(report: dict) -> str:
     m, sizes, corpus = report["machine"], report["sizes"], report["corpus"]
     libraries = ", ".join(f"{k} {v}" for k, v in m["libraries"].items())
+    git = m.get("git") or {}
     lines = [
         "# Image rows: sft-tokenize against SkyRL's path", "",
         "| machine | |", "|---|---|",
         f"| CPU | {m['cpu']} |", f"| cores | {m['cores']} |", f"| RAM | {m['ram_gib']} GiB |",
         f"| OS | Linux {m['kernel']} (load average at start {', '.join(map(str, m['load_average_at_start']))}) |",
         f"| Python | {m['python']} |", f"| libraries | {libraries} |", "",
+        f"Measured at commit `{(git.get('commit') or 'unknown')[:12]}`"
+        f"{' with uncommitted changes' if git.get('dirty') else ' (clean tree)'}.", "",
         f"Command: `{report['command']}`. A unit is {report['rows_per_unit']:,} rows (one JSONL file): "
         f"{corpus['exchanges'][0]}-{corpus['exchanges'][1]} exchanges, 1 or 2 JPEGs a row ({corpus['two_images']:.0%} "
         f"with 2) in user turns, drawn from a pool of {corpus['pool']} distinct seeded images (640x480 to 1920x1080, "

@@ -42,7 +42,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from build_inputs import CorpusSpec, build, generator  # noqa: E402
+from build_inputs import CorpusSpec, build, generator, tokenizer_for  # noqa: E402
 from measure import measure  # noqa: E402
 from run import ENV, PREFECT_MODES, machine, prefect_env, project_command, stop_server, warm_up_prefect  # noqa: E402
 
@@ -115,6 +115,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--grow", choices=["file", "append"], default="file",
                         help="add a new file (default) or append to the last one")
     parser.add_argument("--workers", type=int, default=2, help="--workers of every run (default 2)")
+    parser.add_argument("--tokenizer", choices=("bench", "example"), default="bench",
+                        help="bench: the 32k BPE trained on the corpus's lexicon; example: the bundled "
+                             "examples/tokenizer, for a quick check (default bench)")
     parser.add_argument("--verify", action="store_true", help="also build the grown corpus from scratch and compare")
     parser.add_argument("--server", action="store_true",
                         help="run against a `prefect server start` (started first, untimed), not the embedded one")
@@ -131,7 +134,8 @@ def main(argv: list[str] | None = None) -> None:
     env = prefect_env({**ENV, "PREFECT_HOME": str(work / "prefect-home"),
                        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120"}, args.prefect, work)
     spec = CorpusSpec(scale=args.scale)
-    tokenizer, units = build(spec, args.units)
+    _, units = build(spec, args.units, tokenizer=args.tokenizer == "bench")
+    tokenizer = tokenizer_for(args.tokenizer, spec)
     scratch, logs = work / "incremental", work / "logs"
     shutil.rmtree(scratch, ignore_errors=True)
     data = scratch / "data"
@@ -157,7 +161,7 @@ def run_steps(args: argparse.Namespace, spec: CorpusSpec, units: list[Path], tok
 
     report = {"command": " ".join(["python", "benchmarks/incremental.py", *sys.argv[1:]]),
               "machine": machine(), "scale": args.scale, "units": args.units, "growth": args.growth,
-              "grow": args.grow, "workers": args.workers,
+              "grow": args.grow, "workers": args.workers, "tokenizer": str(tokenizer),
               "prefect": "server" if args.server else f"embedded, {args.prefect}",
               "runs": {}}
     runs = report["runs"]
@@ -194,7 +198,9 @@ def write_report(report: dict, args: argparse.Namespace, out: Path) -> None:
              f"{args.units} units at scale {args.scale}, {args.workers} workers, grown by {args.growth:.0%} "
              f"({report['rows_added']} conversations, as a {'new file' if args.grow == 'file' else 'tail'}) on "
              f"{report['machine']['cores']} cores ({report['machine']['cpu']}), Prefect: "
-             f"{'a running `prefect server start`' if args.server else 'the embedded server'}.", "",
+             f"{'a running `prefect server start`' if args.server else 'the embedded server'}. Measured at commit "
+             f"`{(report['machine']['git'].get('commit') or 'unknown')[:12]}`"
+             f"{' with uncommitted changes' if report['machine']['git'].get('dirty') else ' (clean tree)'}.", "",
              "| run | wall s | plan s | tokenize s | tokens | slices | tokenized | reused |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for step, run in runs.items():

@@ -1,23 +1,34 @@
-"""Run one command as a subprocess and measure it: wall seconds and the peak anonymous RAM of its process tree.
+"""Run one command as a subprocess and measure it: wall seconds and the peak memory of its process tree.
 
-Memory is the sum of `RssAnon` (/proc/<pid>/status) over the subprocess and all its descendants, sampled
-every 50 ms by a thread; the peak of that sum is reported. File-backed pages (a memory-mapped Arrow file,
-the page cache) are not anonymous and do not count; copy-on-write pages a forked child shares with its
-parent count once per process, as RssAnon does.
+Memory is sampled every 50 ms by a thread over the subprocess, all its descendants and any other process the
+caller names (a server the command talks to but did not start), two ways, each with its own peak:
+
+- `RssAnon` (/proc/<pid>/status) summed: anonymous pages only. File-backed pages (a memory-mapped Arrow file,
+  the page cache) do not count; copy-on-write pages a forked child still shares with its parent count once per
+  process.
+- PSS (`Pss` of /proc/<pid>/smaps_rollup, what psutil's memory_full_info().pss reads) summed: every resident
+  page, anonymous or file-backed, divided among the processes that map it, so a page shared after a fork, or a
+  library every process maps, counts once in the sum. The sum is what the tree costs the machine.
+
+Also `read_trace()`: the events a CLI run wrote to its SFT_TOKENIZE_TRACE file, and `git_state()`: the commit
+a result was measured at, and whether the tree had uncommitted changes.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import threading
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 
 SAMPLE_SECONDS = 0.05
+TRACE_VARIABLE = "SFT_TOKENIZE_TRACE"  # the CLI appends {"event": NAME, "t": SECONDS} lines to this file
 
 
 def rss_anon_bytes(pid: int) -> int:
@@ -32,13 +43,32 @@ def rss_anon_bytes(pid: int) -> int:
     return 0
 
 
+def pss_bytes(pid: int) -> int:
+    """PSS of one process (every resident page divided among the processes mapping it), 0 if it is gone."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup", "rb") as rollup:
+            for line in rollup:
+                if line.startswith(b"Pss:"):
+                    return int(line.split()[1]) * 1024
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        pass
+    return 0
+
+
+def tree_pids(root: psutil.Process, others: Iterable[int] = ()) -> list[int]:
+    """`root`, its descendants, and the processes `others` with theirs, each once."""
+    pids: list[int] = []
+    for process in (root, *(psutil.Process(pid) for pid in others if psutil.pid_exists(pid))):
+        try:
+            pids += [process.pid] + [child.pid for child in process.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+    return list(dict.fromkeys(pids))
+
+
 def tree_rss_anon(root: psutil.Process) -> dict[int, int]:
     """RssAnon bytes of every process of the tree under (and including) `root`, by pid."""
-    try:
-        pids = [root.pid] + [child.pid for child in root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return {}
-    return {pid: rss_anon_bytes(pid) for pid in pids}
+    return {pid: rss_anon_bytes(pid) for pid in tree_pids(root)}
 
 
 def describe(pid: int) -> str:
@@ -51,24 +81,33 @@ def describe(pid: int) -> str:
 
 
 class PeakTreeMemory:
-    """A thread that samples the tree under `pid` until stopped and keeps the peak of the sum."""
+    """A thread that samples the tree under `pid` (and under the pids `others()` returns at each sample) until
+    stopped and keeps the peak of each sum, RssAnon and PSS."""
 
-    def __init__(self, pid: int, interval: float = SAMPLE_SECONDS):
+    def __init__(self, pid: int, interval: float = SAMPLE_SECONDS, others: Callable[[], Iterable[int]] | None = None):
         self.root = psutil.Process(pid)
         self.interval = interval
-        self.peak = 0
+        self.others = others or (lambda: ())
+        self.peak = self.peak_pss = 0
         self.peak_processes: list[tuple[str, int]] = []  # (command, RssAnon bytes) at the peak, largest first
+        self.peak_pss_processes: list[tuple[str, int]] = []  # (command, PSS bytes) at the PSS peak
         self.samples = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            usage = tree_rss_anon(self.root)
-            if sum(usage.values()) > self.peak:
-                self.peak = sum(usage.values())
-                self.peak_processes = sorted(((describe(pid), size) for pid, size in usage.items() if size),
-                                             key=lambda item: -item[1])
+            try:
+                pids = tree_pids(self.root, self.others())
+            except psutil.Error:
+                pids = []
+            for reader, attribute in ((rss_anon_bytes, "peak"), (pss_bytes, "peak_pss")):
+                usage = {pid: reader(pid) for pid in pids}
+                if sum(usage.values()) > getattr(self, attribute):
+                    setattr(self, attribute, sum(usage.values()))
+                    setattr(self, f"{attribute}_processes",
+                            sorted(((describe(pid), size) for pid, size in usage.items() if size),
+                                   key=lambda item: -item[1]))
             self.samples += 1
             self._stop.wait(self.interval)
 
@@ -89,19 +128,26 @@ class Measured:
     stderr: str
     samples: int
     peak_processes: list[tuple[str, int]]
+    peak_pss_bytes: int = 0
+    peak_pss_processes: list[tuple[str, int]] | None = None
 
     @property
     def peak_anon_mib(self) -> float:
         return self.peak_anon_bytes / 2**20
 
+    @property
+    def peak_pss_mib(self) -> float:
+        return self.peak_pss_bytes / 2**20
+
 
 def measure(command: list[str], env: dict[str, str] | None = None, cwd: Path | None = None,
-            log: Path | None = None) -> Measured:
-    """Run `command` to completion, sampling its tree's memory; raise with its stderr if it fails."""
+            log: Path | None = None, others: Callable[[], Iterable[int]] | None = None) -> Measured:
+    """Run `command` to completion, sampling its tree's memory (and that of the processes `others()` names, with
+    their descendants); raise with its stderr if it fails."""
     started = time.perf_counter()
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env={**os.environ, **(env or {})}, cwd=cwd)
-    with PeakTreeMemory(process.pid) as memory:
+    with PeakTreeMemory(process.pid, others=others) as memory:
         stdout, stderr = process.communicate()
         seconds = time.perf_counter() - started
     if log is not None:
@@ -110,4 +156,36 @@ def measure(command: list[str], env: dict[str, str] | None = None, cwd: Path | N
     if process.returncode != 0:
         tail = "\n".join(stderr.strip().splitlines()[-15:])
         raise RuntimeError(f"{' '.join(command[:4])} ... exited with {process.returncode}:\n{tail}")
-    return Measured(seconds, memory.peak, stdout, stderr, memory.samples, memory.peak_processes)
+    return Measured(seconds, memory.peak, stdout, stderr, memory.samples, memory.peak_processes, memory.peak_pss,
+                    memory.peak_pss_processes)
+
+
+def git_state(root: Path) -> dict:
+    """The commit of the checkout at `root` and whether its tracked files differed from it (`dirty`), with the
+    differing paths; what a result file records, so that its figures can be traced to the code they measured."""
+    def git(*words: str) -> str:
+        return subprocess.run(["git", "-C", str(root), *words], capture_output=True, text=True, check=True).stdout
+
+    try:
+        changed = [line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines()]
+        # The last commit that changed what a run executes (not benchmarks/): two results with the same one
+        # measured the same project code, whatever the benchmark scripts' commits.
+        code = git("log", "-1", "--format=%H", "--", "sft_tokenize", "flows", "tasks", "pyproject.toml").strip()
+        return {"commit": git("rev-parse", "HEAD").strip(), "branch": git("rev-parse", "--abbrev-ref", "HEAD").strip(),
+                "dirty": bool(changed), "changed": changed[:20], "project_code_commit": code}
+    except (OSError, subprocess.CalledProcessError) as error:
+        return {"commit": None, "dirty": None, "error": str(error)[:200]}
+
+
+def read_trace(path: Path) -> dict[str, float]:
+    """event -> t (the first of each name), from the JSON lines the CLI appended; {} if none."""
+    events: dict[str, float] = {}
+    if not path.exists():
+        return events
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+            events.setdefault(str(record["event"]), float(record["t"]))
+        except (ValueError, KeyError, TypeError):
+            continue
+    return events

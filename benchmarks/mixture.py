@@ -22,6 +22,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from measure import git_state  # noqa: E402
 
 from sft_tokenize.read.cache import open_cache  # noqa: E402
 from sft_tokenize.read.mixture_index import (  # noqa: E402
@@ -73,7 +76,8 @@ def main() -> None:
     for percent in range(1, 101):
         k = len(rows) * percent // 100 - 1
         worst = max(worst, float(np.abs(running[:, k] / running[:, k].sum() - weights).max()))
-    result = {"source_rows": sizes, "index_rows": int(len(rows)), "budget_trained_tokens": budget,
+    result = {"git": git_state(Path(__file__).resolve().parents[1]),
+              "source_rows": sizes, "index_rows": int(len(rows)), "budget_trained_tokens": budget,
               "seconds": round(seconds, 3), "peak_traced_mib": round(peak / 2**20, 1),
               "bytes_per_index_row": round(peak / len(rows), 1),
               "shares": [round(float(running[i, -1] / running[:, -1].sum()), 6) for i in range(3)],

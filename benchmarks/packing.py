@@ -35,7 +35,8 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))
 
-from build_inputs import CorpusSpec, build  # noqa: E402
+from build_inputs import CorpusSpec, build, tokenizer_for  # noqa: E402
+from measure import git_state  # noqa: E402
 
 from sft_tokenize.build.options import TokenizeOptions  # noqa: E402
 from sft_tokenize.build.plan import run_locally  # noqa: E402
@@ -46,8 +47,10 @@ LENGTHS = (4096, 8192)
 REPEATS = 3
 
 
-def corpus_cache(scale: float, units: int, work: Path) -> Path:
-    tokenizer, files = build(CorpusSpec(scale=scale), units)
+def corpus_cache(scale: float, units: int, work: Path, tokenizer_name: str = "bench") -> Path:
+    spec = CorpusSpec(scale=scale)
+    _, files = build(spec, units, tokenizer=tokenizer_name == "bench")
+    tokenizer = tokenizer_for(tokenizer_name, spec)
     return run_locally(TokenizeOptions(sources=[str(f) for f in files], tokenizer=str(tokenizer),
                                        cache_dir=str(work / "packing-cache"), name="bench"))
 
@@ -169,15 +172,20 @@ def main() -> None:
     parser.add_argument("--units", type=int, default=1, help="corpus units to tokenize and pack")
     parser.add_argument("--rows", type=int, default=1_000_000, help="rows for the build-time measurement")
     parser.add_argument("--seed", type=int, default=0, help="seed of the lengths drawn for the build time")
+    parser.add_argument("--tokenizer", choices=("bench", "example"), default="bench",
+                        help="bench: the 32k BPE trained on the corpus's lexicon; example: the bundled "
+                             "examples/tokenizer, for a quick check (default bench)")
     parser.add_argument("--out", type=Path, default=HERE / "results")
     parser.add_argument("--work", type=Path, default=HERE / "work")
     args = parser.parse_args()
-    cache_path = corpus_cache(args.scale, args.units, args.work)
+    cache_path = corpus_cache(args.scale, args.units, args.work, args.tokenizer)
     corpus = corpus_rows(cache_path, args.work / "packing-indexes")
     timing = build_time(open_cache(cache_path).lengths, args.rows, args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "packing.json").write_text(json.dumps({"corpus": corpus, "build": timing}, indent=2) + "\n")
-    (args.out / "packing.md").write_text(markdown(corpus, timing, args))
+    git = git_state(ROOT)
+    (args.out / "packing.json").write_text(json.dumps({"git": git, "corpus": corpus, "build": timing}, indent=2) + "\n")
+    (args.out / "packing.md").write_text(markdown(corpus, timing, args) + f"\nMeasured at commit `{git['commit']}`"
+                                         f"{' with uncommitted changes' if git['dirty'] else ' (clean tree)'}.\n")
     print(args.out / "packing.md")
 
 

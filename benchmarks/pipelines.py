@@ -4,11 +4,15 @@ Each runs as its own subprocess, started by run.py, and prints one JSON line on 
 
     python benchmarks/pipelines.py ceiling --tokenizer DIR --workers 2 --out DIR FILE...
     python benchmarks/pipelines.py hf      ...     # load_dataset("json") + map(num_proc=W) + save_to_disk
+    python benchmarks/pipelines.py hf-fastokens ... # the same, written as a user would, fastokens patched in
     python benchmarks/pipelines.py spawn   ...     # the SkyRL PR #1971 design: spawn pool, ArrowWriter shards
     python benchmarks/pipelines.py floor   ...     # encode_batch alone on pre-rendered rows: the tokenizer's cost
 
-All of them tokenize with the project's own `ChatEncoder` (the ceiling with the plain template render and
-one batch-encode call), so their input_ids and loss_mask must be identical to this project's cache.
+All of them but `hf-fastokens` tokenize with the project's own `ChatEncoder` (the ceiling with the plain template
+render and one batch-encode call). `hf-fastokens` is what a user writes without this project: the chat template
+rendered by `apply_chat_template`, each text cut at its assistant turns, the pieces encoded by the tokenizer that
+`fastokens.patch_transformers()` accelerated. Every one's input_ids and loss_mask must be identical to this
+project's cache.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -185,6 +190,50 @@ def hf_datasets(files: list[str], tokenizer_dir: str, workers: int, out: Path) -
     return {"rows": len(tokenized)}
 
 
+# -- datasets.map with fastokens patched in: what a user writes without this project ---------------------------
+
+# An assistant turn of a ChatML-style template (Qwen's among them): trained from after its header to its end
+# token. fastokens keeps no character offsets, so each text is cut there and the pieces are encoded apart, which
+# is exact because every cut falls on a special token or on a newline that the pre-tokenizer splits anyway.
+ASSISTANT_TURN = re.compile(r"<\|im_start\|>assistant\n(.*?<\|im_end\|>)", re.DOTALL)
+
+
+def fastokens_map(files: list[str], tokenizer_dir: str, workers: int, out: Path) -> dict:
+    import fastokens
+
+    fastokens.patch_transformers()
+    from datasets import Features, List, Value, load_dataset
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+
+    def tokenize(batch: dict) -> dict:
+        pieces, trained, ends = [], [], []
+        for text in tokenizer.apply_chat_template(batch["messages"], tokenize=False):
+            start = 0
+            for turn in ASSISTANT_TURN.finditer(text):
+                pieces += [text[start:turn.start(1)], turn.group(1)]
+                trained += [0, 1]
+                start = turn.end(1)
+            pieces.append(text[start:])
+            trained.append(0)
+            ends.append(len(pieces))
+        encoded = tokenizer(pieces, add_special_tokens=False)["input_ids"]
+        input_ids, loss_mask, first = [], [], 0
+        for end in ends:
+            input_ids.append([i for k in range(first, end) for i in encoded[k]])
+            loss_mask.append([m for k in range(first, end) for m in [trained[k]] * len(encoded[k])])
+            first = end
+        return {"input_ids": input_ids, "loss_mask": loss_mask}
+
+    source = load_dataset("json", data_files=files, split="train", cache_dir=str(out.parent / "hf-cache"))
+    schema = Features({"input_ids": List(Value("int32")), "loss_mask": List(Value("int8"))})
+    tokenized = source.map(tokenize, batched=True, num_proc=workers, remove_columns=source.column_names,
+                           features=schema)
+    tokenized.save_to_disk(str(out))
+    return {"rows": len(tokenized)}
+
+
 # -- spawn pool: the reference design (SkyRL PR #1971) -----------------------------------------------------------
 
 
@@ -228,7 +277,7 @@ def spawn_pool(files: list[str], tokenizer_dir: str, workers: int, out: Path, ba
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("pipeline", choices=["ceiling", "hf", "spawn", "floor"])
+    parser.add_argument("pipeline", choices=["ceiling", "hf", "hf-fastokens", "spawn", "floor"])
     parser.add_argument("files", nargs="+")
     parser.add_argument("--tokenizer", required=True)
     parser.add_argument("--workers", type=int, default=2)
@@ -245,6 +294,8 @@ def main() -> None:
         result = encode_floor(args.files, args.tokenizer, batch_rows)
     elif args.pipeline == "hf":
         result = hf_datasets(args.files, args.tokenizer, args.workers, args.out)
+    elif args.pipeline == "hf-fastokens":
+        result = fastokens_map(args.files, args.tokenizer, args.workers, args.out)
     else:
         result = spawn_pool(args.files, args.tokenizer, args.workers, args.out, batch_rows)
     print(json.dumps({**result, "inner_seconds": round(time.perf_counter() - started, 3)}))

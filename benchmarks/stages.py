@@ -94,13 +94,14 @@ class _TimedEncoder(ChatEncoder):
 
     render_seconds = encode_seconds = 0.0
 
-    def _render_rows(self, example, literal):
-        result, seconds = _timed(super()._render_rows, example, literal)
+    # Whatever the encoder's own signatures: the timing wraps the call, it does not restate it.
+    def _render_rows(self, *args, **kwargs):
+        result, seconds = _timed(super()._render_rows, *args, **kwargs)
         self.render_seconds += seconds
         return result
 
-    def _encode(self, rows, verify_rows):
-        result, seconds = _timed(super()._encode, rows, verify_rows)
+    def _encode(self, *args, **kwargs):
+        result, seconds = _timed(super()._encode, *args, **kwargs)
         self.encode_seconds += seconds
         return result
 

@@ -8,11 +8,12 @@ For each tokenizer (the bundled example's, `examples/tokenizer`, and Qwen's real
 build_inputs.py) and each input (the bundled example data, `examples/data`, 240 conversations, and the
 short-turn corpus at 1/8 of a unit, 4,000 conversations, ~3.5M Qwen tokens), one repeat runs, in this order:
 
-    cold   a fresh PREFECT_HOME (a copy of one whose database was migrated beforehand, untimed) and a fresh
-           cache: a user's first run
+    cold   a fresh, empty PREFECT_HOME and SFT_TOKENIZE_HOME and a fresh cache: a user's first run, nothing
+           prepared (the run creates Prefect's database and prepares the tokenizer on the clock)
     hit    the same command again: a cache hit
-    warm   a fresh cache on the same home, with the embedded server already up: an untimed run on the example
-           data with `--server-idle 60` leaves it running, and the timed run passes `--server-idle 60` too;
+    warm   a fresh cache on the same homes (the database made, the tokenizer prepared), with the embedded server
+           already up: an untimed run on the example data with `--server-idle 60` leaves it running, and the
+           timed run passes `--server-idle 60` too;
            `sft-tokenize server stop` ends it afterwards. A CLI without `--server-idle` gets the same run
            without it (no server is left running: the row says so)
 
@@ -20,8 +21,9 @@ Every run gets SFT_TOKENIZE_TRACE=FILE; the CLI appends one JSON line per event,
 t counted from its process's start (interpreter start included): imports, planned, tokenizer, encoder,
 server, flow, first_slice, published, exit. Events a CLI does not write are shown as "—", so the script runs
 against code from before the trace (`--project-cmd` points at another checkout's `sft-tokenize`). The wall
-time is also measured from outside (subprocess start to exit), and the peak anonymous RAM of the process tree
-(measure.py). Medians over `--repeats`; results go to `--out` as NAME.json and NAME.md.
+time is also measured from outside (subprocess start to exit), and the peak PSS and anonymous RAM of the process
+tree, the embedded server included even when the run found it up (measure.py). Medians over `--repeats`; results
+go to `--out` as NAME.json and NAME.md.
 """
 
 from __future__ import annotations
@@ -35,21 +37,19 @@ import signal
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from build_inputs import CorpusSpec, build, qwen_tokenizer  # noqa: E402
-from measure import measure  # noqa: E402
-from run import ENV, machine  # noqa: E402
+from build_inputs import EXAMPLE_TOKENIZER, CorpusSpec, build, qwen_tokenizer  # noqa: E402
+from measure import TRACE_VARIABLE, measure, read_trace  # noqa: E402
+from run import ENV, machine, server_pids  # noqa: E402
 
 EVENTS = ("imports", "planned", "encoding", "server", "flow", "first_slice", "published", "exit")
 MODES = ("cold", "hit", "warm")
 MODE_LABELS = {"cold": "cold, fresh Prefect home", "hit": "cache hit", "warm": "cold, server warm"}
-TRACE_VARIABLE = "SFT_TOKENIZE_TRACE"
 SERVER_IDLE = "60"
 MISSING = "—"
 
@@ -59,15 +59,6 @@ def project_command(args: argparse.Namespace) -> list[str]:
         return shlex.split(args.project_cmd)
     script = Path(sys.executable).with_name("sft-tokenize")
     return [str(script)] if script.exists() else [sys.executable, "-m", "sft_tokenize.flows.cli"]
-
-
-def prefect_command(project: list[str]) -> list[str]:
-    """The `prefect` of the project command's environment (its venv's bin/), else this interpreter's."""
-    candidates = [Path(project[0]).parent] if "/" in project[0] else []
-    for directory in (*candidates, Path(sys.executable).parent):
-        if (directory / "prefect").exists():
-            return [str(directory / "prefect")]
-    return [sys.executable, "-m", "prefect"]
 
 
 def capabilities(project: list[str], env: dict[str, str], cwd: Path) -> dict[str, bool]:
@@ -82,36 +73,12 @@ def capabilities(project: list[str], env: dict[str, str], cwd: Path) -> dict[str
     return {"server_idle": "--server-idle" in run_help, "server_stop": code == 0}
 
 
-def migrate(prefect: list[str], home: Path, env: dict[str, str]) -> float:
-    """A PREFECT_HOME with a migrated database (as tests/conftest.py's migrated_prefect_home): untimed setup."""
-    shutil.rmtree(home, ignore_errors=True)
-    home.mkdir(parents=True)
-    started = time.monotonic()
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    subprocess.run([*prefect, "server", "database", "upgrade", "-y"], check=True, capture_output=True, timeout=600,
-                   env={**environ, **env, "PREFECT_HOME": str(home)})
-    return time.monotonic() - started
-
-
-def read_trace(path: Path) -> dict[str, float]:
-    """event -> t (the first of each name), from the JSON lines the CLI appended; {} if none."""
-    events: dict[str, float] = {}
-    if not path.exists():
-        return events
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-            events.setdefault(str(record["event"]), float(record["t"]))
-        except (ValueError, KeyError, TypeError):
-            continue
-    return events
-
-
 def timed_run(command: list[str], env: dict[str, str], cwd: Path, trace: Path, log: Path) -> dict:
     trace.unlink(missing_ok=True)
-    measured = measure(command, env={**env, TRACE_VARIABLE: str(trace)}, cwd=cwd, log=log)
+    measured = measure(command, env={**env, TRACE_VARIABLE: str(trace)}, cwd=cwd, log=log, others=server_pids(env))
     lines = measured.stdout.strip().splitlines()
     return {"wall": round(measured.seconds, 3), "peak_anon_mib": round(measured.peak_anon_mib, 1),
+            "peak_pss_mib": round(measured.peak_pss_mib, 1),
             "events": read_trace(trace), "cache": lines[-1] if lines else ""}
 
 
@@ -127,15 +94,17 @@ def stop_server(project: list[str], env: dict[str, str], cwd: Path, log: Path) -
 
 
 def one_repeat(repeat: int, tokenizer: tuple[str, Path], data: tuple[str, Path], args: argparse.Namespace,
-               project: list[str], features: dict[str, bool], template: Path, env: dict[str, str]) -> list[dict]:
+               project: list[str], features: dict[str, bool], env: dict[str, str]) -> list[dict]:
     """The cold, hit and warm runs of one tokenizer on one input, in a scratch directory removed after."""
     (tok_name, tok_dir), (data_name, source) = tokenizer, data
     scratch = args.work / f"r{repeat}-{tok_name}-{data_name}"
     shutil.rmtree(scratch, ignore_errors=True)
     logs = args.work / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    home = Path(shutil.copytree(template, scratch / "prefect-home"))
-    run_env = {**env, "PREFECT_HOME": str(home)}
+    homes = {"PREFECT_HOME": scratch / "prefect-home", "SFT_TOKENIZE_HOME": scratch / "sft-home"}
+    for home in homes.values():  # empty: as on a machine where neither was used yet
+        home.mkdir(parents=True)
+    run_env = {**env, **{k: str(v) for k, v in homes.items()}}
     stem = f"r{repeat}-{tok_name}-{data_name}"
 
     def command(cache: Path, source: Path = source, extra: tuple[str, ...] = ()) -> list[str]:
@@ -197,6 +166,7 @@ def summarize(runs: list[dict]) -> list[dict]:
                      "wall": round(statistics.median(r["wall"] for r in members), 3),
                      "walls": [r["wall"] for r in members],
                      "peak_anon_mib": round(statistics.median(r["peak_anon_mib"] for r in members), 1),
+                     "peak_pss_mib": round(statistics.median(r.get("peak_pss_mib", 0) for r in members), 1),
                      "rows": members[0].get("rows"), "tokens": members[0].get("tokens"),
                      "server_warm": members[0].get("server_warm"), "events": events})
     return rows
@@ -220,6 +190,7 @@ def markdown(report: dict) -> str:
     features = report["features"]
     summary = report["summary"]
     columns = event_columns(summary)
+    git = m.get("git") or {}
     lines = [
         "# Start-up: process start to first slice, publish and exit", "",
         f"Machine: {m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB, load average at start "
@@ -227,12 +198,13 @@ def markdown(report: dict) -> str:
         f"{m['libraries']['prefect']}. Command: `{report['command']}`; project command `{report['project_cmd']}` "
         f"(`run --server-idle`: {'yes' if features['server_idle'] else 'no'}, `server stop`: "
         f"{'yes' if features['server_stop'] else 'no'}). Workers {report['workers']}, medians of "
-        f"{report['repeats']} repeat(s).", "",
+        f"{report['repeats']} repeat(s). Measured at commit `{(git.get('commit') or 'unknown')[:12]}`"
+        f"{' with uncommitted changes' if git.get('dirty') else ' (clean tree)'}.", "",
         "Event columns: seconds from the CLI process's start (its own start time, interpreter included) to each "
         f"`{TRACE_VARIABLE}` event, {MISSING} where the CLI wrote none. `wall`: subprocess start to exit, from "
         "outside.", "",
-        "| tokenizer | data | run | " + " | ".join(columns) + " | wall s | peak anon MiB |",
-        "|---|---|---|" + "---:|" * (len(columns) + 2),
+        "| tokenizer | data | run | " + " | ".join(columns) + " | wall s | peak PSS MiB | peak anon MiB |",
+        "|---|---|---|" + "---:|" * (len(columns) + 3),
     ]
     for row in summary:
         data = f"{row['data']} ({row['rows']:,} rows, {row['tokens'] / 1e6:.2f}M tokens)" if row["tokens"] else \
@@ -242,10 +214,10 @@ def markdown(report: dict) -> str:
             label = "cold, home reused (no `--server-idle`: server not warm)"
         cells = [MISSING if row["events"].get(name) is None else f"{row['events'][name]:.2f}" for name in columns]
         lines.append(f"| {row['tokenizer']} | {data} | {label} | " + " | ".join(cells) +
-                     f" | {row['wall']:.2f} | {row['peak_anon_mib']:,.0f} |")
+                     f" | {row['wall']:.2f} | {row.get('peak_pss_mib', 0):,.0f} | {row['peak_anon_mib']:,.0f} |")
     lines += ["", f"Tokenizers: {', '.join(f'{k} `{v}`' for k, v in report['tokenizers'].items())}. "
-                  f"Inputs: {', '.join(f'{k} `{v}`' for k, v in report['inputs'].items())}. The Prefect database "
-                  f"was migrated once beforehand in {report['migrate_seconds']:.1f} s (untimed)."]
+                  f"Inputs: {', '.join(f'{k} `{v}`' for k, v in report['inputs'].items())}. Cold runs start on empty "
+                  "PREFECT_HOME and SFT_TOKENIZE_HOME directories: nothing is prepared before their clock."]
     return "\n".join(lines) + "\n"
 
 
@@ -290,7 +262,7 @@ def main(argv: list[str] | None = None) -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     features = capabilities(project, env, args.work)
 
-    tokenizers = {"example": ROOT / "examples" / "tokenizer"}
+    tokenizers = {"example": EXAMPLE_TOKENIZER}
     if "qwen" in args.tokenizers:
         tokenizers["qwen"] = qwen_tokenizer()
     tokenizers = {k: v for k, v in tokenizers.items() if k in args.tokenizers}
@@ -299,14 +271,11 @@ def main(argv: list[str] | None = None) -> None:
         inputs["short"] = build(CorpusSpec.of("short", 0.125), 1, tokenizer=False)[1][0]
     inputs = {k: v for k, v in inputs.items() if k in args.data}
 
-    template = args.work / "prefect-home-template"
-    migrate_seconds = migrate(prefect_command(project), template, env)
-    print(f"migrated a Prefect database in {migrate_seconds:.1f} s (untimed); `run --server-idle`: "
-          f"{features['server_idle']}, `server stop`: {features['server_stop']}", flush=True)
+    print(f"`run --server-idle`: {features['server_idle']}, `server stop`: {features['server_stop']}", flush=True)
 
     report = {"command": shlex.join(["python", "benchmarks/startup.py", *(sys.argv[1:] if argv is None else argv)]),
               "project_cmd": shlex.join(project), "machine": machine(), "features": features,
-              "workers": args.workers, "repeats": args.repeats, "migrate_seconds": round(migrate_seconds, 2),
+              "workers": args.workers, "repeats": args.repeats,
               "tokenizers": {k: str(v) for k, v in tokenizers.items()},
               "inputs": {k: str(v) for k, v in inputs.items()}, "runs": [], "summary": []}
     args.out.mkdir(parents=True, exist_ok=True)
@@ -314,11 +283,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"repeat {repeat + 1}/{args.repeats}", flush=True)
         for tokenizer in tokenizers.items():
             for data in inputs.items():
-                report["runs"] += one_repeat(repeat, tokenizer, data, args, project, features, template, env)
+                report["runs"] += one_repeat(repeat, tokenizer, data, args, project, features, env)
         report["summary"] = summarize(report["runs"])
         (args.out / f"{args.name}.json").write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
         (args.out / f"{args.name}.md").write_text(markdown(report))
-    shutil.rmtree(template, ignore_errors=True)
     print()
     print(markdown(report))
     print(f"wrote {args.out / (args.name + '.json')}, {args.out / (args.name + '.md')}")

@@ -25,9 +25,9 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from build_inputs import CorpusSpec, build  # noqa: E402
+from build_inputs import CorpusSpec, build, tokenizer_for  # noqa: E402
 from measure import measure  # noqa: E402
-from run import project_command, warm_up_prefect  # noqa: E402
+from run import machine, project_command, warm_up_prefect  # noqa: E402
 
 DEFAULT_TEMPLATE = ROOT.parent / "shared" / "chat_templates" / "modern" / "qwen3.jinja"
 # Tokens the Qwen family's templates write besides ChatML's, added as ordinary tokens (as Qwen's tokenizer has them).
@@ -52,6 +52,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--template", type=Path, default=DEFAULT_TEMPLATE, help="the template set against ChatML")
     parser.add_argument("--repeats", type=int, default=2, help="cold runs of each template (default 2)")
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--tokenizer", choices=("bench", "example"), default="bench",
+                        help="bench: the 32k BPE trained on the corpus's lexicon; example: the bundled "
+                             "examples/tokenizer, for a quick check (default bench)")
     parser.add_argument("--out", type=Path, default=HERE / "results")
     parser.add_argument("--work", type=Path, default=HERE / "work")
     parser.add_argument("--project-args", default="", metavar="ARGS",
@@ -60,7 +63,9 @@ def main(argv: list[str] | None = None) -> None:
     if not args.template.is_file():
         parser.error(f"template not found: {args.template} (pass --template FILE)")
 
-    chatml, units = build(CorpusSpec(scale=args.scale), args.units)
+    spec = CorpusSpec(scale=args.scale)
+    _, units = build(spec, args.units, tokenizer=args.tokenizer == "bench")
+    chatml = tokenizer_for(args.tokenizer, spec)
     other = with_template(chatml, args.template, args.work / f"tokenizer-{args.template.stem}")
     env = {"PREFECT_HOME": str(args.work / "prefect-home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
            "HF_HUB_OFFLINE": "1"}
@@ -88,7 +93,8 @@ def main(argv: list[str] | None = None) -> None:
         summary[name] = {"median_seconds": seconds, "tokens_per_second": round(measured_runs[0]["tokens"] / seconds),
                          "runs": measured_runs}
     ratio = summary[args.template.stem]["tokens_per_second"] / summary["chatml"]["tokens_per_second"]
-    report = {"scale": args.scale, "units": args.units, "workers": args.workers, "template": args.template.name,
+    report = {"machine": machine(), "tokenizer": str(chatml),
+              "scale": args.scale, "units": args.units, "workers": args.workers, "template": args.template.name,
               "project_args": args.project_args, "runs": summary,
               "throughput_ratio": round(ratio, 3)}
     args.out.mkdir(parents=True, exist_ok=True)
