@@ -97,6 +97,8 @@ class EncodePool:
         self._checker = encoder
         learned = encoder.template.learned_boundaries if encoder.template else {}
         self._initargs = (TokenizerParts.of(encoder.tokenizer, encoder.fast, learned), settings, threads)
+        if encoder.fast is not None:  # the processes encode: this one keeps no second copy of fastokens' tables
+            encoder.fast.release()
         self._lock = threading.Lock()
         self._executor = self._start()
 

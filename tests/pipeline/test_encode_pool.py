@@ -148,3 +148,22 @@ def test_pool_processes_build_no_hf_tokenizer_and_their_first_rows_are_checked_h
                             lambda self, row, enc, n: [(0, 1 if isinstance(enc, IdsEncoding) else 2)])
         with pytest.raises(EncoderMismatch, match="disagree on row 0"):
             pool.submit(examples, 16).result()
+
+
+def test_the_planner_keeps_no_fastokens_tables_while_its_pool_encodes(tmp_path):
+    from sft_tokenize.encoding.exact import PendingNative
+
+    source = write_jsonl(tmp_path / "rows.jsonl", example_rows()[:30])
+    plan = plan_slices(TokenizeOptions(sources=[str(source)], tokenizer=str(EXAMPLE_TOKENIZER),
+                                       cache_dir=str(tmp_path / "cache")))
+    examples = [to_example(row, ColumnMap("chat", {"messages": "messages"})) for row in example_rows()[:30]]
+    encoder = workers.encoder_for(plan.job)
+    want = encoder.encode_batch(examples)  # this process encoded: its fastokens tables are built
+    assert not isinstance(encoder.fast._native, PendingNative)
+    with workers.encoding_processes(plan.job, 2):
+        [(_, pool)] = [entry for entry in workers._pools if entry[0] == plan.job]
+        assert isinstance(encoder.fast._native, PendingNative)  # dropped: the pool's processes encode
+        assert pool.submit(examples, 16).result().input_ids.tolist() == want.input_ids.tolist()
+        assert isinstance(encoder.fast._native, PendingNative)  # checking the processes' rows needs HF's only
+    again = encoder.encode_batch(examples)  # built again when this process encodes after all
+    assert again.input_ids.tolist() == want.input_ids.tolist() and again.rows_verified == want.rows_verified
