@@ -94,13 +94,17 @@ def _byte_level_refusal(config: dict) -> str | None:
 
 def _token_byte_lengths(backend, config: dict) -> np.ndarray:
     """Each id's length in UTF-8 bytes of the text; -1 where the vocabulary does not say."""
-    alphabet = _bytes_to_unicode()
-    vocab = backend.get_vocab(with_added_tokens=False)
+    # The model's vocabulary as the JSON already parsed holds it: asking the Rust tokenizer for it builds a second
+    # dict (a second of a first run's start, for a 151k vocabulary).
+    vocab = (config.get("model") or {}).get("vocab")
+    if not isinstance(vocab, dict):
+        vocab = backend.get_vocab(with_added_tokens=False)
     added = backend.get_added_tokens_decoder()
     size = max([*vocab.values(), *added.keys()], default=-1) + 1
     lengths = np.full(size, -1, dtype=np.int64)
+    outside = str.maketrans("", "", "".join(_bytes_to_unicode()))  # deletes the alphabet: what is left is not in it
     for token, index in vocab.items():
-        if token and all(c in alphabet for c in token):
+        if token and not token.translate(outside):
             lengths[index] = len(token)  # one alphabet character per byte
     for index, token in added.items():
         lengths[index] = len(token.content.encode("utf-8")) or -1
