@@ -43,7 +43,7 @@ from typing import Any
 
 from sft_tokenize.encoding.chat_encoder import ChatEncoder, EncodedBatch
 from sft_tokenize.encoding.exact import rebuilt_encoder
-from sft_tokenize.encoding.memory import limit_malloc_arenas
+from sft_tokenize.encoding.memory import limit_malloc_arenas, trim_malloc
 from sft_tokenize.encoding.prepared import PartsTokenizer, TokenizerParts
 
 DEPTH = 2  # a slice's batches in flight: one being encoded while its thread reads the next
@@ -258,6 +258,7 @@ class EncodePool:
         self._initargs = (TokenizerParts.of(encoder.tokenizer, encoder.fast, learned), settings, threads)
         if encoder.fast is not None:  # the processes encode: this one keeps no second copy of fastokens' tables
             encoder.fast.release()
+            trim_malloc()  # the tables' pages go back to the system: glibc would keep most of them (~160 MB)
         self._lock = threading.Lock()
         self._current = _Processes(self._initargs, processes)
 
