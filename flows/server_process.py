@@ -1,7 +1,24 @@
 """The embedded Prefect server's own process (`python -m sft_tokenize.flows.server_process`, launched by
 flows/embedded_server.py): Prefect's app under uvicorn, a thread that ends it once no run has held a lease for its
 idle time, and the record that lets a boot on a known database skip its migrations and block checks (see
-server_state.py's docstring for the protocol, docs/performance.md for the figures)."""
+server_state.py's docstring for the protocol, docs/performance.md for the figures).
+
+A new PREFECT_HOME's database starts as a copy. Creating and migrating Prefect's SQLite database (about a hundred
+Alembic migrations) and registering its block types takes ~11 s on two busy cores, and every fresh PREFECT_HOME
+paid it. The first server on the machine to create one snapshots it, migrated and registered but before it has
+served anything, into this user's cache (prepared.py's `user_cache()`):
+
+    <user cache>/prefect-databases/prefect-<version>-<key>/
+        prefect.db       the snapshot (SQLite's backup API: one consistent file)
+        template.json    written last: the Prefect version, its collections, the Alembic revision, the block types
+
+`<key>` hashes the Prefect version and its collections (which decide the block types); a template whose
+template.json, or whose own revision and block types, do not match this Prefect is never used. A later server
+whose PREFECT_HOME has no database (nor any journal of one) copies the template in under a temporary name and
+links it into place, so an existing database is never overwritten. The copy (like the database the template was
+made from) is what a full boot of this Prefect leaves, so it is recorded as such and the boot skips the migrations
+and the block-type check. Only the default kind of database, a local SQLite file, is seeded.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +26,7 @@ import contextlib
 import fcntl
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -16,41 +34,145 @@ from pathlib import Path
 from prefect.context import refresh_global_settings_context
 from prefect.settings import get_current_settings
 
-from sft_tokenize.files import is_locked
+from sft_tokenize.files import atomic_path, atomic_write, is_locked, temp_path
 from sft_tokenize.flows.embedded_server import SERVER_APP, SHUTDOWN_TIMEOUT
 from sft_tokenize.flows.server_state import recorded_server, server_paths, write_state
 
 BOOT_RECORD = "sft-tokenize-server-boot.json"
+DATABASE_TEMPLATES = "prefect-databases"  # under the user cache
+TEMPLATE_DATABASE, TEMPLATE_RECORD = "prefect.db", "template.json"
 # What a boot on the database that a full boot of this Prefect left behind can skip (see _boot_facts).
 KNOWN_DATABASE = {"PREFECT_API_DATABASE_MIGRATE_ON_START": "false", "PREFECT_API_BLOCKS_REGISTER_ON_START": "false",
                   "PREFECT_MEMOIZE_BLOCK_AUTO_REGISTRATION": "false"}
 
 
-def _boot_facts() -> dict | None:
-    """What a full boot leaves behind, read in a few milliseconds: this Prefect and its collections, the SQLite
-    file, its Alembic revision and its number of block types. None for a database that is not a local SQLite file
-    (or cannot be read): its server always boots in full."""
-    import sqlite3
-    from importlib.metadata import entry_points
-
-    import prefect
-
+def _database_file() -> Path | None:
+    """The configured database's file, if it is a local SQLite file (the default); None for any other database."""
     url = get_current_settings().server.database.connection_url
     url = url.get_secret_value() if hasattr(url, "get_secret_value") else str(url or "")
     prefix = "sqlite+aiosqlite:///"
     if not url.startswith(prefix) or ":memory:" in url or "?" in url:
         return None
-    path = Path(url.removeprefix(prefix)).resolve()
+    return Path(url.removeprefix(prefix)).resolve()
+
+
+def _this_prefect() -> dict:
+    """This Prefect's version and its collections: what decides a database's migrations and block types."""
+    from importlib.metadata import entry_points
+
+    import prefect
+
+    collections = sorted(f"{point.dist.name}=={point.dist.version}"
+                         for point in entry_points(group="prefect.collections") if point.dist)
+    return {"prefect": prefect.__version__, "collections": collections}
+
+
+def _database_facts(path: Path) -> dict | None:
+    """The Alembic revision and the number of block types of the SQLite database at `path`, None if it cannot be
+    read as one."""
+    import sqlite3
+
+    if not path.is_file():
+        return None
     try:
         with contextlib.closing(sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True, timeout=5)) as db:
             ((revision,),) = db.execute("SELECT version_num FROM alembic_version").fetchall()
             (block_types,) = db.execute("SELECT count(*) FROM block_type").fetchone()
     except (sqlite3.Error, ValueError):
         return None
-    collections = sorted(f"{point.dist.name}=={point.dist.version}"
-                         for point in entry_points(group="prefect.collections") if point.dist)
-    return {"prefect": prefect.__version__, "collections": collections, "database": str(path),
-            "revision": revision, "block_types": block_types}
+    return {"revision": revision, "block_types": block_types}
+
+
+def _boot_facts() -> dict | None:
+    """What a full boot leaves behind, read in a few milliseconds: this Prefect and its collections, the SQLite
+    file, its Alembic revision and its number of block types. None for a database that is not a local SQLite file
+    (or cannot be read): its server always boots in full."""
+    path = _database_file()
+    facts = _database_facts(path) if path is not None else None
+    return None if facts is None else {**_this_prefect(), "database": str(path), **facts}
+
+
+def template_dir() -> Path:
+    """Where this Prefect's database template is kept (see the module docstring)."""
+    from sft_tokenize.build.fingerprint import fingerprint
+    from sft_tokenize.encoding.prepared import user_cache
+
+    this = _this_prefect()
+    return user_cache() / DATABASE_TEMPLATES / f"prefect-{this['prefect']}-{fingerprint(this)[:16]}"
+
+
+def _journals(database: Path) -> list[Path]:
+    return [database, *(database.with_name(database.name + suffix) for suffix in ("-wal", "-shm", "-journal"))]
+
+
+def seed_database(database: Path) -> bool:
+    """Copy this Prefect's template into `database` if no database (nor a journal of one) is there and a template
+    made by this very Prefect is; whether it did. Never replaces a file: the copy is linked into place."""
+    if any(os.path.lexists(path) for path in _journals(database)):
+        return False
+    template = template_dir()
+    try:
+        recorded = json.loads((template / TEMPLATE_RECORD).read_text())
+    except (OSError, ValueError):
+        return False
+    expected = {**_this_prefect(), **(_database_facts(template / TEMPLATE_DATABASE) or {"revision": None})}
+    if recorded != expected:  # another Prefect's (or a damaged) template
+        return False
+    database.parent.mkdir(parents=True, exist_ok=True)
+    copy = temp_path(database)
+    try:
+        shutil.copyfile(template / TEMPLATE_DATABASE, copy)
+        os.link(copy, database)  # fails if a database appeared meanwhile: that one is kept
+    except OSError:
+        return False
+    finally:
+        copy.unlink(missing_ok=True)
+    return True
+
+
+def make_template(database: Path) -> None:
+    """Create and migrate `database` and register the block types, as Prefect's own boot would, then keep a
+    snapshot of it as this Prefect's template (best effort: without one, the next fresh home only boots slower)."""
+    import asyncio
+    import sqlite3
+
+    from prefect.server.database import provide_database_interface
+    from prefect.server.models.block_registration import run_block_auto_registration
+
+    async def create() -> None:
+        db = provide_database_interface()
+        await db.create_db()
+        async with await db.session() as session:
+            await run_block_auto_registration(session=session)
+
+    asyncio.run(create())
+    template = template_dir()
+    try:
+        template.mkdir(parents=True, exist_ok=True)
+        with atomic_path(template / TEMPLATE_DATABASE, durable=False) as copy, \
+                contextlib.closing(sqlite3.connect(database)) as source, \
+                contextlib.closing(sqlite3.connect(copy)) as target:
+            source.backup(target)
+            target.execute("PRAGMA journal_mode=DELETE")  # one file, read without a -wal or -shm beside it
+        facts = _database_facts(template / TEMPLATE_DATABASE)
+        if facts is not None:
+            atomic_write(template / TEMPLATE_RECORD, json.dumps({**_this_prefect(), **facts}), durable=False)
+    except (OSError, sqlite3.Error) as error:
+        print(f"no database template kept in {template}: {type(error).__name__}: {error}", file=sys.stderr,
+              flush=True)
+
+
+def _new_database(record: Path) -> None:
+    """A PREFECT_HOME with no database yet gets a copy of the template, or makes the template (module docstring).
+    Either way the database is then the one a full boot of this Prefect leaves: recorded as such (`record`), the
+    boot skips the migrations and the block-type check."""
+    database = _database_file()
+    if database is None or any(os.path.lexists(path) for path in _journals(database)):
+        return
+    if not seed_database(database):
+        make_template(database)
+    if (facts := _boot_facts()) is not None:
+        write_state(record, facts)
 
 
 def _boot_in_full(record: Path) -> bool:
@@ -114,6 +236,10 @@ def serve(port: int) -> None:
 
     home = Path(get_current_settings().home)
     lock_path, state_path, lease_path = server_paths(home)
+    try:
+        _new_database(home / BOOT_RECORD)
+    except Exception as error:  # noqa: BLE001 - Prefect's own boot creates whatever is missing
+        print(f"database not seeded: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
     try:
         in_full = _boot_in_full(home / BOOT_RECORD)
     except Exception:  # noqa: BLE001 - whatever the record says, a full boot is correct

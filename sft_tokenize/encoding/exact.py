@@ -94,13 +94,17 @@ def _byte_level_refusal(config: dict) -> str | None:
 
 def _token_byte_lengths(backend, config: dict) -> np.ndarray:
     """Each id's length in UTF-8 bytes of the text; -1 where the vocabulary does not say."""
-    alphabet = _bytes_to_unicode()
-    vocab = backend.get_vocab(with_added_tokens=False)
+    # The model's vocabulary as the JSON already parsed holds it: asking the Rust tokenizer for it builds a second
+    # dict (a second of a first run's start, for a 151k vocabulary).
+    vocab = (config.get("model") or {}).get("vocab")
+    if not isinstance(vocab, dict):
+        vocab = backend.get_vocab(with_added_tokens=False)
     added = backend.get_added_tokens_decoder()
     size = max([*vocab.values(), *added.keys()], default=-1) + 1
     lengths = np.full(size, -1, dtype=np.int64)
+    outside = str.maketrans("", "", "".join(_bytes_to_unicode()))  # deletes the alphabet: what is left is not in it
     for token, index in vocab.items():
-        if token and all(c in alphabet for c in token):
+        if token and not token.translate(outside):
             lengths[index] = len(token)  # one alphabet character per byte
     for index, token in added.items():
         lengths[index] = len(token.content.encode("utf-8")) or -1
@@ -160,8 +164,10 @@ class FastEncoder:
 
     name = "fastokens"
 
-    def __init__(self, native, byte_lengths: np.ndarray, nfc: bool):
+    def __init__(self, native, byte_lengths: np.ndarray, nfc: bool, source: str | None = None):
+        """`source`: the tokenizer JSON `native` was built from, if it may be released (`release`)."""
         self._native, self.byte_lengths, self.nfc = native, byte_lengths, nfc
+        self._source = native.tokenizer_json if isinstance(native, PendingNative) else source
 
     @property
     def native(self):
@@ -169,6 +175,12 @@ class FastEncoder:
         if isinstance(self._native, PendingNative):
             self._native = self._native.result()
         return self._native
+
+    def release(self) -> None:
+        """Drop fastokens' tables (~170 MB for a 151k vocabulary) in a process that stops encoding (its encode pool
+        does): built again if it encodes after all."""
+        if self._source is not None and not isinstance(self._native, PendingNative):
+            self._native = PendingNative(self._source)
 
     def warm(self) -> None:
         """Start building a pending tokenizer in the background, for a process about to encode."""
@@ -268,7 +280,7 @@ def _fastokens_or_refusal(backend) -> tuple[FastEncoder | None, str]:
             if list(want.ids) != list(have.ids):
                 return None, f"fastokens gives other ids than tokenizers for {string[:40]!r}"
     nfc = [p.get("type") for p in _pieces(config.get("normalizer"))] == ["NFC"]
-    encoder = FastEncoder(native, _token_byte_lengths(backend, config), nfc)
+    encoder = FastEncoder(native, _token_byte_lengths(backend, config), nfc, source=text)
     for string in _check_strings(backend):
         placed = encoder.encode([string], add_special_tokens=False)[0]
         want = backend.encode(string, add_special_tokens=False)

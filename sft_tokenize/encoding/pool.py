@@ -7,28 +7,43 @@ pool, at most `DEPTH` in flight, and takes the encoded batches back in order, so
 ones the thread would have written itself. Examples go out and encoded batches (numpy arrays, drop reasons)
 come back pickled; nothing is shared. The other runners already give each worker its own process.
 
-The processes import neither transformers' tokenizer classes nor torch. Each is given the tokenizer as its
-parts (`prepared.TokenizerParts`: the Rust tokenizer's JSON, the chat template, the special tokens, the token
+The processes import neither transformers' tokenizer classes nor torch. One clean process (started by the
+forkserver, so it carries none of this process's imports or threads) is given the tokenizer as its parts
+(`prepared.TokenizerParts`: the Rust tokenizer's JSON, the chat template, the special tokens, the token
 boundaries the template learned: all that encoding reads of it) and the fast encoder this process chose and
-checked, and builds its `ChatEncoder` once. HF's tokenizer (~40 MB a process for a 151k vocabulary) is built there only
-for a row the fast encoder cannot place: each slice's first rows, which are checked against HF's, come back
-unchecked and are checked here, in the slice's thread, by this process's encoder. A process that dies
-(killed, out of memory) fails the batches it held: their slices fail and are retried, and the next batch
-submitted starts a new set of processes.
+checked, builds the `ChatEncoder` and fastokens' tables (~170 MB for a 151k vocabulary) once, and only then forks
+the encoding processes: they share those pages, which nothing writes, instead of each building its own copy. It
+starts no thread before it forks (fastokens builds its tables without one, and its own threads start at the
+first encode, in the processes). HF's tokenizer (~25 MB a process for a 151k vocabulary) is built there only for a
+row the fast encoder cannot place: each slice's first rows, which are checked against HF's, come back unchecked
+and are checked here, in the slice's thread, by this process's encoder.
+
+Batches go out on one queue that every encoding process reads, and come back on another that a thread here
+reads. A process that dies (killed, out of memory) breaks the pool, as it breaks a ProcessPoolExecutor: the
+process that forked it stops the others and exits, and every batch in flight fails with BrokenProcessPool; their
+slices fail and are retried, and the next batch submitted starts a new set of processes. An encoding process
+whose parent is gone ends too (Linux's parent-death signal).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import gc
+import itertools
 import multiprocessing
 import os
 import signal
 import threading
-from concurrent.futures import Future, ProcessPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future
 from concurrent.futures.process import BrokenProcessPool
+from multiprocessing.connection import wait
+from typing import Any
 
 from sft_tokenize.encoding.chat_encoder import ChatEncoder, EncodedBatch
 from sft_tokenize.encoding.exact import rebuilt_encoder
-from sft_tokenize.encoding.memory import limit_malloc_arenas
+from sft_tokenize.encoding.memory import limit_malloc_arenas, trim_malloc
 from sft_tokenize.encoding.prepared import PartsTokenizer, TokenizerParts
 
 DEPTH = 2  # a slice's batches in flight: one being encoded while its thread reads the next
@@ -54,22 +69,84 @@ _encoder: ChatEncoder | None = None  # in a pool process: the run's encoder
 
 
 def _start(parts: TokenizerParts, settings: dict, tokenizer_threads: int) -> None:
+    """In the process that forks the encoding processes: the encoder they share, fastokens' tables built."""
     global _encoder
     os.environ.update(tokenizer_env(tokenizer_threads))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the group; the run closes the pool
     limit_malloc_arenas()
     fast = rebuilt_encoder(parts.backend_json, *parts.fast) if parts.fast else None
     if fast is not None:
-        fast.warm()  # this process encodes: its tables build while the encoder below is made
+        fast.warm()  # its tables build while the encoder below is made
     _encoder = ChatEncoder(PartsTokenizer(parts), fast=fast, **settings)
+    if fast is not None:
+        fast.native  # noqa: B018 - built here, before the fork, once for every process
+        for thread in threading.enumerate():  # the build's thread has ended (it sets the result, then returns)
+            if thread.name == "fastokens-build":
+                thread.join()
 
 
 def _encode(examples: list, verify_rows: int) -> EncodedBatch:
     return _encoder.encode_batch(examples, verify_rows, defer_verify=True)
 
 
+_PR_SET_PDEATHSIG = 1
+
+
+def _end_with_parent() -> None:
+    """This process is killed when its parent ends, however it ends (Linux; elsewhere the run's close ends it)."""
+    parent = os.getppid()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # it ended before the signal was asked for
+        os._exit(1)
+
+
+def _serve(tasks, results) -> None:
+    """An encoding process: run the calls on `tasks` until None comes, putting (id, ok, value) on `results`."""
+    _end_with_parent()  # the forking process, which ends with the forkserver, which ends with the run
+    while (task := tasks.get()) is not None:
+        ident, function, args = task
+        try:
+            answer = (ident, True, function(*args))
+        except BaseException as error:  # noqa: BLE001 - raised where the batch is taken
+            answer = (ident, False, error)
+        try:
+            results.put(answer)
+        except Exception as error:  # noqa: BLE001 - an exception that does not pickle, said as text
+            sent = type(answer[2]).__name__
+            results.put((ident, False, RuntimeError(f"{type(error).__name__}: {error} (sending a {sent})")))
+
+
+def _fork_processes(initargs: tuple, processes: int, tasks, results) -> None:
+    """The forking process: build the encoder, fork `processes` encoding processes, and watch them. One that dies
+    breaks the pool: the others are killed and this process exits with 1 (the run sees it); 0 once all ended."""
+    _end_with_parent()
+    _start(*initargs)
+    gc.freeze()  # the encoder's objects stay where they are: a collection in a child would copy their pages
+    context = multiprocessing.get_context("fork")
+    children = [context.Process(target=_serve, args=(tasks, results), daemon=True) for _ in range(processes)]
+    for child in children:
+        child.start()
+
+    def stop(*_: Any) -> None:
+        for child in children:
+            if child.is_alive():
+                child.kill()
+        os._exit(1)
+
+    signal.signal(signal.SIGTERM, stop)
+    running = list(children)
+    while running:
+        for sentinel in wait([child.sentinel for child in running]):
+            child = next(c for c in running if c.sentinel == sentinel)
+            child.join()
+            running.remove(child)
+            if child.exitcode != 0:
+                stop()
+
+
 def _ready() -> None:
-    """Submitted once per process at the start, so that they start while the run submits its slices."""
+    """Called once per process at the start, so that they start while the run submits its slices."""
 
 
 class _Checked:
@@ -85,6 +162,88 @@ class _Checked:
         return self.encoded.cancel()
 
 
+class _Processes:
+    """One set of encoding processes, their forking process, the two queues and the thread that reads results."""
+
+    def __init__(self, initargs: tuple, processes: int):
+        context = multiprocessing.get_context("forkserver")
+        # Nothing preloaded: not __main__, the default, which would bring the CLI's imports (Prefect) along.
+        context.set_forkserver_preload([])
+        self.processes = processes
+        self.tasks, self.results = context.SimpleQueue(), context.SimpleQueue()
+        self.pending: dict[int, Future] = {}
+        self.lock = threading.Lock()
+        self.broken = False
+        self.ids = itertools.count()
+        self.forking = context.Process(target=_fork_processes, args=(initargs, processes, self.tasks, self.results),
+                                       name="sft-tokenize-encode-pool")  # not daemonic: it has children
+        self.forking.start()
+        # Only the processes hold these ends now: once they are all gone, a read here sees the end of the stream
+        # and a write a broken pipe, rather than waiting for ever.
+        self.results._writer.close()
+        self.tasks._reader.close()
+        self.reader = threading.Thread(target=self._read, name="encode-pool-results", daemon=True)
+        self.reader.start()
+        for _ in range(processes):
+            self.call(_ready)
+
+    def call(self, function: Callable, *args: Any) -> Future:
+        with self.lock:
+            if self.broken:
+                raise BrokenProcessPool("an encoding process died")
+            ident, future = next(self.ids), Future()
+            self.pending[ident] = future
+        with contextlib.suppress(OSError):  # no process reads any more: the reader fails it with the others
+            self.tasks.put((ident, function, args))
+        return future
+
+    def _read(self) -> None:
+        while True:
+            ready = wait([self.results._reader, self.forking.sentinel])
+            if self.results._reader in ready:
+                try:
+                    ident, ok, value = self.results.get()
+                except (EOFError, OSError):  # every process is gone, one in the middle of an answer perhaps
+                    ready = [self.forking.sentinel]
+                else:
+                    with self.lock:
+                        future = self.pending.pop(ident, None)
+                    if future is not None and future.set_running_or_notify_cancel():
+                        future.set_result(value) if ok else future.set_exception(value)
+                    continue
+            self.forking.join()
+            with self.lock:  # ended: by close() (nothing pending), or broken
+                self.broken = True
+                pending, self.pending = self.pending, {}
+            for future in pending.values():
+                if future.set_running_or_notify_cancel():
+                    future.set_exception(BrokenProcessPool(f"an encoding process died (exit {self.forking.exitcode})"))
+            return
+
+    def pids(self) -> list[int]:
+        """The encoding processes' ids (not the forking process's)."""
+        import psutil
+
+        try:
+            return [child.pid for child in psutil.Process(self.forking.pid).children()]
+        except psutil.Error:
+            return []
+
+    def close(self, now: bool) -> None:
+        if now:
+            self.forking.terminate()  # it kills its encoding processes
+        else:
+            for _ in range(self.processes):
+                self.tasks.put(None)
+        self.forking.join(None if not now else 10)
+        if self.forking.is_alive():
+            self.forking.kill()
+            self.forking.join()
+        self.reader.join()
+        self.tasks.close()
+        self.results.close()
+
+
 class EncodePool:
     """`processes` processes that encode batches with the ChatEncoder of `settings` (its keyword arguments)."""
 
@@ -97,40 +256,32 @@ class EncodePool:
         self._checker = encoder
         learned = encoder.template.learned_boundaries if encoder.template else {}
         self._initargs = (TokenizerParts.of(encoder.tokenizer, encoder.fast, learned), settings, threads)
+        if encoder.fast is not None:  # the processes encode: this one keeps no second copy of fastokens' tables
+            encoder.fast.release()
+            trim_malloc()  # the tables' pages go back to the system: glibc would keep most of them (~160 MB)
         self._lock = threading.Lock()
-        self._executor = self._start()
+        self._current = _Processes(self._initargs, processes)
 
-    def _start(self) -> ProcessPoolExecutor:
-        context = multiprocessing.get_context("forkserver")
-        # Nothing preloaded: not __main__, the default, which would bring the CLI's imports (Prefect) along, and
-        # not the encoder's modules either, whose memory each process would then count as its own as well.
-        context.set_forkserver_preload([])
-        executor = ProcessPoolExecutor(self.processes, context, initializer=_start, initargs=self._initargs)
-        for _ in range(self.processes):
-            executor.submit(_ready)
-        return executor
+    def call(self, function: Callable, *args: Any) -> Future:
+        """`function(*args)` in one of the processes (a picklable function of a module they import)."""
+        with self._lock:
+            try:
+                return self._current.call(function, *args)
+            except BrokenProcessPool:  # a process died: its batches' slices fail and retry on new processes
+                self._current.close(now=True)
+                self._current = _Processes(self._initargs, self.processes)
+                return self._current.call(function, *args)
 
     def submit(self, examples: list, verify_rows: int) -> _Checked:
         """The encoded batch of `examples`, HF checking the fast encoder's first `verify_rows` rows."""
-        with self._lock:
-            try:
-                encoded = self._executor.submit(_encode, examples, verify_rows)
-            except BrokenProcessPool:  # a process died: its batches' slices fail and retry on new processes
-                self._executor.shutdown(wait=False, cancel_futures=True)
-                self._executor = self._start()
-                encoded = self._executor.submit(_encode, examples, verify_rows)
-        return _Checked(encoded, self._checker)
+        return _Checked(self.call(_encode, examples, verify_rows), self._checker)
+
+    def pids(self) -> list[int]:
+        """The encoding processes' ids, once started."""
+        return self._current.pids()
 
     def close(self, now: bool = False) -> None:
         """Let the processes finish and exit; `now`, terminate them (a stopped or failed run)."""
         with self._lock:
-            executor = self._executor
-        processes = list((executor._processes or {}).values()) if now else []
-        executor.shutdown(wait=not now, cancel_futures=True)
-        for process in processes:
-            process.terminate()
-        for process in processes:
-            process.join(3)
-            if process.is_alive():
-                process.kill()
-                process.join()
+            current = self._current
+        current.close(now)

@@ -171,5 +171,10 @@ def prepared_encoding(directory: Path, load, requested: str) -> tuple[Any, FastE
     fast, refusal = check_encoder(tokenizer, requested)
     verdict = {} if requested == "hf" else {"accepted": True, "nfc": fast.nfc} if fast else \
         {"accepted": False, "refusal": refusal}
-    _write(directory, TokenizerParts.of(tokenizer, fast), verdict)
-    return tokenizer, fast
+    parts = TokenizerParts.of(tokenizer, fast)
+    _write(directory, parts, verdict)
+    # From here on this process holds what a later one reads from the entry, not transformers' tokenizer (its
+    # Python vocabulary and classes): only the Rust tokenizer it already built is kept.
+    prepared = PartsTokenizer(parts)
+    prepared._backend = tokenizer.backend_tokenizer
+    return prepared, fast

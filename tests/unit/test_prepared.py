@@ -139,3 +139,14 @@ def test_a_template_override_applies_to_both_loads_and_the_entry_keeps_the_token
         assert tokenizer.chat_template == override
     assert isinstance(tokenizer, PartsTokenizer)
     assert json.loads((directory / "prepared.json").read_text())["chat_template"].strip() == own.strip()
+
+
+def test_the_process_that_prepares_keeps_what_a_later_one_reads_not_transformers_tokenizer(tmp_path, monkeypatch):
+    directory = entry(tmp_path, EXAMPLE_TOKENIZER)
+    load = Counted(EXAMPLE_TOKENIZER, monkeypatch)
+    tokenizer, fast = prepared_encoding(directory, load, "auto")
+    assert load.loads == 1 and isinstance(tokenizer, PartsTokenizer)
+    assert tokenizer._backend is not None  # HF's Rust tokenizer, built by the load, is kept rather than built again
+    encoders._chosen.clear()
+    assert encoded(tokenizer, fast, example_rows()[:40]) == encoded(*prepared_encoding(directory, load, "auto"),
+                                                                    example_rows()[:40])
