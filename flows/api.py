@@ -62,6 +62,7 @@ def run_tokenize(settings: dict[str, Any], progress: Callable[[Any], Any] | None
     """
     from sft_tokenize.build.options import TokenizeOptions
     from sft_tokenize.build.plan import check_writable, plan_slices
+    from sft_tokenize.build.workers import close_early, start_early
     from sft_tokenize.flows.cluster import require_extra
 
     # The data plane's options alone, before Prefect is even imported: a bad value, bad input and a cache hit
@@ -107,6 +108,9 @@ def run_tokenize(settings: dict[str, Any], progress: Callable[[Any], Any] | None
     from sft_tokenize.flows.interrupts import Terminated
 
     try:
+        # The threads runner's encode pool, if the input may need one, starts now: its processes build their
+        # encoder while the flow starts. The flow takes it if it wants as many processes; else it is closed below.
+        start_early(plan.job, options.encode_process_count(sum(s.nbytes for s in plan.slices)))
         if server:
             server.use()
         mark("server")
@@ -125,6 +129,8 @@ def run_tokenize(settings: dict[str, Any], progress: Callable[[Any], Any] | None
         if server is not None and server.lost:  # what the calls to the lost server raised
             raise RunFailed(server.lost) from None
         raise RunFailed(f"{type(error).__name__}: {first_line(error)}") from error
+    finally:
+        close_early()  # a pool the flow did not take (its slices were in the store already)
 
 
 # tokenize()'s options beyond TokenizeOptions: how the run runs (TokenizeRun's own fields, in the flow's module),

@@ -70,11 +70,16 @@ _encoders: dict[str, ChatEncoder] = {}
 _making_encoder = threading.Lock()
 
 
+def _encoder_key(job: Job) -> str:
+    """What a job's encoder is made of: jobs with the same key encode alike."""
+    return json.dumps([job.tokenizer_dir, job.chat_template, job.trust_remote_code, job.encoder, job.prepared,
+                       job.processor_config, encoder_settings(job)], sort_keys=True, default=str)
+
+
 def encoder_for(job: Job) -> ChatEncoder:
     """This process's ChatEncoder for the job, made once (compiling and probing a template takes a few hundred
     ms) and shared by its slices' threads: it holds no state between batches."""
-    key = json.dumps([job.tokenizer_dir, job.chat_template, job.trust_remote_code, job.encoder, job.prepared,
-                      job.processor_config, encoder_settings(job)], sort_keys=True, default=str)
+    key = _encoder_key(job)
     with _making_encoder:
         if key not in _encoders:
             if len(_encoders) >= 4:  # as many as process_encoding keeps: a long-lived worker's jobs come and go
@@ -88,13 +93,35 @@ def encoder_for(job: Job) -> ChatEncoder:
 _pools: list[tuple[Job, EncodePool]] = []  # the encode pools of this process's runs in progress
 
 
+_early: dict[tuple[str, int], EncodePool] = {}  # pools started before their run needs them (start_early)
+
+
+def _new_pool(job: Job, processes: int) -> EncodePool:
+    encoder = encoder_for(job)
+    vision = encoder.images.vision if encoder.images is not None else None  # made here: picklable, no tokenizer
+    return EncodePool(encoder, {**encoder_settings(job), "vision": vision}, processes)
+
+
+def start_early(job: Job, processes: int) -> None:
+    """Start the encode pool a run of `job` is about to need: its processes build their encoder (seconds, for a
+    large vocabulary) while the run joins its server and submits its slices. `encoding_processes` takes it;
+    `close_early` ends one no run took."""
+    key = (_encoder_key(job), processes)
+    if processes and key not in _early:
+        _early[key] = _new_pool(job, processes)
+
+
+def close_early() -> None:
+    while _early:
+        _early.popitem()[1].close(now=True)
+
+
 @contextmanager
 def encoding_processes(job: Job, processes: int) -> Iterator[None]:
     """While in it, this process's slices of `job` have their batches encoded by `processes` processes (see
     encoding/pool.py); they are terminated if it ends with an error or an interrupt."""
-    encoder = encoder_for(job)
-    vision = encoder.images.vision if encoder.images is not None else None  # made here: picklable, no tokenizer
-    entry = (job, EncodePool(encoder, {**encoder_settings(job), "vision": vision}, processes))
+    pool = _early.pop((_encoder_key(job), processes), None) or _new_pool(job, processes)
+    entry = (job, pool)
     _pools.append(entry)
     ended = False
     try:

@@ -194,3 +194,23 @@ def test_pool_processes_share_the_encoder_built_once_before_they_fork(tmp_path):
         # of its own is a small part of what it maps (processes that each build their own: 58 %, here 34 %).
         for unique, resident in [pool.call(_memory).result() for _ in range(8)]:
             assert unique < 0.45 * resident
+
+
+def test_a_pool_started_early_is_the_one_the_run_takes(tmp_path):
+    """start_early's pool is taken by the run of that job (its processes are not started twice), a pool no run
+    took is closed by close_early, and a run that wants another number of processes starts its own."""
+    source = write_jsonl(tmp_path / "rows.jsonl", example_rows()[:40])
+    plan = plan_slices(TokenizeOptions(sources=[str(source)], tokenizer=str(EXAMPLE_TOKENIZER),
+                                       cache_dir=str(tmp_path / "cache")))
+    workers.start_early(plan.job, 1)
+    early = next(iter(workers._early.values()))
+    with workers.encoding_processes(plan.job, 1):
+        taken = workers.slice_encoding(plan.job)[0]
+        assert taken is early and not workers._early
+        assert shard.tokenize_slice(plan.job, plan.slices[0]) == 40
+    workers.start_early(plan.job, 1)
+    unused = next(iter(workers._early.values()))
+    with workers.encoding_processes(plan.job, 2):
+        assert workers.slice_encoding(plan.job)[0] is not unused
+    workers.close_early()
+    assert not workers._early and not unused._current.forking.is_alive()  # its processes ended with it
