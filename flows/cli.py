@@ -85,12 +85,14 @@ def _run(args: argparse.Namespace) -> int:
 def inspect(args: argparse.Namespace) -> int:
     from sft_tokenize.flows.report import fingerprint_inputs, mixture_summary, packing_summary, summary, text_table
     from sft_tokenize.read.cache import read_manifest
-    from sft_tokenize.read.mixture_index import load_mixture
+    from sft_tokenize.read.mixture_index import check_sources, load_mixture
     from sft_tokenize.read.packing_index import list_indexes
 
     if os.path.isfile(os.path.join(args.cache, "mixture.json")):  # a mixture index: its per-source summary
         try:
-            meta = load_mixture(args.cache).meta
+            index = load_mixture(args.cache)
+            check_sources(index)  # a summary of sources that are gone would look healthy
+            meta = index.meta
         except CacheError as error:
             return _fail(str(error), EXIT_BAD_INPUT)
         print(json.dumps(meta, indent=2) if args.json else text_table(mixture_summary(meta)))
@@ -172,6 +174,8 @@ def gc(args: argparse.Namespace) -> int:
     done = collect_garbage(root, args.keep)
     for name in done.removed:
         print(f"removed {os.path.join(root, name)}")
+    for name, index in done.held.items():
+        print(f"kept {os.path.join(root, name)}: the mixture index {index} reads it")
     print(f"kept {len(done.kept)} versions and {done.shards_kept} shards; removed {len(done.removed)} versions and "
           f"{done.shards_removed} shards, {done.bytes_freed:,} bytes freed; {done.live_builds} running builds")
     return EXIT_OK
