@@ -41,12 +41,13 @@ from sft_tokenize.build.job import Job
 from sft_tokenize.build.shard import finished_shard, sidecar_path
 from sft_tokenize.errors import CacheError
 from sft_tokenize.files import atomic_write, is_locked, locked
+from sft_tokenize.format import SHARD_STORE
 from sft_tokenize.format.manifest import read_manifest
 from sft_tokenize.sources.resolve import Slice
 
 logger = logging.getLogger("sft_tokenize")
 
-STORE = ".shards"
+STORE = SHARD_STORE
 GC_LOCK = ".gc.lock"
 MIXTURES = ".mixtures"  # mixture indexes beside the caches (read/mixture_index.py)
 

@@ -5,6 +5,8 @@ line."""
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 from pathlib import Path
 
@@ -14,6 +16,8 @@ from support.paths import EXAMPLE_DATA, EXAMPLE_TOKENIZER
 
 from sft_tokenize.build.options import TokenizeOptions
 from sft_tokenize.build.plan import run_locally
+from sft_tokenize.errors import CacheError
+from sft_tokenize.read.cache import open_cache, read_manifest, verify_cache
 from sft_tokenize.read.mixture_index import MixtureOptions, MixtureSource, mix_caches, open_mixture
 
 FIRST = EXAMPLE_DATA / "chat-00000.jsonl"  # version A; version B adds chat-00001.jsonl
@@ -64,3 +68,52 @@ def test_inspect_of_a_mixture_index_whose_source_is_gone_names_it(mixed, tmp_pat
     inspected = cli("inspect", str(index), home=tmp_path / "home")
     assert_rejected(inspected, f"{index}: source {old.name} is unreadable: {old}: not a published cache "
                                "(manifest.json is missing)")
+
+
+def flip(path: Path) -> None:
+    """Flip one byte in the middle, in place: same size, other bytes."""
+    with path.open("r+b") as f:
+        f.seek(path.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+@pytest.fixture
+def copied(versions, tmp_path) -> Path:
+    """Version B in a copy of the cache root: its data files are no longer links to the store's shards."""
+    root = Path(shutil.copytree(versions[1].parent, tmp_path / "cache"))
+    return root / versions[1].name
+
+
+def test_inspect_verify_reads_every_byte_and_names_a_flipped_data_file(copied, tmp_path):
+    verified = cli("inspect", str(copied), "--verify", home=tmp_path / "home")
+    assert verified.returncode == 0 and verified.stderr == "", verified.stderr
+    files = len(read_manifest(copied)["files"])
+    assert f"every byte of {files} data files matches its recorded digest" in verified.stdout
+
+    victim = sorted(copied.glob("data-*.arrow"))[1]
+    flip(victim)
+    assert len(open_cache(copied)) == read_manifest(copied)["rows"]  # opening checks sizes only, as documented
+    assert cli("inspect", str(copied), home=tmp_path / "home").returncode == 0
+    assert_rejected(cli("inspect", str(copied), "--verify", home=tmp_path / "home"),
+                    f"{victim}: its bytes do not match the digest recorded when it was written")
+    with pytest.raises(CacheError, match="its bytes do not match"):
+        verify_cache(copied)
+
+
+def test_a_cache_whose_manifest_has_no_digests_is_verified_by_its_shards_sidecars(copied, tmp_path):
+    manifest = json.loads((copied / "manifest.json").read_text())
+    for entry in manifest["files"]:
+        del entry["digest"]
+    (copied / "manifest.json").write_text(json.dumps(manifest))
+    assert verify_cache(copied) == []
+    victim = sorted(copied.glob("data-*.arrow"))[0]
+    flip(victim)
+    with pytest.raises(CacheError, match=f"{victim}: its bytes do not match"):
+        verify_cache(copied)
+
+    shutil.rmtree(copied.parent / ".shards")  # no digest left anywhere: said, and the sizes still checked
+    noted = cli("inspect", str(copied), "--verify", home=tmp_path / "home")
+    assert noted.returncode == 0
+    assert f"{len(manifest['files'])} of {len(manifest['files'])} data files have no recorded digest" in noted.stderr
