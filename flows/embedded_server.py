@@ -351,8 +351,11 @@ class EmbeddedServer:
                 each.internal.logging_level = "CRITICAL"  # Prefect's services' own logger reads only this
             # Each undeliverable log batch and event would print its complaint after the run's one line, and the
             # flow engine its crash and a final state it could not record ("Finished in state Running()"): the
-            # run's one line says what happened, so nothing is logged from here on.
+            # run's one line says what happened, so nothing is logged until the flow has unwound (run_tokenize
+            # turns logging back on, for a process that goes on after the run).
             logging.raiseExceptions = False
+            for name in ("prefect.events.clients", "EventsWorker", "APILogWorker"):
+                logging.getLogger(name).setLevel(logging.CRITICAL)
             logging.disable(logging.CRITICAL)
             _drop_undeliverable()
             threading._register_atexit(_drop_undeliverable)  # what is queued meanwhile, before Prefect drains it
