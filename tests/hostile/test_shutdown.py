@@ -39,8 +39,12 @@ ENDS_WHILE_BUILDING = textwrap.dedent("""
     rebuilt_encoder(open(sys.argv[1], encoding="utf-8").read(), np.zeros(1, dtype=np.int64), False).warm()
     builds = [t for t in threading.enumerate() if t.name == "fastokens-build"]
     assert builds
-    while "fastokens" not in sys.modules or sys._current_frames()[builds[0].ident].f_code.co_name != "build":
-        time.sleep(0.01)  # until the thread is in fastokens' call, which releases the GIL
+    def in_call():  # the thread runs build() with fastokens imported: it is in fastokens' call, without the GIL
+        frame = sys._current_frames().get(builds[0].ident)
+        return "fastokens" in sys.modules and frame is not None and frame.f_code.co_name == "build"
+
+    while builds[0].is_alive() and not in_call():
+        time.sleep(0.01)
     time.sleep(0.1)
     teardown = Teardown([f"/proc/self/task/{t.native_id}" for t in builds])
     print("bad input", file=sys.stderr)
