@@ -12,6 +12,7 @@ and the tokenize_dataset flow builds the cache.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -131,6 +132,8 @@ def run_tokenize(settings: dict[str, Any], progress: Callable[[Any], Any] | None
         raise RunFailed(f"{type(error).__name__}: {first_line(error)}") from error
     finally:
         close_early()  # a pool the flow did not take (its slices were in the store already)
+        if server is not None and server.lost:  # its watch thread silenced the flow's unwinding (embedded_server.py)
+            logging.disable(logging.NOTSET)
 
 
 # tokenize()'s options beyond TokenizeOptions: how the run runs (TokenizeRun's own fields, in the flow's module),

@@ -148,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--tokenizer", metavar="DIR",
                          help="the tokenizer to decode rows with (default: the one the cache was built with)")
     inspect.add_argument("--index-dir", metavar="DIR", help="also look for packing indexes written there")
+    inspect.add_argument("--verify", action="store_true",
+                         help="read every data file whole and compare it with the digest recorded when it was "
+                              "written (without it, only the files' sizes are checked)")
 
     pack = commands.add_parser("pack", help="plan packed sequences over a whole cache (a global packing index)",
                                description="Build the global packing index of a published cache beside it; "

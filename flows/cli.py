@@ -84,13 +84,15 @@ def _run(args: argparse.Namespace) -> int:
 
 def inspect(args: argparse.Namespace) -> int:
     from sft_tokenize.flows.report import fingerprint_inputs, mixture_summary, packing_summary, summary, text_table
-    from sft_tokenize.read.cache import read_manifest
-    from sft_tokenize.read.mixture_index import load_mixture
+    from sft_tokenize.read.cache import read_manifest, verify_cache
+    from sft_tokenize.read.mixture_index import check_sources, load_mixture
     from sft_tokenize.read.packing_index import list_indexes
 
     if os.path.isfile(os.path.join(args.cache, "mixture.json")):  # a mixture index: its per-source summary
         try:
-            meta = load_mixture(args.cache).meta
+            index = load_mixture(args.cache)
+            check_sources(index)  # a summary of sources that are gone would look healthy
+            meta = index.meta
         except CacheError as error:
             return _fail(str(error), EXIT_BAD_INPUT)
         print(json.dumps(meta, indent=2) if args.json else text_table(mixture_summary(meta)))
@@ -98,15 +100,24 @@ def inspect(args: argparse.Namespace) -> int:
     try:
         manifest = read_manifest(args.cache)
         indexes = list_indexes(args.cache, args.index_dir)
+        unverified = verify_cache(args.cache) if args.verify else []
     except CacheError as error:
         return _fail(str(error), EXIT_BAD_INPUT)
+    if unverified:  # the table below is stdout's result; this is a note about how far it was checked
+        print(f"{PROG}: note: {len(unverified)} of {len(manifest['files'])} data files have no recorded digest "
+              f"(published before manifests kept them, and their shards' sidecars are gone), {unverified[0]} "
+              "first: only their sizes were checked", file=sys.stderr)
     if args.row or args.sample:
         return show_rows(args, manifest)
     if args.json:
         packing = {"packing": [{**i.meta, "path": str(i.path), "build": i.build} for i in indexes]} if indexes else {}
         print(json.dumps({**manifest, **packing}, indent=2))
     else:
-        print(text_table(summary(manifest, os.path.abspath(args.cache)) + fingerprint_inputs(manifest)))
+        checked, files = len(manifest["files"]) - len(unverified), len(manifest["files"])
+        verified = [("verified", f"every byte of {checked} data files matches its recorded digest" if checked == files
+                     else f"{checked} of {files} data files: every byte matches its recorded digest; the others "
+                          "have none, only their sizes were checked")] if args.verify else []
+        print(text_table(summary(manifest, os.path.abspath(args.cache)) + verified + fingerprint_inputs(manifest)))
         for index in indexes:
             print("\n" + text_table(packing_summary(index.meta, index.build, index.path)))
     return EXIT_OK
@@ -172,6 +183,8 @@ def gc(args: argparse.Namespace) -> int:
     done = collect_garbage(root, args.keep)
     for name in done.removed:
         print(f"removed {os.path.join(root, name)}")
+    for name, index in done.held.items():
+        print(f"kept {os.path.join(root, name)}: the mixture index {index} reads it")
     print(f"kept {len(done.kept)} versions and {done.shards_kept} shards; removed {len(done.removed)} versions and "
           f"{done.shards_removed} shards, {done.bytes_freed:,} bytes freed; {done.live_builds} running builds")
     return EXIT_OK

@@ -21,10 +21,12 @@ whose runs were all killed exits by itself after its idle time; one whose proces
 next run. `sft-tokenize server status` reports it, `sft-tokenize server stop` stops it (refused while runs use
 it, unless --force).
 
-A server that dies under a run (killed, out of memory, `server stop --force`) is noticed within a second by the
-run's watch thread: Prefect's client stops retrying and drops the logs and events it can no longer send, and the
-flow is unwound with ServerLost as Ctrl-C unwinds it (its slices stop, flows/interrupts.py). The run ends with one line
-saying so (exit 1); its finished shards stay, and the same command starts a fresh server and resumes.
+A server that dies under a run (killed, out of memory) is noticed within a second by the run's watch thread, as is
+`server stop --force`, which records the stop (flows/server_state.py) before it signals the server: Prefect's client
+stops retrying and drops the logs and events it can no longer send, logging stops (the flow engine's crash report
+and its unrecordable final state would follow the run's line), and the flow is unwound with ServerLost as Ctrl-C
+unwinds it (its slices stop, flows/interrupts.py). The run ends with one line saying what happened to the server
+(exit 1); its finished shards stay, and the same command starts a fresh server and resumes.
 
 The first run launches the server as soon as it knows there is work, so the server boots while this process
 loads the tokenizer and cuts the slices, and waits for it up to STARTUP_TIMEOUT seconds (longer if Prefect's own
@@ -71,6 +73,8 @@ from sft_tokenize.flows.server_state import (
     recorded_server,
     server_paths,
     start_time,
+    stopped_by_command,
+    stopped_path,
     write_state,
 )
 
@@ -189,6 +193,7 @@ class EmbeddedServer:
                 idle = DEFAULT_SERVER_IDLE
         self.idle = idle
         home = get_current_settings().home
+        self.home = Path(home)
         self.lock_path, self.state_path, self.lease_path = server_paths(home)
         self.log_path = Path(home) / "embedded-server.log"
         self.pid, self.started = 0, None
@@ -324,21 +329,34 @@ class EmbeddedServer:
         signal.signal(LOST_SIGNAL, on_lost_signal)
 
         def watch() -> None:
+            stopped_by = None
             while self._lease is not None and self._alive():
+                # `server stop --force` records the stop before it signals the server, which then takes seconds to
+                # shut down: the run ends at once instead of talking to a server on its way out.
+                if (stopped_by := stopped_by_command(self.home, self.pid, self.started)) is not None:
+                    break
                 time.sleep(WATCH_INTERVAL)
             if self._lease is None:  # this run left the server: it ended as it does, not under the run
                 return
-            self.lost = (f"the embedded Prefect server (pid {self.pid}) went away during the run (killed, or out of "
-                         f"memory; its log: {self.log_path}); the finished slices stay in the shard store: run the "
-                         "same command again to resume on a fresh server")
+            if stopped_by is None:  # gone before this thread saw the record
+                stopped_by = stopped_by_command(self.home, self.pid, self.started)
+            what = (f"was stopped during the run by `sft-tokenize server stop --force` (pid {stopped_by})"
+                    if stopped_by is not None else
+                    f"went away during the run (killed, or out of memory; its log: {self.log_path})")
+            self.lost = (f"the embedded Prefect server (pid {self.pid}) {what}; the finished slices stay in the shard "
+                         "store: run the same command again to resume on a fresh server")
             for each in settings:  # every call to the dead server now fails at once instead of backing off
                 each.client.max_retries = 0
                 each.logging.to_api.enabled = False
                 each.internal.logging_level = "CRITICAL"  # Prefect's services' own logger reads only this
-            # Each undeliverable log batch and event would print its complaint after the run's one line.
+            # Each undeliverable log batch and event would print its complaint after the run's one line, and the
+            # flow engine its crash and a final state it could not record ("Finished in state Running()"): the
+            # run's one line says what happened, so nothing is logged until the flow has unwound (run_tokenize
+            # turns logging back on, for a process that goes on after the run).
             logging.raiseExceptions = False
             for name in ("prefect.events.clients", "EventsWorker", "APILogWorker"):
                 logging.getLogger(name).setLevel(logging.CRITICAL)
+            logging.disable(logging.CRITICAL)
             _drop_undeliverable()
             threading._register_atexit(_drop_undeliverable)  # what is queued meanwhile, before Prefect drains it
             while self._lease is not None:  # until the main thread is out of Prefect's code, whatever it waits on
@@ -435,6 +453,8 @@ def stop_server(force: bool = False) -> str:
             raise ServerInUse(f"the embedded server (pid {state['pid']}) is in use by "
                               f"{'1 run: let it' if runs == 1 else f'{runs} runs: let them'} finish, or pass "
                               "--force (they fail)")
+        if runs:  # read by those runs' watch threads: they end at once, saying who stopped their server
+            write_state(stopped_path(home), {"pid": state["pid"], "started": state["started"], "by": os.getpid()})
         _terminate(state["pid"], state["started"], timeout=SHUTDOWN_TIMEOUT)
         state_path.unlink(missing_ok=True)
     used = "" if not runs else "; 1 run was using it" if runs == 1 else f"; {runs} runs were using it"

@@ -10,6 +10,11 @@ Every run on one PREFECT_HOME, and the server's own process (flows/server_proces
     sft-tokenize-server.lease  every run using the server holds a shared flock on it; the run that leaves
                                last (no other holds it) leaves the server idle, or stops it
 
+and one more, written by `sft-tokenize server stop` before it stops a server that runs still use (--force):
+
+    sft-tokenize-server.stopped  the stopped server's pid and start time, and the pid of the command that stopped
+                                 it: a run using that server ends at once, saying so, rather than blaming a kill
+
 Every run writes its own idle time into the .json when it joins and when it leaves (the last writer wins), and
 the last to leave also writes "idle_since". The kernel drops a lease when its process dies, however it dies, so
 the leases are always the runs alive now. A server is named by its pid and start time together: the same pid
@@ -29,6 +34,20 @@ def server_paths(home: Path) -> tuple[Path, Path, Path]:
     """The lock, the state file and the lease file of a PREFECT_HOME's shared server."""
     return (home / "sft-tokenize-server.lock", home / "sft-tokenize-server.json",
             home / "sft-tokenize-server.lease")
+
+
+def stopped_path(home: Path) -> Path:
+    """The record of a server that `server stop --force` stopped under its runs."""
+    return home / "sft-tokenize-server.stopped"
+
+
+def stopped_by_command(home: Path, pid: int, started: int | None) -> int | None:
+    """The pid of the `server stop --force` that stopped the server (`pid`, `started`), or None if none did."""
+    try:
+        record = json.loads(stopped_path(home).read_text())
+        return int(record["by"]) if (record["pid"], record["started"]) == (pid, started) else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def start_time(pid: int) -> int | None:

@@ -1,6 +1,7 @@
 """File mechanisms the build and read sides share, each written once: an advisory lock across processes and
 its probe, a directory's write probe, a file replaced in one rename, a directory built aside and renamed into place,
-which image locations a run (and the image collator) may read, and the timeouts of their remote reads.
+which image locations a run (and the image collator) may read, the timeouts of their remote reads, and a file's
+digest (xxh3-128: the shard store's sidecars, the inputs' content keys, `inspect --verify`).
 
 Neutral ground: it imports nothing of the project, so the read side (the packing index, the trainers' work
 view) can use them without loading the build side.
@@ -29,7 +30,11 @@ import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import xxhash
+
 logger = logging.getLogger("sft_tokenize")
+
+HASH_CHUNK_BYTES = 1 << 20
 
 
 @contextlib.contextmanager
@@ -273,3 +278,19 @@ def network_failure(error: BaseException) -> str | None:
             return "no answer"
         error = error.__cause__ or error.__context__
     return None
+
+
+def file_digest(path: str, start: int = 0, stop: int | None = None) -> str:
+    """xxh3-128 of bytes [start, stop) of a local file (to its end without stop), through one bounded buffer."""
+    digest = xxhash.xxh3_128()
+    buffer = memoryview(bytearray(HASH_CHUNK_BYTES))
+    with open(path, "rb", buffering=0) as f:
+        f.seek(start)
+        remaining = (os.fstat(f.fileno()).st_size if stop is None else stop) - start
+        while remaining > 0:
+            got = f.readinto(buffer[:min(remaining, HASH_CHUNK_BYTES)])
+            if not got:
+                break
+            digest.update(buffer[:got])
+            remaining -= got
+    return digest.hexdigest()

@@ -15,7 +15,13 @@ from pathlib import Path
 
 import pytest
 from support import faults
-from support.families import TEMPLATES, build_family_tokenizer, build_metaspace_tokenizer, build_modern_tokenizer
+from support.families import (
+    TEMPLATES,
+    build_family_tokenizer,
+    build_large_vocab_tokenizer,
+    build_metaspace_tokenizer,
+    build_modern_tokenizer,
+)
 from support.runs import Background
 from support.servers import prefect_server
 
@@ -109,6 +115,12 @@ def modern_tokenizers(modern_tokenizer):
         return loaded[family]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def large_vocab_tokenizer(tmp_path_factory) -> Path:
+    """The directory of a tokenizer with a 150k vocabulary: its fast encoder takes seconds to build."""
+    return build_large_vocab_tokenizer(tmp_path_factory.mktemp("large-vocab"))
 
 
 @pytest.fixture(scope="module")

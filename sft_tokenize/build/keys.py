@@ -28,32 +28,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-import xxhash
-
 from sft_tokenize.build.fingerprint import fingerprint
-from sft_tokenize.files import atomic_write
+from sft_tokenize.files import atomic_write, file_digest
 from sft_tokenize.sources.resolve import Part, Slice, file_identity, filesystem, is_local
 
-HASH_CHUNK_BYTES = 1 << 20
 KEY_DIGITS = 32
 DIGEST_BOOK = ".digests"  # JSON, in the shard store: a dot file (gc leaves it), not matched by `*.json` (sidecars)
 RACY_NS = 2 * 10**9  # a file changed this close before its hashing is hashed again by the next plan
-
-
-def file_digest(path: str, start: int = 0, stop: int | None = None) -> str:
-    """xxh3-128 of bytes [start, stop) of a local file (to its end without stop), through one bounded buffer."""
-    digest = xxhash.xxh3_128()
-    buffer = memoryview(bytearray(HASH_CHUNK_BYTES))
-    with open(path, "rb", buffering=0) as f:
-        f.seek(start)
-        remaining = (os.fstat(f.fileno()).st_size if stop is None else stop) - start
-        while remaining > 0:
-            got = f.readinto(buffer[:min(remaining, HASH_CHUNK_BYTES)])
-            if not got:
-                break
-            digest.update(buffer[:got])
-            remaining -= got
-    return digest.hexdigest()
 
 
 def _stat(path: str) -> list[int]:

@@ -193,8 +193,8 @@ def publish_cache(job: Job, slices: list[Slice], cache_path: Path, inputs: dict,
                     os.link(source, target)
                 except OSError:  # a filesystem without hard links: the store keeps its copy for the next build
                     shutil.copyfile(source, target)
-                files.append({"name": target.name, "bytes": meta["bytes"], "rows": meta["rows"],
-                              "tokens": meta["tokens"]})
+                files.append({"name": target.name, "bytes": meta["bytes"], "digest": meta["digest"],
+                              "rows": meta["rows"], "tokens": meta["tokens"]})
             read_from = image_files(shards)
             if read_from:
                 (building / IMAGE_FILES).write_text(json.dumps(read_from))

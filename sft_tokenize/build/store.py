@@ -16,6 +16,12 @@ each other through one lock file, `.shards/.gc.lock`:
 so a build either registered before gc looked (its shards are kept) or looks at the store after gc is done
 (it tokenizes whatever gc removed). A lease whose run lock nobody holds belongs to a killed build: its
 shards are garbage like any other unreferenced shard.
+
+A mixture index names the versions it reads (`source_caches` in its mixture.json). gc keeps every version
+that an index under `CACHE_ROOT/.mixtures/` reads, however old, and says which index holds it: removing the
+version would leave the index unreadable, and removing the index would take a training run's data order
+away without being asked. Remove the index (its directory) and gc again to free them. An index written
+elsewhere (`--index-dir`) is not seen.
 """
 
 from __future__ import annotations
@@ -35,13 +41,15 @@ from sft_tokenize.build.job import Job
 from sft_tokenize.build.shard import finished_shard, sidecar_path
 from sft_tokenize.errors import CacheError
 from sft_tokenize.files import atomic_write, is_locked, locked
+from sft_tokenize.format import SHARD_STORE
 from sft_tokenize.format.manifest import read_manifest
 from sft_tokenize.sources.resolve import Slice
 
 logger = logging.getLogger("sft_tokenize")
 
-STORE = ".shards"
+STORE = SHARD_STORE
 GC_LOCK = ".gc.lock"
+MIXTURES = ".mixtures"  # mixture indexes beside the caches (read/mixture_index.py)
 
 
 def store_dir(root: Path) -> Path:
@@ -109,11 +117,28 @@ def published_versions(root: Path) -> dict[str, list[tuple[Path, dict]]]:
             for name, found in by_name.items()}
 
 
+def mixture_holds(root: Path) -> dict[str, str]:
+    """The versions under `root` that a mixture index in `root/.mixtures` reads: version name → an index's path."""
+    held: dict[str, str] = {}
+    root = Path(os.path.realpath(root))
+    for meta in sorted((root / MIXTURES).glob("*/mixture.json")):
+        try:
+            caches = json.loads(meta.read_text())["source_caches"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # not an index anything can read
+        for cache in caches:
+            path = Path(os.path.realpath(cache))
+            if path.parent == root:
+                held.setdefault(path.name, str(meta.parent))
+    return held
+
+
 @dataclass
 class Collected:
     """What one garbage collection did."""
 
     kept: list[str] = field(default_factory=list)
+    held: dict[str, str] = field(default_factory=dict)  # kept only because a mixture index reads it: its path
     removed: list[str] = field(default_factory=list)
     live_builds: int = 0
     shards_kept: int = 0
@@ -132,9 +157,9 @@ def remove_cache(path: Path) -> int:
 
 
 def collect_garbage(root: Path, keep: int = 1, names: set[str] | None = None) -> Collected:
-    """Remove every published version but the newest `keep` of each name (of `names` only, if given), then
-    every store shard that no kept version and no running build references. Safe while other runs build
-    and publish (module doc)."""
+    """Remove every published version but the newest `keep` of each name (of `names` only, if given) and those a
+    mixture index reads, then every store shard that no kept version and no running build references. Safe
+    while other runs build and publish (module doc)."""
     if keep < 1:
         raise ValueError(f"keep must be at least 1, got {keep}")
     root = Path(root)
@@ -144,10 +169,13 @@ def collect_garbage(root: Path, keep: int = 1, names: set[str] | None = None) ->
     with locked(store / GC_LOCK):
         live, done.live_builds = _live_keys(staging, remove_dead=True)
         referenced = set(live)
+        mixed = mixture_holds(root)
         for name, versions in published_versions(root).items():
             for position, (path, manifest) in enumerate(versions):
-                if position < keep or (names is not None and name not in names):
+                if position < keep or (names is not None and name not in names) or path.name in mixed:
                     done.kept.append(path.name)
+                    if position >= keep and path.name in mixed:
+                        done.held[path.name] = mixed[path.name]
                     referenced.update(s["key"] for s in manifest["shards"] if "key" in s)
                 else:
                     done.bytes_freed += remove_cache(path)

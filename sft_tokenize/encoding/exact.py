@@ -152,7 +152,11 @@ class PendingNative:
             except BaseException as error:  # noqa: BLE001 - raised to whoever waits for the encoder
                 built.set_exception(error)
 
-        threading.Thread(target=build, name="fastokens-build", daemon=True).start()
+        # Not a daemon: the interpreter waits for it at exit. A daemon thread still inside fastokens when a
+        # process ends (a run failing on its first bad row, before it encodes) is cancelled by the interpreter's
+        # shutdown as it takes the GIL back, and that cancellation, caught in PyO3's panic guard, aborts the
+        # process (glibc: "FATAL: exception not rethrown", exit 134) instead of letting it exit with its code.
+        threading.Thread(target=build, name="fastokens-build").start()
 
     def result(self):
         self.start()

@@ -6,10 +6,16 @@
 
 The cache pickles as its path, so every dataloader worker maps the same files instead of copying rows.
 See FORMAT.md for the layout.
+
+What opening checks (cheap, every time): the manifest's keys, that state.json lists the manifest's data files,
+that each is there at its recorded size, that Arrow can read each, and the row count. It does not read the
+bytes: a data file changed in place at the same size opens. `verify_cache` (`sft-tokenize inspect --verify`)
+reads every byte and compares each data file with the digest recorded when its shard was written.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from functools import cached_property
 from pathlib import Path
@@ -19,6 +25,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from sft_tokenize.errors import CacheError
+from sft_tokenize.files import file_digest
+from sft_tokenize.format import SHARD_STORE
 from sft_tokenize.format.manifest import read_manifest
 
 LENGTH_CHUNK_ROWS = 1 << 20
@@ -92,4 +100,44 @@ class TokenizedCache(Sequence):
 
 
 def open_cache(path: str | Path) -> TokenizedCache:
+    """The published cache at `path`, memory-mapped. Refused (CacheError naming the file) if its manifest or
+    state.json is missing or incomplete, if a data file is missing, has another size than the manifest says or
+    is not readable Arrow, or if the row count differs. The data files' bytes are not read: for that, see
+    `verify_cache`."""
     return TokenizedCache(path)
+
+
+def _recorded_digest(path: Path, manifest: dict, k: int) -> str | None:
+    """Data file k's digest: the manifest's, or (a cache published before the manifest kept them) the sidecar's
+    of its shard in the store beside the cache, if the sidecar is still there and of the same size."""
+    entry = manifest["files"][k]
+    if "digest" in entry:
+        return entry["digest"]
+    written = [shard for shard in manifest["shards"] if shard.get("rows")]  # a data file per non-empty shard
+    if len(written) != len(manifest["files"]) or "key" not in written[k]:
+        return None
+    try:
+        sidecar = json.loads((path.parent / SHARD_STORE / f"{written[k]['key']}.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(sidecar, dict) or sidecar.get("bytes") != entry["bytes"]:
+        return None
+    return sidecar.get("digest")
+
+
+def verify_cache(path: str | Path) -> list[str]:
+    """Every data file of the cache at `path` read whole and compared with the xxh3-128 digest recorded when its
+    shard was written (after `open_cache`'s checks). Raises CacheError naming the first file that differs;
+    returns the data files with no recorded digest to compare with (only their sizes were checked)."""
+    path = Path(path).absolute()
+    manifest = read_manifest(path)
+    unverified = []
+    for k, entry in enumerate(manifest["files"]):
+        expected = _recorded_digest(path, manifest, k)
+        if expected is None:
+            unverified.append(entry["name"])
+        elif file_digest(str(path / entry["name"])) != expected:
+            raise CacheError(f"{path / entry['name']}: its bytes do not match the digest recorded when it was "
+                             "written (its size does): the cache is corrupt; rebuild it with `sft-tokenize run ... "
+                             "--force`")
+    return unverified

@@ -48,6 +48,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from sft_tokenize import __version__
 from sft_tokenize.errors import BadInput, CacheError
 from sft_tokenize.files import built_directory, locked
+from sft_tokenize.format.manifest import read_manifest
 from sft_tokenize.read.cache import TokenizedCache, open_cache
 from sft_tokenize.read.packing_index import mapped_arrays, write_npy
 
@@ -437,6 +438,20 @@ def load_mixture(path: str | Path) -> MixtureIndex:
     return MixtureIndex(path, meta, arrays["sources.npy"], arrays["rows.npy"])
 
 
+def check_sources(index: MixtureIndex) -> None:
+    """Each source cache the index reads is there, published, and the one it was built from; CacheError naming
+    the index and the source if not."""
+    for cache, recorded in zip(index.meta["source_caches"], index.meta["sources"], strict=True):
+        try:
+            fingerprint = read_manifest(cache)["fingerprint"]
+        except CacheError as error:
+            raise CacheError(f"{index.path}: source {recorded['name']} is unreadable: {error}; build it and "
+                             "mix again (run the recipe again)") from None
+        if fingerprint != recorded["fingerprint"]:
+            raise CacheError(f"{index.path}: source {recorded['name']} was {recorded['fingerprint']}, {cache} is "
+                             f"now {fingerprint}: mix again")
+
+
 def mix_caches(options: MixtureOptions) -> MixtureIndex:
     """The mixture index for these options: the published one if its key is there, else built and published
     (one build per key at a time; a concurrent build waits, then reuses it)."""
@@ -483,11 +498,8 @@ class MixedRows(Sequence):
     def __init__(self, path: str | Path):
         self.index = load_mixture(path)
         self.path = self.index.path
+        check_sources(self.index)
         self.caches = [open_cache(p) for p in self.index.meta["source_caches"]]
-        for cache, recorded in zip(self.caches, self.index.meta["sources"], strict=True):
-            if cache.manifest["fingerprint"] != recorded["fingerprint"]:
-                raise CacheError(f"{self.path}: source {recorded['name']} was {recorded['fingerprint']}, "
-                                 f"{cache.path} is now {cache.manifest['fingerprint']}: mix again")
         columns = [tuple(c.columns) for c in self.caches]
         if len(set(columns)) > 1:
             raise CacheError(f"{self.path}: the sources' caches have different columns ({columns})")

@@ -1,6 +1,7 @@
-"""The embedded Prefect server SIGKILLed under a run while a slice is still tokenizing: the run ends within
-seconds with one line saying the server went away (exit 1), no traceback and no hang; the finished shards stay,
-and the same command starts a fresh server, reuses them and publishes the cache a clean build gives."""
+"""The embedded Prefect server SIGKILLed, or stopped by `sft-tokenize server stop --force`, under a run while a
+slice is still tokenizing: the run ends within seconds with one line saying what happened to the server (exit 1),
+no traceback, no Prefect talk and no hang; the finished shards stay, and the same command starts a fresh server,
+reuses them and publishes the cache a clean build gives."""
 
 from __future__ import annotations
 
@@ -28,8 +29,25 @@ SLICES = 14  # the example rows four times over, in slices of 100KB
 ENDS_WITHIN = 60  # seconds from the kill to the run's exit: a run that waits on a dead server fails this
 
 
+def stop_by_kill(prefect_home: Path, server: int) -> None:
+    os.kill(server, signal.SIGKILL)
+
+
+def stop_by_command(prefect_home: Path, server: int) -> None:
+    stopped = cli("server", "stop", "--force", home=prefect_home)
+    assert stopped.returncode == 0, stopped.stderr
+    assert stopped.stdout.startswith(f"stopped the embedded server (pid {server})")
+
+
+STOPS = {  # how the server is stopped under the run, and what the run's line says
+    "sigkill": (stop_by_kill, "went away during the run (killed, or out of memory"),
+    "server-stop-force": (stop_by_command, "was stopped during the run by `sft-tokenize server stop --force`"),
+}
+
+
 @pytest.mark.slow
-def test_a_killed_embedded_server_ends_the_run_in_one_line_and_the_same_command_resumes(tmp_path, prefect_home):
+@pytest.mark.parametrize("stop", STOPS)
+def test_a_lost_embedded_server_ends_the_run_in_one_line_and_the_same_command_resumes(tmp_path, prefect_home, stop):
     data = write_jsonl(tmp_path / "many.jsonl", example_rows() * 4)
     reference = run_locally(TokenizeOptions(sources=[str(data)], tokenizer=str(EXAMPLE_TOKENIZER),
                                             cache_dir=str(tmp_path / "reference"), shard_size="100KB"))
@@ -48,7 +66,7 @@ def test_a_killed_embedded_server_ends_the_run_in_one_line_and_the_same_command_
             assert time.monotonic() < deadline, logs["stderr"].read_text()
             time.sleep(0.05)
         server = json.loads((prefect_home / "sft-tokenize-server.json").read_text())["pid"]
-        os.kill(server, signal.SIGKILL)
+        STOPS[stop][0](prefect_home, server)
         killed = time.monotonic()
         code = run.wait(timeout=ENDS_WITHIN)
         assert time.monotonic() - killed < ENDS_WITHIN
@@ -58,7 +76,11 @@ def test_a_killed_embedded_server_ends_the_run_in_one_line_and_the_same_command_
             run.wait()
     assert_group_gone(run.pid)
     result = SimpleNamespace(returncode=code, stdout=logs["stdout"].read_text(), stderr=logs["stderr"].read_text())
-    assert_clean_error(result, 1, f"the embedded Prefect server (pid {server}) went away during the run",
+    # Nothing but the run's log lines before it: no Prefect example code, no state of a flow it could not end.
+    assert "Finished in state Running()" not in result.stderr and "```" not in result.stderr, result.stderr
+    assert all(line.startswith(("tokenizing ", "sft-tokenize: error: ")) or line[:2].isdigit()
+               for line in result.stderr.strip().splitlines()), result.stderr
+    assert_clean_error(result, 1, f"the embedded Prefect server (pid {server}) {STOPS[stop][1]}",
                        "run the same command again")
     kept = staged_shards(cache_root)
     assert len(kept) == SLICES - 1

@@ -151,3 +151,23 @@ def build_metaspace_tokenizer(out_dir: Path) -> Path:
     fast.chat_template = (EXAMPLE_TOKENIZER / "chat_template.jinja").read_text()
     fast.save_pretrained(str(out_dir))
     return out_dir
+
+
+def build_large_vocab_tokenizer(out_dir: Path, size: int = 150_000) -> Path:
+    """The example BPE grown to `size` tokens (a Qwen-sized vocabulary) by merges of its own tokens: a tokenizer
+    whose fast encoder takes seconds to build, as real ones do."""
+    import random
+    import shutil
+
+    shutil.copytree(EXAMPLE_TOKENIZER, out_dir, dirs_exist_ok=True)
+    config = json.loads((EXAMPLE_TOKENIZER / "tokenizer.json").read_text(encoding="utf-8"))
+    vocab, merges = config["model"]["vocab"], config["model"]["merges"]
+    tokens, rng = list(vocab), random.Random(0)
+    while len(vocab) < size:
+        left, right = rng.choice(tokens), rng.choice(tokens)
+        if (token := left + right) not in vocab and len(token) <= 16:
+            vocab[token] = len(vocab)
+            merges.append([left, right])
+            tokens.append(token)
+    (out_dir / "tokenizer.json").write_text(json.dumps(config), encoding="utf-8")
+    return out_dir
