@@ -6,11 +6,11 @@ line."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
 import pytest
+from support.caches import flip
 from support.cli import assert_rejected, cli
 from support.paths import EXAMPLE_DATA, EXAMPLE_TOKENIZER
 
@@ -68,15 +68,6 @@ def test_inspect_of_a_mixture_index_whose_source_is_gone_names_it(mixed, tmp_pat
     inspected = cli("inspect", str(index), home=tmp_path / "home")
     assert_rejected(inspected, f"{index}: source {old.name} is unreadable: {old}: not a published cache "
                                "(manifest.json is missing)")
-
-
-def flip(path: Path) -> None:
-    """Flip one byte in the middle, in place: same size, other bytes."""
-    with path.open("r+b") as f:
-        f.seek(path.stat().st_size // 2)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0xFF]))
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from support.caches import contents
+from support.caches import contents, flip
 from support.cli import cli, run_args
 from support.paths import EXAMPLE_DATA, EXAMPLE_TOKENIZER
 
@@ -39,15 +39,6 @@ def built(tmp_path_factory) -> tuple[Path, dict]:
     base = tmp_path_factory.mktemp("store")
     run_locally(options(base / "a", FIRST))
     return base / "a", contents(run_locally(options(base / "clean")))
-
-
-def flip(path: Path) -> None:
-    """Flip one byte in the middle, in place: same size, other bytes."""
-    with path.open("r+b") as f:
-        f.seek(path.stat().st_size // 2)
-        byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte[0] ^ 0xFF]))
 
 
 def truncate(path: Path) -> None:

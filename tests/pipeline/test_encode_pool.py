@@ -87,12 +87,17 @@ def _pool_processes(pool) -> list[int]:
     return pids
 
 
-def test_pool_processes_carry_no_torch_and_a_killed_one_is_replaced(tmp_path):
+def thirty_rows(tmp_path: Path):
+    """A plan of 30 example rows, the rows as examples, and this process's encoding of them."""
     source = write_jsonl(tmp_path / "rows.jsonl", example_rows()[:30])
     plan = plan_slices(TokenizeOptions(sources=[str(source)], tokenizer=str(EXAMPLE_TOKENIZER),
                                        cache_dir=str(tmp_path / "cache")))
     examples = [to_example(row, ColumnMap("chat", {"messages": "messages"})) for row in example_rows()[:30]]
-    want = workers.encoder_for(plan.job).encode_batch(examples)
+    return plan, examples, workers.encoder_for(plan.job).encode_batch(examples)
+
+
+def test_pool_processes_carry_no_torch_and_a_killed_one_is_replaced(tmp_path):
+    plan, examples, want = thirty_rows(tmp_path)
     with workers.encoding_processes(plan.job, 2):
         [(_, pool)] = [entry for entry in workers._pools if entry[0] == plan.job]
         assert pool.submit(examples, 0).result().input_ids.tolist() == want.input_ids.tolist()
@@ -127,11 +132,7 @@ def test_pool_processes_build_no_hf_tokenizer_and_their_first_rows_are_checked_h
     from sft_tokenize.encoding.chat_encoder import ChatEncoder
     from sft_tokenize.encoding.exact import EncoderMismatch, IdsEncoding
 
-    source = write_jsonl(tmp_path / "rows.jsonl", example_rows()[:30])
-    plan = plan_slices(TokenizeOptions(sources=[str(source)], tokenizer=str(EXAMPLE_TOKENIZER),
-                                       cache_dir=str(tmp_path / "cache")))
-    examples = [to_example(row, ColumnMap("chat", {"messages": "messages"})) for row in example_rows()[:30]]
-    want = workers.encoder_for(plan.job).encode_batch(examples)
+    plan, examples, want = thirty_rows(tmp_path)
     assert want.rows_verified == 16
     checked = []
     verify = ChatEncoder._verify
@@ -179,11 +180,7 @@ def _memory() -> tuple[int, int]:
 
 
 def test_pool_processes_share_the_encoder_built_once_before_they_fork(tmp_path):
-    source = write_jsonl(tmp_path / "rows.jsonl", example_rows()[:30])
-    plan = plan_slices(TokenizeOptions(sources=[str(source)], tokenizer=str(EXAMPLE_TOKENIZER),
-                                       cache_dir=str(tmp_path / "cache")))
-    examples = [to_example(row, ColumnMap("chat", {"messages": "messages"})) for row in example_rows()[:30]]
-    want = workers.encoder_for(plan.job).encode_batch(examples)
+    plan, examples, want = thirty_rows(tmp_path)
     with workers.encoding_processes(plan.job, 2):
         [(_, pool)] = [entry for entry in workers._pools if entry[0] == plan.job]
         for _ in range(4):

@@ -74,3 +74,12 @@ def assert_readable_whole(cache_path: Path, rows: int) -> None:
     """If the cache's directory exists at all, it is the whole cache."""
     if cache_path.exists():
         assert len(open_cache(cache_path)) == rows
+
+
+def flip(path: Path) -> None:
+    """Flip one byte in the middle, in place: same size, other bytes."""
+    with path.open("r+b") as f:
+        f.seek(path.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))

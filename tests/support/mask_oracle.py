@@ -235,3 +235,17 @@ def image_oracle(processor, messages, replacements: list[str], vision_tokens: li
     mask = [int(any(a <= s < b for a, b in spans) and not any(a <= s < b for a, b in images) and t not in vision)
             for t, (s, _) in zip(ids, encoded["offset_mapping"], strict=True)]
     return ids, mask
+
+
+def trained_runs(tokenizer, row) -> list[str]:
+    """The decoded runs of 1s in an encoded row's loss mask."""
+    runs, current = [], []
+    for token, trained in zip(row.input_ids.tolist(), row.loss_mask.tolist(), strict=True):
+        if trained:
+            current.append(token)
+        elif current:
+            runs.append(current)
+            current = []
+    if current:
+        runs.append(current)
+    return [tokenizer.decode(run, skip_special_tokens=False) for run in runs]

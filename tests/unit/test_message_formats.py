@@ -9,6 +9,7 @@ import json
 import pytest
 from support.data import COLUMNS
 from support.families import MODERN_FAMILIES
+from support.mask_oracle import trained_runs
 
 from sft_tokenize.build.keys import file_digest
 from sft_tokenize.encoding.chat_encoder import ChatEncoder, Encoded
@@ -23,20 +24,6 @@ SHAREGPT = resolve_columns("auto", {}, ["conversations", "tools"], "f")
 @pytest.fixture(scope="module")
 def tokenizers(modern_tokenizers):
     return modern_tokenizers
-
-
-def trained_runs(tokenizer, got: Encoded) -> list[str]:
-    """The decoded runs of 1s in the loss mask."""
-    runs, current = [], []
-    for token, trained in zip(got.input_ids.tolist(), got.loss_mask.tolist(), strict=True):
-        if trained:
-            current.append(token)
-        elif current:
-            runs.append(current)
-            current = []
-    if current:
-        runs.append(current)
-    return [tokenizer.decode(run) for run in runs]
 
 
 def encode(tokenizer, row, train_on="all_assistant", columns=COLUMNS):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 from support.data import COLUMNS, ROWS, tool_chat
 from support.families import MODERN_FAMILIES, qwen3_with_generation_blocks
-from support.mask_oracle import oracle, turn_oracle
+from support.mask_oracle import oracle, trained_runs, turn_oracle
 
 from sft_tokenize.encoding.chat_encoder import ChatEncoder, Encoded
 from sft_tokenize.encoding.tokenizer import load_tokenizer
@@ -140,19 +140,6 @@ EXPECTED: dict[str, dict[str, list[str] | str]] = {
 @pytest.fixture(scope="module")
 def tokenizers(modern_tokenizers):
     return modern_tokenizers
-
-
-def trained_runs(tokenizer, row: Encoded) -> list[str]:
-    runs, current = [], []
-    for token, trained in zip(row.input_ids.tolist(), row.loss_mask.tolist(), strict=True):
-        if trained:
-            current.append(token)
-        elif current:
-            runs.append(current)
-            current = []
-    if current:
-        runs.append(current)
-    return [tokenizer.decode(run, skip_special_tokens=False) for run in runs]
 
 
 def raw_render(tokenizer, conversation: Conversation):
