@@ -20,7 +20,7 @@ MARK_BASE = 0xF1000
 MARK_LIMIT = 0xFFFFE
 MARKS = re.compile("[\U000f1000-\U000ffffd]")
 MARK_SPLIT = re.compile(f"({MARKS.pattern})")  # split() keeps each marker between the text around it
-_NO_REASONING = frozenset({"role", "content", "tool_calls", "name", "tool_call_id"})  # keys of most messages
+NO_REASONING_KEYS = frozenset({"role", "content", "tool_calls", "name", "tool_call_id"})  # keys of most messages
 
 
 def holds_marks(text: str) -> bool:
@@ -79,7 +79,7 @@ def mark(messages: Sequence[dict[str, Any]], kinds: frozenset[str], empty: bool 
         marked = dict(message)
         if "content" in message:
             marked["content"] = wrap(message["content"], index, "content")
-        if message.get("role") == "assistant" and not _NO_REASONING.issuperset(message):
+        if message.get("role") == "assistant" and not NO_REASONING_KEYS.issuperset(message):
             reasoning = next((message[key] for key in REASONING_FIELDS if isinstance(message.get(key), str)), None)
             if reasoning is not None:
                 wrapped = wrap(reasoning, index, "reasoning")

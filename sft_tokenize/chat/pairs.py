@@ -57,7 +57,7 @@ def _observe(twin: Twin, op: str, args: tuple, result: Any) -> Any:
                 if arg.origin is None:
                     trace.append(POISON)
                     return result
-                arg = (_FIELD, arg.origin)
+                arg = (FIELD_REF, arg.origin)
             refs.append(arg)
         trace.append(POISON if twin.origin is None else (twin.origin, op, tuple(refs), result))
     return result
@@ -69,7 +69,7 @@ def _poison() -> None:
         trace.append(POISON)
 
 
-_FIELD = object()  # tags a traced argument that is another field's value: (_FIELD, origin)
+FIELD_REF = object()  # tags a traced argument that is another field's value: (FIELD_REF, origin)
 
 
 def _plain(value: Any) -> Any:

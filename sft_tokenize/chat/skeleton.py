@@ -30,8 +30,8 @@ from typing import Any
 
 import orjson
 
-from sft_tokenize.chat.markers import _NO_REASONING, MARK_BASE, MARK_LIMIT, MARK_SPLIT, holds_marks
-from sft_tokenize.chat.pairs import _FIELD, POISON, trimmed
+from sft_tokenize.chat.markers import MARK_BASE, MARK_LIMIT, MARK_SPLIT, NO_REASONING_KEYS, holds_marks
+from sft_tokenize.chat.pairs import FIELD_REF, POISON, trimmed
 from sft_tokenize.sources.conversations import REASONING_FIELDS
 
 SAMPLE_EVERY = 64  # one filled row in this many is rendered in full too, and compared
@@ -129,7 +129,7 @@ def shape_of(messages: list[dict], tools: Any, kinds: frozenset[str], extra: tup
         for message in messages:
             if type(message) is not dict:
                 return None
-            reasoning_keys = (message.get("role") == "assistant" and not _NO_REASONING.issuperset(message))
+            reasoning_keys = (message.get("role") == "assistant" and not NO_REASONING_KEYS.issuperset(message))
             reasoning = None
             if reasoning_keys:
                 reasoning = next((message[k] for k in REASONING_FIELDS if isinstance(message.get(k), str)), None)
@@ -209,7 +209,7 @@ def agree(rest: str, value: str) -> int:
 
 
 def _is_ref(arg: Any) -> bool:
-    return type(arg) is tuple and len(arg) == 2 and arg[0] is _FIELD
+    return type(arg) is tuple and len(arg) == 2 and arg[0] is FIELD_REF
 
 
 def _piece(pieces: list[str], index: int, count: int) -> str:
