@@ -14,8 +14,8 @@ from a pool. Pipelines, each a subprocess whose process tree's peak anonymous RA
              dropped; input_ids, loss_mask, float32 pixel_values and image_grid_thw written through ArrowWriter
              and saved with save_to_disk. One process: the processor does not pickle into a worker pool.
     project  `sft-tokenize run UNITS --processor DIR --train-on last_assistant --max-length N --truncation drop
-             --workers W`, cold (its embedded Prefect server starts in the run): images stored as their encoded
-             bytes and grids, no pixels.
+             --image-access local --workers W` (its inputs name their images by absolute path), cold (its embedded
+             Prefect server starts in the run): images stored as their encoded bytes and grids, no pixels.
 
 SkyRL's per-row cost does not depend on the corpus size, so it runs at the smallest size only. Checks (the run
 fails if one does not hold): on a sample of rows, the project's input_ids and image_grid_thw equal SkyRL's,
@@ -242,7 +242,7 @@ def project_command(files: list[Path], processor: Path, cache_dir: Path, workers
     base = [str(script)] if script.exists() else [sys.executable, "-m", "sft_tokenize.flows.cli"]
     return [*base, "run", *map(str, files), "--processor", str(processor), "--cache-dir", str(cache_dir),
             "--workers", str(workers), "--train-on", "last_assistant", "--max-length", str(max_length),
-            "--truncation", "drop", *extra]
+            "--truncation", "drop", "--image-access", "local", *extra]  # its own inputs name their images by path
 
 
 def run_project(files: list[Path], processor: Path, cache_dir: Path, args, work: Path, env: dict, log: str) -> dict:
