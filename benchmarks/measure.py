@@ -31,28 +31,26 @@ SAMPLE_SECONDS = 0.05
 TRACE_VARIABLE = "SFT_TOKENIZE_TRACE"  # the CLI appends {"event": NAME, "t": SECONDS} lines to this file
 
 
-def rss_anon_bytes(pid: int) -> int:
-    """RssAnon of one process, 0 if it is gone or is a zombie (no such line)."""
+def _proc_bytes(path: str, key: bytes) -> int:
+    """A `KEY: N kB` line of a /proc file, in bytes; 0 if the process is gone or is a zombie (no such line)."""
     try:
-        with open(f"/proc/{pid}/status", "rb") as status:
-            for line in status:
-                if line.startswith(b"RssAnon:"):
+        with open(path, "rb") as lines:
+            for line in lines:
+                if line.startswith(key):
                     return int(line.split()[1]) * 1024
     except (FileNotFoundError, ProcessLookupError, PermissionError):
         pass
     return 0
+
+
+def rss_anon_bytes(pid: int) -> int:
+    """RssAnon of one process, 0 if it is gone."""
+    return _proc_bytes(f"/proc/{pid}/status", b"RssAnon:")
 
 
 def pss_bytes(pid: int) -> int:
     """PSS of one process (every resident page divided among the processes mapping it), 0 if it is gone."""
-    try:
-        with open(f"/proc/{pid}/smaps_rollup", "rb") as rollup:
-            for line in rollup:
-                if line.startswith(b"Pss:"):
-                    return int(line.split()[1]) * 1024
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        pass
-    return 0
+    return _proc_bytes(f"/proc/{pid}/smaps_rollup", b"Pss:")
 
 
 def tree_pids(root: psutil.Process, others: Iterable[int] = ()) -> list[int]:
