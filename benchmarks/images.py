@@ -275,7 +275,8 @@ def warm_up(files: list[Path], processor: Path, work: Path, env: dict) -> None:
 def project_source(spec: str, work: Path) -> tuple[dict, str]:
     """The environment that makes the project's processes (the CLI, the collator's) import `spec`: `tree`, the
     working tree (the editable install); else a commit, extracted once under the work directory with the
-    installed package's layout (flows/ and tasks/ as sft_tokenize.flows and sft_tokenize.tasks)."""
+    installed package's layout (a commit from before the flows moved into the package gets its top flows/ and tasks/
+    moved there)."""
     def git(*words: str) -> str:
         return subprocess.run(["git", "-C", str(ROOT), *words], check=True, capture_output=True, text=True).stdout
 
@@ -293,7 +294,8 @@ def project_source(spec: str, work: Path) -> tuple[dict, str]:
                                  check=True, capture_output=True).stdout
         subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive, check=True)
         for name in ("flows", "tasks"):
-            (tmp / name).rename(tmp / "sft_tokenize" / name)
+            if not (tmp / "sft_tokenize" / name).is_dir():
+                (tmp / name).rename(tmp / "sft_tokenize" / name)
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
     return {"PYTHONPATH": str(out)}, f"commit {sha[:12]} (extracted to {out.relative_to(ROOT)})"

@@ -34,14 +34,13 @@ def schedule(entry: dict[str, Any]):
 
 def runner_deployments(prefect_file: Path = PREFECT_FILE) -> list:
     """prefect.yaml's deployments as served ones: same flows, names, parameters, schedules, tags, description."""
-    import importlib
+    from prefect.deployments.runner import RunnerDeployment
 
     deployments = []
     for spec in yaml.safe_load(prefect_file.read_text())["deployments"]:
-        path, _, name = spec["entrypoint"].partition(":")  # flows/tokenize_dataset.py:tokenize_dataset
-        module = importlib.import_module("sft_tokenize." + path.removesuffix(".py").replace("/", "."))
-        deployments.append(getattr(module, name).to_deployment(
-            name=spec["name"], description=spec.get("description"), tags=spec.get("tags"),
+        # The same entrypoint file as a worker's (flows/tokenize_dataset.py:tokenize_dataset), relative to ROOT.
+        deployments.append(RunnerDeployment.from_entrypoint(
+            spec["entrypoint"], name=spec["name"], description=spec.get("description"), tags=spec.get("tags"),
             parameters=spec.get("parameters"),
             schedules=[schedule(s) for s in spec["schedules"]] if spec.get("schedules") else None,
         ))

@@ -16,23 +16,16 @@ The code follows the pipeline, one subpackage per step (docs/architecture.md is 
     build/     options, recipes, plan, content keys, the shard writer, the shard store, publish
     read/      open_cache, layouts, trainer loaders, the packing index and its sampler, the mixture index
     format/    FORMAT.md, the on-disk format (beside the code that writes and checks it)
-    flows/, tasks/ (at the repository's top)  the Prefect flow, its tasks and the `sft-tokenize` CLI
+    flows/     the Prefect flows, the `sft-tokenize` command line and the ad-hoc runs' Prefect server
+    tasks/     thin Prefect tasks over the build's plain functions
 """
 
 from __future__ import annotations
 
 import importlib
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-
-# The Prefect face (flows/, tasks/) sits at the repository's top; a wheel installs it as sft_tokenize.flows and
-# sft_tokenize.tasks (pyproject's package-dir). Imported from a checkout (a deployment's clone, first on
-# sys.path), the package finds them beside itself, so a clone never runs another checkout's flow.
-_here = Path(__file__).resolve().parent
-if not (_here / "flows").is_dir() and (_here.parent / "flows" / "tokenize_dataset.py").is_file():
-    __path__.append(str(_here.parent))
 
 _API = {
     "tokenize": "sft_tokenize.flows.api",

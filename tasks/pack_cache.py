@@ -1,17 +1,6 @@
-"""pack_cache: build (or find) the global packing index of a published cache."""
+"""Task entrypoint `tasks/pack_cache.py:pack_cache` (`prefect task serve`, or a flow file of your own in this
+checkout). The task lives in `sft_tokenize.tasks.pack_cache`; this file only names it."""
 
-from __future__ import annotations
+from sft_tokenize.tasks.pack_cache import pack_cache
 
-from pathlib import Path
-
-from prefect import task
-from prefect.cache_policies import NO_CACHE
-
-from sft_tokenize.read import packing_index as packing
-
-
-# Never cached: the index on disk is the record; a valid one is reused without building.
-@task(name="pack_cache", task_run_name="pack-{options.key}", cache_policy=NO_CACHE)
-def pack_cache(cache_path: Path, options: packing.PackOptions) -> Path:
-    """The path of the cache's packing index for `options`, built and published if it is missing."""
-    return packing.pack_cache(cache_path, options).path
+__all__ = ["pack_cache"]

@@ -1,20 +1,6 @@
-"""publish_cache: turn the finished shards into the published cache, in one atomic rename."""
+"""Task entrypoint `tasks/publish_cache.py:publish_cache` (`prefect task serve`, or a flow file of your own in this
+checkout). The task lives in `sft_tokenize.tasks.publish_cache`; this file only names it."""
 
-from __future__ import annotations
+from sft_tokenize.tasks.publish_cache import publish_cache
 
-from pathlib import Path
-
-from prefect import task
-from prefect.cache_policies import NO_CACHE
-
-from sft_tokenize.build import publish
-from sft_tokenize.build.job import Job
-from sft_tokenize.sources.resolve import Slice
-
-
-# Never cached: publishing checks every shard on disk and must see the state it leaves behind.
-@task(name="publish_cache", task_run_name="publish-cache", cache_policy=NO_CACHE)
-def publish_cache(job: Job, slices: list[Slice], cache_path: Path, inputs: dict, name: str,
-                  timings: dict | None = None, reused: int = 0) -> Path:
-    """Check every shard and publish them as the cache at `cache_path`; returns that path."""
-    return publish.publish_cache(job, slices, cache_path, inputs, name, timings, reused)
+__all__ = ["publish_cache"]

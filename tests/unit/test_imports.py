@@ -100,6 +100,25 @@ def test_the_read_side_never_names_the_build_side_even_inside_a_function():
                                                       "sft_tokenize.encoding", "sft_tokenize.sources"))}, module
 
 
+def test_a_checkout_is_one_package_whose_flows_are_real_modules():
+    """No folder of the repository imports as a subpackage, and the deployment entrypoints at the top name the
+    package's own flow objects (not a second copy of their module)."""
+    code = ("import importlib, sys\n"
+            "for name in ('sft_tokenize.tests', 'sft_tokenize.benchmarks', 'sft_tokenize.sft_tokenize'):\n"
+            "    try: importlib.import_module(name)\n"
+            "    except ModuleNotFoundError: pass\n"
+            "    else: sys.exit(name + ' imported')\n"
+            "from prefect.flows import load_flow_from_entrypoint\n"
+            "from sft_tokenize.flows import tokenize_dataset, tokenize_recipe\n"
+            "for module in (tokenize_dataset, tokenize_recipe):\n"
+            "    name = module.__name__.rpartition('.')[2]\n"
+            "    assert load_flow_from_entrypoint(f'flows/{name}.py:{name}') is getattr(module, name), name\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=PACKAGE.parent, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    for module in ("flows/cli.py", "flows/tokenize_dataset.py", "tasks/tokenize_slice.py"):
+        assert (PACKAGE / module).is_file()  # what an editor or a type checker resolves `sft_tokenize.<module>` to
+
+
 def test_the_on_disk_format_depends_on_neither_side():
     loaded = loaded_after_importing(modules("format"))
     allowed = ("sft_tokenize.format",) + tuple(f"sft_tokenize.{m}" for m in ON_DISK)

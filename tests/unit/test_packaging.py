@@ -1,5 +1,5 @@
-"""What `pip install .` puts in site-packages: one top-level package, sft_tokenize, with the Prefect face
-(flows/, tasks/) inside it, a console script, and FORMAT.md; and the installed copy runs the quickstart."""
+"""What `pip install .` puts in site-packages: one top-level package, sft_tokenize, with its Prefect flows and
+tasks inside it, a console script, and FORMAT.md; and the installed copy runs the quickstart."""
 
 from __future__ import annotations
 
