@@ -45,10 +45,11 @@ _API = {
     "for_trl": "sft_tokenize.read.trainers",
     "for_axolotl": "sft_tokenize.read.trainers",
     "work_view": "sft_tokenize.read.trainers",
+    "ImageCollator": "sft_tokenize.read.image_collator",
     "BadInput": "sft_tokenize.errors",
     "CacheError": "sft_tokenize.errors",
 }
-__all__ = ["BadInput", "CacheError", "MixtureOptions", "MixtureSource", "PackOptions", "PackedSampler",
+__all__ = ["BadInput", "CacheError", "ImageCollator", "MixtureOptions", "MixtureSource", "PackOptions", "PackedSampler",
            "PackedSequences", "TokenizedCache", "for_axolotl", "for_trl", "mix_caches", "mixture_dataset",
            "open_cache", "open_mixture", "pack_cache", "packed_sequences", "read_manifest", "tokenize", "work_view"]
 
@@ -57,6 +58,7 @@ if TYPE_CHECKING:
     from sft_tokenize.flows.api import tokenize
     from sft_tokenize.format.manifest import read_manifest
     from sft_tokenize.read.cache import TokenizedCache, open_cache
+    from sft_tokenize.read.image_collator import ImageCollator
     from sft_tokenize.read.mixture_index import MixtureOptions, MixtureSource, mix_caches, mixture_dataset, open_mixture
     from sft_tokenize.read.packed_sequences import PackedSampler, PackedSequences, packed_sequences
     from sft_tokenize.read.packing_index import PackOptions, pack_cache

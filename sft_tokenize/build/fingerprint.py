@@ -3,7 +3,7 @@
 Kept apart from the steps it names (as HF datasets keeps its fingerprinting apart from its transforms):
 plan.py gathers the inputs, this module only turns them into a stable hash. Inputs are content-aware:
 file size and mtime_ns (or ETag / version id), the tokenizer's files, not its name. The slice count and
-the runner are not inputs: they do not change the rows. A shard's key (content.py) hashes the tokenization
+the runner are not inputs: they do not change the rows. A shard's key (keys.py) hashes the tokenization
 inputs (all but the sources) with the bytes its slice reads.
 """
 

@@ -29,7 +29,7 @@ from jinja2.runtime import LoopContext, missing
 from jinja2.tests import test_string
 from jinja2.utils import Namespace
 
-from sft_tokenize.chat import pairs as twins
+from sft_tokenize.chat import pairs
 
 logger = logging.getLogger("sft_tokenize")
 
@@ -71,18 +71,18 @@ class _Loop(LoopContext):
 def _fast_sandbox(environment, for_twins: bool = False):
     """An overlay of transformers' sandboxed environment that reads attributes by the shortcuts in the module
     docstring and compiles templates with `FastCodeGenerator`.
-    `for_twins`: the environment also renders `twins.Twin` values (see twins.py)."""
+    `for_twins`: the environment also renders `pairs.Twin` values (see pairs.py)."""
     overlay = environment.overlay()
     checked: dict[tuple[type, str], bool] = {}
     base_getattr, base_getitem, base_is_safe = overlay.getattr, overlay.getitem, overlay.is_safe_attribute
     undefined = overlay.undefined
-    Twin = twins.Twin
+    Twin = pairs.Twin
 
     def getattr_(obj, attribute):
         if type(obj) is dict and attribute not in _DICT_ATTRIBUTES:
             return obj[attribute] if attribute in obj else undefined(obj=obj, name=attribute)
         if for_twins and type(obj) is Twin:
-            return twins.twin_attribute(obj, attribute, undefined)
+            return pairs.twin_attribute(obj, attribute, undefined)
         if checked.get((type(obj), attribute)) and attribute not in _WRAPPED:
             try:
                 return getattr(obj, attribute)
@@ -105,8 +105,8 @@ def _fast_sandbox(environment, for_twins: bool = False):
     overlay.getattr, overlay.is_safe_attribute = getattr_, is_safe_attribute
     overlay.code_generator_class = TwinCodeGenerator if for_twins else FastCodeGenerator
     if for_twins:
-        overlay.getitem, overlay.concat = getitem, twins.concat
-        overlay.filters, overlay.tests = twins.twin_filters(overlay.filters), twins.twin_tests(overlay.tests)
+        overlay.getitem, overlay.concat = getitem, pairs.concat
+        overlay.filters, overlay.tests = pairs.twin_filters(overlay.filters), pairs.twin_tests(overlay.tests)
     return overlay
 
 
@@ -127,10 +127,10 @@ def compile_template(environment, source: str, for_twins: bool = False):
                    and namespace_class.__getattribute__ is Namespace.__getattribute__)
     namespace["_Namespace"] = namespace_class if plain_reads else _NoNamespace
     namespace["LoopContext"] = _Loop
-    namespace["_Str"] = str  # the twins' template has its own `str` (below)
-    namespace["_Text"] = twins.TEXT if for_twins else str
+    namespace["_Str"] = str  # the pairs' template has its own `str` (below)
+    namespace["_Text"] = pairs.TEXT if for_twins else str
     if for_twins:
-        namespace["str"], namespace["str_join"], namespace["_Twin"] = twins.output, twins.str_join, twins.Twin
+        namespace["str"], namespace["str_join"], namespace["_Twin"] = pairs.output, pairs.str_join, pairs.Twin
     return compiled
 
 
@@ -175,7 +175,7 @@ class FastCodeGenerator(CodeGenerator):
     def visit_Test(self, node: nodes.Test, frame: Frame) -> None:
         test = self.environment.tests.get(node.name)
         if (self.environment.is_async or node.args or node.kwargs or node.dyn_args or node.dyn_kwargs
-                or test not in (test_string, twins.is_text)):
+                or test not in (test_string, pairs.is_text)):
             return super().visit_Test(node, frame)
         self.write("isinstance(")  # `is string`: a str (or a Twin, whose text is one)
         self.visit(node.node, frame)
@@ -225,5 +225,5 @@ class FastCodeGenerator(CodeGenerator):
 class TwinCodeGenerator(FastCodeGenerator):
     """For templates rendered with Twins: the methods a Twin does on both texts are called on it directly."""
 
-    twin_methods = twins.METHODS
+    twin_methods = pairs.METHODS
 

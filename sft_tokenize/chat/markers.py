@@ -1,7 +1,7 @@
 """Position markers: message fields wrapped in characters that real text never holds.
 
 Rendering a conversation with its fields wrapped shows where the template put each of them (`turns.py`).
-A field can be wrapped as marked text (a str) or as a `Twin` that also carries the plain text (`twins.py`).
+A field can be wrapped as marked text (a str) or as a `Twin` that also carries the plain text (`pairs.py`).
 """
 
 from __future__ import annotations

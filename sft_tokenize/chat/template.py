@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from sft_tokenize.chat import pairs as twins
+from sft_tokenize.chat import pairs
 from sft_tokenize.chat.environment import compile_template
 from sft_tokenize.chat.markers import MARK_BASE, MARKS, Marked, holds_marks, mark
 from sft_tokenize.errors import BadInput, BadRow
@@ -100,7 +100,7 @@ class ChatTemplate:
         field's, any variable's) holds characters of the markers' range. `trace`: see `pairs.render_twins`."""
         if self.compiled_for_twins is None or marked.marker_text:
             return None
-        return twins.render_twins(self.compiled_for_twins, dict(
+        return pairs.render_twins(self.compiled_for_twins, dict(
             messages=marked.messages, tools=tools, documents=None, add_generation_prompt=False, **self.kwargs),
             trace)
 

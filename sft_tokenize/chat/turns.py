@@ -9,7 +9,7 @@ history is trained as rendered there.
 How it is found, in one render per row whatever the number of turns:
 1. the conversation is rendered with every field that probing showed safe (content, reasoning, tool-call
    names, ids, string arguments) wrapped in private-use marker characters, as Twins of marked and plain text
-   (`twins.py`), so that without the markers the render is exactly the plain one (the row's text); it tells
+   (`pairs.py`), so that without the markers the render is exactly the plain one (the row's text); it tells
    where every message's fields are, even when the template moves, trims or drops them. Where a template
    reads a field in a way Twins do not follow, the row is rendered twice, plain and marked, and the two must
    agree once the markers are removed.
@@ -399,9 +399,4 @@ def completion_start(conv: Conversation) -> int:
         return conv.completion_start
     users = [i for i, m in enumerate(conv.messages) if m["role"] == "user"]
     return users[-1] + 1 if users else 0
-
-
-def trained_text(rendered: Rendered) -> list[str]:
-    """The trained spans as text (for inspection)."""
-    return [rendered.text[a:b] for a, b in rendered.regions]
 

@@ -86,7 +86,7 @@ class TokenizedCache(Sequence):
 
     def packed(self, length: int, data_parallel: int = 1, algorithm: str = "bfd", index_dir: str | None = None):
         """Packed sequences of at most `length` tokens over the cache's global packing index, which is built
-        and published beside the cache first if it is missing (see packed.py)."""
+        and published beside the cache first if it is missing (see packing_index.py)."""
         from sft_tokenize.read.packed_sequences import packed_sequences
 
         return packed_sequences(self, {"length": length, "data_parallel": data_parallel, "algorithm": algorithm,

@@ -2,7 +2,7 @@
 
 Every file is reached through fsspec, so local paths and s3://, gs://, hf://, http(s):// URLs take the
 same code. A slice is a small picklable description (file URLs and ranges), never data; how each format is
-cut into pieces and read is source_formats.py, how pieces are packed into slices slicing.py.
+cut into pieces and read is readers.py, how pieces are packed into slices slicing.py.
 
 A compressed file (`.gz`, `.bz2`, `.zst`, `.xz` after the format's extension) is decompressed as it is
 read, by fsspec's codecs; it cannot be read from an offset, so it is one piece, read whole by one slice.
@@ -56,7 +56,7 @@ class Slice:
     index: int
     parts: tuple[Part, ...]
     nbytes: int
-    key: str = ""  # the content key of its shard in the store (see content.py); set by the plan
+    key: str = ""  # the content key of its shard in the store (see build/keys.py); set by the plan
 
     def describe(self) -> list[list]:
         """A JSON-able description; a staged shard is reused only for the same description."""
