@@ -27,14 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from measure import git_state  # noqa: E402
 
 from sft_tokenize.read.cache import open_cache  # noqa: E402
-from sft_tokenize.read.mixture_index import (  # noqa: E402
-    MixtureOptions,
-    MixtureSource,
-    SourceRows,
-    choose_rows,
-    interleave,
-    trained_lengths,
-)
+from sft_tokenize.read.mixture_options import MixtureOptions, MixtureSource  # noqa: E402
+from sft_tokenize.read.mixture_selection import SourceRows, choose_rows, interleave, trained_lengths  # noqa: E402
 
 
 def main() -> None:

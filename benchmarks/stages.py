@@ -30,7 +30,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from sft_tokenize.build.shard import ShardWriter  # noqa: E402
+from sft_tokenize.build.shard_writer import ShardWriter  # noqa: E402
 from sft_tokenize.encoding.chat_encoder import ChatEncoder  # noqa: E402
 from sft_tokenize.encoding.exact import VERIFY_ROWS, choose_encoder  # noqa: E402
 from sft_tokenize.encoding.tokenizer import load_tokenizer  # noqa: E402

@@ -37,14 +37,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from sft_tokenize.build.options import TokenizeOptions
 from sft_tokenize.build.plan import default_name
 from sft_tokenize.errors import BadInput
-from sft_tokenize.read.mixture_index import (
-    AMOUNTS,
-    MixtureOptions,
-    MixtureSettings,
-    MixtureSource,
-    check_index_size,
-    least_rows,
-)
+from sft_tokenize.read.mixture_options import AMOUNTS, MixtureOptions, MixtureSettings, MixtureSource
+from sft_tokenize.read.mixture_selection import check_index_size, least_rows
 
 # What each source decides for itself; every other run option is the recipe's, shared by its sources.
 SOURCE_KEYS = ("sources", "name", "format", "columns", "system_prompt", "train_on", "template_kwargs", "split",

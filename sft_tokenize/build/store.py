@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sft_tokenize.build.job import Job
-from sft_tokenize.build.shard import finished_shard, sidecar_path
+from sft_tokenize.build.shard_check import finished_shard, sidecar_path
 from sft_tokenize.errors import CacheError
 from sft_tokenize.files import atomic_write, is_locked, locked
 from sft_tokenize.format import SHARD_STORE

@@ -27,7 +27,7 @@ from pydantic import Field, ValidationInfo, field_validator
 from sft_tokenize.build.options import TokenizeOptions
 from sft_tokenize.build.plan import Plan
 from sft_tokenize.build.protocol import build_cache
-from sft_tokenize.build.shard import finished_shard
+from sft_tokenize.build.shard_check import finished_shard
 from sft_tokenize.build.store import collect_garbage, discard_shards, remove_cache
 from sft_tokenize.build.timeline import mark
 from sft_tokenize.build.workers import encoding_processes, warm_encoder

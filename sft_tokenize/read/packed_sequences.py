@@ -22,7 +22,7 @@ from sft_tokenize.read.cache import TokenizedCache
 from sft_tokenize.read.packing_index import PackingIndex, PackOptions, open_rows, pack_cache
 
 if TYPE_CHECKING:
-    from sft_tokenize.read.mixture_index import MixedRows
+    from sft_tokenize.read.mixed_rows import MixedRows
 
 IGNORE_INDEX = -100
 

@@ -30,7 +30,7 @@ from sft_tokenize.read.bin_packing import ALGORITHMS, arrange_for_ranks
 from sft_tokenize.read.cache import TokenizedCache, open_cache
 
 if TYPE_CHECKING:
-    from sft_tokenize.read.mixture_index import MixedRows
+    from sft_tokenize.read.mixed_rows import MixedRows
 
 INDEX_VERSION = 1
 INDEX_FILES = ("bins.npy", "rows.npy")
@@ -56,7 +56,7 @@ class PackOptions(BaseModel):
 def open_rows(path: str | Path) -> TokenizedCache | MixedRows:
     """The rows at `path`: a published cache, or a mixture index over several (a directory with mixture.json)."""
     if (Path(path) / "mixture.json").is_file():
-        from sft_tokenize.read.mixture_index import open_mixture
+        from sft_tokenize.read.mixed_rows import open_mixture
 
         return open_mixture(path)
     return open_cache(path)

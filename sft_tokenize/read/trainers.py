@@ -71,7 +71,7 @@ def for_trl(path: str | Path, work_dir: str | Path | None = None):
     from datasets import load_from_disk
 
     if (Path(path) / "mixture.json").is_file():  # a mixture index over several caches
-        from sft_tokenize.read.mixture_index import mixture_dataset
+        from sft_tokenize.read.mixed_rows import mixture_dataset
 
         dataset = mixture_dataset(path, work_dir)
     else:

@@ -18,7 +18,9 @@ from sft_tokenize.build.options import TokenizeOptions
 from sft_tokenize.build.plan import run_locally
 from sft_tokenize.errors import CacheError
 from sft_tokenize.read.cache import open_cache, read_manifest, verify_cache
-from sft_tokenize.read.mixture_index import MixtureOptions, MixtureSource, mix_caches, open_mixture
+from sft_tokenize.read.mixed_rows import open_mixture
+from sft_tokenize.read.mixture_index import mix_caches
+from sft_tokenize.read.mixture_options import MixtureOptions, MixtureSource
 
 FIRST = EXAMPLE_DATA / "chat-00000.jsonl"  # version A; version B adds chat-00001.jsonl
 

@@ -23,7 +23,7 @@ from sft_tokenize.build.plan import Plan, plan_slices, run_locally
 from sft_tokenize.build.protocol import build_cache
 from sft_tokenize.build.shard import tokenize_slice
 from sft_tokenize.errors import BadInput
-from sft_tokenize.sources import readers
+from sft_tokenize.sources import jsonl_reader
 
 FIRST = EXAMPLE_DATA / "chat-00000.jsonl"  # 212,963 bytes: slices [0, 100180) and [100180, 212963) at 100KB
 
@@ -123,8 +123,8 @@ def test_a_file_changed_between_two_slices_fails_the_slice_naming_it(jsonl, tmp_
 def test_a_file_cut_short_inside_a_slices_read_is_named_not_blamed_on_a_row(jsonl, tmp_path, monkeypatch):
     """Truncated mid-line while the slice reads it in small chunks: the reader meets a broken last line, which
     would be a malformed_json bad row; the error names the change instead."""
-    monkeypatch.setattr(readers, "READ_CHUNK_BYTES", 4096)  # the slice read a little at a time, in small batches:
-    monkeypatch.setattr(readers, "READ_BATCH_ROWS", 8)  # its first batch is out before most of its bytes are read
+    monkeypatch.setattr(jsonl_reader, "READ_CHUNK_BYTES", 4096)  # the slice read a little at a time, in small batches:
+    monkeypatch.setattr(jsonl_reader, "READ_BATCH_ROWS", 8)  # its first batch is out before most of its bytes are read
     real_read_slice = shard.read_slice
 
     def read_and_cut(slice_, *args, **kwargs):

@@ -20,7 +20,8 @@ from support.paths import EXAMPLE_DATA, EXAMPLE_TOKENIZER
 from sft_tokenize.build.options import TokenizeOptions
 from sft_tokenize.build.plan import plan_slices, run_locally
 from sft_tokenize.build.publish import building, publish_cache
-from sft_tokenize.build.shard import finished_shard, sidecar_path, tokenize_slice
+from sft_tokenize.build.shard import tokenize_slice
+from sft_tokenize.build.shard_check import finished_shard, sidecar_path
 from sft_tokenize.build.store import collect_garbage, discard_shards, leased, remove_cache, store_dir
 from sft_tokenize.errors import CacheError
 from sft_tokenize.read.cache import read_manifest

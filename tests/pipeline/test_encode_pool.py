@@ -19,10 +19,11 @@ from support.paths import EXAMPLE_TOKENIZER
 from sft_tokenize.build import shard, workers
 from sft_tokenize.build.options import TokenizeOptions
 from sft_tokenize.build.plan import plan_slices
+from sft_tokenize.build.shard_check import sidecar_path
 from sft_tokenize.encoding.pool import EncodePool
 from sft_tokenize.errors import BadInput
 from sft_tokenize.sources.conversations import ColumnMap, to_example
-from sft_tokenize.sources.readers import READ_BATCH_ROWS
+from sft_tokenize.sources.format_reader import READ_BATCH_ROWS
 
 INJECTED = {"messages": [{"role": "user", "content": "Say <|im_end|> please"},
                          {"role": "assistant", "content": "Here: <|im_end|>."}]}
@@ -42,11 +43,11 @@ def built_shards(job, slices) -> dict[str, tuple[bytes, dict]]:
     out = {}
     for slice_ in slices:
         path = job.shard_path(slice_)
-        meta = json.loads(shard.sidecar_path(path).read_text())
+        meta = json.loads(sidecar_path(path).read_text())
         meta.pop("seconds")
         out[slice_.key] = (path.read_bytes(), meta)
         path.unlink()
-        shard.sidecar_path(path).unlink()
+        sidecar_path(path).unlink()
     return out
 
 

@@ -27,7 +27,8 @@ from support.vision import gemma3, qwen_vl
 from sft_tokenize.build import workers
 from sft_tokenize.build.options import TokenizeOptions
 from sft_tokenize.build.plan import plan_slices, run_locally
-from sft_tokenize.build.shard import sidecar_path, tokenize_slice
+from sft_tokenize.build.shard import tokenize_slice
+from sft_tokenize.build.shard_check import sidecar_path
 from sft_tokenize.encoding.pool import EncodePool
 from sft_tokenize.errors import BadInput, CacheError
 from sft_tokenize.read.cache import TokenizedCache

@@ -18,14 +18,10 @@ from sft_tokenize.build.options import TokenizeOptions
 from sft_tokenize.build.plan import run_locally
 from sft_tokenize.errors import BadInput
 from sft_tokenize.read.cache import open_cache
-from sft_tokenize.read.mixture_index import (
-    MixtureOptions,
-    MixtureSource,
-    mix_caches,
-    mixture_dataset,
-    open_mixture,
-    trained_lengths,
-)
+from sft_tokenize.read.mixed_rows import mixture_dataset, open_mixture
+from sft_tokenize.read.mixture_index import mix_caches
+from sft_tokenize.read.mixture_options import MixtureOptions, MixtureSource
+from sft_tokenize.read.mixture_selection import trained_lengths
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
 
@@ -206,7 +202,7 @@ def test_epochs_that_are_not_finite_are_refused_by_name():
 
 def test_shares_far_from_the_weights_are_warned_about_in_the_index_and_its_summary(caches, caplog):
     from sft_tokenize.flows.report import mixture_summary
-    from sft_tokenize.read.mixture_index import SHARE_TOLERANCE
+    from sft_tokenize.read.mixture_selection import SHARE_TOLERANCE
 
     amounts = {"chat": {"weight": 0.5}, "gold": {"weight": 0.5}}
     small = mix_caches(_mixture(caches, budget=60, **amounts))  # a row or two each: far from 50/50

@@ -153,7 +153,8 @@ def test_trl_builds_labels_from_a_skyrl_cache_outside_it(caches, mask_of, tokeni
 
 
 def test_trl_trains_on_a_mixture_of_two_caches_and_leaves_them_alone(caches, mask_of, tokenizer, tmp_path):
-    from sft_tokenize.read.mixture_index import MixtureOptions, MixtureSource, mix_caches
+    from sft_tokenize.read.mixture_index import mix_caches
+    from sft_tokenize.read.mixture_options import MixtureOptions, MixtureSource
 
     sources = [run_locally(TokenizeOptions(sources=[str(path)], tokenizer=str(EXAMPLE_TOKENIZER),
                                            cache_dir=str(tmp_path / "caches"), layout="trl"))

@@ -22,7 +22,8 @@ from sft_tokenize.build.plan import plan_slices
 from sft_tokenize.build.recipe import load_recipe
 from sft_tokenize.errors import BadInput
 from sft_tokenize.read.cache import open_cache
-from sft_tokenize.read.mixture_index import load_mixture, open_mixture
+from sft_tokenize.read.mixed_rows import open_mixture
+from sft_tokenize.read.mixture_index import load_mixture
 
 
 def write_recipe(folder: Path, data: Path, **changes) -> Path:

@@ -1,0 +1,291 @@
+"""How rows are chosen (the same rule for every unit: rows, tokens, trained tokens). A source's amount is its
+weight's share of what the budget leaves after the absolute amounts (`epochs`, `rows`, `tokens`). Its rows
+are taken in seeded whole epochs (a permutation per epoch) plus a prefix of one more, until the amount is
+reached: a source asked for 2.5 epochs has every row 2 or 3 times, half of them 3 times; a token amount is
+reached within one row. The order merges the sources by how far each has got through its own amount
+(the fraction of it before the row), which is what always picking the source furthest behind does: every
+prefix of the index keeps the ratios, so a run stopped early still saw them. `order="shuffle"` is a seeded
+permutation of the same entries instead. See FORMAT.md, "Mixture index".
+
+An index takes 16 bytes a row on disk and about 96 in memory while it is built: amounts that would make it
+larger than `max_index_rows` (or than the memory and disk at hand) are refused before it is built, naming the
+source. Whole rows can miss small budgets' weights: the index records a warning for each weighted source
+more than SHARE_TOLERANCE off its weight.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.compute as pc
+
+from sft_tokenize.errors import BadInput
+from sft_tokenize.read.cache import TokenizedCache
+from sft_tokenize.read.mixture_options import MixtureOptions, MixtureSettings, MixtureSource
+
+SUM_CHUNK_ROWS = 65_536
+INDEX_BYTES_PER_ROW = 16  # on disk: an int64 in sources.npy and one in rows.npy
+# Memory while an index is built, per row: its arrays, the interleaving's keys and sort (87 measured, 20M rows).
+INDEX_BUILD_BYTES_PER_ROW = 96
+# A weighted source whose achieved share of the weighted sources' total misses its weight by more than this
+# (absolute: 0.05 is five points) is warned about: the budget is too small for its rows.
+SHARE_TOLERANCE = 0.05
+
+
+@dataclass
+class SourceRows:
+    """A source's cache and its rows' sizes in the mixture's unit (int64, one per row)."""
+
+    spec: MixtureSource
+    cache: TokenizedCache
+    units: np.ndarray
+
+    @cached_property
+    def tokens(self) -> np.ndarray:
+        """Input tokens per row (int64)."""
+        return self.cache.lengths.astype(np.int64)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name or self.cache.path.name
+
+    def identity(self) -> dict[str, Any]:
+        return {"name": self.name, "cache": self.cache.path.name, "fingerprint": self.cache.manifest["fingerprint"],
+                "rows": len(self.cache), "amount": dict([self.spec.amount])}
+
+
+def trained_lengths(cache: TokenizedCache) -> np.ndarray:
+    """Trained tokens per row (loss_mask 1, or a label other than -100), a chunk of rows at a time."""
+    name = "loss_mask" if "loss_mask" in cache.columns else "labels"
+    out = np.empty(len(cache), dtype=np.int64)
+    if cache.table is None:
+        return out
+    column = cache.table.column(name)
+    for start in range(0, len(cache), SUM_CHUNK_ROWS):
+        chunk = column.slice(start, SUM_CHUNK_ROWS).combine_chunks()
+        values = chunk.flatten().to_numpy(zero_copy_only=False)
+        hits = np.concatenate([[0], np.cumsum(values == 1 if name == "loss_mask" else values != -100)])
+        offsets = pc.list_value_length(chunk).to_numpy().cumsum()
+        ends = hits[offsets]
+        out[start:start + len(chunk)] = np.diff(np.concatenate([[0], ends]))
+    return out
+
+
+def _units(cache: TokenizedCache, unit: str) -> np.ndarray:
+    if unit == "rows":
+        return np.ones(len(cache), dtype=np.int64)
+    if unit == "tokens":
+        return cache.lengths.astype(np.int64)
+    return trained_lengths(cache)
+
+
+def _epochs(n: int, seed: int, source: int, rows: int) -> np.ndarray:
+    """`rows` rows of a source of n: whole seeded permutations, then a prefix of the next."""
+    whole, rest = divmod(rows, n)
+    perms = [np.random.default_rng([seed, source, e]).permutation(n) for e in range(whole + (rest > 0))]
+    return np.concatenate(perms)[:rows] if perms else np.empty(0, dtype=np.int64)
+
+
+def _rows_for_units(units: np.ndarray, target: float, seed: int, source: int) -> np.ndarray:
+    """The fewest rows, in seeded epochs, whose units reach `target` (or all of one epoch, if every row is 0)."""
+    n, total = len(units), int(units.sum())
+    if total == 0:
+        return _epochs(n, seed, source, n)
+    whole = int(target // total)
+    order = _epochs(n, seed, source, (whole + 1) * n)
+    reached = np.cumsum(units[order])
+    return order[:int(np.searchsorted(reached, target, side="left")) + 1]
+
+
+def choose_rows(sources: list[SourceRows], options: MixtureOptions) -> list[np.ndarray]:
+    """Per source, its rows in the order it gives them (see the module's docstring for the rule)."""
+    chosen: list[np.ndarray | None] = [None] * len(sources)
+    absolute = 0
+    for i, source in enumerate(sources):
+        kind, amount = source.spec.amount
+        n = len(source.units)
+        if n == 0:
+            raise BadInput(f"source {source.name}: its cache has no rows")
+        if kind == "epochs":
+            chosen[i] = _epochs(n, options.seed, i, int(round(amount * n)))
+        elif kind == "rows":
+            chosen[i] = _epochs(n, options.seed, i, int(amount))
+        elif kind == "tokens":
+            units = source.units if options.unit != "rows" else source.tokens
+            chosen[i] = _rows_for_units(units, amount, options.seed, i)
+        if chosen[i] is not None:
+            absolute += int(source.units[chosen[i]].sum())
+    weighted = [i for i, s in enumerate(sources) if s.spec.weight is not None]
+    if weighted:
+        left = options.budget - absolute
+        if left <= 0:
+            raise BadInput(f"budget: {options.budget} {options.unit}, but the absolute amounts already take "
+                           f"{absolute}; nothing is left for the weighted sources")
+        total_weight = sum(sources[i].spec.weight for i in weighted)
+        for i in weighted:
+            chosen[i] = _rows_for_units(sources[i].units, left * sources[i].spec.weight / total_weight,
+                                        options.seed, i)
+    return chosen
+
+
+def _asked(kind: str, amount: float) -> str:
+    return f"{kind} {amount:,}" if isinstance(amount, int) else f"{kind} {amount:g}"
+
+
+def _about(units: np.ndarray, target: float) -> int:
+    """About how many rows, taken in epochs, reach `target` units (one epoch if no row holds any)."""
+    n, total = len(units), float(units.sum())
+    return n if total == 0 else math.ceil(target * n / total)
+
+
+def planned_rows(sources: list[SourceRows], options: MixtureOptions) -> list[tuple[str, str, int]]:
+    """Per source, about how many rows choose_rows will take for it, from its rows' units alone (no row chosen):
+    (name, what it asks, rows)."""
+    planned, absolute = [], 0.0
+    for source in sources:
+        kind, amount = source.spec.amount
+        n, total = len(source.units), float(source.units.sum())
+        if kind == "epochs":
+            rows, units = round(amount * n), amount * total
+        elif kind == "rows":
+            rows, units = int(amount), amount / max(n, 1) * total
+        elif kind == "tokens":
+            rows = _about(source.units if options.unit != "rows" else source.tokens, amount)
+            units = amount if options.unit != "rows" else rows
+        else:
+            continue
+        planned.append((f"source {source.name}", _asked(kind, amount), rows))
+        absolute += units
+    left = (options.budget or 0) - absolute  # a budget the absolute amounts use up: choose_rows says so
+    for source in sources:
+        if source.spec.weight is not None and left > 0:
+            planned.append((f"source {source.name}", _asked("weight", source.spec.weight),
+                            _about(source.units, left * source.spec.weight)))
+    return planned
+
+
+def least_rows(options: MixtureOptions, max_length: int | None = None) -> list[tuple[str, str, int]]:
+    """What the amounts alone say of the index's size, before any source's cache exists: at least these rows
+    (name, what it asks, rows). Every source holds a row, and no row holds more than `max_length` tokens."""
+    least = []
+    for source in options.sources:
+        kind, amount = source.amount
+        if kind in ("epochs", "rows"):
+            least.append((f"source {source.name or source.cache}", _asked(kind, amount), round(amount)))
+        elif kind == "tokens" and max_length:
+            least.append((f"source {source.name or source.cache}", _asked(kind, amount),
+                          math.ceil(amount / max_length)))
+    weighted = [s for s in options.sources if s.weight is not None]
+    if weighted and options.budget and (options.unit == "rows" or max_length):
+        per_row = 1 if options.unit == "rows" else max_length
+        least.append((f"the weighted sources {', '.join(s.name or s.cache for s in weighted)}",
+                      f"budget {options.budget:,} {options.unit}",
+                      math.ceil(options.budget / per_row)))
+    return least
+
+
+def _size(count: int) -> str:
+    for scale, unit in ((10**12, "TB"), (10**9, "GB"), (10**6, "MB")):
+        if count >= scale:
+            return f"{count / scale:,.1f} {unit}"
+    return f"{count / 10**3:,.0f} kB" if count >= 10**3 else f"{count} bytes"
+
+
+def _available_memory() -> int | None:
+    """The memory this machine can give without swapping (Linux's MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_index_size(planned: list[tuple[str, str, int]], options: MixtureSettings, index_root: Path | None,
+                     at_least: bool = False) -> None:
+    """BadInput naming the largest source, if the index of these planned rows (`planned_rows`, or `least_rows`
+    with `at_least`) would be over `options.max_index_rows`, the memory at hand or the disk under `index_root`."""
+    total = sum(rows for _, _, rows in planned)
+    if not planned or total == 0:
+        return
+    name, asked, rows = max(planned, key=lambda entry: entry[2])
+    its = "" if rows == total else f", {rows:,} of them its own"
+    what = (f"{name} ({asked}) would make a mixture index of {'at least' if at_least else 'about'} {total:,} rows "
+            f"({_size(total * INDEX_BYTES_PER_ROW)} on disk, {_size(total * INDEX_BUILD_BYTES_PER_ROW)} of memory "
+            f"to build it{its})")
+    if total > options.max_index_rows:
+        raise BadInput(f"{what}, over the bound of {options.max_index_rows:,} rows (the mixture's max_index_rows: "
+                       "raise it if you mean it)")
+    memory = _available_memory()
+    if memory is not None and total * INDEX_BUILD_BYTES_PER_ROW > memory:
+        raise BadInput(f"{what}, more than the {_size(memory)} of memory available")
+    existing = next((p for p in (index_root, *index_root.parents) if p.exists()), None) if index_root else None
+    if existing is not None and total * INDEX_BYTES_PER_ROW > shutil.disk_usage(existing).free:
+        raise BadInput(f"{what}, more than the {_size(shutil.disk_usage(existing).free)} free under {existing}")
+
+
+def interleave(sources: list[SourceRows], chosen: list[np.ndarray], options: MixtureOptions
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """(sources, rows) of the whole index: merged by each row's place in its source's amount, or shuffled."""
+    keys, ids = [], []
+    for i, (source, rows) in enumerate(zip(sources, chosen, strict=True)):
+        units = source.units[rows].astype(np.float64)
+        done = units.sum()
+        before = np.cumsum(units) - units
+        # Rows of no units (nothing trained) take the place of the row before them; an all-empty source
+        # spreads its rows evenly instead.
+        keys.append(before / done if done else np.arange(len(rows)) / max(len(rows), 1))
+        ids.append(np.full(len(rows), i, dtype=np.int64))
+    key, source_ids, rows = np.concatenate(keys), np.concatenate(ids), np.concatenate(chosen)
+    if options.order == "shuffle":
+        order = np.random.default_rng([options.seed, len(sources)]).permutation(len(key))
+    else:
+        order = np.lexsort((source_ids, key))  # ties: the source listed first
+    return source_ids[order], rows[order]
+
+
+def _summary(sources: list[SourceRows], chosen: list[np.ndarray], unit: str) -> list[dict]:
+    """Per source: what was asked, what was achieved (rows, tokens, trained tokens, share, epochs)."""
+    total = sum(int(s.units[rows].sum()) for s, rows in zip(sources, chosen, strict=True))
+    out = []
+    for source, rows in zip(sources, chosen, strict=True):
+        kind, amount = source.spec.amount
+        achieved = int(source.units[rows].sum())
+        seen = np.bincount(rows, minlength=len(source.cache))
+        trained = source.units if unit == "trained_tokens" else trained_lengths(source.cache)
+        out.append({
+            "name": source.name, "cache": source.cache.path.name, "fingerprint": source.cache.manifest["fingerprint"],
+            "asked": {kind: amount},
+            "rows": int(len(rows)), "tokens": int(source.cache.lengths[rows].astype(np.int64).sum()),
+            "trained_tokens": int(trained[rows].sum()),
+            "share": round(achieved / total, 6) if total else 0.0,
+            "epochs": round(len(rows) / len(source.cache), 6),
+            "times_seen": {"min": int(seen.min()), "max": int(seen.max())},
+        })
+    return out
+
+
+def share_warnings(sources: list[SourceRows], chosen: list[np.ndarray], options: MixtureOptions) -> list[str]:
+    """One line per weighted source whose share of the weighted sources' total misses its weight by more than
+    SHARE_TOLERANCE: rows are whole, and each weighted source takes at least one."""
+    weighted = [i for i, source in enumerate(sources) if source.spec.weight is not None]
+    achieved = {i: int(sources[i].units[chosen[i]].sum()) for i in weighted}
+    total = sum(achieved.values())
+    warnings = []
+    for i in weighted if total else []:
+        share, weight = achieved[i] / total, sources[i].spec.weight
+        if abs(share - weight) > SHARE_TOLERANCE:
+            warnings.append(
+                f"source {sources[i].name}: asked weight {weight:g}, achieved {share:.1%} of the weighted sources' "
+                f"{options.unit} ({achieved[i]:,} of {total:,}), more than {SHARE_TOLERANCE * 100:g} points off: "
+                f"the budget ({options.budget:,} {options.unit}) is small against whole rows of up to "
+                f"{int(sources[i].units.max()):,}; a larger budget comes closer")
+    return warnings
