@@ -16,7 +16,8 @@ from prefect.artifacts import create_markdown_artifact
 
 from sft_tokenize.build.recipe import Recipe
 from sft_tokenize.flows.report import markdown_table, mixture_summary
-from sft_tokenize.flows.tokenize_dataset import TokenizeRun, artifact_key, tokenize_dataset
+from sft_tokenize.flows.run_options import TokenizeRun
+from sft_tokenize.flows.tokenize_dataset import artifact_key, tokenize_dataset
 from sft_tokenize.read.mixture_index import mix_caches
 
 
