@@ -7,7 +7,6 @@ runner the same way the CLI does.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import BrokenExecutor, CancelledError
@@ -25,12 +24,12 @@ from sft_tokenize.build.store import collect_garbage, discard_shards, remove_cac
 from sft_tokenize.build.timeline import mark
 from sft_tokenize.build.workers import encoding_processes, warm_encoder
 from sft_tokenize.errors import BadInput
+from sft_tokenize.flows.artifacts import artifact_key, report, report_packing
 from sft_tokenize.flows.cluster import check_workers
 from sft_tokenize.flows.interrupts import stopping_workers
-from sft_tokenize.flows.report import describe_slice, markdown_table, packing_summary, summary
+from sft_tokenize.flows.report import describe_slice, markdown_table
 from sft_tokenize.flows.run_options import TokenizeRun
 from sft_tokenize.flows.runners import result_storage, started_task_runner, where
-from sft_tokenize.read.cache import read_manifest
 from sft_tokenize.tasks.pack_cache import pack_cache
 from sft_tokenize.tasks.plan_slices import plan_slices
 from sft_tokenize.tasks.publish_cache import publish_cache
@@ -221,30 +220,6 @@ def raise_failures(failures: dict[int, BaseException], plan: Plan, retries: int)
     if any(isinstance(e, BadInput) for e in failures.values()):
         raise BadInput(message)
     raise SlicesFailed(message)
-
-
-def artifact_key(prefix: str, name: str) -> str:
-    """A Prefect artifact key (lowercase letters, digits and dashes) for `name`."""
-    return f"{prefix}-" + "".join(c if c.isascii() and c.isalnum() else "-" for c in name.lower())
-
-
-def report(cache_path: Path) -> None:
-    manifest = read_manifest(cache_path)
-    whole = (manifest.get("masks") or {}).get("rows_all_trained", 0)
-    if whole:
-        get_run_logger().warning("%d of %d rows have every token trained, which is almost always a broken chat "
-                                 "template: look at a few with `sft-tokenize inspect %s --sample 3`", whole,
-                                 manifest["rows"], cache_path)
-    create_markdown_artifact(markdown_table(f"Tokenized cache {manifest['name']}", summary(manifest, cache_path)),
-                             key=artifact_key("sft-cache", manifest["name"]),
-                             description=f"{manifest['rows']:,} rows, {manifest['tokens']:,} tokens")
-
-
-def report_packing(index_path: Path) -> None:
-    meta, build = (json.loads((index_path / name).read_text()) for name in ("index.json", "build.json"))
-    create_markdown_artifact(markdown_table(f"Packing index {meta['key']}", packing_summary(meta, build, index_path)),
-                             key=f"{artifact_key('sft-pack', index_path.parent.name)}-{meta['key']}",
-                             description=f"{meta['bins']:,} bins, {meta['efficiency']:.2%} efficient")
 
 
 @flow(name="tokenize-dataset", description="Tokenize an SFT dataset into a memory-mapped Arrow cache.")
