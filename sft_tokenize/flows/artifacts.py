@@ -1,3 +1,5 @@
+"""The Prefect artifacts a run leaves: its cache's summary and its packing index's, under stable keys."""
+
 from __future__ import annotations
 
 import json

@@ -1,3 +1,6 @@
+"""A run whose slices failed: its one line (each failed slice and why, what stays, what a rerun redoes) and
+its failure artifact."""
+
 from __future__ import annotations
 
 from concurrent.futures import BrokenExecutor, CancelledError

@@ -1,3 +1,7 @@
+"""How a run runs, beside what it builds: TokenizeRun, the flow's one parameter (a typed form in the UI).
+
+No Prefect import: the command line reads these declarations before it decides whether Prefect is needed."""
+
 from __future__ import annotations
 
 from typing import Literal

@@ -1,3 +1,6 @@
+"""The runner policy: which Prefect task runner a run's slices go to, how its workers are set up, and where
+Prefect keeps the slices' results."""
+
 from __future__ import annotations
 
 import os
