@@ -94,7 +94,9 @@ def run_tokenize(settings: dict[str, Any], progress: Callable[[Any], Any] | None
     from prefect.settings import get_current_settings
 
     from sft_tokenize.flows.embedded_server import EmbeddedServer, ServerLost, ServerUnavailable, check_api_reachable
-    from sft_tokenize.flows.tokenize_dataset import TokenizeRun, first_line, on_progress, tokenize_dataset
+    from sft_tokenize.flows.failures import first_line
+    from sft_tokenize.flows.run_options import TokenizeRun
+    from sft_tokenize.flows.tokenize_dataset import on_progress, tokenize_dataset
 
     options = _checked(TokenizeRun, settings)
     if server is None and EmbeddedServer.needed():  # --force of a published cache: the plan did no work

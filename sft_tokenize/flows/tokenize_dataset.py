@@ -7,100 +7,30 @@ runner the same way the CLI does.
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import BrokenExecutor, CancelledError
 from contextlib import contextmanager, nullcontext
-from pathlib import Path
-from typing import Literal
 
 from prefect import flow, get_run_logger
-from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
-from prefect.context import get_run_context
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.futures import as_completed
-from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
-from prefect.task_runners import ProcessPoolTaskRunner, TaskRunner, ThreadPoolTaskRunner
-from pydantic import Field, ValidationInfo, field_validator
 
-from sft_tokenize.build.options import TokenizeOptions
 from sft_tokenize.build.plan import Plan
 from sft_tokenize.build.protocol import build_cache
 from sft_tokenize.build.shard_check import finished_shard
 from sft_tokenize.build.store import collect_garbage, discard_shards, remove_cache
 from sft_tokenize.build.timeline import mark
 from sft_tokenize.build.workers import encoding_processes, warm_encoder
-from sft_tokenize.encoding.memory import limit_malloc_arenas
-from sft_tokenize.encoding.pool import POOL_MIN_BYTES, available_cores, tokenizer_env
-from sft_tokenize.errors import BadInput
-from sft_tokenize.flows.cluster import check_workers, dask_runner, ray_runner
-from sft_tokenize.flows.console import configure_console
-from sft_tokenize.flows.interrupts import ignore_sigint, stopping_workers
-from sft_tokenize.flows.report import describe_slice, markdown_table, packing_summary, summary
-from sft_tokenize.read.cache import read_manifest
-from sft_tokenize.read.packing_index import PackOptions
+from sft_tokenize.flows.artifacts import report, report_packing
+from sft_tokenize.flows.cluster import check_workers
+from sft_tokenize.flows.failures import first_line, raise_failures
+from sft_tokenize.flows.interrupts import stopping_workers
+from sft_tokenize.flows.run_options import TokenizeRun
+from sft_tokenize.flows.runners import result_storage, started_task_runner, where
 from sft_tokenize.tasks.pack_cache import pack_cache
 from sft_tokenize.tasks.plan_slices import plan_slices
 from sft_tokenize.tasks.publish_cache import publish_cache
-from sft_tokenize.tasks.tokenize_slice import NOT_RETRIED, RETRIES, tokenize_slice
-
-
-class TokenizeRun(TokenizeOptions):
-    """What to tokenize (TokenizeOptions) and how to run it: the flow's one parameter, a typed form in the UI."""
-
-    runner: Literal["threads", "processes", "dask", "ray"] = Field(
-        "threads", description="threads: the slices as threads of one process, their batches encoded by the "
-        "encode pool (encode_processes); processes: one per worker; "
-        "dask, ray: a cluster's workers (they must share the cache root's filesystem)."
-    )
-    dask_address: str | None = Field(
-        None, description="Runner dask: the scheduler, tcp://HOST:PORT; none: a temporary cluster on this machine."
-    )
-    ray_address: str | None = Field(
-        None, description="Runner ray: the cluster, HOST:PORT or ray://HOST:PORT; none: a temporary local instance."
-    )
-    workers: int | None = Field(None, ge=1, description="Slices tokenized at once; default: the number of cores. "
-                                "On a cluster at an address the cluster decides, and this is the fewest slices cut.")
-    encode_processes: int | None = Field(
-        None, ge=0, description="Runner threads: processes that render, mask and encode the slices' batches; "
-        f"default: one per core when the slices to tokenize hold {POOL_MIN_BYTES // 10**6} MB or more, else 0 "
-        "(the slices' threads encode)."
-    )
-    retries: int = Field(RETRIES, ge=0, description="Retries of a failed slice, with exponential backoff.")
-    force: bool = Field(False, description="Rebuild: delete the published cache and its shards in the store first.")
-    pack: PackOptions | None = Field(None, description="Then build the cache's global packing index (if missing).")
-    keep_versions: int | None = Field(None, ge=1, description="After publishing, remove all but the newest N "
-                                      "versions of this name, and the stored shards no cache uses (sft-tokenize gc).")
-
-    @field_validator("dask_address", "ray_address")
-    @classmethod
-    def _address_matches_the_runner(cls, address: str | None, info: ValidationInfo) -> str | None:
-        runner = info.field_name.removesuffix("_address")
-        if address and info.data.get("runner") != runner:
-            raise ValueError(f"an address for {runner} needs runner {runner} (--runner {runner})")
-        return address or None
-
-    @property
-    def worker_count(self) -> int:
-        return self.workers or available_cores()
-
-    def encode_process_count(self, fresh_bytes: int) -> int:
-        if self.runner != "threads":
-            return 0  # the other runners' workers are processes already
-        if self.encode_processes is not None:
-            return self.encode_processes
-        return available_cores() if fresh_bytes >= POOL_MIN_BYTES else 0
-
-    @property
-    def cluster_address(self) -> str | None:
-        return {"dask": self.dask_address, "ray": self.ray_address}.get(self.runner)
-
-
-class SlicesFailed(RuntimeError):
-    """Slices that failed (after their retries, where retrying can help); the shards that finished stay in the
-    shard store for the next run."""
-
+from sft_tokenize.tasks.tokenize_slice import tokenize_slice
 
 # (finished slices, all slices, rows in the finished slices): how the CLI draws its progress bar.
 ProgressCallback = Callable[[int, int, int], None]
@@ -120,59 +50,6 @@ def on_progress(callback: ProgressCallback) -> Iterator[None]:
 def _notify(finished: int, total: int, rows: int) -> None:
     for callback in list(_progress_callbacks):
         callback(finished, total, rows)
-
-
-def prepare_worker(tokenizer_threads: int) -> None:
-    """Run in each process-pool worker before its first task."""
-    os.environ.update(tokenizer_env(tokenizer_threads))
-    ignore_sigint()
-    limit_malloc_arenas()
-    configure_console(worker=True)
-
-
-@contextmanager
-def workers_share_this_api() -> Iterator[None]:
-    """Without a configured API URL, each spawned worker would start its own embedded Prefect server
-    (seconds each, one more client of the same database): point them at this flow run's server."""
-    if get_current_settings().api.url:
-        yield
-        return
-    with temporary_settings(updates={PREFECT_API_URL: str(get_run_context().client.api_url)}):
-        yield
-
-
-@contextmanager
-def started_task_runner(runner: str, workers: int, address: str | None = None) -> Iterator[TaskRunner]:
-    if runner == "threads":
-        # Threads share the process's one tokenizer thread pool, so they cannot oversubscribe the cores.
-        limit_malloc_arenas()
-        with ThreadPoolTaskRunner(max_workers=workers) as pool:
-            yield pool
-        return
-    tokenizer_threads = max(1, available_cores() // workers)  # local workers × tokenizer threads ≤ cores
-    if runner == "processes":
-        pool = ProcessPoolTaskRunner(max_workers=workers, initializer=prepare_worker, initargs=(tokenizer_threads,))
-    elif runner == "dask":
-        pool = dask_runner(address, workers, tokenizer_threads)
-    else:
-        pool = ray_runner(address, workers, tokenizer_threads)
-    with workers_share_this_api(), pool:
-        yield pool
-
-
-def where(options: TokenizeRun, workers: int) -> str:
-    if options.cluster_address:
-        return f"the {options.runner} cluster at {options.cluster_address}"
-    if options.runner in ("dask", "ray"):
-        return f"a temporary {options.runner} cluster of {workers} workers"
-    return f"{workers} {options.runner}"
-
-
-def result_storage(options: TokenizeOptions) -> dict:
-    """Prefect's result records live beside the cache they describe, unless the operator set a storage block."""
-    if get_current_settings().results.default_storage_block:
-        return {}
-    return {"result_storage": options.cache_root / ".prefect-results"}
 
 
 def discard_previous_output(plan: Plan, options: TokenizeRun) -> Plan:
@@ -237,127 +114,6 @@ def tokenize_all(plan: Plan, options: TokenizeRun, staged: set[int]) -> dict:
     tokenized = [finished_shard(plan.job, s) for s in plan.slices if s.index not in staged]
     return {"runner": options.runner, "workers": workers, "tokenize_seconds": round(seconds, 3),
             "tokens_tokenized": sum(meta["tokens"] for meta in tokenized if meta)}
-
-
-def first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [""])[0]
-
-
-def reason(error: BaseException) -> str:
-    """A failed slice's error in one line: bad input's own message names its file and row, others their type."""
-    return first_line(error) if isinstance(error, BadInput) else f"{type(error).__name__}: {first_line(error)}"
-
-
-LISTED = 20  # failed slices a run's message names; its failure artifact lists every one
-
-
-def _count(n: int, one: str, many: str) -> str:
-    return f"{n} {one if n == 1 else many}"
-
-
-def rerun_hint(failures: dict[int, BaseException], total: int, store: Path | str, retry_in_ui: bool) -> str:
-    """What stays and what a rerun or a Retry redoes: every slice but the failed ones is in the shard store."""
-    finished, failed = total - len(failures), len(failures)
-    kept = (f"the {_count(finished, 'finished shard stays', 'finished shards stay')} in the shard store {store}"
-            if finished else "no slice finished")
-    fix = "fix those rows (or skip them: --on-bad-row skip), then " if any(
-        isinstance(e, BadInput) for e in failures.values()) else ""
-    again = "Retry the flow run in the Prefect UI (or run it again)" if retry_in_ui else "run the same command again"
-    return f"{kept}: {fix}{again} to tokenize only {'this slice' if failed == 1 else f'these {failed} slices'}"
-
-
-def _retried(error: BaseException) -> bool:
-    """Whether Prefect retried the slice's task before it failed with `error`: not if the task decided so
-    (NOT_RETRIED: bad input, a full disk, an interrupt), nor if its worker died under it (the executor's error,
-    not the task's)."""
-    return not isinstance(error, (*NOT_RETRIED, BrokenExecutor, CancelledError))
-
-
-def _failed(failures: dict[int, BaseException], total: int, retries: int) -> tuple[str, set[int], str]:
-    """The message's head ("3 of 42 slices failed on bad input"), the slices Prefect retried, and the words
-    that say so where only some were: "after N retries" appears only where Prefect did retry."""
-    retried = {i for i, e in failures.items() if retries and _retried(e)}
-    after = f" after {_count(retries, 'retry', 'retries')}"
-    head = f"{len(failures)} of {total} slices failed"
-    if all(isinstance(e, BadInput) for e in failures.values()):
-        return head + " on bad input", retried, ""
-    if retried == set(failures):
-        return head + after, retried, ""
-    return head, retried, after
-
-
-def failure_message(failures: dict[int, BaseException], total: int, store: Path | str, retries: int,
-                    retry_in_ui: bool = False, listed: int = LISTED) -> str:
-    """One line for a run whose slices failed: each failed slice with its reason (the first `listed` slices;
-    those failed the same way named together), then what stays and what a rerun redoes."""
-    head, retried, after = _failed(failures, total, retries)
-    alike: dict[str, list[int]] = {}
-    for i, error in sorted(failures.items()):
-        alike.setdefault(f"{after if i in retried else ''}: {reason(error)}", []).append(i)
-    named, shown = [], 0
-    for said, indices in alike.items():
-        if shown < listed:
-            names = indices[:listed - shown]
-            shown += len(names)
-            named.append(", ".join(f"tokenize-{i:05d}" for i in names) + said)
-    if shown < len(failures):
-        named.append(f"and {len(failures) - shown} more slices (the run's failure artifact lists every one)")
-    return f"{head}: {'; '.join(named)}; {rerun_hint(failures, total, store, retry_in_ui)}"
-
-
-def _is_deployment_run() -> bool:
-    """Whether this flow run, or the run it is a subflow of, has a deployment: only those can be retried."""
-    from prefect.runtime import deployment, flow_run
-
-    try:
-        return bool(deployment.id or flow_run.parent_deployment_id)
-    except Exception:  # noqa: BLE001 - the API unreachable: the hint names the rerun, which works anyway
-        return False
-
-
-def raise_failures(failures: dict[int, BaseException], plan: Plan, retries: int) -> None:
-    """Report the failed slices (the failure artifact) and fail the run naming them all: as BadInput (exit 2)
-    if any failed on bad input, since rerunning alone would fail the same way, else as SlicesFailed."""
-    total, retry_in_ui = len(plan.slices), _is_deployment_run()
-    message = failure_message(failures, total, plan.store, retries, retry_in_ui)
-    by_index = {s.index: s for s in plan.slices}
-    rows = [(f"tokenize-{i:05d}", describe_slice(by_index[i]), reason(e)) for i, e in sorted(failures.items())]
-    hint = rerun_hint(failures, total, plan.store, retry_in_ui)
-    head = _failed(failures, total, retries)[0]
-    try:
-        create_markdown_artifact(
-            markdown_table(f"Failed: {plan.name}, {head}", rows, header=("slice", "reads", "reason"), code=True)
-            + f"\n{hint[0].upper()}{hint[1:]}.\n",
-            key=artifact_key("sft-cache-failed", plan.name), description=head)
-    except Exception as error:  # noqa: BLE001 - the run's own error, below, says it all and must not be lost
-        get_run_logger().warning("could not create the failure artifact: %s", reason(error))
-    if any(isinstance(e, BadInput) for e in failures.values()):
-        raise BadInput(message)
-    raise SlicesFailed(message)
-
-
-def artifact_key(prefix: str, name: str) -> str:
-    """A Prefect artifact key (lowercase letters, digits and dashes) for `name`."""
-    return f"{prefix}-" + "".join(c if c.isascii() and c.isalnum() else "-" for c in name.lower())
-
-
-def report(cache_path: Path) -> None:
-    manifest = read_manifest(cache_path)
-    whole = (manifest.get("masks") or {}).get("rows_all_trained", 0)
-    if whole:
-        get_run_logger().warning("%d of %d rows have every token trained, which is almost always a broken chat "
-                                 "template: look at a few with `sft-tokenize inspect %s --sample 3`", whole,
-                                 manifest["rows"], cache_path)
-    create_markdown_artifact(markdown_table(f"Tokenized cache {manifest['name']}", summary(manifest, cache_path)),
-                             key=artifact_key("sft-cache", manifest["name"]),
-                             description=f"{manifest['rows']:,} rows, {manifest['tokens']:,} tokens")
-
-
-def report_packing(index_path: Path) -> None:
-    meta, build = (json.loads((index_path / name).read_text()) for name in ("index.json", "build.json"))
-    create_markdown_artifact(markdown_table(f"Packing index {meta['key']}", packing_summary(meta, build, index_path)),
-                             key=f"{artifact_key('sft-pack', index_path.parent.name)}-{meta['key']}",
-                             description=f"{meta['bins']:,} bins, {meta['efficiency']:.2%} efficient")
 
 
 @flow(name="tokenize-dataset", description="Tokenize an SFT dataset into a memory-mapped Arrow cache.")

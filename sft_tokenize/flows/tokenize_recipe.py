@@ -15,8 +15,10 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from sft_tokenize.build.recipe import Recipe
+from sft_tokenize.flows.artifacts import artifact_key
 from sft_tokenize.flows.report import markdown_table, mixture_summary
-from sft_tokenize.flows.tokenize_dataset import TokenizeRun, artifact_key, tokenize_dataset
+from sft_tokenize.flows.run_options import TokenizeRun
+from sft_tokenize.flows.tokenize_dataset import tokenize_dataset
 from sft_tokenize.read.mixture_index import mix_caches
 
 

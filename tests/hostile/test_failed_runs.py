@@ -17,8 +17,8 @@ from sft_tokenize.build.options import TokenizeOptions
 from sft_tokenize.build.plan import run_locally
 from sft_tokenize.build.stopping import Stopped
 from sft_tokenize.errors import BadInput, OutOfSpace
+from sft_tokenize.flows.failures import failure_message
 from sft_tokenize.flows.report import markdown_table, summary
-from sft_tokenize.flows.tokenize_dataset import failure_message
 
 STORE = "/data/cache/.shards"
 FAULT = RuntimeError("injected fault\nsecond line of the error")

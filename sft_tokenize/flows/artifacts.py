@@ -1,0 +1,36 @@
+"""The Prefect artifacts a run leaves: its cache's summary and its packing index's, under stable keys."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from prefect import get_run_logger
+from prefect.artifacts import create_markdown_artifact
+
+from sft_tokenize.flows.report import markdown_table, packing_summary, summary
+from sft_tokenize.read.cache import read_manifest
+
+
+def artifact_key(prefix: str, name: str) -> str:
+    """A Prefect artifact key (lowercase letters, digits and dashes) for `name`."""
+    return f"{prefix}-" + "".join(c if c.isascii() and c.isalnum() else "-" for c in name.lower())
+
+
+def report(cache_path: Path) -> None:
+    manifest = read_manifest(cache_path)
+    whole = (manifest.get("masks") or {}).get("rows_all_trained", 0)
+    if whole:
+        get_run_logger().warning("%d of %d rows have every token trained, which is almost always a broken chat "
+                                 "template: look at a few with `sft-tokenize inspect %s --sample 3`", whole,
+                                 manifest["rows"], cache_path)
+    create_markdown_artifact(markdown_table(f"Tokenized cache {manifest['name']}", summary(manifest, cache_path)),
+                             key=artifact_key("sft-cache", manifest["name"]),
+                             description=f"{manifest['rows']:,} rows, {manifest['tokens']:,} tokens")
+
+
+def report_packing(index_path: Path) -> None:
+    meta, build = (json.loads((index_path / name).read_text()) for name in ("index.json", "build.json"))
+    create_markdown_artifact(markdown_table(f"Packing index {meta['key']}", packing_summary(meta, build, index_path)),
+                             key=f"{artifact_key('sft-pack', index_path.parent.name)}-{meta['key']}",
+                             description=f"{meta['bins']:,} bins, {meta['efficiency']:.2%} efficient")

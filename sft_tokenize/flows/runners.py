@@ -1,0 +1,73 @@
+"""The runner policy: which Prefect task runner a run's slices go to, how its workers are set up, and where
+Prefect keeps the slices' results."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from prefect.context import get_run_context
+from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
+from prefect.task_runners import ProcessPoolTaskRunner, TaskRunner, ThreadPoolTaskRunner
+
+from sft_tokenize.build.options import TokenizeOptions
+from sft_tokenize.encoding.memory import limit_malloc_arenas
+from sft_tokenize.encoding.pool import available_cores, tokenizer_env
+from sft_tokenize.flows.cluster import dask_runner, ray_runner
+from sft_tokenize.flows.console import configure_console
+from sft_tokenize.flows.interrupts import ignore_sigint
+from sft_tokenize.flows.run_options import TokenizeRun
+
+
+def prepare_worker(tokenizer_threads: int) -> None:
+    """Run in each process-pool worker before its first task."""
+    os.environ.update(tokenizer_env(tokenizer_threads))
+    ignore_sigint()
+    limit_malloc_arenas()
+    configure_console(worker=True)
+
+
+@contextmanager
+def workers_share_this_api() -> Iterator[None]:
+    """Without a configured API URL, each spawned worker would start its own embedded Prefect server
+    (seconds each, one more client of the same database): point them at this flow run's server."""
+    if get_current_settings().api.url:
+        yield
+        return
+    with temporary_settings(updates={PREFECT_API_URL: str(get_run_context().client.api_url)}):
+        yield
+
+
+@contextmanager
+def started_task_runner(runner: str, workers: int, address: str | None = None) -> Iterator[TaskRunner]:
+    if runner == "threads":
+        # Threads share the process's one tokenizer thread pool, so they cannot oversubscribe the cores.
+        limit_malloc_arenas()
+        with ThreadPoolTaskRunner(max_workers=workers) as pool:
+            yield pool
+        return
+    tokenizer_threads = max(1, available_cores() // workers)  # local workers × tokenizer threads ≤ cores
+    if runner == "processes":
+        pool = ProcessPoolTaskRunner(max_workers=workers, initializer=prepare_worker, initargs=(tokenizer_threads,))
+    elif runner == "dask":
+        pool = dask_runner(address, workers, tokenizer_threads)
+    else:
+        pool = ray_runner(address, workers, tokenizer_threads)
+    with workers_share_this_api(), pool:
+        yield pool
+
+
+def where(options: TokenizeRun, workers: int) -> str:
+    if options.cluster_address:
+        return f"the {options.runner} cluster at {options.cluster_address}"
+    if options.runner in ("dask", "ray"):
+        return f"a temporary {options.runner} cluster of {workers} workers"
+    return f"{workers} {options.runner}"
+
+
+def result_storage(options: TokenizeOptions) -> dict:
+    """Prefect's result records live beside the cache they describe, unless the operator set a storage block."""
+    if get_current_settings().results.default_storage_block:
+        return {}
+    return {"result_storage": options.cache_root / ".prefect-results"}
