@@ -1,10 +1,10 @@
-"""How each source format is inspected, cut and read: its columns, its pieces (the cut points that slicing.py
-packs into slices) and the rows of one part, in bounded batches.
+"""The reader of each source format, and a slice's rows read from them. Each reader (format_reader.py says what
+it gives: columns, pieces, the rows of one part in bounded batches) is a module of its own:
 
-    jsonl    byte ranges aligned to line starts; a slice seeks to its range and reads only it
-    parquet  row groups; a slice reads only its row groups and only the columns it needs
-    arrow    row ranges of Arrow IPC (stream or file) files, e.g. a `save_to_disk` directory
-    json     (an array of objects) and csv: whole files, one piece each
+    jsonl    jsonl_reader.py: byte ranges aligned to line starts; a slice seeks to its range and reads only it
+    parquet  parquet_reader.py: row groups; a slice reads only its row groups and only the columns it needs
+    arrow    arrow_reader.py: row ranges of Arrow IPC (stream or file) files, e.g. a `save_to_disk` directory
+    json     json_reader.py (an array of objects) and csv_reader.py: whole files, one piece each
 
 A compressed file is decompressed as it is read (compressed.py): it is one piece, read whole by one slice.
 """
