@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sft_tokenize.build.fingerprint import fingerprint
 from sft_tokenize.files import atomic_write, file_digest
+from sft_tokenize.fingerprint import fingerprint
 from sft_tokenize.sources.resolve import Part, Slice, file_identity, filesystem, is_local
 
 KEY_DIGITS = 32

@@ -15,7 +15,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from sft_tokenize.build.fingerprint import fingerprint, hash_directory, hash_text, tokenization_inputs
 from sft_tokenize.build.job import Job
 from sft_tokenize.build.keys import Digests, slice_key
 from sft_tokenize.build.options import TokenizeOptions, hashed_values, job_values, parse_size
@@ -31,6 +30,7 @@ from sft_tokenize.encoding.tokenizer import read_chat_template, read_processor_c
 from sft_tokenize.encoding.vision import load_family
 from sft_tokenize.errors import BadInput
 from sft_tokenize.files import write_problem
+from sft_tokenize.fingerprint import fingerprint, hash_directory, hash_text, tokenization_inputs
 from sft_tokenize.format import CACHE_FORMAT_VERSION
 from sft_tokenize.sources.conversations import DEFAULT_COLUMNS, REQUIRED, ColumnMap, resolve_columns
 from sft_tokenize.sources.readers import reader

@@ -23,12 +23,12 @@ from typing import Any
 import numpy as np
 
 from sft_tokenize import __version__
-from sft_tokenize.build.fingerprint import fingerprint
 from sft_tokenize.build.job import Job, job_features
 from sft_tokenize.build.shard_check import finished_shard
 from sft_tokenize.build.workers import encoder_for
 from sft_tokenize.errors import BadInput, CacheError
 from sft_tokenize.files import built_directory, locked
+from sft_tokenize.fingerprint import fingerprint
 from sft_tokenize.format import CACHE_FORMAT_VERSION
 from sft_tokenize.format.manifest import read_manifest
 from sft_tokenize.sources.images import changed_file, image_base

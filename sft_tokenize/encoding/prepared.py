@@ -35,9 +35,9 @@ from typing import Any
 
 import numpy as np
 
-from sft_tokenize.build.fingerprint import fingerprint
 from sft_tokenize.encoding.exact import FastEncoder, check_encoder, log_refusal, rebuilt_encoder
 from sft_tokenize.files import atomic_path, atomic_write
+from sft_tokenize.fingerprint import fingerprint
 
 logger = logging.getLogger("sft_tokenize")
 

@@ -94,8 +94,8 @@ def _boot_facts() -> dict | None:
 
 def template_dir() -> Path:
     """Where this Prefect's database template is kept (see the module docstring)."""
-    from sft_tokenize.build.fingerprint import fingerprint
     from sft_tokenize.encoding.prepared import user_cache
+    from sft_tokenize.fingerprint import fingerprint
 
     this = _this_prefect()
     return user_cache() / DATABASE_TEMPLATES / f"prefect-{this['prefect']}-{fingerprint(this)[:16]}"

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from support.paths import EXAMPLE_DATA, EXAMPLE_TOKENIZER
 
-from sft_tokenize.build.fingerprint import fingerprint
 from sft_tokenize.build.options import TokenizeOptions, declared
 from sft_tokenize.build.plan import Plan, plan_slices
+from sft_tokenize.fingerprint import fingerprint
 from sft_tokenize.flows.arguments import build_parser, options_from
 
 # option set → (tokenization fingerprint, cache fingerprint with each source as [file name, kind, size]).

@@ -12,11 +12,11 @@ import pytest
 from support.data import example_rows
 from support.paths import EXAMPLE_TOKENIZER
 
-from sft_tokenize.build.fingerprint import hash_directory
 from sft_tokenize.encoding import exact as encoders
 from sft_tokenize.encoding.chat_encoder import ChatEncoder
 from sft_tokenize.encoding.prepared import PartsTokenizer, prepared_dir, prepared_encoding
 from sft_tokenize.encoding.tokenizer import load_tokenizer
+from sft_tokenize.fingerprint import hash_directory
 from sft_tokenize.sources.conversations import ColumnMap, to_example
 
 pytest.importorskip("fastokens")
