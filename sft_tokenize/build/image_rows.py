@@ -27,6 +27,7 @@ from sft_tokenize.build.stopping import interruptible
 from sft_tokenize.encoding.chat_encoder import EncodedBatch
 from sft_tokenize.encoding.image_runs import ImageRuns
 from sft_tokenize.errors import BadRow, one_line
+from sft_tokenize.format.pixels import decoded_image
 from sft_tokenize.sources.conversations import Conversation
 from sft_tokenize.sources.images import LoadedImage, load_images
 
@@ -80,8 +81,6 @@ class ImageRows:
         return replace(example, image_grids=grids, image_refs=()), stored
 
     def _add_pixels(self, data: list[bytes], grids: tuple[tuple[int, ...], ...], stored: Stored) -> None:
-        from sft_tokenize.read.image_collator import decoded_image
-
         pictures = []
         for k, encoded in enumerate(data, start=1):
             try:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from sft_tokenize.errors import BadInput, BadRow
+from sft_tokenize.format.pixels import pixel_inputs
 from sft_tokenize.sources.images import ImageHeader
 
 # The EXIF and colour policy of transformers' load_image, which every family's pixels go through.
@@ -116,8 +117,6 @@ class VisionFamily(ABC):
         """The processor's inputs for these images (numpy; encoded bytes or decoded), made as a trainer's collator
         makes them (`pixel_inputs`, on the read side); each image's grid must equal the stored one, or a CacheError
         names the image and both grids."""
-        from sft_tokenize.read.image_collator import pixel_inputs
-
         record = {"family": self.name, "pil_class": self.pil_class, "settings": json.loads(self.settings_json)}
         return pixel_inputs(record, images, grids, names)
 
