@@ -30,6 +30,7 @@ from sft_tokenize.errors import CacheError
 from sft_tokenize.files import built_directory, locked
 from sft_tokenize.format.manifest import read_manifest
 from sft_tokenize.read.cache import open_cache
+from sft_tokenize.read.index_arrays import mapped_arrays, write_npy
 from sft_tokenize.read.mixture_options import MixtureOptions
 from sft_tokenize.read.mixture_selection import (
     SourceRows,
@@ -41,7 +42,6 @@ from sft_tokenize.read.mixture_selection import (
     planned_rows,
     share_warnings,
 )
-from sft_tokenize.read.packing_index import mapped_arrays, write_npy
 
 logger = logging.getLogger("sft_tokenize")
 

@@ -28,6 +28,7 @@ from sft_tokenize.errors import BadInput, CacheError
 from sft_tokenize.files import built_directory, locked, write_problem
 from sft_tokenize.read.bin_packing import ALGORITHMS, arrange_for_ranks
 from sft_tokenize.read.cache import TokenizedCache, open_cache
+from sft_tokenize.read.index_arrays import mapped_arrays, write_npy
 
 if TYPE_CHECKING:
     from sft_tokenize.read.mixed_rows import MixedRows
@@ -162,25 +163,6 @@ class PackingIndex:
 
     def bin(self, index: int) -> np.ndarray:
         return self.rows[self.bins[index]:self.bins[index + 1]]
-
-
-def write_npy(path: Path, array: np.ndarray) -> dict[str, Any]:
-    """An index array as int64 little-endian .npy; its record (bytes, sha256) for the index's metadata."""
-    np.save(path, np.ascontiguousarray(array, dtype="<i8"), allow_pickle=False)
-    return {"bytes": path.stat().st_size, "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
-
-
-def mapped_arrays(path: Path, names: tuple[str, ...], recorded: dict[str, Any]) -> dict[str, np.ndarray]:
-    """An index's arrays memory-mapped, each checked against its recorded size; CacheError if one is not."""
-    arrays = {}
-    for name in names:
-        file = path / name
-        size = file.stat().st_size if file.exists() else None
-        if size != recorded[name]["bytes"]:
-            raise CacheError(f"{file}: {'missing' if size is None else f'{size} bytes'}, the index says "
-                             f"{recorded[name]['bytes']} bytes")
-        arrays[name] = np.load(file, mmap_mode="r", allow_pickle=False)
-    return arrays
 
 
 def _cache_identity(cache: TokenizedCache) -> dict[str, Any]:
