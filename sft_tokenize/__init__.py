@@ -38,7 +38,7 @@ _API = {
     "PackedSequences": "sft_tokenize.read.packed_sequences",
     "PackedSampler": "sft_tokenize.read.packed_sequences",
     "open_mixture": "sft_tokenize.read.mixed_rows",
-    "mixture_dataset": "sft_tokenize.read.mixed_rows",
+    "mixture_dataset": "sft_tokenize.read.trainers",
     "mix_caches": "sft_tokenize.read.mixture_index",
     "MixtureOptions": "sft_tokenize.read.mixture_options",
     "MixtureSource": "sft_tokenize.read.mixture_options",
@@ -59,12 +59,12 @@ if TYPE_CHECKING:
     from sft_tokenize.format.manifest import read_manifest
     from sft_tokenize.read.cache import TokenizedCache, open_cache
     from sft_tokenize.read.image_collator import ImageCollator
-    from sft_tokenize.read.mixed_rows import mixture_dataset, open_mixture
+    from sft_tokenize.read.mixed_rows import open_mixture
     from sft_tokenize.read.mixture_index import mix_caches
     from sft_tokenize.read.mixture_options import MixtureOptions, MixtureSource
     from sft_tokenize.read.packed_sequences import PackedSampler, PackedSequences, packed_sequences
     from sft_tokenize.read.packing_index import PackOptions, pack_cache
-    from sft_tokenize.read.trainers import for_axolotl, for_trl, work_view
+    from sft_tokenize.read.trainers import for_axolotl, for_trl, mixture_dataset, work_view
 
 
 def __getattr__(name: str) -> Any:

@@ -1,4 +1,4 @@
-"""The rows of a mixture index, as `open_cache` gives them, and the mixture as one `datasets.Dataset`.
+"""The rows of a mixture index, as `open_cache` gives them (`trainers.mixture_dataset`: as one `Dataset`).
 
     rows = open_mixture(mixture.path)        # rows as open_cache gives them, source after source interleaved
 """
@@ -67,17 +67,3 @@ class MixedRows(Sequence):
 def open_mixture(path: str | Path) -> MixedRows:
     """The rows of the mixture index at `path` (a directory holding mixture.json)."""
     return MixedRows(path)
-
-
-def mixture_dataset(path: str | Path, work_dir: str | Path | None = None):
-    """The mixture as one `datasets.Dataset` without copying a row: the sources' work views concatenated and
-    selected through an indices mapping (what `Dataset.select` keeps), for TRL and axolotl."""
-    from datasets import concatenate_datasets, load_from_disk
-
-    from sft_tokenize.read.trainers import work_view
-
-    mixed = open_mixture(path)
-    views = [load_from_disk(str(work_view(c.path, None if work_dir is None else Path(work_dir) / c.path.name)))
-             for c in mixed.caches]
-    starts = np.cumsum([0] + [len(c) for c in mixed.caches])[:-1]
-    return concatenate_datasets(views).select(starts[np.asarray(mixed.index.sources)] + np.asarray(mixed.index.rows))

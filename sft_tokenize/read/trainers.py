@@ -18,10 +18,13 @@ import hashlib
 import shutil
 from pathlib import Path
 
+import numpy as np
+
 from sft_tokenize.errors import CacheError
 from sft_tokenize.files import atomic_path
 from sft_tokenize.format.manifest import read_manifest
 from sft_tokenize.read.layouts import LAYOUTS
+from sft_tokenize.read.mixed_rows import open_mixture
 
 VIEW_METADATA = ("state.json", "dataset_info.json")
 
@@ -59,6 +62,18 @@ def work_view(path: str | Path, work_dir: str | Path | None = None) -> Path:
     return view
 
 
+def mixture_dataset(path: str | Path, work_dir: str | Path | None = None):
+    """The mixture as one `datasets.Dataset` without copying a row: the sources' work views concatenated and
+    selected through an indices mapping (what `Dataset.select` keeps), for TRL and axolotl."""
+    from datasets import concatenate_datasets, load_from_disk
+
+    mixed = open_mixture(path)
+    views = [load_from_disk(str(work_view(c.path, None if work_dir is None else Path(work_dir) / c.path.name)))
+             for c in mixed.caches]
+    starts = np.cumsum([0] + [len(c) for c in mixed.caches])[:-1]
+    return concatenate_datasets(views).select(starts[np.asarray(mixed.index.sources)] + np.asarray(mixed.index.rows))
+
+
 def for_trl(path: str | Path, work_dir: str | Path | None = None):
     """The cache (or a mixture index's rows) as the `datasets.Dataset` to give TRL's `SFTTrainer` as
     `train_dataset`.
@@ -71,8 +86,6 @@ def for_trl(path: str | Path, work_dir: str | Path | None = None):
     from datasets import load_from_disk
 
     if (Path(path) / "mixture.json").is_file():  # a mixture index over several caches
-        from sft_tokenize.read.mixed_rows import mixture_dataset
-
         dataset = mixture_dataset(path, work_dir)
     else:
         dataset = load_from_disk(str(work_view(path, work_dir)))

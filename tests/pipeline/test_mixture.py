@@ -18,10 +18,11 @@ from sft_tokenize.build.options import TokenizeOptions
 from sft_tokenize.build.plan import run_locally
 from sft_tokenize.errors import BadInput
 from sft_tokenize.read.cache import open_cache
-from sft_tokenize.read.mixed_rows import mixture_dataset, open_mixture
+from sft_tokenize.read.mixed_rows import open_mixture
 from sft_tokenize.read.mixture_index import mix_caches
 from sft_tokenize.read.mixture_options import MixtureOptions, MixtureSource
 from sft_tokenize.read.mixture_selection import trained_lengths
+from sft_tokenize.read.trainers import mixture_dataset
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
 
