@@ -39,7 +39,7 @@ from build_inputs import CorpusSpec, build, tokenizer_for  # noqa: E402
 from measure import git_state  # noqa: E402
 
 from sft_tokenize.build.options import TokenizeOptions  # noqa: E402
-from sft_tokenize.build.plan import run_locally  # noqa: E402
+from sft_tokenize.build.protocol import run_locally  # noqa: E402
 from sft_tokenize.read.cache import open_cache  # noqa: E402
 from sft_tokenize.read.packing_index import PackOptions, lower_bound_bins, pack_cache, plan  # noqa: E402
 

@@ -222,15 +222,3 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable
         slices = [replace(s, key=slice_key(s, job.tokenization, options.storage_options, digests)) for s in slices]
         digests.save()
     return Plan(job, slices, name, cache_path, inputs, cached=False)
-
-
-def run_locally(options: TokenizeOptions) -> Path:
-    """The whole pipeline in this process, one slice after another: the reference the flow must match."""
-    from sft_tokenize.build.protocol import build_cache
-    from sft_tokenize.build.shard import tokenize_slice
-
-    def one_after_another(plan: Plan, reused: set[int]) -> None:
-        for slice_ in plan.slices:
-            tokenize_slice(plan.job, slice_)  # a reused slice's shard is found, not written
-
-    return build_cache(plan_slices(options), one_after_another).cache_path

@@ -1,7 +1,7 @@
 """How a planned cache gets built, whoever runs its slices: the run lock, the check that it is not published
 already, the lease on the shards it reuses, the slices tokenized, the cache published.
 
-`plan.run_locally` (one slice after another, in this process) and the tokenize_dataset flow (Prefect tasks on
+`run_locally` (one slice after another, in this process) and the tokenize_dataset flow (Prefect tasks on
 a runner) differ only in how they tokenize the slices and publish, which they pass in.
 """
 
@@ -10,13 +10,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
+from sft_tokenize.build import shard
+from sft_tokenize.build.options import TokenizeOptions
+from sft_tokenize.build.plan import Plan, plan_slices
 from sft_tokenize.build.publish import building, is_published, publish_cache
 from sft_tokenize.build.store import leased
-
-if TYPE_CHECKING:
-    from sft_tokenize.build.plan import Plan
 
 # Tokenize every slice of the plan (those in the set have a shard in the store already); return the timings
 # recorded in the manifest, or None.
@@ -53,3 +53,12 @@ def build_cache(plan: Plan, tokenize_slices: TokenizeSlices, publish: Publish = 
             timings = tokenize_slices(plan, reused)
             publish(plan.job, plan.slices, plan.cache_path, plan.inputs, plan.name, timings, len(reused))
     return Built(plan, "published", len(reused))
+
+
+def run_locally(options: TokenizeOptions) -> Path:
+    """The whole pipeline in this process, one slice after another: the reference the flow must match."""
+    def one_after_another(plan: Plan, reused: set[int]) -> None:
+        for slice_ in plan.slices:
+            shard.tokenize_slice(plan.job, slice_)  # a reused slice's shard is found, not written
+
+    return build_cache(plan_slices(options), one_after_another).cache_path

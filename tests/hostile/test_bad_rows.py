@@ -19,7 +19,7 @@ from support.data import example_rows, write_jsonl
 from support.paths import EXAMPLE_TOKENIZER
 
 from sft_tokenize.build.options import TokenizeOptions
-from sft_tokenize.build.plan import run_locally
+from sft_tokenize.build.protocol import run_locally
 from sft_tokenize.read.cache import open_cache
 
 SLICES, FINISHED = 42, 31  # every line, JSON array and Parquet file of bad_rows_run is its own slice

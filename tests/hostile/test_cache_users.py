@@ -15,7 +15,7 @@ from support.cli import assert_rejected, cli
 from support.paths import EXAMPLE_DATA, EXAMPLE_TOKENIZER
 
 from sft_tokenize.build.options import TokenizeOptions
-from sft_tokenize.build.plan import run_locally
+from sft_tokenize.build.protocol import run_locally
 from sft_tokenize.errors import CacheError
 from sft_tokenize.read.cache import open_cache, read_manifest, verify_cache
 from sft_tokenize.read.mixed_rows import open_mixture

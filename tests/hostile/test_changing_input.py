@@ -19,8 +19,8 @@ from support.paths import EXAMPLE_DATA, EXAMPLE_TOKENIZER
 
 from sft_tokenize.build import shard
 from sft_tokenize.build.options import TokenizeOptions
-from sft_tokenize.build.plan import Plan, plan_slices, run_locally
-from sft_tokenize.build.protocol import build_cache
+from sft_tokenize.build.plan import Plan, plan_slices
+from sft_tokenize.build.protocol import build_cache, run_locally
 from sft_tokenize.build.shard import tokenize_slice
 from sft_tokenize.errors import BadInput
 from sft_tokenize.sources import jsonl_reader

@@ -14,8 +14,8 @@ from support.data import example_rows
 from support.paths import EXAMPLE_DATA, EXAMPLE_TOKENIZER
 
 from sft_tokenize.build.options import TokenizeOptions
-from sft_tokenize.build.plan import plan_slices, run_locally
-from sft_tokenize.build.protocol import build_cache
+from sft_tokenize.build.plan import plan_slices
+from sft_tokenize.build.protocol import build_cache, run_locally
 from sft_tokenize.build.shard import tokenize_slice
 from sft_tokenize.errors import BadInput
 from sft_tokenize.read.cache import TokenizedCache

@@ -14,7 +14,7 @@ from support.data import write_jsonl
 from support.paths import EXAMPLE_DATA, EXAMPLE_TOKENIZER
 
 from sft_tokenize.build.options import TokenizeOptions
-from sft_tokenize.build.plan import run_locally
+from sft_tokenize.build.protocol import run_locally
 from sft_tokenize.build.stopping import Stopped
 from sft_tokenize.errors import BadInput, OutOfSpace
 from sft_tokenize.flows.failures import failure_message

@@ -18,7 +18,7 @@ from support.servers import silent_server
 from support.vision import qwen_vl
 
 from sft_tokenize.build.options import TokenizeOptions
-from sft_tokenize.build.plan import run_locally
+from sft_tokenize.build.protocol import run_locally
 from sft_tokenize.errors import BadInput, BadRow
 from sft_tokenize.read.cache import TokenizedCache
 from sft_tokenize.sources.images import ImageRef, load_images

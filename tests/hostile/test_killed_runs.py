@@ -23,7 +23,7 @@ from support.data import example_rows, write_jsonl
 from support.paths import EXAMPLE_TOKENIZER
 
 from sft_tokenize.build.options import TokenizeOptions
-from sft_tokenize.build.plan import run_locally
+from sft_tokenize.build.protocol import run_locally
 from sft_tokenize.errors import CacheError
 from sft_tokenize.read.cache import open_cache
 

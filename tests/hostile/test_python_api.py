@@ -13,7 +13,8 @@ from support.vision import gemma3, qwen_vl
 
 from sft_tokenize import BadInput, tokenize
 from sft_tokenize.build.options import TokenizeOptions
-from sft_tokenize.build.plan import plan_slices, run_locally
+from sft_tokenize.build.plan import plan_slices
+from sft_tokenize.build.protocol import run_locally
 from sft_tokenize.encoding.prepared import user_cache
 
 

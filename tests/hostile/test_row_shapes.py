@@ -14,7 +14,8 @@ from support.data import example_rows, write_jsonl
 from support.paths import EXAMPLE_TOKENIZER
 
 from sft_tokenize.build.options import TokenizeOptions
-from sft_tokenize.build.plan import plan_slices, run_locally
+from sft_tokenize.build.plan import plan_slices
+from sft_tokenize.build.protocol import run_locally
 from sft_tokenize.errors import BadInput
 from sft_tokenize.read.cache import read_manifest
 

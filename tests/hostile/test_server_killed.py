@@ -22,7 +22,7 @@ from support.paths import BIN, EXAMPLE_TOKENIZER
 from support.runs import assert_group_gone
 
 from sft_tokenize.build.options import TokenizeOptions
-from sft_tokenize.build.plan import run_locally
+from sft_tokenize.build.protocol import run_locally
 
 HELD = 3  # the slice that is still tokenizing when the server dies
 SLICES = 14  # the example rows four times over, in slices of 100KB

@@ -18,7 +18,8 @@ from support.cli import cli, run_args
 from support.paths import EXAMPLE_DATA, EXAMPLE_TOKENIZER
 
 from sft_tokenize.build.options import TokenizeOptions
-from sft_tokenize.build.plan import plan_slices, run_locally
+from sft_tokenize.build.plan import plan_slices
+from sft_tokenize.build.protocol import run_locally
 from sft_tokenize.build.publish import building, publish_cache
 from sft_tokenize.build.shard import tokenize_slice
 from sft_tokenize.build.shard_check import finished_shard, sidecar_path

@@ -21,7 +21,7 @@ from support.cli import assert_rejected, cli, run_args
 from support.paths import EXAMPLE_DATA, EXAMPLE_TOKENIZER
 
 from sft_tokenize.build.options import TokenizeOptions
-from sft_tokenize.build.plan import run_locally
+from sft_tokenize.build.protocol import run_locally
 from sft_tokenize.errors import BadInput
 
 SOURCE = EXAMPLE_DATA / "chat-00001.jsonl"

@@ -26,7 +26,8 @@ from support.vision import gemma3, qwen_vl
 
 from sft_tokenize.build import workers
 from sft_tokenize.build.options import TokenizeOptions
-from sft_tokenize.build.plan import plan_slices, run_locally
+from sft_tokenize.build.plan import plan_slices
+from sft_tokenize.build.protocol import run_locally
 from sft_tokenize.build.shard import tokenize_slice
 from sft_tokenize.build.shard_check import sidecar_path
 from sft_tokenize.encoding.pool import EncodePool

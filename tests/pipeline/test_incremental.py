@@ -21,7 +21,8 @@ from support.paths import EXAMPLE_TOKENIZER, ROOT
 
 from sft_tokenize.build import keys as content
 from sft_tokenize.build.options import TokenizeOptions
-from sft_tokenize.build.plan import plan_slices, run_locally
+from sft_tokenize.build.plan import plan_slices
+from sft_tokenize.build.protocol import run_locally
 from sft_tokenize.build.publish import building, publish_cache
 from sft_tokenize.build.shard import tokenize_slice
 from sft_tokenize.build.store import collect_garbage, lease_path, leased, store_dir

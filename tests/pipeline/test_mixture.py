@@ -15,7 +15,7 @@ from support.data import tool_chat, write_jsonl
 from support.families import build_modern_tokenizer
 
 from sft_tokenize.build.options import TokenizeOptions
-from sft_tokenize.build.plan import run_locally
+from sft_tokenize.build.protocol import run_locally
 from sft_tokenize.errors import BadInput
 from sft_tokenize.read.cache import open_cache
 from sft_tokenize.read.mixed_rows import open_mixture

@@ -18,7 +18,7 @@ from support.cli import cli
 from support.paths import BIN, EXAMPLE_DATA, EXAMPLE_TOKENIZER
 
 from sft_tokenize.build.options import TokenizeOptions
-from sft_tokenize.build.plan import run_locally
+from sft_tokenize.build.protocol import run_locally
 from sft_tokenize.errors import BadInput
 from sft_tokenize.read.bin_packing import best_fit_decreasing, first_fit_decreasing
 from sft_tokenize.read.cache import open_cache

@@ -17,7 +17,8 @@ from support.mask_oracle import oracle
 from support.paths import EXAMPLE_DATA, EXAMPLE_TOKENIZER
 
 from sft_tokenize.build.options import TokenizeOptions
-from sft_tokenize.build.plan import plan_slices, run_locally
+from sft_tokenize.build.plan import plan_slices
+from sft_tokenize.build.protocol import run_locally
 from sft_tokenize.build.publish import publish_cache
 from sft_tokenize.build.shard import tokenize_slice
 from sft_tokenize.build.workers import encoder_for

@@ -13,7 +13,8 @@ from support.data import example_rows
 from support.paths import EXAMPLE_DATA, EXAMPLE_TOKENIZER
 
 from sft_tokenize.build.options import TokenizeOptions
-from sft_tokenize.build.plan import plan_slices, run_locally
+from sft_tokenize.build.plan import plan_slices
+from sft_tokenize.build.protocol import run_locally
 from sft_tokenize.build.shard import tokenize_slice
 
 pytest.importorskip("moto.server", reason="moto[server] is in the dev extra")

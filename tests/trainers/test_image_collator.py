@@ -19,7 +19,7 @@ from support.images import sample_images
 from support.vision import gemma3, qwen_vl
 
 from sft_tokenize.build.options import TokenizeOptions
-from sft_tokenize.build.plan import run_locally
+from sft_tokenize.build.protocol import run_locally
 from sft_tokenize.encoding.vision import load_family
 from sft_tokenize.errors import CacheError
 from sft_tokenize.read.image_collator import ImageCollator

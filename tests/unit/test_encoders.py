@@ -161,7 +161,8 @@ def test_rows_whose_tokens_do_not_cover_their_bytes_are_encoded_by_hf(tmp_path):
 
 def test_encoder_is_not_in_the_fingerprint_and_shards_are_byte_identical(tmp_path):
     from sft_tokenize.build.options import TokenizeOptions
-    from sft_tokenize.build.plan import plan_slices, run_locally
+    from sft_tokenize.build.plan import plan_slices
+    from sft_tokenize.build.protocol import run_locally
 
     caches = {}
     for encoder in ("hf", "fastokens"):

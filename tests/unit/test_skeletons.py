@@ -136,7 +136,7 @@ def test_a_mismatch_stops_the_run_naming_the_row(modern_tokenizer, tmp_path, mon
     from support.data import write_jsonl
 
     from sft_tokenize.build.options import TokenizeOptions
-    from sft_tokenize.build.plan import run_locally
+    from sft_tokenize.build.protocol import run_locally
 
     plain = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
                           {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Bye."}]}

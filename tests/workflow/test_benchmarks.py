@@ -138,7 +138,7 @@ def test_packing_against_trl(bench):
 
 def test_mixture_and_digest_on_a_cache(bench):
     from sft_tokenize.build.options import TokenizeOptions
-    from sft_tokenize.build.plan import run_locally
+    from sft_tokenize.build.protocol import run_locally
 
     cache = run_locally(TokenizeOptions(sources=[str(EXAMPLE_DATA)], tokenizer=str(EXAMPLE_TOKENIZER),
                                         cache_dir=str(bench["root"] / "caches"), name="bench"))

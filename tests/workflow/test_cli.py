@@ -20,7 +20,8 @@ from support.faults import FAULT_FILE_ENV
 from support.paths import EXAMPLE_DATA, EXAMPLE_TOKENIZER
 
 from sft_tokenize.build.options import TokenizeOptions
-from sft_tokenize.build.plan import plan_slices, run_locally
+from sft_tokenize.build.plan import plan_slices
+from sft_tokenize.build.protocol import run_locally
 
 # A test marked slow starts Prefect's embedded server in its subprocess: about ten seconds on two cores.
 

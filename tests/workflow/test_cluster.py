@@ -30,7 +30,7 @@ from support.paths import BIN, EXAMPLE_DATA, EXAMPLE_TOKENIZER
 
 from sft_tokenize.build.keys import DIGEST_BOOK
 from sft_tokenize.build.options import TokenizeOptions
-from sft_tokenize.build.plan import run_locally
+from sft_tokenize.build.protocol import run_locally
 from sft_tokenize.build.store import collect_garbage
 from sft_tokenize.build.workers import process_encoding
 from sft_tokenize.flows.arguments import build_parser, options_from

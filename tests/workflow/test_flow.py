@@ -14,7 +14,8 @@ from support.faults import FAULT_FILE_ENV
 from support.paths import EXAMPLE_DATA, EXAMPLE_TOKENIZER
 
 from sft_tokenize.build.options import TokenizeOptions
-from sft_tokenize.build.plan import plan_slices, run_locally
+from sft_tokenize.build.plan import plan_slices
+from sft_tokenize.build.protocol import run_locally
 from sft_tokenize.flows.tokenize_dataset import TokenizeRun, tokenize_dataset
 from sft_tokenize.read.cache import open_cache, read_manifest
 

@@ -31,7 +31,7 @@ from support.data import example_rows, write_jsonl
 from support.paths import BIN, EXAMPLE_DATA, EXAMPLE_TOKENIZER
 
 from sft_tokenize.build.options import TokenizeOptions
-from sft_tokenize.build.plan import run_locally
+from sft_tokenize.build.protocol import run_locally
 from sft_tokenize.read.cache import open_cache, read_manifest
 
 TIMEOUT = 600
