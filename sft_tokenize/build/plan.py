@@ -203,7 +203,7 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable
     total = sum(f.size for f in files)
     if fast is not None and total < POOL_MIN_BYTES:
         fast.warm()  # an input this small is encoded by this process: fastokens builds while the checks run
-    check_chat_template(options, tokenizer_dir, template_override, needed=columns.format != "text")
+    check_chat_template(options.chat_template, tokenizer_dir, template_override, needed=columns.format != "text")
     _check_tokenizer(tokenizer, columns, options)
     if processor_config is not None:
         vision = load_family(processor_config, tokenizer)  # a processor it cannot serve, or tokens it lacks: said here

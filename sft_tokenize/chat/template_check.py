@@ -8,7 +8,6 @@ import json
 import os
 from pathlib import Path
 
-from sft_tokenize.build.options import TokenizeOptions
 from sft_tokenize.errors import BadInput, one_line
 
 NAMED_TEMPLATES_DIR = "additional_chat_templates"  # where transformers saves templates beside the default one
@@ -32,14 +31,15 @@ def _tokenizer_templates(tokenizer_dir: Path) -> tuple[str | dict[str, str] | No
     return template, str(config_file)
 
 
-def check_chat_template(options: TokenizeOptions, tokenizer_dir: Path, override: str | None, needed: bool) -> None:
-    """Compile the template in use as transformers does; raise a BadInput naming its file and line if it cannot."""
+def check_chat_template(chat_template: str | None, tokenizer_dir: Path, override: str | None, needed: bool) -> None:
+    """Compile the template in use as transformers does; raise a BadInput naming its file and line if it cannot.
+    `chat_template` is what the run's --chat-template says (inline text or a file), `override` the text it gives."""
     if not needed:  # text data renders no template
         return
     if override is not None:
         template = override
-        where = "--chat-template" if "{" in (options.chat_template or "") else \
-            os.path.abspath(os.path.expanduser(options.chat_template))
+        where = "--chat-template" if "{" in (chat_template or "") else \
+            os.path.abspath(os.path.expanduser(chat_template))
     else:
         template, where = _tokenizer_templates(tokenizer_dir)
     if isinstance(template, dict):
