@@ -25,7 +25,7 @@ import numpy as np
 from sft_tokenize import __version__
 from sft_tokenize.build.job import Job, job_features
 from sft_tokenize.build.shard_check import finished_shard
-from sft_tokenize.build.workers import encoder_for
+from sft_tokenize.build.workers import vision_family
 from sft_tokenize.errors import BadInput, CacheError
 from sft_tokenize.files import built_directory, locked
 from sft_tokenize.fingerprint import fingerprint
@@ -112,7 +112,7 @@ def build_manifest(job: Job, slices: list[Slice], shards: list[dict], files: lis
 def image_record(job: Job, slices: list[Slice], shards: list[dict]) -> dict[str, Any]:
     """What a reader of an image cache needs (the collator rebuilds the processor's pixels from it, and reads
     referenced images under the same access policy and roots) and what it holds: FORMAT.md, "Image rows"."""
-    vision = encoder_for(job).images.vision
+    vision = vision_family(job)
     config = vision.config_fingerprint()
     roots = [job.image_root if "://" in job.image_root else os.path.abspath(job.image_root)] if job.image_root \
         else sorted({image_base(part.url) for slice_ in slices for part in slice_.parts})

@@ -24,7 +24,7 @@ from sft_tokenize.encoding.exact import FastEncoder, choose_encoder
 from sft_tokenize.encoding.pool import DEPTH, EncodePool
 from sft_tokenize.encoding.prepared import prepared_encoding
 from sft_tokenize.encoding.tokenizer import load_tokenizer
-from sft_tokenize.encoding.vision import load_family
+from sft_tokenize.encoding.vision import VisionFamily, load_family
 
 
 @lru_cache(maxsize=4)
@@ -76,6 +76,14 @@ def _encoder_key(job: Job) -> str:
                        job.processor_config, encoder_settings(job)], sort_keys=True, default=str)
 
 
+def vision_family(job: Job) -> VisionFamily | None:
+    """The job's vision family (None without a processor): its processor's configuration read with this process's
+    tokenizer, the one the plan loaded and checked. Publishing an image cache records it without an encoder."""
+    if not job.processor_config:
+        return None
+    return load_family(json.loads(job.processor_config), _process_encoding(job)[0])
+
+
 def encoder_for(job: Job) -> ChatEncoder:
     """This process's ChatEncoder for the job, made once (compiling and probing a template takes a few hundred
     ms) and shared by its slices' threads: it holds no state between batches."""
@@ -85,7 +93,7 @@ def encoder_for(job: Job) -> ChatEncoder:
             if len(_encoders) >= 4:  # as many as process_encoding keeps: a long-lived worker's jobs come and go
                 _encoders.pop(next(iter(_encoders)))
             tokenizer, fast = _process_encoding(job)
-            vision = load_family(json.loads(job.processor_config), tokenizer) if job.processor_config else None
+            vision = vision_family(job)
             _encoders[key] = ChatEncoder(tokenizer, fast=fast, vision=vision, **encoder_settings(job))
         return _encoders[key]
 
