@@ -25,7 +25,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from sft_tokenize.version import __version__ as __version__
 
 _API = {
     "tokenize": "sft_tokenize.flows.api",

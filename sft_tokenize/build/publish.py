@@ -22,7 +22,6 @@ from typing import Any
 
 import numpy as np
 
-from sft_tokenize import __version__
 from sft_tokenize.build.job import Job, job_features
 from sft_tokenize.build.shard_check import finished_shard
 from sft_tokenize.build.workers import vision_family
@@ -33,6 +32,7 @@ from sft_tokenize.format import CACHE_FORMAT_VERSION
 from sft_tokenize.format.manifest import read_manifest
 from sft_tokenize.sources.images import changed_file, image_base
 from sft_tokenize.sources.resolve import Slice
+from sft_tokenize.version import __version__
 
 PERCENTILES = (50, 90, 99)
 logger = logging.getLogger("sft_tokenize")

@@ -25,7 +25,6 @@ from typing import Any
 
 import numpy as np
 
-from sft_tokenize import __version__
 from sft_tokenize.errors import CacheError
 from sft_tokenize.files import built_directory, locked
 from sft_tokenize.format.manifest import read_manifest
@@ -42,6 +41,7 @@ from sft_tokenize.read.mixture_selection import (
     planned_rows,
     share_warnings,
 )
+from sft_tokenize.version import __version__
 
 logger = logging.getLogger("sft_tokenize")
 

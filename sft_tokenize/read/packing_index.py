@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from sft_tokenize import __version__
 from sft_tokenize.errors import BadInput, CacheError
 from sft_tokenize.files import built_directory, locked, write_problem
 from sft_tokenize.read.bin_packing import ALGORITHMS, arrange_for_ranks
 from sft_tokenize.read.cache import TokenizedCache, open_cache
 from sft_tokenize.read.index_arrays import mapped_arrays, write_npy
+from sft_tokenize.version import __version__
 
 if TYPE_CHECKING:
     from sft_tokenize.read.mixed_rows import MixedRows
