@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import field, make_dataclass
 from pathlib import Path
 
-from sft_tokenize.build.keys import DIGEST_BOOK
 from sft_tokenize.build.options import job_options
+from sft_tokenize.format.layout import DIGEST_BOOK
 from sft_tokenize.read.layouts import COLUMN_TYPES, layout_columns
 from sft_tokenize.sources.conversations import ColumnMap
 from sft_tokenize.sources.resolve import Slice

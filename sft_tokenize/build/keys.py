@@ -33,7 +33,6 @@ from sft_tokenize.fingerprint import fingerprint
 from sft_tokenize.sources.resolve import Part, Slice, file_identity, filesystem, is_local
 
 KEY_DIGITS = 32
-DIGEST_BOOK = ".digests"  # JSON, in the shard store: a dot file (gc leaves it), not matched by `*.json` (sidecars)
 RACY_NS = 2 * 10**9  # a file changed this close before its hashing is hashed again by the next plan
 
 

@@ -32,6 +32,7 @@ from sft_tokenize.errors import BadInput
 from sft_tokenize.files import write_problem
 from sft_tokenize.fingerprint import fingerprint, hash_directory, hash_text, tokenization_inputs
 from sft_tokenize.format import CACHE_FORMAT_VERSION
+from sft_tokenize.format.layout import STAGING
 from sft_tokenize.sources.conversations import DEFAULT_COLUMNS, REQUIRED, ColumnMap, resolve_columns
 from sft_tokenize.sources.readers import reader
 from sft_tokenize.sources.resolve import Slice, SourceFile, resolve
@@ -70,7 +71,7 @@ def cache_root(options: TokenizeOptions) -> Path:
     if root.exists() and not root.is_dir():
         raise BadInput(f"cache dir {root} exists and is not a directory")
     try:
-        (root / ".staging").mkdir(parents=True, exist_ok=True)
+        (root / STAGING).mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise BadInput(f"cache dir {root}: cannot create it ({error.strerror})") from None
     return root
@@ -79,7 +80,7 @@ def cache_root(options: TokenizeOptions) -> Path:
 def check_writable(root: Path) -> None:
     """A build writes under the cache root (its locks in .staging, its shards in .shards): refuse one that
     cannot, in one line, before any work."""
-    for directory in (root / ".staging", store_dir(root)):
+    for directory in (root / STAGING, store_dir(root)):
         problem = write_problem(directory)
         if problem is not None:
             raise BadInput(f"cache dir {root}: not writable ({problem}): a run that tokenizes writes its "
@@ -178,7 +179,7 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable
     cache_path = root / f"{name}-{digest}"
     job = Job(
         fingerprint=digest,
-        staging=str(root / ".staging" / digest),
+        staging=str(root / STAGING / digest),
         store=str(store_dir(root)),
         tokenization=fingerprint(tokenization_inputs(inputs)),
         tokenizer_dir=str(tokenizer_dir),

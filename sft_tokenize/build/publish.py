@@ -29,6 +29,16 @@ from sft_tokenize.errors import BadInput, CacheError
 from sft_tokenize.files import built_directory, locked
 from sft_tokenize.fingerprint import fingerprint
 from sft_tokenize.format import CACHE_FORMAT_VERSION
+from sft_tokenize.format.layout import (
+    IMAGE_FILES,
+    MANIFEST,
+    SET_ASIDE_SUFFIX,
+    STAGED_SUFFIX,
+    STATE,
+    data_file,
+    publish_lock,
+    run_lock,
+)
 from sft_tokenize.format.manifest import read_manifest
 from sft_tokenize.sources.images import changed_file, image_base
 from sft_tokenize.sources.resolve import Slice
@@ -42,8 +52,7 @@ def building(job: Job) -> contextlib.AbstractContextManager[None]:
     """Held by a run from tokenizing to publishing: a second run of the same fingerprint waits for the
     first, then finds its cache published, instead of tokenizing the same slices beside it. Removed on
     release, as the publish lock is: `.staging` keeps no empty lock file per version built (files.locked)."""
-    staging = Path(job.staging)
-    return locked(staging.with_name(f"{staging.name}.run.lock"), remove=True,
+    return locked(run_lock(Path(job.staging)), remove=True,
                   waiting=f"another run is building the cache {job.fingerprint}; waiting for it to finish")
 
 
@@ -125,8 +134,6 @@ def image_record(job: Job, slices: list[Slice], shards: list[dict]) -> dict[str,
                else {})}
 
 
-IMAGE_FILES = "image_files.json"  # an image cache's image files, each [url, *identity] (FORMAT.md)
-
 
 def is_published(path: Path, storage_options: dict | None = None, timeout: float | None = None) -> bool:
     """A valid cache is at `path` and none of the image files its rows were made from changed since (a
@@ -167,10 +174,10 @@ def publish_cache(job: Job, slices: list[Slice], cache_path: Path, inputs: dict,
             raise CacheError(f"slice {slice_.index} has no finished shard in {job.store}")
         shards.append(meta)
     staging = Path(job.staging)
-    with locked(staging.with_name(f"{staging.name}.lock"), remove=True):
+    with locked(publish_lock(staging), remove=True):
         # Left by a run killed while publishing; under the lock no other run is building them.
-        for leftover in [*staging.parent.glob(f"{staging.name}.publish-*"),
-                         *staging.parent.glob(f"{staging.name}.corrupt-*")]:
+        for leftover in [*staging.parent.glob(f"{staging.name}{STAGED_SUFFIX}-*"),
+                         *staging.parent.glob(f"{staging.name}{SET_ASIDE_SUFFIX}-*")]:
             shutil.rmtree(leftover, ignore_errors=True)
         # another run with the same fingerprint got there first
         if is_published(cache_path, job.storage_options, job.image_timeout):
@@ -183,11 +190,11 @@ def publish_cache(job: Job, slices: list[Slice], cache_path: Path, inputs: dict,
                            f"({describe_drops(dropped)}); nothing was published")
         kept = [(s, slice_) for s, slice_ in zip(shards, slices, strict=True) if s["rows"]]
         # A corrupt cache at cache_path (is_published said no) is replaced, never served.
-        with built_directory(cache_path, staging.with_name(f"{staging.name}.publish"),
-                             staging.with_name(f"{staging.name}.corrupt")) as building:
+        with built_directory(cache_path, staging.with_name(f"{staging.name}{STAGED_SUFFIX}"),
+                             staging.with_name(f"{staging.name}{SET_ASIDE_SUFFIX}")) as building:
             files = []
             for k, (meta, slice_) in enumerate(kept):
-                target = building / f"data-{k:05d}-of-{len(kept):05d}.arrow"
+                target = building / data_file(k, len(kept))
                 source = job.shard_path(slice_)
                 try:
                     os.link(source, target)
@@ -204,7 +211,7 @@ def publish_cache(job: Job, slices: list[Slice], cache_path: Path, inputs: dict,
             state = {"_data_files": [{"filename": f["name"]} for f in files], "_fingerprint": content,
                      "_format_columns": None, "_format_kwargs": {}, "_format_type": None,
                      "_output_all_columns": False, "_split": None}
-            (building / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True))
+            (building / STATE).write_text(json.dumps(state, indent=2, sort_keys=True))
             from datasets import DatasetInfo
 
             DatasetInfo(features=job_features(job)).write_to_directory(str(building))
@@ -212,5 +219,5 @@ def publish_cache(job: Job, slices: list[Slice], cache_path: Path, inputs: dict,
             manifest["build"] = {"published_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="microseconds"),
                                  "slices_reused": reused, "slices_tokenized": len(slices) - reused}
             manifest["timings"] = {**(timings or {}), "publish_seconds": round(time.monotonic() - started, 3)}
-            (building / "manifest.json").write_text(json.dumps(manifest, indent=2))
+            (building / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return cache_path

@@ -37,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from sft_tokenize.build.options import TokenizeOptions
 from sft_tokenize.build.plan import default_name
 from sft_tokenize.errors import BadInput
+from sft_tokenize.format.layout import MIXTURES
 from sft_tokenize.read.mixture_options import AMOUNTS, MixtureOptions, MixtureSettings, MixtureSource
 from sft_tokenize.read.mixture_selection import check_index_size, least_rows
 
@@ -73,7 +74,7 @@ class Recipe(BaseModel):
         mixture = self.mixture_options([""] * len(self.sources))
         # What the amounts alone say of the index's size: a typo is refused now, not after every source ran.
         shared = self.source_options(0)
-        root = shared.cache_root / ".mixtures"
+        root = shared.cache_root / MIXTURES
         check_index_size(least_rows(mixture, shared.max_length), mixture,
                          Path(os.path.abspath(mixture.index_dir)) if mixture.index_dir else root, at_least=True)
         return self

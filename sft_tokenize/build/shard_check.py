@@ -8,12 +8,13 @@ from pathlib import Path
 
 from sft_tokenize.build.job import Job
 from sft_tokenize.build.keys import Digests
+from sft_tokenize.format.layout import SIDECAR_SUFFIX
 from sft_tokenize.sources.images import changed_file
 from sft_tokenize.sources.resolve import Slice
 
 
 def sidecar_path(shard: Path) -> Path:
-    return shard.with_suffix(".json")
+    return shard.with_suffix(SIDECAR_SUFFIX)
 
 
 # Drop reasons that are not bad rows: the same under on_bad_row="raise" and "skip".

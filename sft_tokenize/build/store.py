@@ -41,28 +41,33 @@ from sft_tokenize.build.job import Job
 from sft_tokenize.build.shard_check import finished_shard, sidecar_path
 from sft_tokenize.errors import CacheError
 from sft_tokenize.files import atomic_write, is_locked, locked
-from sft_tokenize.format import SHARD_STORE
+from sft_tokenize.format.layout import (
+    DELETING,
+    GC_LOCK,
+    LEASE_SUFFIX,
+    MANIFEST,
+    MIXTURE_INDEX,
+    MIXTURES,
+    SHARD_STORE,
+    STAGED_SUFFIX,
+    STAGING,
+    lease_file,
+    publish_lock,
+    run_lock,
+)
 from sft_tokenize.format.manifest import read_manifest
 from sft_tokenize.sources.resolve import Slice
 
 logger = logging.getLogger("sft_tokenize")
 
-STORE = SHARD_STORE
-GC_LOCK = ".gc.lock"
-MIXTURES = ".mixtures"  # mixture indexes beside the caches (read/mixture_index.py)
-
 
 def store_dir(root: Path) -> Path:
-    return Path(root) / STORE
+    return Path(root) / SHARD_STORE
 
 
 def lease_path(job: Job) -> Path:
-    staging = Path(job.staging)
-    return staging.with_name(f"{staging.name}.lease.json")
+    return lease_file(Path(job.staging))
 
-
-def run_lock_path(job_staging: Path) -> Path:
-    return job_staging.with_name(f"{job_staging.name}.run.lock")
 
 
 @contextlib.contextmanager
@@ -87,11 +92,11 @@ def _live_keys(staging: Path, remove_dead: bool = False, besides: Path | None = 
     `remove_dead`: delete the leases of killed builds; `besides`: a lease not to count (the caller's own)."""
     live: set[str] = set()
     builds = 0
-    for lease in sorted(staging.glob("*.lease.json")):
+    for lease in sorted(staging.glob(f"*{LEASE_SUFFIX}")):
         if lease == besides:
             continue
-        job_staging = staging / lease.name.removesuffix(".lease.json")
-        if is_locked(run_lock_path(job_staging)):
+        job_staging = staging / lease.name.removesuffix(LEASE_SUFFIX)
+        if is_locked(run_lock(job_staging)):
             with contextlib.suppress(OSError, ValueError):
                 live.update(json.loads(lease.read_text())["keys"])
                 builds += 1
@@ -111,7 +116,7 @@ def published_versions(root: Path) -> dict[str, list[tuple[Path, dict]]]:
         except CacheError:
             continue
         when = manifest.get("build", {}).get("published_at") or datetime.datetime.fromtimestamp(
-            (path / "manifest.json").stat().st_mtime, datetime.UTC).isoformat(timespec="microseconds")
+            (path / MANIFEST).stat().st_mtime, datetime.UTC).isoformat(timespec="microseconds")
         by_name.setdefault(manifest["name"], []).append((when, path, manifest))
     return {name: [(path, manifest) for _, path, manifest in sorted(found, key=lambda v: v[0], reverse=True)]
             for name, found in by_name.items()}
@@ -121,7 +126,7 @@ def mixture_holds(root: Path) -> dict[str, str]:
     """The versions under `root` that a mixture index in `root/.mixtures` reads: version name → an index's path."""
     held: dict[str, str] = {}
     root = Path(os.path.realpath(root))
-    for meta in sorted((root / MIXTURES).glob("*/mixture.json")):
+    for meta in sorted((root / MIXTURES).glob(f"*/{MIXTURE_INDEX}")):
         try:
             caches = json.loads(meta.read_text())["source_caches"]
         except (OSError, ValueError, KeyError, TypeError):
@@ -149,7 +154,7 @@ class Collected:
 def remove_cache(path: Path) -> int:
     """Rename aside, then delete (readers see a whole cache or none, and gc finishes a deletion a kill cut
     short); returns the bytes actually freed."""
-    doomed = path.with_name(f".{path.name}.deleting-{uuid.uuid4().hex[:8]}")
+    doomed = path.with_name(f".{path.name}{DELETING}-{uuid.uuid4().hex[:8]}")
     os.rename(path, doomed)
     freed = sum(f.stat().st_size for f in doomed.iterdir() if f.is_file() and f.stat().st_nlink == 1)
     shutil.rmtree(doomed)
@@ -163,7 +168,7 @@ def collect_garbage(root: Path, keep: int = 1, names: set[str] | None = None) ->
     if keep < 1:
         raise ValueError(f"keep must be at least 1, got {keep}")
     root = Path(root)
-    store, staging = store_dir(root), root / ".staging"
+    store, staging = store_dir(root), root / STAGING
     store.mkdir(parents=True, exist_ok=True)
     done = Collected()
     with locked(store / GC_LOCK):
@@ -196,11 +201,11 @@ def collect_garbage(root: Path, keep: int = 1, names: set[str] | None = None) ->
                 done.bytes_freed += shard.stat().st_size if shard.stat().st_nlink == 1 else 0
             shard.unlink(missing_ok=True)
         # Left by killed runs: half-deleted versions, half-built caches whose publish lock nobody holds.
-        for leftover in root.glob(".*.deleting-*"):
+        for leftover in root.glob(f".*{DELETING}-*"):
             shutil.rmtree(leftover, ignore_errors=True)
-        for leftover in staging.glob("*.publish-*"):
-            fingerprint = leftover.name.split(".publish-", 1)[0]
-            if not is_locked(staging / f"{fingerprint}.lock"):
+        for leftover in staging.glob(f"*{STAGED_SUFFIX}-*"):
+            fingerprint = leftover.name.split(f"{STAGED_SUFFIX}-", 1)[0]
+            if not is_locked(publish_lock(staging / fingerprint)):
                 shutil.rmtree(leftover, ignore_errors=True)
     return done
 

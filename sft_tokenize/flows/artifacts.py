@@ -9,6 +9,7 @@ from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from sft_tokenize.flows.report import markdown_table, packing_summary, summary
+from sft_tokenize.format.layout import INDEX_BUILD, PACKING_INDEX
 from sft_tokenize.read.cache import read_manifest
 
 
@@ -30,7 +31,7 @@ def report(cache_path: Path) -> None:
 
 
 def report_packing(index_path: Path) -> None:
-    meta, build = (json.loads((index_path / name).read_text()) for name in ("index.json", "build.json"))
+    meta, build = (json.loads((index_path / name).read_text()) for name in (PACKING_INDEX, INDEX_BUILD))
     create_markdown_artifact(markdown_table(f"Packing index {meta['key']}", packing_summary(meta, build, index_path)),
                              key=f"{artifact_key('sft-pack', index_path.parent.name)}-{meta['key']}",
                              description=f"{meta['bins']:,} bins, {meta['efficiency']:.2%} efficient")

@@ -27,6 +27,7 @@ from sft_tokenize.build.timeline import mark
 from sft_tokenize.errors import BadInput, CacheError
 from sft_tokenize.flows.arguments import EXIT_BAD_INPUT, PROG, SERVER_IDLE_ENV, build_parser, options_from, run_settings
 from sft_tokenize.flows.console import CONSOLE_ENV, ProgressBar, progress_console
+from sft_tokenize.format.layout import SHARD_STORE, is_mixture
 
 EXIT_OK, EXIT_FAILED = 0, 1
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a writer whose reader left
@@ -55,9 +56,9 @@ def run(args: argparse.Namespace) -> int:
         return _run(args)
     except KeyboardInterrupt as interrupt:  # Ctrl-C, or SIGTERM (flows.interrupts.Terminated)
         signum = signal_of(interrupt)
-        return _fail(f"interrupted ({signum.name}); the finished slices stay in the shard store under "
-                     f"{os.path.join(args.cache_dir or 'CACHE_DIR', '.shards')}: run the same command again to resume",
-                     EXIT_CODES[signum])
+        store = os.path.join(args.cache_dir or "CACHE_DIR", SHARD_STORE)
+        return _fail(f"interrupted ({signum.name}); the finished slices stay in the shard store under {store}: run "
+                     "the same command again to resume", EXIT_CODES[signum])
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -88,7 +89,7 @@ def inspect(args: argparse.Namespace) -> int:
     from sft_tokenize.read.mixture_index import check_sources, load_mixture
     from sft_tokenize.read.packing_index import list_indexes
 
-    if os.path.isfile(os.path.join(args.cache, "mixture.json")):  # a mixture index: its per-source summary
+    if is_mixture(args.cache):  # a mixture index: its per-source summary
         try:
             index = load_mixture(args.cache)
             check_sources(index)  # a summary of sources that are gone would look healthy

@@ -18,6 +18,7 @@ from sft_tokenize.flows.cluster import dask_runner, ray_runner
 from sft_tokenize.flows.console import configure_console
 from sft_tokenize.flows.interrupts import ignore_sigint
 from sft_tokenize.flows.run_options import TokenizeRun
+from sft_tokenize.format.layout import PREFECT_RESULTS
 
 
 def prepare_worker(tokenizer_threads: int) -> None:
@@ -70,4 +71,4 @@ def result_storage(options: TokenizeOptions) -> dict:
     """Prefect's result records live beside the cache they describe, unless the operator set a storage block."""
     if get_current_settings().results.default_storage_block:
         return {}
-    return {"result_storage": options.cache_root / ".prefect-results"}
+    return {"result_storage": options.cache_root / PREFECT_RESULTS}

@@ -11,16 +11,17 @@ from pathlib import Path
 from typing import Any
 
 from sft_tokenize.errors import CacheError
+from sft_tokenize.format.layout import MANIFEST, STATE
 
 
 def read_manifest(path: str | Path) -> dict[str, Any]:
     """The manifest of a published cache, after checking every data file is there at its recorded size."""
     path = Path(os.path.abspath(path))
     if path.exists() and not path.is_dir():
-        raise CacheError(f"{path}: not a published cache (a file: a cache is a directory holding manifest.json)")
+        raise CacheError(f"{path}: not a published cache (a file: a cache is a directory holding {MANIFEST})")
     try:
-        manifest = json.loads((path / "manifest.json").read_text())
-        state = json.loads((path / "state.json").read_text())
+        manifest = json.loads((path / MANIFEST).read_text())
+        state = json.loads((path / STATE).read_text())
     except FileNotFoundError as error:
         raise CacheError(f"{path}: not a published cache ({Path(error.filename).name} is missing)") from None
     except (OSError, ValueError) as error:
@@ -28,7 +29,7 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
     _check_shape(path, manifest, state)
     listed = [entry["filename"] for entry in state["_data_files"]]
     if listed != [f["name"] for f in manifest["files"]]:
-        raise CacheError(f"{path}: state.json and manifest.json list different data files")
+        raise CacheError(f"{path}: {STATE} and {MANIFEST} list different data files")
     for entry in manifest["files"]:
         file = path / entry["name"]
         size = file.stat().st_size if file.exists() else None
@@ -50,13 +51,13 @@ def _check_shape(path: Path, manifest: Any, state: Any) -> None:
         return CacheError(f"{path}: {what}: the cache is corrupt; rebuild it with `sft-tokenize run ... --force`")
 
     if not isinstance(manifest, dict):
-        raise corrupt(f"manifest.json holds a JSON {type(manifest).__name__}, not an object")
+        raise corrupt(f"{MANIFEST} holds a JSON {type(manifest).__name__}, not an object")
     missing = [key for key, kind in MANIFEST_KEYS.items() if not isinstance(manifest.get(key), kind)]
     if missing:
-        raise corrupt(f"manifest.json lacks {', '.join(missing)} (or has the wrong type)")
+        raise corrupt(f"{MANIFEST} lacks {', '.join(missing)} (or has the wrong type)")
     if not all(isinstance(f, dict) and isinstance(f.get("name"), str) and isinstance(f.get("bytes"), int)
                for f in manifest["files"]):
-        raise corrupt("manifest.json lists a data file without a name and a size")
+        raise corrupt(f"{MANIFEST} lists a data file without a name and a size")
     if not isinstance(state, dict) or not isinstance(state.get("_data_files"), list) or not all(
             isinstance(entry, dict) and "filename" in entry for entry in state["_data_files"]):
-        raise corrupt("state.json does not list the data files")
+        raise corrupt(f"{STATE} does not list the data files")

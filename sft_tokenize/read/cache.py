@@ -26,7 +26,7 @@ import pyarrow.compute as pc
 
 from sft_tokenize.errors import CacheError
 from sft_tokenize.files import file_digest
-from sft_tokenize.format import SHARD_STORE
+from sft_tokenize.format.layout import SHARD_STORE, SIDECAR_SUFFIX
 from sft_tokenize.format.manifest import read_manifest
 
 LENGTH_CHUNK_ROWS = 1 << 20
@@ -117,7 +117,7 @@ def _recorded_digest(path: Path, manifest: dict, k: int) -> str | None:
     if len(written) != len(manifest["files"]) or "key" not in written[k]:
         return None
     try:
-        sidecar = json.loads((path.parent / SHARD_STORE / f"{written[k]['key']}.json").read_text())
+        sidecar = json.loads((path.parent / SHARD_STORE / f"{written[k]['key']}{SIDECAR_SUFFIX}").read_text())
     except (OSError, ValueError):
         return None
     if not isinstance(sidecar, dict) or sidecar.get("bytes") != entry["bytes"]:

@@ -27,6 +27,15 @@ import numpy as np
 
 from sft_tokenize.errors import CacheError
 from sft_tokenize.files import built_directory, locked
+from sft_tokenize.format.layout import (
+    INDEX_BUILD,
+    MIXTURE_INDEX,
+    MIXTURES,
+    index_building,
+    index_lock,
+    index_stale,
+    is_mixture,
+)
 from sft_tokenize.format.manifest import read_manifest
 from sft_tokenize.read.cache import open_cache
 from sft_tokenize.read.index_arrays import mapped_arrays, write_npy
@@ -80,16 +89,16 @@ def _open_sources(options: MixtureOptions) -> list[SourceRows]:
 def _index_root(sources: list[SourceRows], options: MixtureOptions) -> Path:
     if options.index_dir:
         return Path(options.index_dir).expanduser().absolute()
-    return sources[0].cache.path.parent / ".mixtures"
+    return sources[0].cache.path.parent / MIXTURES
 
 
 def load_mixture(path: str | Path) -> MixtureIndex:
     """The index at `path`, checked against its record and its source caches; CacheError if not."""
     path = Path(path).absolute()
     try:
-        meta = json.loads((path / "mixture.json").read_text())
+        meta = json.loads((path / MIXTURE_INDEX).read_text())
     except (FileNotFoundError, NotADirectoryError):
-        raise CacheError(f"{path}: not a mixture index (mixture.json is missing)") from None
+        raise CacheError(f"{path}: not a mixture index ({MIXTURE_INDEX} is missing)") from None
     except ValueError as error:
         raise CacheError(f"{path}: unreadable mixture index metadata ({error})") from None
     if meta.get("mixture_version") != MIXTURE_VERSION:
@@ -118,18 +127,17 @@ def mix_caches(options: MixtureOptions) -> MixtureIndex:
     sources = _open_sources(options)
     key = mixture_key(sources, options)
     target = _index_root(sources, options) / key
-    if (target / "mixture.json").is_file():
+    if is_mixture(target):
         return _said(load_mixture(target))
     check_index_size(planned_rows(sources, options), options, target.parent)
     target.parent.mkdir(parents=True, exist_ok=True)
-    with locked(target.with_name(f"{key}.lock")):
-        if (target / "mixture.json").is_file():
+    with locked(index_lock(target)):
+        if is_mixture(target):
             return _said(load_mixture(target))
         started = time.perf_counter()
         chosen = choose_rows(sources, options)
         source_ids, rows = interleave(sources, chosen, options)
-        with built_directory(target, target.with_name(f".{key}.building"),
-                             target.with_name(f".{key}.stale")) as building:
+        with built_directory(target, index_building(target), index_stale(target)) as building:
             files = {"sources.npy": write_npy(building / "sources.npy", source_ids),
                      "rows.npy": write_npy(building / "rows.npy", rows)}
             meta = {"mixture_version": MIXTURE_VERSION, "key": key, "unit": options.unit, "budget": options.budget,
@@ -137,9 +145,9 @@ def mix_caches(options: MixtureOptions) -> MixtureIndex:
                     "sources": _summary(sources, chosen, options.unit),
                     "warnings": share_warnings(sources, chosen, options),
                     "source_caches": [str(s.cache.path) for s in sources], "files": files}
-            (building / "mixture.json").write_text(json.dumps(meta, indent=2) + "\n")
+            (building / MIXTURE_INDEX).write_text(json.dumps(meta, indent=2) + "\n")
             build = {"seconds": round(time.perf_counter() - started, 3), "tool_version": __version__}
-            (building / "build.json").write_text(json.dumps(build, indent=2) + "\n")
+            (building / INDEX_BUILD).write_text(json.dumps(build, indent=2) + "\n")
     index = load_mixture(target)
     index.built_now = True
     return _said(index)

@@ -7,6 +7,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from sft_tokenize.format.layout import MIXTURES
+
 Unit = Literal["rows", "tokens", "trained_tokens"]
 AMOUNTS = ("weight", "epochs", "rows", "tokens")
 # The largest index built unless `max_index_rows` says otherwise: a typo (`rows: 1000000000`, `epochs: 1e9`) is
@@ -56,7 +58,7 @@ class MixtureSettings(BaseModel):
     order: Literal["interleave", "shuffle"] = Field("interleave", description="interleave: the source furthest "
                                                     "behind its amount comes next, so every prefix keeps the "
                                                     "ratios; shuffle: a seeded permutation of the same rows.")
-    index_dir: str | None = Field(None, description="Where to write the index (default: <cache root>/.mixtures).")
+    index_dir: str | None = Field(None, description=f"Where to write the index (default: <cache root>/{MIXTURES}).")
     max_index_rows: int = Field(MAX_INDEX_ROWS, gt=0, description="The largest index built, in rows (16 bytes "
                                 "each on disk, about 96 in memory while it is built): amounts that would take more "
                                 "are refused before the index is built.")

@@ -25,6 +25,15 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from sft_tokenize.errors import BadInput, CacheError
 from sft_tokenize.files import built_directory, locked, write_problem
+from sft_tokenize.format.layout import (
+    INDEX_BUILD,
+    PACKING,
+    PACKING_INDEX,
+    index_building,
+    index_lock,
+    index_stale,
+    is_mixture,
+)
 from sft_tokenize.read.bin_packing import ALGORITHMS, arrange_for_ranks
 from sft_tokenize.read.cache import TokenizedCache, open_cache
 from sft_tokenize.read.index_arrays import mapped_arrays, write_npy
@@ -56,7 +65,7 @@ class PackOptions(BaseModel):
 
 def open_rows(path: str | Path) -> TokenizedCache | MixedRows:
     """The rows at `path`: a published cache, or a mixture index over several (a directory with mixture.json)."""
-    if (Path(path) / "mixture.json").is_file():
+    if is_mixture(path):
         from sft_tokenize.read.mixed_rows import open_mixture
 
         return open_mixture(path)
@@ -70,7 +79,7 @@ def _rows(cache: str | Path | TokenizedCache | MixedRows) -> TokenizedCache | Mi
 def index_path(cache_path: str | Path, options: PackOptions) -> Path:
     """`<index root>/<cache name>/<key>`; the index root is `<cache root>/.packing` unless `index_dir` is set."""
     cache_path = Path(cache_path).absolute()
-    root = Path(options.index_dir).expanduser().absolute() if options.index_dir else cache_path.parent / ".packing"
+    root = Path(options.index_dir).expanduser().absolute() if options.index_dir else cache_path.parent / PACKING
     return root / cache_path.name / options.key
 
 
@@ -173,8 +182,8 @@ def _cache_identity(cache: TokenizedCache) -> dict[str, Any]:
 def load_index(path: Path, cache: TokenizedCache) -> PackingIndex:
     """The index at `path`, checked against its own record and against this cache; CacheError if not."""
     try:
-        meta = json.loads((path / "index.json").read_text())
-        build = json.loads((path / "build.json").read_text())
+        meta = json.loads((path / PACKING_INDEX).read_text())
+        build = json.loads((path / INDEX_BUILD).read_text())
     except (FileNotFoundError, NotADirectoryError) as error:
         raise CacheError(f"{path}: not a packing index ({Path(error.filename).name} is missing)") from None
     except ValueError as error:
@@ -214,7 +223,7 @@ def pack_cache(cache: str | Path | TokenizedCache, options: PackOptions) -> Pack
     if existing is not None:
         return existing
     _writable_dir(target.parent, options)
-    with locked(target.with_name(f"{target.name}.lock")):
+    with locked(index_lock(target)):
         for leftover in target.parent.glob(f".{target.name}.*-*"):  # left by a killed run; none is live
             shutil.rmtree(leftover, ignore_errors=True)
         existing = find_index(cache, options)
@@ -223,16 +232,15 @@ def pack_cache(cache: str | Path | TokenizedCache, options: PackOptions) -> Pack
         started = time.perf_counter()
         rows, bins, stats = plan(cache.lengths, options)
         # A stale index at target (another cache under this name, or damaged) is replaced, never served.
-        with built_directory(target, target.with_name(f".{target.name}.building"),
-                             target.with_name(f".{target.name}.stale")) as building:
+        with built_directory(target, index_building(target), index_stale(target)) as building:
             files = {"bins.npy": write_npy(building / "bins.npy", bins),
                      "rows.npy": write_npy(building / "rows.npy", rows)}
             meta = {"index_version": INDEX_VERSION, "key": options.key, "length": options.length,
                     "data_parallel": options.data_parallel, "algorithm": options.algorithm,
                     "cache": _cache_identity(cache), **stats, "files": files}
-            (building / "index.json").write_text(json.dumps(meta, indent=2) + "\n")
+            (building / PACKING_INDEX).write_text(json.dumps(meta, indent=2) + "\n")
             build = {"seconds": round(time.perf_counter() - started, 3), "tool_version": __version__}
-            (building / "build.json").write_text(json.dumps(build, indent=2) + "\n")
+            (building / INDEX_BUILD).write_text(json.dumps(build, indent=2) + "\n")
     index = load_index(target, cache)
     index.built_now = True
     return index

@@ -22,11 +22,12 @@ import numpy as np
 
 from sft_tokenize.errors import CacheError
 from sft_tokenize.files import atomic_path
+from sft_tokenize.format.layout import DATASET_INFO, STATE, is_mixture
 from sft_tokenize.format.manifest import read_manifest
 from sft_tokenize.read.layouts import LAYOUTS
 from sft_tokenize.read.mixed_rows import open_mixture
 
-VIEW_METADATA = ("state.json", "dataset_info.json")
+VIEW_METADATA = (STATE, DATASET_INFO)
 
 
 def default_work_root() -> Path:
@@ -85,10 +86,8 @@ def for_trl(path: str | Path, work_dir: str | Path | None = None):
     never into the cache."""
     from datasets import load_from_disk
 
-    if (Path(path) / "mixture.json").is_file():  # a mixture index over several caches
-        dataset = mixture_dataset(path, work_dir)
-    else:
-        dataset = load_from_disk(str(work_view(path, work_dir)))
+    # a mixture index is the rows of several caches
+    dataset = mixture_dataset(path, work_dir) if is_mixture(path) else load_from_disk(str(work_view(path, work_dir)))
     if "labels" not in dataset.column_names:
         dataset = dataset.rename_column("loss_mask", "assistant_masks")
     return dataset

@@ -27,6 +27,7 @@ from sft_tokenize.build.publish import building, publish_cache
 from sft_tokenize.build.shard import tokenize_slice
 from sft_tokenize.build.store import collect_garbage, lease_path, leased, store_dir
 from sft_tokenize.errors import BadInput
+from sft_tokenize.format.layout import DIGEST_BOOK
 from sft_tokenize.read.cache import open_cache, read_manifest
 
 ROWS_PER_FILE = 20  # ~28 kB a file: three slices of 12 kB each
@@ -180,7 +181,7 @@ def test_the_digest_book_spares_rereading_unchanged_files_and_a_stale_digest_is_
     written just before it was hashed is hashed again; and a remembered digest that is not the bytes' (here
     planted) makes its slice fail its check after tokenizing, and is forgotten, so the next run is right."""
     data, cache, _, manifest_a = grown
-    book = store_dir(cache) / content.DIGEST_BOOK
+    book = store_dir(cache) / DIGEST_BOOK
     victim = str(data / "part-000.jsonl")
 
     def plant() -> None:

@@ -28,7 +28,6 @@ from support.cli import environment, free_port
 from support.faults import FAULT_FILE_ENV
 from support.paths import BIN, EXAMPLE_DATA, EXAMPLE_TOKENIZER
 
-from sft_tokenize.build.keys import DIGEST_BOOK
 from sft_tokenize.build.options import TokenizeOptions
 from sft_tokenize.build.protocol import run_locally
 from sft_tokenize.build.store import collect_garbage
@@ -37,6 +36,7 @@ from sft_tokenize.flows.arguments import build_parser, options_from
 from sft_tokenize.flows.cli import main
 from sft_tokenize.flows.console import CONSOLE_ENV
 from sft_tokenize.flows.tokenize_dataset import TokenizeRun, tokenize_dataset
+from sft_tokenize.format.layout import DIGEST_BOOK
 
 # Two input files cut into four slices, one of them spanning both files.
 SOURCES = {"sources": [str(EXAMPLE_DATA)], "tokenizer": str(EXAMPLE_TOKENIZER), "shard_size": "100KB"}
