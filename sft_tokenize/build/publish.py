@@ -31,13 +31,14 @@ from sft_tokenize.fingerprint import fingerprint
 from sft_tokenize.format import CACHE_FORMAT_VERSION
 from sft_tokenize.format.layout import (
     IMAGE_FILES,
+    LOCK_SUFFIX,
     MANIFEST,
+    RUN_LOCK_SUFFIX,
     SET_ASIDE_SUFFIX,
     STAGED_SUFFIX,
     STATE,
+    beside,
     data_file,
-    publish_lock,
-    run_lock,
 )
 from sft_tokenize.format.manifest import read_manifest
 from sft_tokenize.sources.images import changed_file, image_base
@@ -52,7 +53,7 @@ def building(job: Job) -> contextlib.AbstractContextManager[None]:
     """Held by a run from tokenizing to publishing: a second run of the same fingerprint waits for the
     first, then finds its cache published, instead of tokenizing the same slices beside it. Removed on
     release, as the publish lock is: `.staging` keeps no empty lock file per version built (files.locked)."""
-    return locked(run_lock(Path(job.staging)), remove=True,
+    return locked(beside(Path(job.staging), RUN_LOCK_SUFFIX), remove=True,
                   waiting=f"another run is building the cache {job.fingerprint}; waiting for it to finish")
 
 
@@ -174,7 +175,7 @@ def publish_cache(job: Job, slices: list[Slice], cache_path: Path, inputs: dict,
             raise CacheError(f"slice {slice_.index} has no finished shard in {job.store}")
         shards.append(meta)
     staging = Path(job.staging)
-    with locked(publish_lock(staging), remove=True):
+    with locked(beside(staging, LOCK_SUFFIX), remove=True):
         # Left by a run killed while publishing; under the lock no other run is building them.
         for leftover in [*staging.parent.glob(f"{staging.name}{STAGED_SUFFIX}-*"),
                          *staging.parent.glob(f"{staging.name}{SET_ASIDE_SUFFIX}-*")]:
@@ -190,8 +191,7 @@ def publish_cache(job: Job, slices: list[Slice], cache_path: Path, inputs: dict,
                            f"({describe_drops(dropped)}); nothing was published")
         kept = [(s, slice_) for s, slice_ in zip(shards, slices, strict=True) if s["rows"]]
         # A corrupt cache at cache_path (is_published said no) is replaced, never served.
-        with built_directory(cache_path, staging.with_name(f"{staging.name}{STAGED_SUFFIX}"),
-                             staging.with_name(f"{staging.name}{SET_ASIDE_SUFFIX}")) as building:
+        with built_directory(cache_path, beside(staging, STAGED_SUFFIX), beside(staging, SET_ASIDE_SUFFIX)) as building:
             files = []
             for k, (meta, slice_) in enumerate(kept):
                 target = building / data_file(k, len(kept))

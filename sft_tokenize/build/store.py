@@ -45,15 +45,15 @@ from sft_tokenize.format.layout import (
     DELETING,
     GC_LOCK,
     LEASE_SUFFIX,
+    LOCK_SUFFIX,
     MANIFEST,
     MIXTURE_INDEX,
     MIXTURES,
+    RUN_LOCK_SUFFIX,
     SHARD_STORE,
     STAGED_SUFFIX,
     STAGING,
-    lease_file,
-    publish_lock,
-    run_lock,
+    beside,
 )
 from sft_tokenize.format.manifest import read_manifest
 from sft_tokenize.sources.resolve import Slice
@@ -66,7 +66,7 @@ def store_dir(root: Path) -> Path:
 
 
 def lease_path(job: Job) -> Path:
-    return lease_file(Path(job.staging))
+    return beside(Path(job.staging), LEASE_SUFFIX)
 
 
 
@@ -96,7 +96,7 @@ def _live_keys(staging: Path, remove_dead: bool = False, besides: Path | None = 
         if lease == besides:
             continue
         job_staging = staging / lease.name.removesuffix(LEASE_SUFFIX)
-        if is_locked(run_lock(job_staging)):
+        if is_locked(beside(job_staging, RUN_LOCK_SUFFIX)):
             with contextlib.suppress(OSError, ValueError):
                 live.update(json.loads(lease.read_text())["keys"])
                 builds += 1
@@ -154,7 +154,7 @@ class Collected:
 def remove_cache(path: Path) -> int:
     """Rename aside, then delete (readers see a whole cache or none, and gc finishes a deletion a kill cut
     short); returns the bytes actually freed."""
-    doomed = path.with_name(f".{path.name}{DELETING}-{uuid.uuid4().hex[:8]}")
+    doomed = beside(path, f"{DELETING}-{uuid.uuid4().hex[:8]}", hidden=True)
     os.rename(path, doomed)
     freed = sum(f.stat().st_size for f in doomed.iterdir() if f.is_file() and f.stat().st_nlink == 1)
     shutil.rmtree(doomed)
@@ -205,7 +205,7 @@ def collect_garbage(root: Path, keep: int = 1, names: set[str] | None = None) ->
             shutil.rmtree(leftover, ignore_errors=True)
         for leftover in staging.glob(f"*{STAGED_SUFFIX}-*"):
             fingerprint = leftover.name.split(f"{STAGED_SUFFIX}-", 1)[0]
-            if not is_locked(publish_lock(staging / fingerprint)):
+            if not is_locked(beside(staging / fingerprint, LOCK_SUFFIX)):
                 shutil.rmtree(leftover, ignore_errors=True)
     return done
 

@@ -2,7 +2,7 @@
 
     CACHE_ROOT/
       <name>-<fingerprint>/          a published cache: MANIFEST, STATE, DATASET_INFO, data_file(k, n), IMAGE_FILES
-      .staging/                      STAGING, per fingerprint: publish_lock, run_lock, lease_file, the staged cache
+      .staging/                      STAGING, per fingerprint: its locks, lease and staged cache (beside())
       .shards/                       SHARD_STORE: <key>.arrow and its sidecar <key>.json, GC_LOCK, DIGEST_BOOK
       .packing/<cache>/<key>/        PACKING: PACKING_INDEX, INDEX_BUILD and the index's arrays
       .mixtures/<key>/               MIXTURES: MIXTURE_INDEX, INDEX_BUILD and the index's arrays
@@ -32,7 +32,9 @@ DIGEST_BOOK = ".digests"  # JSON: a dot file (gc leaves it), not matched by `*.j
 SIDECAR_SUFFIX = ".json"  # <key>.json beside <key>.arrow, written last
 
 # In .staging, each beside `<fingerprint>` (the staging path a job names)
-LEASE_SUFFIX = ".lease.json"
+LOCK_SUFFIX = ".lock"  # held while it is published (an index: while it is built); gc tells a live one by it
+RUN_LOCK_SUFFIX = ".run.lock"  # held by a running build for as long as it runs: its lease is live while held
+LEASE_SUFFIX = ".lease.json"  # the keys of the shards a running build uses, which gc keeps
 STAGED_SUFFIX = ".publish"  # the cache being published, then renamed into place
 SET_ASIDE_SUFFIX = ".corrupt"  # a published cache found damaged, moved aside while it is replaced
 
@@ -42,6 +44,7 @@ MIXTURE_INDEX = "mixture.json"
 INDEX_BUILD = "build.json"  # how the index was built: seconds, tool version
 
 DELETING = ".deleting"  # `.<version>.deleting-<tag>`: a version being removed, renamed out of the way first
+BUILDING_SUFFIX, STALE_SUFFIX = ".building", ".stale"  # hidden, beside an index's directory: its new and old copy
 
 
 def data_file(k: int, count: int) -> str:
@@ -49,32 +52,10 @@ def data_file(k: int, count: int) -> str:
     return f"data-{k:05d}-of-{count:05d}.arrow"
 
 
-def publish_lock(job_staging: Path) -> Path:
-    """Held while a fingerprint's cache is published (and by gc, to tell a live publish from a killed one)."""
-    return job_staging.with_name(f"{job_staging.name}.lock")
-
-
-def run_lock(job_staging: Path) -> Path:
-    """Held by a running build of the fingerprint, for as long as it runs: its lease is live while it is held."""
-    return job_staging.with_name(f"{job_staging.name}.run.lock")
-
-
-def lease_file(job_staging: Path) -> Path:
-    """The keys of the shards a running build of the fingerprint uses, which gc keeps."""
-    return job_staging.with_name(f"{job_staging.name}{LEASE_SUFFIX}")
-
-
-def index_lock(index: Path) -> Path:
-    """Held while the index at `index` is built: a concurrent build of the same key waits, then reuses it."""
-    return index.with_name(f"{index.name}.lock")
-
-
-def index_building(index: Path) -> Path:
-    return index.with_name(f".{index.name}.building")
-
-
-def index_stale(index: Path) -> Path:
-    return index.with_name(f".{index.name}.stale")
+def beside(path: Path, suffix: str, hidden: bool = False) -> Path:
+    """What is named after `path` beside it: its name and `suffix`, behind a dot if `hidden` (a fingerprint's
+    locks and lease beside its staging path, an index's lock and half-built copies beside its directory)."""
+    return path.with_name(f"{'.' if hidden else ''}{path.name}{suffix}")
 
 
 def is_mixture(path: str | Path) -> bool:

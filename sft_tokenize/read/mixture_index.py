@@ -28,12 +28,13 @@ import numpy as np
 from sft_tokenize.errors import CacheError
 from sft_tokenize.files import built_directory, locked
 from sft_tokenize.format.layout import (
+    BUILDING_SUFFIX,
     INDEX_BUILD,
+    LOCK_SUFFIX,
     MIXTURE_INDEX,
     MIXTURES,
-    index_building,
-    index_lock,
-    index_stale,
+    STALE_SUFFIX,
+    beside,
     is_mixture,
 )
 from sft_tokenize.format.manifest import read_manifest
@@ -131,13 +132,14 @@ def mix_caches(options: MixtureOptions) -> MixtureIndex:
         return _said(load_mixture(target))
     check_index_size(planned_rows(sources, options), options, target.parent)
     target.parent.mkdir(parents=True, exist_ok=True)
-    with locked(index_lock(target)):
+    with locked(beside(target, LOCK_SUFFIX)):
         if is_mixture(target):
             return _said(load_mixture(target))
         started = time.perf_counter()
         chosen = choose_rows(sources, options)
         source_ids, rows = interleave(sources, chosen, options)
-        with built_directory(target, index_building(target), index_stale(target)) as building:
+        with built_directory(target, beside(target, BUILDING_SUFFIX, hidden=True),
+                             beside(target, STALE_SUFFIX, hidden=True)) as building:
             files = {"sources.npy": write_npy(building / "sources.npy", source_ids),
                      "rows.npy": write_npy(building / "rows.npy", rows)}
             meta = {"mixture_version": MIXTURE_VERSION, "key": key, "unit": options.unit, "budget": options.budget,

@@ -26,12 +26,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from sft_tokenize.errors import BadInput, CacheError
 from sft_tokenize.files import built_directory, locked, write_problem
 from sft_tokenize.format.layout import (
+    BUILDING_SUFFIX,
     INDEX_BUILD,
+    LOCK_SUFFIX,
     PACKING,
     PACKING_INDEX,
-    index_building,
-    index_lock,
-    index_stale,
+    STALE_SUFFIX,
+    beside,
     is_mixture,
 )
 from sft_tokenize.read.bin_packing import ALGORITHMS, arrange_for_ranks
@@ -223,7 +224,7 @@ def pack_cache(cache: str | Path | TokenizedCache, options: PackOptions) -> Pack
     if existing is not None:
         return existing
     _writable_dir(target.parent, options)
-    with locked(index_lock(target)):
+    with locked(beside(target, LOCK_SUFFIX)):
         for leftover in target.parent.glob(f".{target.name}.*-*"):  # left by a killed run; none is live
             shutil.rmtree(leftover, ignore_errors=True)
         existing = find_index(cache, options)
@@ -232,7 +233,8 @@ def pack_cache(cache: str | Path | TokenizedCache, options: PackOptions) -> Pack
         started = time.perf_counter()
         rows, bins, stats = plan(cache.lengths, options)
         # A stale index at target (another cache under this name, or damaged) is replaced, never served.
-        with built_directory(target, index_building(target), index_stale(target)) as building:
+        with built_directory(target, beside(target, BUILDING_SUFFIX, hidden=True),
+                             beside(target, STALE_SUFFIX, hidden=True)) as building:
             files = {"bins.npy": write_npy(building / "bins.npy", bins),
                      "rows.npy": write_npy(building / "rows.npy", rows)}
             meta = {"index_version": INDEX_VERSION, "key": options.key, "length": options.length,
