@@ -51,6 +51,7 @@ from sft_tokenize.format.layout import (
     MIXTURES,
     RUN_LOCK_SUFFIX,
     SHARD_STORE,
+    SHARD_SUFFIX,
     STAGED_SUFFIX,
     STAGING,
     beside,
@@ -194,9 +195,9 @@ def collect_garbage(root: Path, keep: int = 1, names: set[str] | None = None) ->
                     shard.unlink(missing_ok=True)
                 continue
             if key in referenced:
-                done.shards_kept += shard.suffix == ".arrow"
+                done.shards_kept += shard.suffix == SHARD_SUFFIX
                 continue
-            if shard.suffix == ".arrow":
+            if shard.suffix == SHARD_SUFFIX:
                 done.shards_removed += 1
                 done.bytes_freed += shard.stat().st_size if shard.stat().st_nlink == 1 else 0
             shard.unlink(missing_ok=True)

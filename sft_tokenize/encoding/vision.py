@@ -115,8 +115,8 @@ class VisionFamily(ABC):
     def pixels(self, images: Sequence[Any], grids: Sequence[Sequence[int]],
                names: Sequence[str] | None = None) -> dict[str, Any]:
         """The processor's inputs for these images (numpy; encoded bytes or decoded), made as a trainer's collator
-        makes them (`pixel_inputs`, on the read side); each image's grid must equal the stored one, or a CacheError
-        names the image and both grids."""
+        makes them (`format.pixels.pixel_inputs`, which both use); each image's grid must equal the stored one, or
+        a CacheError names the image and both grids."""
         record = {"family": self.name, "pil_class": self.pil_class, "settings": json.loads(self.settings_json)}
         return pixel_inputs(record, images, grids, names)
 

@@ -29,6 +29,7 @@ IMAGE_FILES = "image_files.json"  # an image cache's image files, each [url, *id
 # In the shard store
 GC_LOCK = ".gc.lock"
 DIGEST_BOOK = ".digests"  # JSON: a dot file (gc leaves it), not matched by `*.json` (sidecars)
+SHARD_SUFFIX = ".arrow"  # <key>.arrow: a finished shard, named by its slice's content key
 SIDECAR_SUFFIX = ".json"  # <key>.json beside <key>.arrow, written last
 
 # In .staging, each beside `<fingerprint>` (the staging path a job names)
