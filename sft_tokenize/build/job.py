@@ -3,17 +3,28 @@
 Small and picklable, the same for all slices of a run: it travels to every worker (a thread, a process, a
 Dask or Ray worker). Its fields are what the plan resolved (the fingerprints, where to write, the tokenizer's
 directory, the template's text, the column mapping) and the options the slices read, one field each, as the
-option table declares them (options.py).
+option table declares them (options.py), written out so that editors and type checkers see them.
 """
 
 from __future__ import annotations
 
-from dataclasses import field, make_dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from sft_tokenize.build.options import job_options
+from sft_tokenize.build.options import (
+    Encoder,
+    ImageAccess,
+    ImagesMode,
+    OnBadRow,
+    ReasoningTurns,
+    Render,
+    SpecialText,
+    TrainOn,
+    Truncation,
+)
+from sft_tokenize.files import REMOTE_TIMEOUT
 from sft_tokenize.format.layout import DIGEST_BOOK
-from sft_tokenize.read.layouts import COLUMN_TYPES, layout_columns
+from sft_tokenize.read.layouts import COLUMN_TYPES, Layout, layout_columns
 from sft_tokenize.sources.conversations import ColumnMap
 from sft_tokenize.sources.resolve import Slice
 
@@ -31,35 +42,47 @@ class _JobPaths:
         return Path(self.store) / DIGEST_BOOK
 
 
-def _option_field(default):
-    if isinstance(default, (dict, list)):
-        return field(default_factory=lambda: type(default)(default))
-    return field(default=default)
+@dataclass(frozen=True)
+class Job(_JobPaths):
+    """What every slice's task needs besides its slice: small and picklable, the same for all slices."""
 
-
-Job = make_dataclass(
-    "Job",
-    [
-        ("fingerprint", str),
-        ("staging", str),
-        ("tokenizer_dir", str),
-        ("chat_template", "str | None"),  # the template's text: the override's, or None for the tokenizer's own
-        ("columns", ColumnMap),
-        *((name, kind, _option_field(default)) for name, kind, default in job_options()),
-        # the shard store: finished shards by content key, shared by every cache under the root
-        ("store", str, field(default="")),
-        # the fingerprint of everything that changes how a row is tokenized
-        ("tokenization", str, field(default="")),
-        # where the tokenizer is kept prepared (prepared.py); empty: loaded and checked each time
-        ("prepared", str, field(default="")),
-        # the processor's configuration as JSON text (image rows, encoding/vision.py); empty: no processor
-        ("processor_config", str, field(default="")),
-    ],
-    bases=(_JobPaths,),
-    frozen=True,
-)
-Job.__module__ = __name__  # pickled by reference, as a class written out would be
-Job.__doc__ = "What every slice's task needs besides its slice: small and picklable, the same for all slices."
+    fingerprint: str
+    staging: str
+    tokenizer_dir: str
+    chat_template: str | None  # the template's text: the override's, or None for the tokenizer's own
+    columns: ColumnMap
+    # The options the slices read, in the option table's order and as it declares them (options.py: their
+    # `job`); test_options checks that these fields are that table's.
+    images: ImagesMode = "embed"
+    image_root: str | None = None
+    image_access: ImageAccess = "root"
+    image_timeout: float = REMOTE_TIMEOUT
+    max_image_bytes: int = 50 * 10**6
+    system_prompt: str | None = None
+    template_kwargs: dict = field(default_factory=dict)
+    reasoning_turns: ReasoningTurns = "as-rendered"
+    special_text: SpecialText = "literal"
+    train_on: TrainOn = "all_assistant"
+    max_length: int | None = None
+    truncation: Truncation = "truncate"
+    extra_columns: tuple[str, ...] = ()
+    layout: Layout = "skyrl"
+    encoder: Encoder = "auto"
+    render: Render = "skeleton"
+    on_bad_row: OnBadRow = "raise"
+    max_row_bytes: int = 2 * 10**6
+    storage_options: dict = field(default_factory=dict)
+    writer_batch_rows: int = 1000
+    writer_batch_bytes: int = 16 * 10**6
+    trust_remote_code: bool = False
+    # the shard store: finished shards by content key, shared by every cache under the root
+    store: str = ""
+    # the fingerprint of everything that changes how a row is tokenized
+    tokenization: str = ""
+    # where the tokenizer is kept prepared (prepared.py); empty: loaded and checked each time
+    prepared: str = ""
+    # the processor's configuration as JSON text (image rows, encoding/vision.py); empty: no processor
+    processor_config: str = ""
 
 
 def features(extra_columns: tuple[str, ...] = (), layout: str = "skyrl", images: bool = False):
