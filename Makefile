@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 EXAMPLE_CACHE ?= .cache/example
 
-.PHONY: example test test-fast lint docs
+.PHONY: example test test-fast lint docs cli-docs
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -46,3 +46,8 @@ lint: $(BIN)/python
 # or a missing included file fails the build. NO_MKDOCS_2_WARNING silences Material's banner about its end of life.
 docs: $(BIN)/python
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir .cache/site
+
+# docs/cli.md's flag tables, made again from the options' declarations (tests/unit/test_options.py checks them).
+cli-docs:
+	$(BIN)/python -c "import pathlib; from sft_tokenize.flows.arguments import with_flag_tables as made; \
+	page = pathlib.Path('docs/cli.md'); page.write_text(made(page.read_text()))"

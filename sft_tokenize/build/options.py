@@ -11,8 +11,6 @@ and whether the slices read it (a field of the Job). The command line (flows/arg
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import re
 from collections.abc import Callable, Iterator
@@ -24,6 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic.fields import FieldInfo
 
 from sft_tokenize.files import IMAGE_ACCESS, REMOTE_TIMEOUT
+from sft_tokenize.flags import Flag, json_object, positive_int, positive_seconds, role_column
+from sft_tokenize.flags import declared as declared_in
 from sft_tokenize.read.layouts import Layout
 
 Format = Literal["auto", "chat", "alpaca", "prompt-completion", "text"]
@@ -61,62 +61,18 @@ def sorted_tuple(values: list[str]) -> tuple[str, ...]:
     return tuple(sorted(values))
 
 
-# A flag's text to its value: an argparse.ArgumentTypeError becomes a usage error naming the flag.
-
-def role_column(spec: str) -> tuple[str, str]:
-    role, sep, name = spec.partition("=")
-    if not sep or not role or not name:
-        raise argparse.ArgumentTypeError(f"expected ROLE=NAME (e.g. completion=response), got {spec!r}")
-    return role, name
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not (value > 0 and value != float("inf")):
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
-    return value
-
-
-def json_object(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({error.msg} at character {error.pos}): {text!r}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"anon\": true}}', got {text!r}")
-    return value
-
-
 # The sections of `sft-tokenize run --help` (and of docs/cli.md).
 INPUT = "input"
 MASKS = "loss masks and templates"
 OUTPUT = "output"
 SLICES = "slices, runners and retries"
+VERSIONS = "versions, the server and logs"
 
 
 @dataclass(frozen=True)
-class Option:
-    """What an option's pydantic field does not say."""
+class Option(Flag):
+    """What an option's pydantic field does not say: its flag (Flag), and what the cache makes of it."""
 
-    section: str | None = None  # its section of `sft-tokenize run --help`; None: no flag (Python and the flow only)
-    metavar: str | None = None
-    flag: str | None = None  # default: --NAME with dashes for underscores
-    parse: Callable[[str], Any] | None = None  # the flag's text to a value (argparse's `type`)
-    repeat: bool = False  # the flag is given once per value
-    positional: bool = False
     # "value": the fingerprint hashes the option's value (as the Job holds it) under its name; "resolved": it
     # hashes what the plan resolves from it (the files read, their columns, the tokenizer's files, the template's
     # text); None: the option does not change the cache's rows.
@@ -134,7 +90,8 @@ class TokenizeOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    sources: Annotated[list[str], Option(INPUT, metavar="SOURCE", positional=True, fingerprint="resolved")] = Field(
+    sources: Annotated[list[str], Option(INPUT, metavar="SOURCE", positional=True, fingerprint="resolved",
+                                               cli_note=" (or --recipe)")] = Field(
         min_length=1, description="files, globs, directories, fsspec URLs, or hub:NAME for a Hugging Face hub dataset")
     tokenizer: Annotated[str | None, Option(INPUT, metavar="PATH_OR_NAME", fingerprint="resolved")] = Field(
         None, description="a local tokenizer directory or a Hugging Face hub model name (default: the processor's)")
@@ -281,9 +238,8 @@ class TokenizeOptions(BaseModel):
 
 def declared(model: type[BaseModel] = TokenizeOptions) -> Iterator[tuple[str, FieldInfo, Option]]:
     """Each option of `model` in table order: its name, its pydantic field and its Option."""
-    for name, info in model.model_fields.items():
-        option = next((m for m in info.metadata if isinstance(m, Option)), None)
-        if option is not None:
+    for name, info, option in declared_in(model):
+        if isinstance(option, Option):
             yield name, info, option
 
 

@@ -21,6 +21,7 @@ from typing import Any
 from sft_tokenize.build.timeline import mark
 from sft_tokenize.errors import BadInput
 from sft_tokenize.files import write_problem
+from sft_tokenize.flows.run_options import RUN_OPTIONS  # tokenize()'s options beyond TokenizeOptions
 
 
 class RunFailed(RuntimeError):
@@ -138,10 +139,6 @@ def run_tokenize(settings: dict[str, Any], progress: Callable[[Any], Any] | None
             logging.disable(logging.NOTSET)
 
 
-# tokenize()'s options beyond TokenizeOptions: how the run runs (TokenizeRun's own fields, in the flow's module),
-# named here so that a misspelt option is refused before Prefect is imported.
-RUN_OPTIONS = ("runner", "dask_address", "ray_address", "workers", "encode_processes", "retries", "force", "pack",
-               "keep_versions")
 _PASSED = ("sources", "tokenizer", "cache_dir")  # tokenize()'s own parameters
 
 

@@ -1,6 +1,8 @@
 """`sft-tokenize`'s command line: its arguments, checked as they are parsed, and the flow options they make.
 
-A usage error is one line on stderr with exit code 2, as every other bad input is (cli.py).
+Every flag is a declared option (sft_tokenize/flags.py): the flow's (TokenizeRun, PackOptions) and the command
+line's own (the models below), so `--help`, the flow's form and docs/cli.md say the same. A usage error is one
+line on stderr with exit code 2, as every other bad input is (cli.py).
 """
 
 from __future__ import annotations
@@ -8,17 +10,31 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from typing import Any, Literal, get_args, get_origin
+import re
+from typing import Annotated, Any, get_origin
 
-from sft_tokenize.build.options import INPUT, MASKS, OUTPUT, SLICES, declared, positive_int
-from sft_tokenize.encoding.pool import POOL_MIN_BYTES
+from pydantic import BaseModel, Field
+
+from sft_tokenize.build.options import INPUT, MASKS, OUTPUT, SLICES, VERSIONS
+from sft_tokenize.flags import (
+    Flag,
+    choices,
+    declared,
+    flag_default,
+    flag_names,
+    help_text,
+    positive_int,
+    shown_default,
+)
+from sft_tokenize.flows.run_options import RUN_OPTIONS, TokenizeRun
+from sft_tokenize.read.packing_index import PACK, PackOptions
 
 PROG = "sft-tokenize"
 EXIT_BAD_INPUT = 2
 SERVER_IDLE_ENV = "SFT_TOKENIZE_SERVER_IDLE"  # the default of --server-idle (the test suite sets 0)
 DEFAULT_SERVER_IDLE = 300
-VERSIONS = "versions, the server and logs"
 SECTIONS = (INPUT, MASKS, OUTPUT, SLICES, VERSIONS)  # of `sft-tokenize run --help`, in this order
+FLAGS = "flags"  # the one group of a command whose flags have no sections
 
 
 def _seconds(text: str) -> float:
@@ -29,6 +45,76 @@ def _seconds(text: str) -> float:
     if not (math.isfinite(value) and value >= 0):
         raise argparse.ArgumentTypeError(f"expected 0 or more seconds, got {text!r}")
     return value
+
+
+class RunCommand(BaseModel):
+    """`sft-tokenize run`'s own flags: how the command line reads a run and talks, not options of the flow."""
+
+    recipe: Annotated[str | None, Flag(INPUT, metavar="FILE")] = Field(
+        None, description="a YAML recipe: several sources, each with its own options, tokenized into a cache each and "
+                          "mixed by a mixture index (docs/mixtures.md); prints the index's path. --tokenizer and "
+                          "--cache-dir, if given, override the recipe's")
+    messages_column: Annotated[str | None, Flag(INPUT, metavar="COL")] = Field(
+        None, description="the column holding the conversations (--column messages=COL)")
+    server_idle: Annotated[float, Flag(VERSIONS, metavar="SECONDS", parse=_seconds)] = Field(
+        DEFAULT_SERVER_IDLE, description="how long the embedded Prefect server stays up once its last run leaves, "
+                                         f"for the next run; 0: it stops with the last run; ${SERVER_IDLE_ENV} "
+                                         "sets another default")
+    quiet: Annotated[bool, Flag(VERSIONS, short="-q", exclusive="noise")] = Field(
+        False, description="no Prefect run logs on stderr")
+    verbose: Annotated[bool, Flag(VERSIONS, short="-v", exclusive="noise")] = Field(
+        False, description="Prefect run logs with tracebacks")
+
+
+class InspectCommand(BaseModel):
+    """`sft-tokenize inspect`'s flags."""
+
+    cache: Annotated[str, Flag(FLAGS, metavar="CACHE_OR_MIXTURE", positional=True)] = Field(
+        description="a published cache directory, or a mixture index")
+    as_json: Annotated[bool, Flag(FLAGS, flag="--json")] = Field(False, description="print the whole manifest as JSON")
+    row: Annotated[list[int], Flag(FLAGS, metavar="N", parse=int, repeat=True)] = Field(
+        default_factory=list, description="print row N decoded, its trained tokens highlighted (green, or [[…]] when "
+                                          "piped); rows count from 0")
+    sample: Annotated[int | None, Flag(FLAGS, metavar="K", parse=positive_int)] = Field(
+        None, description="print K rows drawn at random (seed 0)")
+    tokenizer: Annotated[str | None, Flag(FLAGS, metavar="DIR")] = Field(
+        None, description="the tokenizer to decode rows with (default: the one the cache was built with)")
+    index_dir: Annotated[str | None, Flag(FLAGS, metavar="DIR")] = Field(
+        None, description="also look for packing indexes written there")
+    verify: Annotated[bool, Flag(FLAGS)] = Field(
+        False, description="read every data file whole and compare it with the digest recorded when it was written "
+                           "(without it, only the files' sizes are checked)")
+
+
+class PackCommand(PackOptions):
+    """`sft-tokenize pack`'s flags: the cache, then the packing options (PackOptions)."""
+
+    cache: Annotated[str, Flag(PACK, metavar="CACHE_OR_MIXTURE", positional=True)] = Field(
+        description="a published cache directory, or a mixture index")
+
+
+class GcCommand(BaseModel):
+    """`sft-tokenize gc`'s flags."""
+
+    cache_dir: Annotated[str, Flag(FLAGS, metavar="CACHE_DIR", positional=True)] = Field(description="the cache root")
+    keep: Annotated[int, Flag(FLAGS, metavar="N", parse=positive_int)] = Field(
+        1, ge=1, description="versions kept per name")
+
+
+class ServerStopCommand(BaseModel):
+    """`sft-tokenize server stop`'s flags."""
+
+    force: Annotated[bool, Flag(FLAGS)] = Field(False, description="stop it even while runs use it (they fail)")
+
+
+# Each command's declared flags: the models whose fields they are, in the order `--help` lists them.
+COMMANDS: dict[tuple[str, ...], tuple[type[BaseModel], ...]] = {
+    ("run",): (TokenizeRun, RunCommand),
+    ("inspect",): (InspectCommand,),
+    ("pack",): (PackCommand,),
+    ("gc",): (GcCommand,),
+    ("server", "stop"): (ServerStopCommand,),
+}
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -52,44 +138,40 @@ class OneLineErrorParser(argparse.ArgumentParser):
         return parsed, rest
 
 
-def _choices(annotation: Any) -> list[str] | None:
-    """The values of a Literal option (or of each item of a list of them)."""
-    if get_origin(annotation) is list:
-        annotation = get_args(annotation)[0]
-    return list(get_args(annotation)) if get_origin(annotation) is Literal else None
-
-
-def _shown_default(default: Any) -> bool:
-    return default not in (None, False, "", [], {})
-
-
-def add_tokenize_options(sections: dict[str, argparse._ArgumentGroup]) -> None:
-    """Every flag of a tokenization option, as the option table (build/options.py) declares it: the same help
-    text as the flow's form, its default and whether it repeats said as a command line says them."""
-    for name, info, option in declared():
-        if option.section is None:
-            continue
-        group = sections[option.section]
-        default = None if info.is_required() else info.get_default(call_default_factory=True)
-        text = info.description or ""
-        if option.repeat:
-            text += "; repeatable"
-        elif _shown_default(default):
-            text += f" (default {default})"
-        if option.positional:
-            group.add_argument(name, nargs="*", metavar=option.metavar, help=text + " (or --recipe)")
-            continue
-        if name == "columns":  # the command line's shorthand for the most common mapping
-            group.add_argument("--messages-column", metavar="COL",
-                               help="the column holding the conversations (--column messages=COL)")
-        settings: dict[str, Any] = {"dest": name, "help": text, "metavar": option.metavar, "type": option.parse,
-                                    "choices": _choices(info.annotation)}
-        if option.repeat:
-            settings.update(action="append", default=[])
-        else:
-            settings["default"] = default
-        group.add_argument(option.flag or "--" + name.replace("_", "-"),
-                           **{key: value for key, value in settings.items() if value is not None})
+def add_flags(parser: argparse.ArgumentParser, models: tuple[type[BaseModel], ...],
+              sections: dict[str, Any] | None = None, defaults: dict[str, Any] | None = None,
+              require: bool = True) -> None:
+    """Every declared flag of `models` (sft_tokenize/flags.py), in its section's group (or on `parser`): its help
+    text, default and choices those of its declaration. `defaults` replace a declared default where the
+    environment sets another; `require=False` leaves a required option's absence to the caller's check."""
+    exclusive: dict[str, Any] = {}
+    for model in models:
+        for name, info, flag in declared(model):
+            if flag.section is None:
+                continue
+            group = (sections or {}).get(flag.section, parser)
+            if flag.exclusive:
+                if flag.exclusive not in exclusive:
+                    exclusive[flag.exclusive] = group.add_mutually_exclusive_group()
+                group = exclusive[flag.exclusive]
+            default = (defaults or {}).get(name, flag_default(info))
+            settings: dict[str, Any] = {"help": help_text(info, flag), "metavar": flag.metavar, "type": flag.parse,
+                                        "choices": choices(info.annotation)}
+            if flag.positional:
+                if get_origin(info.annotation) is list:
+                    settings["nargs"] = "*"
+                group.add_argument(name, **{k: v for k, v in settings.items() if v is not None})
+                continue
+            settings["dest"] = name
+            if info.annotation in (bool, "bool"):
+                settings = {"dest": name, "help": settings["help"], "action": "store_true"}
+            elif flag.repeat:
+                settings.update(action="append", default=[])
+            elif info.is_required() and require:
+                settings["required"] = True
+            else:
+                settings["default"] = default
+            group.add_argument(*flag_names(name, flag), **{k: v for k, v in settings.items() if v is not None})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,77 +180,26 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = commands.add_parser("run", help="tokenize sources into a cache (resumes a failed or interrupted run)",
                               description="Tokenize sources into a cache; prints the cache path as the last line.")
-    sections = {title: run.add_argument_group(title) for title in SECTIONS}
-    add_tokenize_options(sections)
-    sections[INPUT].add_argument("--recipe", metavar="FILE",
-                                 help="a YAML recipe: several sources, each with its own options, tokenized into a "
-                                      "cache each and mixed by a mixture index (docs/mixtures.md); prints the "
-                                      "index's path. --tokenizer and --cache-dir, if given, override the recipe's")
-    # How the flow runs, not what it builds: the runner, the workers, retries and the versions kept are
-    # TokenizeRun's fields, in the Prefect layer that the command line does not import before it has parsed
-    # (a bad flag or a cache hit settle without Prefect); --server-idle, -q and -v are the command line's own.
-    slices, versions = sections[SLICES], sections[VERSIONS]
-    slices.add_argument("--runner", default="threads", choices=["threads", "processes", "dask", "ray"],
-                        help="threads (default), processes, or a Dask or Ray cluster whose workers share the cache "
-                             "dir")
-    slices.add_argument("--dask-address", metavar="tcp://HOST:PORT",
-                        help="--runner dask: a running scheduler (default: a temporary cluster on this machine)")
-    slices.add_argument("--ray-address", metavar="HOST:PORT",
-                        help="--runner ray: a running cluster (default: a temporary local instance)")
-    slices.add_argument("--workers", type=positive_int, metavar="N",
-                        help="slices tokenized at once (default: cores); on a cluster, at least as many slices are "
-                             "cut")
-    slices.add_argument("--encode-processes", type=int, metavar="N",
-                        help="--runner threads: processes that render, mask and encode the batches (default: one "
-                             f"per core when {POOL_MIN_BYTES // 10**6} MB or more is to be tokenized, else 0: the "
-                             "slices' threads do it)")
-    slices.add_argument("--retries", type=int, default=None, metavar="N", help="retries of a failed slice (default 2)")
-    versions.add_argument("--force", action="store_true",
-                          help="rebuild: delete the cache and its shards in the store first")
-    versions.add_argument("--keep-versions", type=positive_int, metavar="N",
-                          help="after publishing, keep the newest N versions of this name (see gc)")
-    versions.add_argument("--server-idle", type=_seconds, metavar="SECONDS",
-                          default=os.environ.get(SERVER_IDLE_ENV, str(DEFAULT_SERVER_IDLE)),
-                          help="how long the embedded Prefect server stays up once its last run leaves, for the next "
-                               f"run (default {DEFAULT_SERVER_IDLE}, or ${SERVER_IDLE_ENV}; 0: it stops with the "
-                               "last run)")
-    noise = versions.add_mutually_exclusive_group()
-    noise.add_argument("-q", "--quiet", action="store_true", help="no Prefect run logs on stderr")
-    noise.add_argument("-v", "--verbose", action="store_true", help="Prefect run logs with tracebacks")
+    # How the flow runs (TokenizeRun's own fields) is declared beside what it builds; --recipe, --server-idle, -q
+    # and -v are the command line's own (RunCommand).
+    add_flags(run, COMMANDS[("run",)], {title: run.add_argument_group(title) for title in SECTIONS},
+              defaults={"server_idle": os.environ.get(SERVER_IDLE_ENV, str(DEFAULT_SERVER_IDLE))},
+              require=False)  # a recipe may give the sources, the tokenizer and the cache root (parse_known_args)
 
     inspect = commands.add_parser("inspect", help="summarize a published cache or a mixture index",
                                   description="Summarize a published cache from its manifest, and its packing indexes; "
                                               "or a mixture index: per source, what was asked and achieved.")
-    inspect.add_argument("cache", metavar="CACHE_OR_MIXTURE")
-    inspect.add_argument("--json", action="store_true", help="print the whole manifest as JSON")
-    inspect.add_argument("--row", type=int, action="append", default=[], metavar="N",
-                         help="print row N decoded, its trained tokens highlighted (green, or [[…]] when piped); "
-                              "repeatable; rows count from 0")
-    inspect.add_argument("--sample", type=positive_int, metavar="K", help="print K rows drawn at random (seed 0)")
-    inspect.add_argument("--tokenizer", metavar="DIR",
-                         help="the tokenizer to decode rows with (default: the one the cache was built with)")
-    inspect.add_argument("--index-dir", metavar="DIR", help="also look for packing indexes written there")
-    inspect.add_argument("--verify", action="store_true",
-                         help="read every data file whole and compare it with the digest recorded when it was "
-                              "written (without it, only the files' sizes are checked)")
+    add_flags(inspect, COMMANDS[("inspect",)])
 
     pack = commands.add_parser("pack", help="plan packed sequences over a whole cache (a global packing index)",
                                description="Build the global packing index of a published cache beside it; "
                                            "prints the index path as the last line.")
-    pack.add_argument("cache", metavar="CACHE_OR_MIXTURE")
-    pack.add_argument("--length", required=True, type=positive_int, metavar="N", help="tokens per packed sequence")
-    pack.add_argument("--data-parallel", type=positive_int, default=1, metavar="R",
-                      help="data-parallel ranks: each gets as many bins, near-equal tokens per step (default 1)")
-    pack.add_argument("--algorithm", default="bfd", choices=["bfd", "ffd"],
-                      help="best-fit (default) or first-fit decreasing")
-    pack.add_argument("--index-dir", metavar="DIR",
-                      help="write the index under DIR instead of beside the cache (for a read-only cache root)")
+    add_flags(pack, COMMANDS[("pack",)])
 
     gc = commands.add_parser("gc", help="remove old versions and the shards no cache or running build uses",
                              description="Keep the newest N versions of each cache name; remove the others and "
                                          "every stored shard that no kept version and no running build uses.")
-    gc.add_argument("cache_dir", metavar="CACHE_DIR")
-    gc.add_argument("--keep", type=positive_int, default=1, metavar="N", help="versions kept per name (default 1)")
+    add_flags(gc, COMMANDS[("gc",)])
 
     server = commands.add_parser("server", help="the embedded Prefect server that runs share: status, stop",
                                  description="The embedded Prefect server of this PREFECT_HOME, which ad-hoc runs "
@@ -178,26 +209,58 @@ def build_parser() -> argparse.ArgumentParser:
                        description="One line per fact; exit 0 whether it runs or not.")
     stop = actions.add_parser("stop", help="stop it (refused while runs use it, unless --force)",
                               description="Stop the server and wait until its process is gone.")
-    stop.add_argument("--force", action="store_true", help="stop it even while runs use it (they fail)")
+    add_flags(stop, COMMANDS[("server", "stop")])
     return parser
-
-
-# The flags that say how a run runs (TokenizeRun's own fields), not what it builds.
-RUN_KEYS = ("runner", "dask_address", "ray_address", "workers", "encode_processes", "force", "keep_versions")
 
 
 def options_from(args: argparse.Namespace) -> dict[str, Any]:
     """The flow's options (TokenizeRun's fields) that `sft-tokenize run`'s arguments give."""
-    options = {name: getattr(args, name) for name, _, option in declared() if option.section is not None}
+    options = {name: getattr(args, name) for name, _, flag in declared(TokenizeRun) if flag.section is not None}
     options["columns"] = dict(options["columns"])  # given as ROLE=NAME pairs
     if args.messages_column:
         options["columns"]["messages"] = args.messages_column
-    options |= {key: getattr(args, key) for key in RUN_KEYS}
-    if args.retries is not None:
-        options["retries"] = args.retries
     return options
 
 
 def run_settings(options: dict[str, Any]) -> dict[str, Any]:
     """Of a run's options, those that say how it runs: what every source of a recipe is run with."""
-    return {key: options[key] for key in (*RUN_KEYS, "retries") if key in options}
+    return {key: options[key] for key in RUN_OPTIONS if key in options}
+
+
+# docs/cli.md's flag tables are made from the same declarations, between markers such as
+# `<!-- flags: run input -->` and `<!-- /flags -->` (`make cli-docs` writes them; test_options checks them).
+_TABLE = re.compile(r"(<!-- flags: (?P<command>[a-z ]+?)(?: / (?P<section>[a-z ,]+?))? -->\n).*?(<!-- /flags -->)",
+                    re.DOTALL)
+
+
+def _markdown(text: str) -> str:
+    """Help text as a table cell: docs/PAGE.md becomes a link to the page beside docs/cli.md."""
+    return re.sub(r"docs/([a-z-]+\.md)", r"[docs/\1](\1)", text.replace("|", "\\|"))
+
+
+def flag_table(command: str, section: str | None = None) -> str:
+    """The markdown table of `sft-tokenize COMMAND`'s flags (of one section of `run`), from their declarations."""
+    rows = ["| option | default | meaning |", "|---|---|---|"]
+    for model in COMMANDS[tuple(command.split())]:
+        for name, info, flag in declared(model):
+            if flag.section is None or (section is not None and flag.section != section):
+                continue
+            names = flag_names(name, flag)
+            shown = (flag.metavar or name.upper()) + ("..." if get_origin(info.annotation) is list else "") \
+                if flag.positional else ", ".join(names) + (f" {flag.metavar}" if flag.metavar else "")
+            default = flag_default(info)
+            said = "required" if info.is_required() and not flag.positional else \
+                f"`{default}`" if shown_default(default) and not flag.repeat else ""
+            meaning = (info.description or "") + (flag.cli_note or "")
+            if values := choices(info.annotation):
+                meaning += "; one of " + ", ".join(f"`{value}`" for value in values)
+            if flag.repeat:
+                meaning += "; repeatable"
+            rows.append(f"| `{shown}` | {said} | {_markdown(meaning)} |")
+    return "\n".join(rows) + "\n"
+
+
+def with_flag_tables(page: str) -> str:
+    """`page` (docs/cli.md) with every marked table made again from the declarations."""
+    return _TABLE.sub(lambda m: m.group(1) + flag_table(m.group("command"), m.group("section"))
+                      + m.group(4), page)

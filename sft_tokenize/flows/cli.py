@@ -96,7 +96,7 @@ def inspect(args: argparse.Namespace) -> int:
             meta = index.meta
         except CacheError as error:
             return _fail(str(error), EXIT_BAD_INPUT)
-        print(json.dumps(meta, indent=2) if args.json else text_table(mixture_summary(meta)))
+        print(json.dumps(meta, indent=2) if args.as_json else text_table(mixture_summary(meta)))
         return EXIT_OK
     try:
         manifest = read_manifest(args.cache)
@@ -110,7 +110,7 @@ def inspect(args: argparse.Namespace) -> int:
               "first: only their sizes were checked", file=sys.stderr)
     if args.row or args.sample:
         return show_rows(args, manifest)
-    if args.json:
+    if args.as_json:
         packing = {"packing": [{**i.meta, "path": str(i.path), "build": i.build} for i in indexes]} if indexes else {}
         print(json.dumps({**manifest, **packing}, indent=2))
     else:

@@ -4,42 +4,48 @@ No Prefect import: the command line reads these declarations before it decides w
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, ValidationInfo, field_validator
 
-from sft_tokenize.build.options import TokenizeOptions
+from sft_tokenize.build.options import SLICES, VERSIONS, TokenizeOptions
 from sft_tokenize.encoding.pool import POOL_MIN_BYTES, available_cores
+from sft_tokenize.flags import Flag, positive_int
 from sft_tokenize.read.packing_index import PackOptions
-from sft_tokenize.tasks.tokenize_slice import RETRIES
+from sft_tokenize.tasks import RETRIES
 
 
 class TokenizeRun(TokenizeOptions):
-    """What to tokenize (TokenizeOptions) and how to run it: the flow's one parameter, a typed form in the UI."""
+    """What to tokenize (TokenizeOptions) and how to run it: the flow's one parameter, a typed form in the UI.
 
-    runner: Literal["threads", "processes", "dask", "ray"] = Field(
-        "threads", description="threads: the slices as threads of one process, their batches encoded by the "
-        "encode pool (encode_processes); processes: one per worker; "
-        "dask, ray: a cluster's workers (they must share the cache root's filesystem)."
-    )
-    dask_address: str | None = Field(
-        None, description="Runner dask: the scheduler, tcp://HOST:PORT; none: a temporary cluster on this machine."
-    )
-    ray_address: str | None = Field(
-        None, description="Runner ray: the cluster, HOST:PORT or ray://HOST:PORT; none: a temporary local instance."
-    )
-    workers: int | None = Field(None, ge=1, description="Slices tokenized at once; default: the number of cores. "
-                                "On a cluster at an address the cluster decides, and this is the fewest slices cut.")
-    encode_processes: int | None = Field(
-        None, ge=0, description="Runner threads: processes that render, mask and encode the slices' batches; "
-        f"default: one per core when the slices to tokenize hold {POOL_MIN_BYTES // 10**6} MB or more, else 0 "
-        "(the slices' threads encode)."
-    )
-    retries: int = Field(RETRIES, ge=0, description="Retries of a failed slice, with exponential backoff.")
-    force: bool = Field(False, description="Rebuild: delete the published cache and its shards in the store first.")
+    Each field below is declared once, as TokenizeOptions' are: its description is the UI form's text and, with
+    its default, `sft-tokenize run --help`'s and docs/cli.md's."""
+
+    runner: Annotated[Literal["threads", "processes", "dask", "ray"], Flag(SLICES)] = Field(
+        "threads", description="how the slices run in parallel: threads (threads of one process, their batches "
+                               "encoded by the encode processes), processes (one per worker), dask or ray (a "
+                               "cluster's workers, which must share the cache root's filesystem); see "
+                               "docs/scale-out.md")
+    dask_address: Annotated[str | None, Flag(SLICES, metavar="tcp://HOST:PORT")] = Field(
+        None, description="runner dask: a running scheduler (default: a temporary cluster on this machine)")
+    ray_address: Annotated[str | None, Flag(SLICES, metavar="HOST:PORT")] = Field(
+        None, description="runner ray: a running cluster, HOST:PORT or ray://HOST:PORT (default: a temporary local "
+                          "instance)")
+    workers: Annotated[int | None, Flag(SLICES, metavar="N", parse=positive_int)] = Field(
+        None, ge=1, description="slices tokenized at once (default: the number of cores); on a cluster at an address "
+                                "the cluster decides, and at least this many slices are cut")
+    encode_processes: Annotated[int | None, Flag(SLICES, metavar="N", parse=int)] = Field(
+        None, ge=0, description="runner threads: processes that render, mask and encode the slices' batches "
+                                f"(default: one per core when the slices to tokenize hold {POOL_MIN_BYTES // 10**6} MB "
+                                "or more, else 0: the slices' threads encode)")
+    retries: Annotated[int, Flag(SLICES, metavar="N", parse=int)] = Field(
+        RETRIES, ge=0, description="retries of a failed slice, with exponential backoff")
+    force: Annotated[bool, Flag(VERSIONS)] = Field(
+        False, description="rebuild: delete the published cache and its shards in the store first")
     pack: PackOptions | None = Field(None, description="Then build the cache's global packing index (if missing).")
-    keep_versions: int | None = Field(None, ge=1, description="After publishing, remove all but the newest N "
-                                      "versions of this name, and the stored shards no cache uses (sft-tokenize gc).")
+    keep_versions: Annotated[int | None, Flag(VERSIONS, metavar="N", parse=positive_int)] = Field(
+        None, ge=1, description="after publishing, remove all but the newest N versions of this name, and the stored "
+                                "shards no cache uses (as sft-tokenize gc)")
 
     @field_validator("dask_address", "ray_address")
     @classmethod
@@ -63,3 +69,7 @@ class TokenizeRun(TokenizeOptions):
     @property
     def cluster_address(self) -> str | None:
         return {"dask": self.dask_address, "ray": self.ray_address}.get(self.runner)
+
+
+# The options that say how a run runs, not what it builds: TokenizeRun's own.
+RUN_OPTIONS = tuple(name for name in TokenizeRun.model_fields if name not in TokenizeOptions.model_fields)

@@ -18,13 +18,14 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from sft_tokenize.errors import BadInput, CacheError
 from sft_tokenize.files import built_directory, locked, write_problem
+from sft_tokenize.flags import Flag, positive_int
 from sft_tokenize.format.layout import (
     BUILDING_SUFFIX,
     INDEX_BUILD,
@@ -46,18 +47,23 @@ if TYPE_CHECKING:
 INDEX_VERSION = 1
 INDEX_FILES = ("bins.npy", "rows.npy")
 Algorithm = Literal["bfd", "ffd"]
+PACK = "pack"  # the flags of `sft-tokenize pack`
 
 
 class PackOptions(BaseModel):
-    """How to pack a cache: the `pack` command's options and the flow's `pack` parameter."""
+    """How to pack a cache: the `pack` command's options and the flow's `pack` parameter, each declared once."""
 
     model_config = ConfigDict(extra="forbid")
 
-    length: int = Field(gt=0, description="Tokens per packed sequence (N): no bin holds more.")
-    data_parallel: int = Field(1, ge=1, description="Data-parallel ranks (R): every rank gets the same number "
-                               "of bins, and the bins of one step hold nearly the same number of tokens.")
-    algorithm: Algorithm = Field("bfd", description="bfd: best-fit decreasing; ffd: first-fit decreasing.")
-    index_dir: str | None = Field(None, description="Where to write the index when the cache root is read-only.")
+    length: Annotated[int, Flag(PACK, metavar="N", parse=positive_int)] = Field(
+        gt=0, description="tokens per packed sequence: no bin holds more")
+    data_parallel: Annotated[int, Flag(PACK, metavar="R", parse=positive_int)] = Field(
+        1, ge=1, description="data-parallel ranks: every rank gets the same number of bins, and the bins of one "
+                             "step hold nearly the same number of tokens")
+    algorithm: Annotated[Algorithm, Flag(PACK)] = Field(
+        "bfd", description="bfd: best-fit decreasing; ffd: first-fit decreasing")
+    index_dir: Annotated[str | None, Flag(PACK, metavar="DIR")] = Field(
+        None, description="write the index under DIR instead of beside the cache (for a read-only cache root)")
 
     @property
     def key(self) -> str:

@@ -20,9 +20,9 @@ from sft_tokenize.build.job import Job
 from sft_tokenize.build.stopping import Stopped
 from sft_tokenize.errors import BadInput, OutOfSpace
 from sft_tokenize.sources.resolve import Slice
+from sft_tokenize.tasks import RETRIES
 
 TAG = "sft-tokenize"  # cap parallel slices across runs with `prefect concurrency-limit create sft-tokenize N`
-RETRIES = 2
 # A bad row fails the same way every time, and a full disk does not empty itself in seconds: retrying those
 # only delays the error; an interrupted run wants no retry.
 NOT_RETRIED = (BadInput, OutOfSpace, Stopped)

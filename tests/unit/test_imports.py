@@ -15,7 +15,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "sft_tokenize"
 DATA_PLANE = ("sources", "chat", "encoding", "build", "read", "format")
-BASE = ("errors", "files", "fingerprint", "version", "format")  # the base layer, which every layer may use
+BASE = ("errors", "files", "fingerprint", "version", "format", "flags")  # the base layer, which every layer may use
 
 
 def modules(subpackage: str | None = None) -> list[str]:

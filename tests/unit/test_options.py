@@ -8,17 +8,24 @@ would orphan every existing cache fails here. 5520e34b992e27e9 (defaults) and ed
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
+import re
 from pathlib import Path
+from typing import get_args, get_origin
 
 import pytest
 from support.paths import EXAMPLE_DATA, EXAMPLE_TOKENIZER
 
-from sft_tokenize.build.options import TokenizeOptions, declared
+from sft_tokenize.build.job import Job
+from sft_tokenize.build.options import TokenizeOptions, declared, job_options
 from sft_tokenize.build.plan import Plan, plan_slices
 from sft_tokenize.fingerprint import fingerprint
-from sft_tokenize.flows.arguments import build_parser, options_from
+from sft_tokenize.flags import declared as declared_in
+from sft_tokenize.flows.arguments import COMMANDS, SECTIONS, build_parser, options_from, with_flag_tables
+from sft_tokenize.flows.run_options import TokenizeRun
+from sft_tokenize.read.packing_index import PackOptions
 
 # option set → (tokenization fingerprint, cache fingerprint with each source as [file name, kind, size]).
 PINNED = {
@@ -153,8 +160,8 @@ def test_the_command_line_gives_the_flow_its_options():
         "encoder": "auto", "render": "skeleton", "layout": "skyrl", "split": "train", "subset": None,
         "on_bad_row": "raise",
         "shard_size": "256MB", "max_row_bytes": "2MB", "storage_options": {}, "runner": "threads",
-        "dask_address": None, "ray_address": None, "workers": None, "encode_processes": None, "force": False,
-        "keep_versions": None,
+        "dask_address": None, "ray_address": None, "workers": None, "encode_processes": None, "retries": 2,
+        "force": False, "keep_versions": None,
     }
     every_flag = parsed(
         "a.jsonl", "b", "--tokenizer", "t", "--cache-dir", "c", "--name", "n", "--format", "chat",
@@ -193,3 +200,79 @@ def test_every_option_is_in_the_table_and_its_flag_says_what_the_flow_form_says(
     # Only where Python and the flow take an option that has no flag.
     assert [name for name, _, option in declared() if option.section is None] == \
         ["revision", "tokenizer_revision", "writer_batch_rows", "writer_batch_bytes", "trust_remote_code"]
+
+
+def every_flag() -> list[tuple[tuple[str, ...], argparse.Action]]:
+    """Each (command path, action) of the command line, but the subcommand choosers and -h."""
+    found = []
+
+    def walk(parser: argparse.ArgumentParser, path: tuple[str, ...]) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    walk(sub, (*path, name))
+            elif not isinstance(action, argparse._HelpAction):
+                found.append((path, action))
+
+    walk(build_parser(), ())
+    return found
+
+
+def test_every_flag_is_declared_once_and_says_what_its_declaration_says():
+    """A flag whose help text, default or choices are not its declaration's (or that has no declaration) fails."""
+    flags = every_flag()
+    assert {path for path, _ in flags} == set(COMMANDS)
+    undeclared, disagree = [], []
+    for path, action in flags:
+        fields = {name: (info, flag) for model in COMMANDS[path] for name, info, flag in declared_in(model)}
+        if action.dest not in fields or fields[action.dest][1].section is None:
+            undeclared.append((path, action.option_strings or action.dest))
+            continue
+        info, flag = fields[action.dest]
+        default = None if info.is_required() else info.get_default(call_default_factory=True)
+        said = re.findall(r"\(default ([^):]*)\)", action.help)  # a default the help text states as a value
+        expected_said = [str(default)] if default not in (None, False, "", [], {}) and not flag.repeat else []
+        if not action.help.startswith(info.description) or said != expected_said:
+            disagree.append((path, action.dest, action.help))
+        if action.choices is not None and list(action.choices) != list(get_args(
+                get_args(info.annotation)[0] if get_origin(info.annotation) is list else info.annotation)):
+            disagree.append((path, action.dest, action.choices))
+        if action.dest != "server_idle" and not flag.positional and action.default != (
+                [] if flag.repeat else default if default is not None or info.is_required() else None):
+            disagree.append((path, action.dest, action.default))
+    assert undeclared == [] and disagree == []
+
+
+def test_the_flow_form_shows_each_run_option_as_its_flag_does():
+    """The tokenize-dataset flow's parameter schema (the Prefect UI form) holds the declarations' texts and
+    defaults: the same words as `sft-tokenize run --help`."""
+    from sft_tokenize.flows.tokenize_dataset import tokenize_dataset
+
+    schema = tokenize_dataset.parameters.model_dump()
+    (ref,) = {schema["properties"]["options"]["$ref"].rsplit("/", 1)[1]}
+    form = schema["definitions"][ref]["properties"]
+    helps = {action.dest: action.help for path, action in every_flag() if path == ("run",)}
+    shown = [(name, form[name].get("description"), form[name].get("default")) for name, info, flag
+             in declared_in(TokenizeRun) if flag.section is not None]
+    assert [name for name, description, _ in shown if not helps[name].startswith(description)] == []
+    assert [(name, default) for name, _, default in shown if "default" in form[name]
+            and default != TokenizeRun.model_fields[name].get_default(call_default_factory=True)] == []
+    assert form["retries"]["default"] == 2 and "(default 2)" in helps["retries"]
+    pack = schema["definitions"]["PackOptions"]["properties"]
+    assert [name for name, info, _ in declared_in(PackOptions) if pack[name]["description"] != info.description] == []
+
+
+def test_the_job_has_a_field_for_each_option_the_slices_read_in_table_order():
+    table = [(name, default) for name, _, default in job_options()]
+    fields = {f.name: f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+              for f in dataclasses.fields(Job)}
+    assert [(name, fields.get(name, "missing")) for name, _ in table] == table
+    order = [f.name for f in dataclasses.fields(Job)]
+    assert [name for name in order if name in dict(table)] == [name for name, _ in table]
+
+
+def test_the_command_line_page_shows_the_declared_flags():
+    """docs/cli.md's flag tables are made from the declarations (`make cli-docs` writes them again)."""
+    page = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
+    assert page.count("<!-- flags: ") == len(SECTIONS) + len(COMMANDS) - 1
+    assert with_flag_tables(page) == page, "docs/cli.md's flag tables are stale: run `make cli-docs`"

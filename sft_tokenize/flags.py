@@ -1,0 +1,116 @@
+"""An option declared once: a pydantic field (its name, type, default, checks and the help text the Prefect UI
+form shows) with a `Flag` beside its type, which says what the field does not: how the command line gives it.
+
+Both sides' option models use it (build/options.py, read/packing_index.py, flows/run_options.py), and the command
+line (flows/arguments.py), its `--help` and the tables of docs/cli.md are made from their declarations, so a flag's
+help text, default and choices are those of the field and nowhere else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Literal, get_args, get_origin
+
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How the command line gives an option."""
+
+    section: str | None = None  # its group in `--help` (and its table in docs/cli.md); None: no flag
+    metavar: str | None = None
+    flag: str | None = None  # default: --NAME with dashes for underscores
+    short: str | None = None  # a one-letter alias, e.g. -q
+    parse: Callable[[str], Any] | None = None  # the flag's text to a value (argparse's `type`)
+    repeat: bool = False  # the flag is given once per value
+    positional: bool = False
+    exclusive: str | None = None  # flags of the same name here exclude each other
+    cli_note: str | None = None  # words only the command line's help adds (what the flow's form has no use for)
+
+
+def declared(model: type[BaseModel]) -> Iterator[tuple[str, FieldInfo, Flag]]:
+    """Each option of `model` in declaration order: its name, its pydantic field and its Flag (or Option)."""
+    for name, info in model.model_fields.items():
+        flag = next((m for m in info.metadata if isinstance(m, Flag)), None)
+        if flag is not None:
+            yield name, info, flag
+
+
+def choices(annotation: Any) -> list[str] | None:
+    """The values of a Literal option (or of each item of a list of them)."""
+    if get_origin(annotation) is list:
+        annotation = get_args(annotation)[0]
+    return list(get_args(annotation)) if get_origin(annotation) is Literal else None
+
+
+def flag_default(info: FieldInfo) -> Any:
+    """The option's default as the command line shows it (None for a required option)."""
+    return None if info.is_required() else info.get_default(call_default_factory=True)
+
+
+def shown_default(default: Any) -> bool:
+    """Whether `--help` says the default: not for an option that is off, empty or unset by default."""
+    return default not in (None, False, "", [], {})
+
+
+def help_text(info: FieldInfo, flag: Flag) -> str:
+    """The flag's `--help` text: the field's description, then what the command line adds (repeatable, its
+    default as declared)."""
+    text = info.description or ""
+    if flag.cli_note:
+        text += flag.cli_note
+    if flag.repeat:
+        text += "; repeatable"
+    elif shown_default(default := flag_default(info)):
+        text += f" (default {default})"
+    return text
+
+
+def flag_names(name: str, flag: Flag) -> list[str]:
+    if flag.positional:
+        return [name]
+    return [*([flag.short] if flag.short else []), flag.flag or "--" + name.replace("_", "-")]
+
+
+# A flag's text to its value: an argparse.ArgumentTypeError becomes a usage error naming the flag.
+
+def role_column(spec: str) -> tuple[str, str]:
+    role, sep, name = spec.partition("=")
+    if not sep or not role or not name:
+        raise argparse.ArgumentTypeError(f"expected ROLE=NAME (e.g. completion=response), got {spec!r}")
+    return role, name
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not (value > 0 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
+def json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({error.msg} at character {error.pos}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"anon\": true}}', got {text!r}")
+    return value
