@@ -28,6 +28,11 @@ class CacheError(RuntimeError):
     """A published cache or a staged shard is missing, corrupt or does not match its manifest."""
 
 
+class Failed(RuntimeError):
+    """A command could not finish, for a reason its message names in one line (a run's failed slices, a server
+    still in use); doing it again can succeed. The CLI exits 1."""
+
+
 class OutOfSpace(RuntimeError):
     """A shard could not be written for lack of disk space (or a file size limit); rerunning resumes."""
 
@@ -36,3 +41,8 @@ def one_line(error: BaseException | str, limit: int = 400) -> str:
     """An error's message on one line: every line of it, whitespace collapsed, cut at `limit` characters."""
     text = " ".join(str(error).split())
     return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def first_line(error: BaseException | str) -> str:
+    """An error's message up to its first line break: what a one-line report of it says."""
+    return (str(error).strip().splitlines() or [""])[0]

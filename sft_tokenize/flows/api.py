@@ -19,12 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from sft_tokenize.build.timeline import mark
-from sft_tokenize.errors import BadInput
+from sft_tokenize.errors import BadInput, Failed, first_line
 from sft_tokenize.files import write_problem
 from sft_tokenize.flows.run_options import RUN_OPTIONS  # tokenize()'s options beyond TokenizeOptions
 
 
-class RunFailed(RuntimeError):
+class RunFailed(Failed):
     """The flow failed (a slice's error after its retries, a lost server): the finished shards stay."""
 
 
@@ -95,7 +95,6 @@ def run_tokenize(settings: dict[str, Any], progress: Callable[[Any], Any] | None
     from prefect.settings import get_current_settings
 
     from sft_tokenize.flows.embedded_server import EmbeddedServer, ServerLost, ServerUnavailable, check_api_reachable
-    from sft_tokenize.flows.failures import first_line
     from sft_tokenize.flows.run_options import TokenizeRun
     from sft_tokenize.flows.tokenize_dataset import on_progress, tokenize_dataset
 

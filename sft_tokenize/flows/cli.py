@@ -8,9 +8,9 @@
     sft-tokenize server status|stop [--force]
 
 stdout carries only the result (the cache path or the packing index path as its last line, or the inspect
-table), so scripts can read it; the progress bar and Prefect's run logs go to stderr. Exit codes: 0 success,
-2 bad usage or bad input (one line saying what and where), 1 any other failure (run the same command again
-to resume).
+table), so scripts can read it; the progress bar and Prefect's run logs go to stderr. An error is one line on
+stderr and an exit code, by one policy for every subcommand (ERRORS): 0 success, 2 bad usage or bad input (one
+line saying what and where), 1 any other failure (run the same command again to resume), 130/143 interrupted.
 """
 
 from __future__ import annotations
@@ -22,20 +22,16 @@ import logging
 import os
 import sys
 import warnings
+from collections.abc import Callable
 
 from sft_tokenize.build.timeline import mark
-from sft_tokenize.errors import BadInput, CacheError
+from sft_tokenize.errors import BadInput, CacheError, Failed, first_line
 from sft_tokenize.flows.arguments import EXIT_BAD_INPUT, PROG, SERVER_IDLE_ENV, build_parser, options_from, run_settings
 from sft_tokenize.flows.console import CONSOLE_ENV, ProgressBar, progress_console
 from sft_tokenize.format.layout import SHARD_STORE, is_mixture
 
 EXIT_OK, EXIT_FAILED = 0, 1
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a writer whose reader left
-
-
-def _fail(message: str, code: int) -> int:
-    print(f"{PROG}: error: {message}", file=sys.stderr)
-    return code
 
 
 def keep_torch_out() -> None:
@@ -48,37 +44,21 @@ def keep_torch_out() -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sft_tokenize.flows.interrupts import EXIT_CODES, raise_on_sigterm, signal_of
+    from sft_tokenize.flows.api import run_recipe, run_tokenize
+    from sft_tokenize.flows.interrupts import raise_on_sigterm
 
     keep_torch_out()
     raise_on_sigterm()
-    try:
-        return _run(args)
-    except KeyboardInterrupt as interrupt:  # Ctrl-C, or SIGTERM (flows.interrupts.Terminated)
-        signum = signal_of(interrupt)
-        store = os.path.join(args.cache_dir or "CACHE_DIR", SHARD_STORE)
-        return _fail(f"interrupted ({signum.name}); the finished slices stay in the shard store under {store}: run "
-                     "the same command again to resume", EXIT_CODES[signum])
-
-
-def _run(args: argparse.Namespace) -> int:
-    from sft_tokenize.flows.api import RunFailed, run_recipe, run_tokenize
-
     settings = options_from(args)
     if settings["runner"] == "dask" and not args.verbose:
         # A temporary cluster's scheduler runs in this process: a notice per worker and connection is noise here.
         logging.getLogger("distributed").setLevel(logging.WARNING)
-    try:
-        bar = lambda: ProgressBar(progress_console())  # noqa: E731
-        if args.recipe:
-            overrides = {key: settings[key] for key in ("tokenizer", "cache_dir") if settings[key]}
-            cache_path = run_recipe(args.recipe, run_settings(settings), overrides, progress=bar)
-        else:
-            cache_path = run_tokenize(settings, progress=bar)
-    except BadInput as error:
-        return _fail(str(error), EXIT_BAD_INPUT)
-    except RunFailed as error:
-        return _fail(str(error), EXIT_FAILED)
+    bar = lambda: ProgressBar(progress_console())  # noqa: E731
+    if args.recipe:
+        overrides = {key: settings[key] for key in ("tokenizer", "cache_dir") if settings[key]}
+        cache_path = run_recipe(args.recipe, run_settings(settings), overrides, progress=bar)
+    else:
+        cache_path = run_tokenize(settings, progress=bar)
     print(cache_path)
     return EXIT_OK
 
@@ -90,20 +70,14 @@ def inspect(args: argparse.Namespace) -> int:
     from sft_tokenize.read.packing_index import list_indexes
 
     if is_mixture(args.cache):  # a mixture index: its per-source summary
-        try:
-            index = load_mixture(args.cache)
-            check_sources(index)  # a summary of sources that are gone would look healthy
-            meta = index.meta
-        except CacheError as error:
-            return _fail(str(error), EXIT_BAD_INPUT)
+        index = load_mixture(args.cache)
+        check_sources(index)  # a summary of sources that are gone would look healthy
+        meta = index.meta
         print(json.dumps(meta, indent=2) if args.as_json else text_table(mixture_summary(meta)))
         return EXIT_OK
-    try:
-        manifest = read_manifest(args.cache)
-        indexes = list_indexes(args.cache, args.index_dir)
-        unverified = verify_cache(args.cache) if args.verify else []
-    except CacheError as error:
-        return _fail(str(error), EXIT_BAD_INPUT)
+    manifest = read_manifest(args.cache)
+    indexes = list_indexes(args.cache, args.index_dir)
+    unverified = verify_cache(args.cache) if args.verify else []
     if unverified:  # the table below is stdout's result; this is a note about how far it was checked
         print(f"{PROG}: note: {len(unverified)} of {len(manifest['files'])} data files have no recorded digest "
               f"(published before manifests kept them, and their shards' sidecars are gone), {unverified[0]} "
@@ -130,10 +104,7 @@ def pack(args: argparse.Namespace) -> int:
 
     options = PackOptions(length=args.length, data_parallel=args.data_parallel, algorithm=args.algorithm,
                           index_dir=args.index_dir)
-    try:
-        index = pack_cache(args.cache, options)
-    except (BadInput, CacheError) as error:
-        return _fail(str(error), EXIT_BAD_INPUT)
+    index = pack_cache(args.cache, options)
     print(text_table([("built", "now" if index.built_now else "earlier: reused")]
                      + packing_summary(index.meta, index.build, index.path)))
     print(index.path)
@@ -151,16 +122,12 @@ def show_rows(args: argparse.Namespace, manifest: dict) -> int:
     cache = open_cache(args.cache)
     bad = [n for n in args.row if not 0 <= n < len(cache)]
     if bad:
-        return _fail(f"{args.cache}: no row {bad[0]}: the cache has {len(cache):,} rows (0 to {len(cache) - 1})",
-                     EXIT_BAD_INPUT)
+        raise BadInput(f"{args.cache}: no row {bad[0]}: the cache has {len(cache):,} rows (0 to {len(cache) - 1})")
     tokenizer_dir = args.tokenizer or manifest.get("tokenizer")
     if not tokenizer_dir or not os.path.isdir(tokenizer_dir):
-        return _fail(f"{args.cache}: the tokenizer it was built with ({tokenizer_dir or 'not recorded'}) is not "
-                     "here: pass --tokenizer DIR", EXIT_BAD_INPUT)
-    try:
-        tokenizer = load_tokenizer(tokenizer_dir)
-    except BadInput as error:
-        return _fail(str(error), EXIT_BAD_INPUT)
+        raise BadInput(f"{args.cache}: the tokenizer it was built with ({tokenizer_dir or 'not recorded'}) is not "
+                       "here: pass --tokenizer DIR")
+    tokenizer = load_tokenizer(tokenizer_dir)
     rows = list(args.row)
     if args.sample:
         rows += sorted(random.Random(0).sample(range(len(cache)), min(args.sample, len(cache))))
@@ -180,7 +147,7 @@ def gc(args: argparse.Namespace) -> int:
 
     root = os.path.abspath(args.cache_dir)
     if not os.path.isdir(root):
-        return _fail(f"{root}: no such cache directory", EXIT_BAD_INPUT)
+        raise BadInput(f"{root}: no such cache directory")
     done = collect_garbage(root, args.keep)
     for name in done.removed:
         print(f"removed {os.path.join(root, name)}")
@@ -193,20 +160,82 @@ def gc(args: argparse.Namespace) -> int:
 
 def server(args: argparse.Namespace) -> int:
     """`server status` / `server stop`: the embedded Prefect server of this PREFECT_HOME."""
-    from sft_tokenize.flows.embedded_server import ServerInUse, server_status, stop_server
+    from sft_tokenize.flows.embedded_server import server_status, stop_server
 
     if args.action == "status":
         for name, value in server_status():
             print(f"{name}: {value}")
         return EXIT_OK
-    try:
-        print(stop_server(force=args.force))
-    except ServerInUse as error:
-        return _fail(str(error), EXIT_FAILED)
+    print(stop_server(force=args.force))
     return EXIT_OK
 
 
+SUBCOMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "run": run, "inspect": inspect, "pack": pack, "gc": gc, "server": server}
+
+
+def _interrupted(interrupt: BaseException, args: argparse.Namespace | None) -> str:
+    from sft_tokenize.flows.interrupts import signal_of
+
+    line = f"interrupted ({signal_of(interrupt).name})"
+    if args is not None and args.command == "run":
+        line += (f"; the finished slices stay in the shard store under "
+                 f"{os.path.join(args.cache_dir or 'CACHE_DIR', SHARD_STORE)}: run the same command again to resume")
+    return line
+
+
+def _signal_code(interrupt: BaseException) -> int:
+    from sft_tokenize.flows.interrupts import EXIT_CODES, signal_of
+
+    return EXIT_CODES[signal_of(interrupt)]
+
+
+def _said(error: BaseException, args: argparse.Namespace | None) -> str:
+    return first_line(error)
+
+
+def _on_path(error: BaseException, args: argparse.Namespace | None) -> str:
+    """An OSError as the path it concerns and what the system said of it."""
+    assert isinstance(error, OSError)
+    if error.filename is None or not error.strerror:
+        return f"{type(error).__name__}: {first_line(error)}"
+    return f"{error.filename}: {error.strerror}"
+
+
+def _stdout_gone(error: BaseException, args: argparse.Namespace | None) -> None:
+    # The reader of stdout left (`sft-tokenize inspect ... | head`): stop quietly, as a shell tool does.
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+# The error policy of every subcommand: each kind of error a command can end with, its exit code and its one
+# line on stderr (None: no line). The first kind that matches wins; an error of no kind here is a bug, and
+# keeps its traceback.
+ERRORS: tuple[tuple[type[BaseException], int | Callable[[BaseException], int],
+                    Callable[[BaseException, argparse.Namespace | None], str | None]], ...] = (
+    (KeyboardInterrupt, _signal_code, _interrupted),  # Ctrl-C, or SIGTERM during a run (interrupts.Terminated)
+    (BadInput, EXIT_BAD_INPUT, _said),  # the input, the tokenizer or an option: its message names the file, row
+    (CacheError, EXIT_BAD_INPUT, _said),  # a cache or index missing, corrupt or not what it was built from
+    (Failed, EXIT_FAILED, _said),  # a run's failed slices, a lost server, a server still in use
+    (BrokenPipeError, EXIT_BROKEN_PIPE, _stdout_gone),
+    (PermissionError, EXIT_BAD_INPUT, _on_path),  # a path given that cannot be written, as a run's check says
+    (OSError, EXIT_FAILED, _on_path),  # a file system that failed under the command
+)
+
+
+def exit_for(error: BaseException, args: argparse.Namespace | None) -> int:
+    """Report `error` by the policy (its one line on stderr) and return its exit code; re-raise an error the
+    policy does not name."""
+    for kind, code, line in ERRORS:
+        if isinstance(error, kind):
+            said = line(error, args)
+            if said is not None:
+                print(f"{PROG}: error: {said}", file=sys.stderr)
+            return code(error) if callable(code) else code
+    raise error
+
+
 def main(argv: list[str] | None = None) -> int:
+    args = None
     try:
         try:
             args = build_parser().parse_args(argv)
@@ -222,14 +251,12 @@ def main(argv: list[str] | None = None) -> int:
             os.environ[CONSOLE_ENV] = "quiet" if args.quiet else "verbose" if args.verbose else "plain"
             os.environ[SERVER_IDLE_ENV] = str(args.server_idle)  # read by flows.embedded_server.EmbeddedServer
         mark("imports")
-        code = {"run": run, "inspect": inspect, "pack": pack, "gc": gc, "server": server}[args.command](args)
+        code = SUBCOMMANDS[args.command](args)
         sys.stdout.flush()
         mark("exit")
         return code
-    except BrokenPipeError:
-        # The reader of stdout left (`sft-tokenize inspect ... | head`): stop quietly, as a shell tool does.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return EXIT_BROKEN_PIPE
+    except BaseException as error:  # noqa: BLE001 - the policy reports what it names and re-raises the rest
+        return exit_for(error, args)
 
 
 def console_main() -> None:

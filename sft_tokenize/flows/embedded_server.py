@@ -66,6 +66,7 @@ from prefect.settings import (
     temporary_settings,
 )
 
+from sft_tokenize.errors import Failed, first_line
 from sft_tokenize.files import is_locked, locked
 from sft_tokenize.flows.server_state import (
     count_leases,
@@ -171,7 +172,7 @@ def check_api_reachable(url: str, timeout: float = API_CHECK_TIMEOUT) -> None:
                     return
                 problem = f"HTTP {response.status_code}"
             except httpx.HTTPError as error:
-                problem = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else 'no answer'}"
+                problem = f"{type(error).__name__}: {first_line(error) or 'no answer'}"
             if time.monotonic() >= deadline:
                 raise ServerUnavailable(f"the Prefect API at {url} (PREFECT_API_URL) does not answer within "
                                         f"{timeout:.0f} s ({problem}); start it or unset PREFECT_API_URL")
@@ -406,7 +407,7 @@ class EmbeddedServer:
         _terminate(self.pid, self.started, stop)
 
 
-class ServerInUse(RuntimeError):
+class ServerInUse(Failed):
     """`server stop` without --force while runs use the server."""
 
 

@@ -10,7 +10,7 @@ from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from sft_tokenize.build.plan import Plan
-from sft_tokenize.errors import BadInput
+from sft_tokenize.errors import BadInput, first_line
 from sft_tokenize.flows.artifacts import artifact_key
 from sft_tokenize.flows.report import describe_slice, markdown_table
 from sft_tokenize.tasks.tokenize_slice import NOT_RETRIED
@@ -19,10 +19,6 @@ from sft_tokenize.tasks.tokenize_slice import NOT_RETRIED
 class SlicesFailed(RuntimeError):
     """Slices that failed (after their retries, where retrying can help); the shards that finished stay in the
     shard store for the next run."""
-
-
-def first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [""])[0]
 
 
 def reason(error: BaseException) -> str:

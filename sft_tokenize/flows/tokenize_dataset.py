@@ -21,9 +21,10 @@ from sft_tokenize.build.shard_check import finished_shard
 from sft_tokenize.build.store import collect_garbage, discard_shards, remove_cache
 from sft_tokenize.build.timeline import mark
 from sft_tokenize.build.workers import encoding_processes, warm_encoder
+from sft_tokenize.errors import first_line
 from sft_tokenize.flows.artifacts import report, report_packing
 from sft_tokenize.flows.cluster import check_workers
-from sft_tokenize.flows.failures import first_line, raise_failures
+from sft_tokenize.flows.failures import raise_failures
 from sft_tokenize.flows.interrupts import stopping_workers
 from sft_tokenize.flows.run_options import TokenizeRun
 from sft_tokenize.flows.runners import result_storage, started_task_runner, where

@@ -3,11 +3,15 @@ PREFECT_HOME. stdout carries only the result; exit 0 success, 2 bad usage or inp
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import re
+import shutil
 import sqlite3
 import subprocess
 import sys
+import tempfile
 from contextlib import closing
 from pathlib import Path
 
@@ -17,11 +21,14 @@ from datasets import load_from_disk
 from support.cli import NOISE, assert_clean_error, cli, environment, run_args
 from support.data import example_rows, write_jsonl
 from support.faults import FAULT_FILE_ENV
-from support.paths import EXAMPLE_DATA, EXAMPLE_TOKENIZER
+from support.paths import BIN, EXAMPLE_DATA, EXAMPLE_TOKENIZER
 
 from sft_tokenize.build.options import TokenizeOptions
 from sft_tokenize.build.plan import plan_slices
 from sft_tokenize.build.protocol import run_locally
+from sft_tokenize.errors import BadInput, CacheError, Failed
+from sft_tokenize.flows.cli import ERRORS
+from sft_tokenize.flows.server_state import server_paths, start_time
 
 # A test marked slow starts Prefect's embedded server in its subprocess: about ten seconds on two cores.
 
@@ -198,3 +205,96 @@ def test_the_cli_takes_the_encoder_flag(tmp_path):
     assert len(pairs) >= 2
     for want, got in pairs:
         assert want.read_bytes() == got.read_bytes()
+
+
+def policy_code(kind: type[BaseException]) -> int:
+    """The exit code the CLI's error policy gives an error of `kind`."""
+    return next(code for named, code, _ in ERRORS if issubclass(kind, named))
+
+
+def one_error_line(result: subprocess.CompletedProcess, code: int, *expected: str) -> str:
+    """`result` exited `code` with nothing on stdout and exactly one line on stderr, holding each of `expected`."""
+    assert result.returncode == code, result.stderr
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("sft-tokenize: error: "), result.stderr
+    assert all(text in lines[0] for text in expected), lines[0]
+    return lines[0]
+
+
+AS_NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]  # root's writes ignore a mode
+
+
+def _nobody_runs_the_cli() -> bool:
+    """Whether the user nobody can run this checkout's command line (CI's clone may sit where only root reaches)."""
+    try:
+        probe = subprocess.run([*AS_NOBODY, str(BIN / "python"), "-c", "import sft_tokenize.flows.cli"],
+                               capture_output=True, cwd="/", timeout=120)
+    except OSError:  # no setpriv
+        return False
+    return probe.returncode == 0
+
+
+@pytest.mark.parametrize("how", ["read-only", "store-is-a-file"])
+def test_gc_of_a_cache_root_it_cannot_write_is_one_line_naming_the_path(tmp_path, how):
+    """A read-only root (chmod; run as nobody when this is root, whose writes chmod does not stop), and a root whose
+    shard store is a file, which stops root too."""
+    as_user: list[str] = []
+    if how == "store-is-a-file":
+        root = tmp_path / "caches"
+        root.mkdir()
+        (root / ".shards").write_text("not a directory")
+        expected = (str(root / ".shards"), policy_code(FileExistsError))
+    else:
+        if os.geteuid() == 0:
+            if not _nobody_runs_the_cli():
+                pytest.skip("as root, a read-only mode is tested as the user nobody, who cannot reach this checkout")
+            as_user = AS_NOBODY
+        # A folder every user may traverse (pytest's own tmp_path is its owner's only).
+        outer = Path(tempfile.mkdtemp(prefix="gc-read-only-"))
+        outer.chmod(0o755)
+        root = outer / "caches"
+        root.mkdir()
+        root.chmod(0o555)
+        expected = (str(root / ".shards"), policy_code(PermissionError))
+    try:
+        result = subprocess.run([*as_user, str(BIN / "sft-tokenize"), "gc", str(root)], capture_output=True, text=True,
+                                env=environment(tmp_path / "home"), stdin=subprocess.DEVNULL, timeout=300)
+        one_error_line(result, expected[1], expected[0])
+    finally:
+        if how == "read-only":
+            root.chmod(0o755)
+            shutil.rmtree(root.parent)
+
+
+@pytest.fixture
+def server_in_use(tmp_path):
+    """A PREFECT_HOME whose recorded server is this process, with one run's lease held: `server stop` refuses."""
+    home = tmp_path / "home"
+    home.mkdir()
+    _, state_path, lease_path = server_paths(home)
+    state_path.write_text(json.dumps({"pid": os.getpid(), "started": start_time(os.getpid()), "port": 1,
+                                      "url": "http://127.0.0.1:1/api"}))
+    with open(lease_path, "w") as lease:
+        fcntl.flock(lease, fcntl.LOCK_SH)
+        yield home
+
+
+ERROR_PATHS = {  # each subcommand with a bad argument: (argv, the error kind, what its line names)
+    "run": (["run", "{tmp}/nowhere.jsonl", "--tokenizer", str(EXAMPLE_TOKENIZER), "--cache-dir", "{tmp}/c"],
+            BadInput, "{tmp}/nowhere.jsonl"),
+    "inspect": (["inspect", "{tmp}/not-a-cache"], CacheError, "{tmp}/not-a-cache"),
+    "pack": (["pack", "{tmp}/not-a-cache", "--length", "64"], CacheError, "{tmp}/not-a-cache"),
+    "gc": (["gc", "{tmp}/no-root"], BadInput, "{tmp}/no-root"),
+    "server": (["server", "stop"], Failed, "in use by 1 run"),
+}
+
+
+@pytest.mark.parametrize("command", ERROR_PATHS)
+def test_every_subcommand_ends_an_error_by_the_one_policy(tmp_path, command, request):
+    """Whatever the subcommand, an error is one line on stderr and the exit code the policy's table gives its kind."""
+    argv, kind, named = ERROR_PATHS[command]
+    home = request.getfixturevalue("server_in_use") if command == "server" else tmp_path / "home"
+    result = cli(*(arg.format(tmp=tmp_path) for arg in argv), home=home)
+    one_error_line(result, policy_code(kind), named.format(tmp=tmp_path))
+    assert {kind for kind, _, _ in ERRORS} >= {BadInput, CacheError, Failed, KeyboardInterrupt, OSError}
