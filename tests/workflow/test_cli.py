@@ -285,7 +285,7 @@ ERROR_PATHS = {  # each subcommand with a bad argument: (argv, the error kind, w
             BadInput, "{tmp}/nowhere.jsonl"),
     "inspect": (["inspect", "{tmp}/not-a-cache"], CacheError, "{tmp}/not-a-cache"),
     "pack": (["pack", "{tmp}/not-a-cache", "--length", "64"], CacheError, "{tmp}/not-a-cache"),
-    "gc": (["gc", "{tmp}/no-root"], BadInput, "{tmp}/no-root"),
+    "gc": (["gc", "{tmp}/root"], FileExistsError, "{tmp}/root/.shards"),  # its shard store is a file
     "server": (["server", "stop"], Failed, "in use by 1 run"),
 }
 
@@ -295,6 +295,8 @@ def test_every_subcommand_ends_an_error_by_the_one_policy(tmp_path, command, req
     """Whatever the subcommand, an error is one line on stderr and the exit code the policy's table gives its kind."""
     argv, kind, named = ERROR_PATHS[command]
     home = request.getfixturevalue("server_in_use") if command == "server" else tmp_path / "home"
+    (tmp_path / "root").mkdir()
+    (tmp_path / "root" / ".shards").write_text("not a directory")
     result = cli(*(arg.format(tmp=tmp_path) for arg in argv), home=home)
     one_error_line(result, policy_code(kind), named.format(tmp=tmp_path))
     assert {kind for kind, _, _ in ERRORS} >= {BadInput, CacheError, Failed, KeyboardInterrupt, OSError}
