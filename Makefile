@@ -31,13 +31,14 @@ test: $(BIN)/python
 	$(BIN)/pip install -q --no-deps '$(AXOLOTL)'
 	$(BIN)/ruff check .
 	$(MAKE) docs
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --junitxml=.cache/pytest-junit.xml
 
-# The quick lane, for a change in progress: no Prefect server, no trainers, nothing marked slow (under 2 minutes
-# on 2 cores). `make test` still runs everything.
+# The data plane's lane, for a change in progress: no Prefect server or harness, no cluster, no CLI subprocess, no
+# trainers, nothing slow (under 2 minutes on 2 cores). A test's lane comes from the fixtures it uses
+# (tests/support/lanes.py). `make test` still runs everything.
 test-fast: $(BIN)/python
 	$(BIN)/pip install -q -e '.[dev,fast]'
-	$(BIN)/python -m pytest -m "not server and not slow and not trainers"
+	$(BIN)/python -m pytest --fast
 
 lint: $(BIN)/python
 	$(BIN)/ruff check .

@@ -1,6 +1,9 @@
 """Fixtures shared by the suite: the bundled example, tokenizers for real chat-template families, a migrated
 Prefect home for the CLI's subprocesses, the Prefect test harness, a Prefect server, runs in the background.
-Their helpers live in tests/support."""
+Their helpers live in tests/support.
+
+Each test's lane comes from the fixtures it uses (tests/support/lanes.py): `pytest --fast` (`make test-fast`) runs
+the data plane's lane, which starts no Prefect server, no cluster and no CLI subprocess."""
 
 from __future__ import annotations
 
@@ -14,7 +17,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from support import faults
+from support import faults, lanes
+from support.caches import EXAMPLE_SLICES
 from support.families import (
     TEMPLATES,
     build_family_tokenizer,
@@ -38,6 +42,36 @@ if "SFT_TOKENIZE_HOME" not in os.environ:
 # starts: CLI runs, Dask and Ray workers, served flows. They act only where a test sets their variable.
 faults.install()
 os.environ["PYTHONPATH"] = os.pathsep.join([str(faults.SITE_DIR), *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--fast", action="store_true",
+                     help=f"only the data plane's lane: -m '{lanes.FAST_LANE}' (no Prefect server, cluster or CLI run)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("fast"):
+        markexpr = config.getoption("markexpr")
+        config.option.markexpr = f"({markexpr}) and {lanes.FAST_LANE}" if markexpr else lanes.FAST_LANE
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Each test gets the markers of the fixtures it uses, before `-m` selects (the marker plugin's hook runs
+    after this one)."""
+    for item in items:
+        for marker in sorted(lanes.markers_for(item.fixturenames)):
+            if item.get_closest_marker(marker) is None:
+                item.add_marker(marker)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    lanes.current = item  # what the lane guards (lanes.require) check
+    try:
+        return (yield)
+    finally:
+        lanes.current = None
 
 
 @pytest.fixture(scope="session")
@@ -70,6 +104,44 @@ def _built_once(tmp_path_factory, build):
 
 
 @pytest.fixture(scope="session")
+def example_cache(tmp_path_factory) -> Path:
+    """The bundled example built once for the session by the plain pipeline, cut as most runs cut it (four data
+    files), in a cache root of its own. Shared by modules: tests read it or copy it, never write into it."""
+    from sft_tokenize.build.options import TokenizeOptions
+    from sft_tokenize.build.protocol import run_locally
+
+    root = tmp_path_factory.mktemp("example") / "cache"
+    return Path(run_locally(TokenizeOptions(**EXAMPLE_SLICES, cache_dir=str(root))))
+
+
+@pytest.fixture(scope="session")
+def image_files(tmp_path_factory) -> dict[str, Path]:
+    """Every sample image (support/images.py) but the 12-megapixel one, each in a file, by name."""
+    from support.images import sample_images
+
+    folder = tmp_path_factory.mktemp("images")
+    paths = {}
+    for name, data in sample_images().items():
+        if name != "huge":
+            paths[name] = folder / f"{name}.img"
+            paths[name].write_bytes(data)
+    return paths
+
+
+@pytest.fixture(scope="session", params=["gemma3", "qwen2.5-vl"])
+def vision_family(request, tmp_path_factory):
+    """(name, tokenizer, processor, its vision family) for each vision-language family the project supports,
+    built offline (support/vision.py)."""
+    from support.vision import gemma3, qwen_vl
+
+    from sft_tokenize.encoding.vision import load_family
+
+    builder = {"gemma3": gemma3, "qwen2.5-vl": qwen_vl}[request.param]
+    tokenizer, processor, config = builder(tmp_path_factory.mktemp(request.param))
+    return request.param, tokenizer, processor, load_family(config, tokenizer)
+
+
+@pytest.fixture(scope="session")
 def family_tokenizer(tmp_path_factory):
     """family name → directory of a tokenizer with that family's template (built once per session)."""
     if not TEMPLATES.is_dir():
@@ -81,7 +153,8 @@ def family_tokenizer(tmp_path_factory):
 def prefect_harness(tmp_path_factory):
     """One Prefect test server (SQLite in a temp dir) for the tests that run flows, with its own PREFECT_HOME.
 
-    Requested by those tests only: the rest of the suite never starts a server."""
+    Requested by those tests only: the rest of the suite never starts a server, and the fast lane refuses it."""
+    lanes.require("server", "the Prefect test harness")
     from prefect.settings import PREFECT_HOME, temporary_settings
     from prefect.testing.utilities import prefect_test_harness
 
@@ -138,6 +211,38 @@ def api_url(tmp_path_factory, migrated_prefect_home) -> Iterator[str]:
     home = Path(shutil.copytree(migrated_prefect_home, tmp_path_factory.mktemp("server") / "home"))
     with prefect_server(home) as url:
         yield url
+
+
+@pytest.fixture
+def cli_home(tmp_path) -> Path:
+    """A PREFECT_HOME (not made) for `sft-tokenize` subprocesses; its CLI runs put the test in the `cli` lane."""
+    return tmp_path / "home"
+
+
+@pytest.fixture
+def server_home(tmp_path) -> Iterator[Path]:
+    """A PREFECT_HOME for the embedded servers a test starts itself (sft_tokenize.flows.embedded_server), in this
+    process, where it is the current setting while the test runs, or in subprocesses it names it to."""
+    from prefect.settings import PREFECT_HOME, temporary_settings
+
+    home = tmp_path / "prefect-home"
+    with temporary_settings(updates={PREFECT_HOME: home}):
+        yield home
+
+
+@pytest.fixture(scope="session")
+def cli_homes(tmp_path_factory) -> Callable[[str], Path]:
+    """name → a new directory for a module's CLI runs (a PREFECT_HOME and their files); puts its tests in the
+    `cli` lane, as cli_home does."""
+    return tmp_path_factory.mktemp
+
+
+@pytest.fixture
+def trainers_extra() -> None:
+    """The trainers extra (CPU torch, trl): a test that needs it is skipped without it, and is in the `trainers`
+    lane."""
+    pytest.importorskip("torch", reason="needs the trainers extra: pip install -e '.[trainers]'")
+    pytest.importorskip("trl", reason="needs the trainers extra: pip install -e '.[trainers]'")
 
 
 @pytest.fixture

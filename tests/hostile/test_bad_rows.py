@@ -49,14 +49,12 @@ def bad_rows_run(tmp_path_factory, api_url):
     return result, data, cache_root
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("case", ROW_ERRORS)
 def test_each_bad_row_is_named_by_file_and_line(bad_rows_run, case):
     result, data, _ = bad_rows_run
     assert f"failed: BadInput: {data}/{case}.jsonl:3: {ROW_ERRORS[case][1]}" in result.stderr
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("where", ["bad-item.json: item 2", "bad-row.parquet: row 2"])
 def test_rows_are_counted_from_1_in_every_format_as_lines_are(bad_rows_run, where):
     result, data, _ = bad_rows_run
@@ -74,7 +72,6 @@ def rerun_hint(cache_root: Path, failed: int) -> str:
             f"skip them: --on-bad-row skip), then run the same command again to tokenize only these {failed} slices")
 
 
-@pytest.mark.slow
 def test_bad_rows_exit_2_naming_every_one_publish_nothing_and_keep_the_good_slices(bad_rows_run):
     result, data, cache_root = bad_rows_run
     failed = failed_rows(data)
@@ -95,7 +92,6 @@ def test_bad_rows_exit_2_naming_every_one_publish_nothing_and_keep_the_good_slic
     assert not list((cache_root / ".staging").iterdir())  # no lock file (nor lease) left behind
 
 
-@pytest.mark.slow
 def test_a_failed_run_has_a_failure_artifact_that_says_the_same(bad_rows_run, api_url):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
@@ -120,7 +116,6 @@ def test_a_failed_run_has_a_failure_artifact_that_says_the_same(bad_rows_run, ap
     assert lines[-1] == f"{hint[0].upper()}{hint[1:]}."
 
 
-@pytest.mark.slow
 def test_a_rerun_once_the_rows_are_fixed_tokenizes_only_them_and_equals_a_clean_build(bad_rows_run, api_url,
                                                                                       tmp_path):
     from prefect.client.orchestration import get_client
@@ -154,7 +149,6 @@ def test_a_rerun_once_the_rows_are_fixed_tokenizes_only_them_and_equals_a_clean_
     assert summary.splitlines()[2:4] == ["| field | value |", "|---|---|"]
 
 
-@pytest.mark.slow
 def test_a_row_without_an_assistant_turn_is_a_counted_drop_not_an_error(bad_rows_run):
     result, data, cache_root = bad_rows_run
     assert "no-assistant-row.jsonl" not in result.stderr
@@ -165,7 +159,6 @@ def test_a_row_without_an_assistant_turn_is_a_counted_drop_not_an_error(bad_rows
     assert [meta["dropped"] for meta in sidecars if meta["dropped"]] == [{"no_assistant_turn": 1}]
 
 
-@pytest.mark.slow
 def test_skipped_bad_rows_are_counted_in_the_manifest(tmp_path, api_url):
     good = [json.dumps(row) for row in example_rows()[:10]]
     bad = [bad for bad, _ in ROW_ERRORS.values()] + [NO_ASSISTANT]
@@ -184,7 +177,6 @@ def test_skipped_bad_rows_are_counted_in_the_manifest(tmp_path, api_url):
     assert sorted(json.loads(record["result"]) for record in records) == sorted(s["rows"] for s in manifest["shards"])
 
 
-@pytest.mark.slow
 def test_a_file_without_an_assistant_turn_exits_2_naming_it(tmp_path, api_url):
     data = write_lines(tmp_path / "questions.jsonl", [NO_ASSISTANT] * 3)
     cache_root = tmp_path / "cache"
@@ -193,7 +185,6 @@ def test_a_file_without_an_assistant_turn_exits_2_naming_it(tmp_path, api_url):
     assert published_caches(cache_root) == []
 
 
-@pytest.mark.slow
 def test_control_token_text_in_a_message_is_plain_text_or_a_named_error(tmp_path, api_url):
     """A literal <|im_end|> inside a reply: by default encoded as text, so the whole reply is trained; with
     --special-text error, the run stops naming the file, the line and the message."""

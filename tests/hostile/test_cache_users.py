@@ -47,27 +47,27 @@ def mixed(versions, tmp_path) -> tuple[Path, Path, Path]:
     return old, new, index
 
 
-def test_gc_keeps_a_version_that_a_mixture_index_reads_and_says_so(mixed, tmp_path):
+def test_gc_keeps_a_version_that_a_mixture_index_reads_and_says_so(mixed, tmp_path, cli_home):
     old, new, index = mixed
-    collected = cli("gc", str(old.parent), home=tmp_path / "home")
+    collected = cli("gc", str(old.parent), home=cli_home)
     assert collected.returncode == 0, collected.stderr
     assert f"kept {old}: the mixture index {index} reads it" in collected.stdout
     assert f"removed {old}" not in collected.stdout
     assert old.is_dir() and new.is_dir()
     assert len(open_mixture(index)) == len(open_mixture(index).caches[0])
-    assert cli("inspect", str(index), home=tmp_path / "home").returncode == 0
-    packed = cli("pack", str(index), "--length", "2048", home=tmp_path / "home")
+    assert cli("inspect", str(index), home=cli_home).returncode == 0
+    packed = cli("pack", str(index), "--length", "2048", home=cli_home)
     assert packed.returncode == 0, packed.stderr
 
     shutil.rmtree(index)  # the index removed, its version is garbage like any other old one
-    collected = cli("gc", str(old.parent), home=tmp_path / "home")
+    collected = cli("gc", str(old.parent), home=cli_home)
     assert f"removed {old}\n" in collected.stdout and not old.exists() and new.is_dir()
 
 
-def test_inspect_of_a_mixture_index_whose_source_is_gone_names_it(mixed, tmp_path):
+def test_inspect_of_a_mixture_index_whose_source_is_gone_names_it(mixed, tmp_path, cli_home):
     old, _, index = mixed
     shutil.rmtree(old)
-    inspected = cli("inspect", str(index), home=tmp_path / "home")
+    inspected = cli("inspect", str(index), home=cli_home)
     assert_rejected(inspected, f"{index}: source {old.name} is unreadable: {old}: not a published cache "
                                "(manifest.json is missing)")
 
@@ -79,8 +79,8 @@ def copied(versions, tmp_path) -> Path:
     return root / versions[1].name
 
 
-def test_inspect_verify_reads_every_byte_and_names_a_flipped_data_file(copied, tmp_path):
-    verified = cli("inspect", str(copied), "--verify", home=tmp_path / "home")
+def test_inspect_verify_reads_every_byte_and_names_a_flipped_data_file(copied, tmp_path, cli_home):
+    verified = cli("inspect", str(copied), "--verify", home=cli_home)
     assert verified.returncode == 0 and verified.stderr == "", verified.stderr
     files = len(read_manifest(copied)["files"])
     assert f"every byte of {files} data files matches its recorded digest" in verified.stdout
@@ -88,14 +88,14 @@ def test_inspect_verify_reads_every_byte_and_names_a_flipped_data_file(copied, t
     victim = sorted(copied.glob("data-*.arrow"))[1]
     flip(victim)
     assert len(open_cache(copied)) == read_manifest(copied)["rows"]  # opening checks sizes only, as documented
-    assert cli("inspect", str(copied), home=tmp_path / "home").returncode == 0
-    assert_rejected(cli("inspect", str(copied), "--verify", home=tmp_path / "home"),
+    assert cli("inspect", str(copied), home=cli_home).returncode == 0
+    assert_rejected(cli("inspect", str(copied), "--verify", home=cli_home),
                     f"{victim}: its bytes do not match the digest recorded when it was written")
     with pytest.raises(CacheError, match="its bytes do not match"):
         verify_cache(copied)
 
 
-def test_a_cache_whose_manifest_has_no_digests_is_verified_by_its_shards_sidecars(copied, tmp_path):
+def test_a_cache_whose_manifest_has_no_digests_is_verified_by_its_shards_sidecars(copied, tmp_path, cli_home):
     manifest = json.loads((copied / "manifest.json").read_text())
     for entry in manifest["files"]:
         del entry["digest"]
@@ -107,6 +107,6 @@ def test_a_cache_whose_manifest_has_no_digests_is_verified_by_its_shards_sidecar
         verify_cache(copied)
 
     shutil.rmtree(copied.parent / ".shards")  # no digest left anywhere: said, and the sizes still checked
-    noted = cli("inspect", str(copied), "--verify", home=tmp_path / "home")
+    noted = cli("inspect", str(copied), "--verify", home=cli_home)
     assert noted.returncode == 0
     assert f"{len(manifest['files'])} of {len(manifest['files'])} data files have no recorded digest" in noted.stderr

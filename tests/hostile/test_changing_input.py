@@ -13,7 +13,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from support.caches import contents
+from support.caches import contents, data_files
 from support.data import example_rows
 from support.paths import EXAMPLE_DATA, EXAMPLE_TOKENIZER
 
@@ -43,11 +43,6 @@ def build_changing(source: Path, cache: Path, change: Callable[[], None]) -> Pat
             tokenize_slice(plan.job, slice_)
 
     return build_cache(plan_slices(options(source, cache)), tokenize).cache_path
-
-
-def data_files(cache_path: Path) -> dict:
-    """The rows of a cache, as its data files' digests (a cache of other file metadata has other metadata)."""
-    return {name: digest for name, digest in contents(cache_path)["files"].items() if name.startswith("data-")}
 
 
 def assert_nothing_published(cache: Path) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 from support.caches import published_caches
 from support.cli import run_args
 from support.paths import EXAMPLE_DATA
@@ -13,7 +12,6 @@ from support.paths import EXAMPLE_DATA
 from sft_tokenize.read.cache import open_cache
 
 
-@pytest.mark.slow
 def test_concurrent_runs_share_one_cache_and_leave_others_alone(tmp_path, api_url, launch):
     cache_root = tmp_path / "cache"
     other = EXAMPLE_DATA / "chat-00001.jsonl"

@@ -14,7 +14,6 @@ from sft_tokenize.errors import CacheError
 from sft_tokenize.read.cache import open_cache, read_manifest
 
 
-@pytest.mark.slow
 def test_a_truncated_cache_is_refused_and_rebuilt(tmp_path, api_url):
     cache_root = tmp_path / "cache"
     cache_path = run_locally(TokenizeOptions(sources=[str(EXAMPLE_DATA)], tokenizer=str(EXAMPLE_TOKENIZER),

@@ -26,21 +26,16 @@ def _options(sources, root, **extra) -> TokenizeOptions:
                            **extra)
 
 
-@pytest.fixture(scope="module")
-def example_cache(tmp_path_factory):
-    return run_locally(_options([EXAMPLE_DATA], tmp_path_factory.mktemp("edges") / "cache"))
-
-
 @pytest.mark.parametrize(("args", "expected"), [
     (["run", str(EXAMPLE_DATA), "--max-length", "0"], "--max-length: must be at least 1, got 0"),
     (["run", str(EXAMPLE_DATA), "--workers", "0"], "--workers: must be at least 1, got 0"),
     (["run", str(EXAMPLE_DATA), "--shard-size", "0"], "--shard-size"),
 ])
-def test_run_options_at_zero_are_refused_naming_the_flag(tmp_path, args, expected):
+def test_run_options_at_zero_are_refused_naming_the_flag(tmp_path, args, expected, cli_home):
     result = cli(*args, "--tokenizer", str(EXAMPLE_TOKENIZER), "--cache-dir", str(tmp_path / "cache"),
-                 home=tmp_path / "home")
+                 home=cli_home)
     assert_rejected(result, expected)
-    assert not (tmp_path / "home" / "prefect.db").exists()  # refused before any Prefect server started
+    assert not (cli_home / "prefect.db").exists()  # refused before any Prefect server started
     assert published_caches(tmp_path / "cache") == []
 
 
@@ -49,8 +44,8 @@ def test_run_options_at_zero_are_refused_naming_the_flag(tmp_path, args, expecte
     (["inspect", "{cache}", "--row", "-1"], "no row -1: the cache has 240 rows (0 to 239)"),
     (["inspect", "{cache}", "--row", "240"], "no row 240: the cache has 240 rows (0 to 239)"),
 ])
-def test_read_side_options_at_their_edges_are_refused_naming_the_range(tmp_path, example_cache, args, expected):
-    result = cli(*(a.format(cache=example_cache) for a in args), home=tmp_path / "home")
+def test_read_side_options_at_their_edges_are_refused_naming_the_range(example_cache, args, expected, cli_home):
+    result = cli(*(a.format(cache=example_cache) for a in args), home=cli_home)
     assert_rejected(result, expected)
     assert not list(example_cache.parent.glob(f"{example_cache.name}/packing*"))
 
@@ -89,6 +84,7 @@ def test_a_messages_cell_of_bad_json_text_is_a_row_error_naming_its_line(tmp_pat
         run_locally(_options([path], tmp_path / "cache"))
 
 
+@pytest.mark.slow  # 20,000 files written, planned and tokenized: seconds of CPU
 def test_twenty_thousand_one_row_files_are_a_few_slices_holding_every_row_in_order(tmp_path):
     def row(i: int) -> dict:
         return {"messages": [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"{i}"}]}

@@ -42,7 +42,6 @@ def small_disk(tmp_path):
         subprocess.run(["umount", "-l", str(mount)], check=True)
 
 
-@pytest.mark.slow
 def test_a_full_disk_fails_the_shard_clearly_and_the_run_resumes_after_space_returns(tmp_path, api_url, small_disk):
     disk, limit, make_room = small_disk
     cache_root = disk / "cache"

@@ -43,7 +43,6 @@ def many_rows_reference(tmp_path_factory, many_rows) -> Path:
                                        cache_dir=str(cache_dir), shard_size="100KB"))
 
 
-@pytest.mark.slow
 def test_killed_runs_resume_and_publish_the_clean_runs_cache(tmp_path, prefect_home, api_url, launch, many_rows,
                                                              many_rows_reference):
     cache_root = tmp_path / "cache"
@@ -88,7 +87,6 @@ def test_killed_runs_resume_and_publish_the_clean_runs_cache(tmp_path, prefect_h
     assert [p.name for p in staging.iterdir() if p.is_dir()] == []  # no shard, no half-built cache left behind
 
 
-@pytest.mark.slow
 def test_a_killed_worker_process_fails_the_run_and_the_same_command_resumes(tmp_path, api_url, launch, many_rows,
                                                                             many_rows_reference):
     cache_root = tmp_path / "cache"

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 from support.caches import published_caches
 from support.cli import assert_clean_error, cli, run_args
 from support.paths import EXAMPLE_DATA
@@ -13,7 +12,6 @@ from support.paths import EXAMPLE_DATA
 from sft_tokenize.read.cache import open_cache
 
 
-@pytest.mark.slow
 def test_a_quiet_run_of_many_slices_on_the_embedded_server_prints_only_its_progress(tmp_path, prefect_home):
     result = cli(*run_args([EXAMPLE_DATA], tmp_path / "cache", "--shard-size", "15KB", "-q"), home=prefect_home)
     assert result.returncode == 0, result.stderr
@@ -23,7 +21,6 @@ def test_a_quiet_run_of_many_slices_on_the_embedded_server_prints_only_its_progr
     assert (prefect_home / "embedded-server.log").exists()  # where the server's own logs went
 
 
-@pytest.mark.slow
 def test_an_embedded_server_that_cannot_start_says_why_in_one_line(tmp_path, prefect_home):
     database = tmp_path / "no-such-dir" / "prefect.db"
     result = cli(*run_args([EXAMPLE_DATA], tmp_path / "cache"), home=prefect_home,

@@ -38,7 +38,6 @@ def _snapshot(d: Path) -> tuple[Path, int]:
     return snapshot, 13
 
 
-@pytest.mark.slow
 def test_a_directory_of_links_is_read_whole_its_cache_inside_never_read_and_its_glob_gives_the_same_cache(
         tmp_path, api_url):
     snapshot, rows = _snapshot(tmp_path)
@@ -67,7 +66,6 @@ def test_a_directory_of_links_is_read_whole_its_cache_inside_never_read_and_its_
     assert published_caches(cache_root) == [cache_path.name]
 
 
-@pytest.mark.slow
 def test_a_skip_built_cache_is_not_served_to_a_raise_run(tmp_path, api_url):
     good = [json.dumps(row) for row in example_rows()[:6]]
     lines = [BAD_LINE, good[0], ROW_ERRORS["lone-surrogate"][0], good[1], ROW_ERRORS["deep-nesting"][0], *good[2:]]
@@ -84,7 +82,6 @@ def test_a_skip_built_cache_is_not_served_to_a_raise_run(tmp_path, api_url):
     assert published_caches(cache_root) == [cache_path.name]
 
 
-@pytest.mark.slow
 def test_a_240_character_file_name_gives_a_cache_named_by_its_first_100(tmp_path, api_url):
     data = write_jsonl(tmp_path / ("r" * 234 + ".jsonl"), example_rows()[:3])
     result = cli(*run_args([data], tmp_path / "cache", "--force"), home=tmp_path / "home", api_url=api_url)
@@ -94,7 +91,6 @@ def test_a_240_character_file_name_gives_a_cache_named_by_its_first_100(tmp_path
     assert len(open_cache(cache_path)) == 3
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(("manifest", "force"), [({}, False), ([1], True)])
 def test_a_corrupt_manifest_is_rebuilt_by_run_and_by_run_force(tmp_path, api_url, manifest, force):
     cache_root = tmp_path / "cache"

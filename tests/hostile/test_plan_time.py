@@ -171,10 +171,10 @@ PLAN_TIME_ENV = {"s3-without-credentials": NO_AWS, "tokenizer-message-in-full": 
 
 
 @pytest.fixture(scope="module")
-def plan_time_errors(tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess, float]]:
+def plan_time_errors(cli_homes) -> dict[str, tuple[Path, subprocess.CompletedProcess, float]]:
     """Each case's CLI run in its own directory, two at a time: (directory, result, seconds) by case."""
     def run(case: str) -> tuple[Path, subprocess.CompletedProcess, float]:
-        d = tmp_path_factory.mktemp(case)
+        d = cli_homes(case)
         args = PLAN_TIME_ERRORS[case][0](d)
         if args[0] != "inspect":
             args = ["run", args[0], "--tokenizer", str(EXAMPLE_TOKENIZER), "--cache-dir", str(d / "cache"), *args[1:]]

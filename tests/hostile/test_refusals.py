@@ -15,9 +15,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from support.bad_input import file_with
-from support.caches import published_caches
-from support.cli import assert_rejected, cli
+from support.bad_input import assert_refused_before_prefect_started, file_with
+from support.cli import cli
 from support.data import example_rows
 from support.paths import EXAMPLE_DATA, EXAMPLE_TOKENIZER
 
@@ -89,11 +88,11 @@ UNTRUSTED = {
 
 
 @pytest.fixture(scope="module")
-def refusals(tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+def refusals(cli_homes) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
     """Every input that the CLI must refuse before Prefect starts, each run in its own directory: (directory,
     result) by case. The runs are independent processes of a few seconds each, so they run one per core."""
     setups = {**{case: setup for case, (setup, _) in FILE_ERRORS.items()}, **UNTRUSTED}
-    directories = {case: tmp_path_factory.mktemp(case) for case in setups}
+    directories = {case: cli_homes(case) for case in setups}
 
     def run(case: str) -> tuple[Path, subprocess.CompletedProcess]:
         d = directories[case]
@@ -106,14 +105,6 @@ def refusals(tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProc
         return dict(zip(setups, pool.map(run, setups), strict=True))
 
 
-def assert_refused_before_prefect_started(d: Path, result: subprocess.CompletedProcess, *expected: str) -> None:
-    assert_rejected(result, *expected)
-    assert not (d / "prefect-home" / "prefect.db").exists()  # no Prefect server was started
-    assert published_caches(d / "cache") == []
-    assert not list((d / "cache").glob(".staging/*"))
-
-
-@pytest.mark.slow
 @pytest.mark.parametrize("case", FILE_ERRORS)
 def test_bad_input_is_named_before_prefect_starts(refusals, case):
     d, result = refusals[case]
@@ -123,7 +114,6 @@ def test_bad_input_is_named_before_prefect_starts(refusals, case):
 # -- trust --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("case", ["name-with-parent", "absolute-name"])
 def test_a_cache_name_cannot_leave_the_cache_root(refusals, case):
     d, result = refusals[case]
@@ -131,7 +121,6 @@ def test_a_cache_name_cannot_leave_the_cache_root(refusals, case):
     assert not list(d.parent.glob("escaped*")) and not list(d.rglob("escaped*"))
 
 
-@pytest.mark.slow
 def test_tokenizer_code_does_not_run_unless_trusted(refusals):
     d, result = refusals["custom-tokenizer-code"]
     assert_refused_before_prefect_started(d, result, f"cannot load a tokenizer from {d}/custom-tokenizer",
@@ -139,7 +128,6 @@ def test_tokenizer_code_does_not_run_unless_trusted(refusals):
     assert not (d / MARKER).exists()
 
 
-@pytest.mark.slow
 def test_a_chat_template_cannot_reach_python(refusals):
     d, result = refusals["hostile-chat-template"]
     assert_refused_before_prefect_started(d, result, f"{d}/hostile.jinja: the chat template fails on an empty "

@@ -45,7 +45,6 @@ STOPS = {  # how the server is stopped under the run, and what the run's line sa
 }
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("stop", STOPS)
 def test_a_lost_embedded_server_ends_the_run_in_one_line_and_the_same_command_resumes(tmp_path, prefect_home, stop):
     data = write_jsonl(tmp_path / "many.jsonl", example_rows() * 4)

@@ -1,7 +1,8 @@
 """A run that fails ends with its one line and its exit code every time: nothing it started is still inside native
 code when the interpreter shuts down. A daemon thread in a PyO3 call (fastokens building its tables) is cancelled
 by the shutdown as it takes the GIL back, and PyO3's panic guard turns that into an abort (glibc's `FATAL:
-exception not rethrown`, exit 134): how often depends on timing, so the failing run is repeated."""
+exception not rethrown`, exit 134). The first test puts a process in that window on purpose, every time; the
+second repeats the real failing run a few times, as the window's width depends on timing."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from support.cli import assert_rejected, cli, run_args
 pytest.importorskip("fastokens")
 
 BAD_ROW = '{"messages": [{"role": "narrator", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
-REPEATS = 50
+REPEATS = 5  # the window itself is hit every time by the first test
 
 # A process that warmed its fast encoder (as a run's planner does) and fails before encoding anything (as a run
 # whose first row is bad does), then ends. Its teardown lasts until the build thread is gone, as a run's longer
@@ -58,7 +59,6 @@ def test_a_process_that_ends_while_its_fast_encoder_builds_exits_with_its_own_co
     assert (ended.returncode, ended.stderr) == (2, "bad input\n")
 
 
-@pytest.mark.slow
 def test_a_run_failing_on_its_first_row_ends_with_its_line_and_exit_2_every_time(tmp_path, prefect_home,
                                                                                 large_vocab_tokenizer):
     """The smallest failing run (one bad row, one slice) on a warm embedded server, with a tokenizer whose fast

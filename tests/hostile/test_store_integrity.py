@@ -139,7 +139,6 @@ def test_gc_and_a_forced_rebuild_beside_another_versions_build_leave_its_shards(
     assert read_manifest(path)["build"]["slices_tokenized"] == 2
 
 
-@pytest.mark.slow  # two CLI runs on the session's Prefect server
 def test_run_force_and_gc_from_the_command_line_beside_another_versions_build(built, tmp_path, api_url):
     cache = Path(shutil.copytree(built[0], tmp_path / "cache"))
     plan_b = plan_slices(options(cache))

@@ -85,7 +85,6 @@ def test_a_read_only_cache_root_is_refused_before_any_work_and_serves_its_caches
         assert run_locally(options(cache)) == path  # a cache hit writes nothing
 
 
-@pytest.mark.slow  # CLI runs: two refused before Prefect, one on the session's server
 def test_run_on_a_read_only_cache_root_exits_2_in_one_line(tmp_path, api_url, clean):
     cache, home = tmp_path / "cache", tmp_path / "home"
     (cache / ".staging").mkdir(parents=True)
@@ -105,8 +104,8 @@ def test_run_on_a_read_only_cache_root_exits_2_in_one_line(tmp_path, api_url, cl
     assert contents(path) == clean
 
 
-def test_a_read_only_prefect_home_exits_2_naming_it_before_prefect_starts(tmp_path):
-    home = tmp_path / "home"
+def test_a_read_only_prefect_home_exits_2_naming_it_before_prefect_starts(tmp_path, cli_home):
+    home = cli_home
     home.mkdir()
     with read_only(home):
         refused = cli(*run_args([SOURCE], tmp_path / "cache"), home=home)

@@ -220,22 +220,22 @@ def test_each_bad_image_names_its_file_line_and_image_or_is_a_counted_skip(tmp_p
     assert json.loads((skipped.path / "manifest.json").read_text())["dropped"] == {reason: 1}
 
 
-def test_a_bad_image_exits_2_in_one_line_and_a_processor_it_cannot_serve_is_refused(tmp_path, processor):
+def test_a_bad_image_exits_2_in_one_line_and_a_processor_it_cannot_serve_is_refused(tmp_path, processor, cli_home):
     directory, _, _ = processor
     data = _write_jsonl(tmp_path / "rows.jsonl", [{"messages": _chat({"type": "image", "image": "nowhere.png"})}])
     result = cli("run", str(data), "--processor", str(directory), "--cache-dir", str(tmp_path / "cache"),
-                 home=tmp_path / "home")
+                 home=cli_home)
     assert_rejected(result, f"{data}:1: image 1: ", "nowhere.png")
     other = tmp_path / "llava"
     shutil.copytree(directory, other)
     (other / "preprocessor_config.json").write_text(json.dumps({"processor_class": "LlavaProcessor",
                                                                 "image_processor_type": "CLIPImageProcessor"}))
     result = cli("run", str(data), "--processor", str(other), "--cache-dir", str(tmp_path / "cache"),
-                 home=tmp_path / "home")
+                 home=cli_home)
     assert_rejected(result, "processor 'LlavaProcessor' / 'CLIPImageProcessor' is not supported")
     (other / "preprocessor_config.json").unlink()
     result = cli("run", str(data), "--processor", str(other), "--cache-dir", str(tmp_path / "cache"),
-                 home=tmp_path / "home")
+                 home=cli_home)
     assert_rejected(result, f"{other}: no processor_config.json or preprocessor_config.json")
 
 
@@ -247,7 +247,7 @@ def test_without_a_processor_an_image_row_says_to_give_one(tmp_path, processor, 
         run_locally(TokenizeOptions(sources=[str(data)], tokenizer=str(directory), cache_dir=str(tmp_path / "c")))
 
 
-def test_inspect_shows_each_images_run_as_one_item(tmp_path, processor, pictures):
+def test_inspect_shows_each_images_run_as_one_item(tmp_path, processor, pictures, cli_home):
     directory, _, _ = processor
     photo, wide = ({"type": "image", "image": str(pictures[name])} for name in ("photo", "wide"))
     messages = _chat(photo, wide)
@@ -256,13 +256,13 @@ def test_inspect_shows_each_images_run_as_one_item(tmp_path, processor, pictures
     row = TokenizedCache(path)[0]
     (height, width), (wide_h, wide_w) = row["image_sizes"].tolist()
     runs = [t * h * w // 4 for t, h, w in row["image_grid_thw"].tolist()]
-    shown = cli("inspect", str(path), "--row", "0", home=tmp_path / "home")
+    shown = cli("inspect", str(path), "--row", "0", home=cli_home)
     assert shown.returncode == 0, shown.stderr
     assert f"user\n<image {width}×{height} → {runs[0]:,} tokens>{QUESTION}" in shown.stdout
     # the image in the reply is not trained, the text around it is
     assert f"[[This: ]]<image {wide_w}×{wide_h} → {runs[1]:,} tokens>[[<|im_end|>]]" in shown.stdout
     manifest = json.loads((path / "manifest.json").read_text())["images"]
-    summary = cli("inspect", str(path), home=tmp_path / "home").stdout
+    summary = cli("inspect", str(path), home=cli_home).stdout
     assert manifest["image_tokens"] == sum(runs) + 4  # with the margins, <|vision_start|> and <|vision_end|>
     stored = pictures["photo"].stat().st_size + pictures["wide"].stat().st_size
     assert f"\nimages{' ' * 18}2 (qwen2_5_vl), {sum(runs) + 4:,} vision tokens, {stored:,} bytes embedded\n" in summary
@@ -336,7 +336,7 @@ def _pixel_rows(cache: TokenizedCache) -> list[np.ndarray]:
     return out
 
 
-def test_pixel_values_for_skyrls_reader_equal_the_processors_and_are_bounded(tmp_path, processor, pictures):
+def test_pixel_values_for_skyrls_reader_equal_the_processors_and_are_bounded(tmp_path, processor, pictures, cli_home):
     """--extra-column pixel_values stores each image row's float32 patches as the processor makes them (what
     SkyRL's pretokenized reader reads); the other columns are the cache's without them; record batches stay
     bounded by bytes, pixels included; a text row holds none."""
@@ -362,7 +362,7 @@ def test_pixel_values_for_skyrls_reader_equal_the_processors_and_are_bounded(tmp
         assert pixels.dtype == np.float32 and np.array_equal(pixels, np.asarray(want["pixel_values"]))
     manifest = json.loads((path / "manifest.json").read_text())["images"]
     assert manifest["pixel_bytes"] == sum(p.nbytes for p in stored) > 0
-    summary = cli("inspect", str(path), home=tmp_path / "home").stdout
+    summary = cli("inspect", str(path), home=cli_home).stdout
     assert f" bytes embedded, {manifest['pixel_bytes']:,} bytes of pixel_values\n" in summary
 
     (shard,) = sorted(path.glob("*.arrow"))
@@ -377,7 +377,7 @@ def test_pixel_values_for_skyrls_reader_equal_the_processors_and_are_bounded(tmp
         assert held < 150_000 + largest_row
 
 
-def test_pixel_values_need_a_qwen_processor_and_decodable_images(tmp_path, processor, pictures):
+def test_pixel_values_need_a_qwen_processor_and_decodable_images(tmp_path, processor, pictures, cli_home):
     directory, _, _ = processor
     data = _write_jsonl(tmp_path / "rows.jsonl", [{"messages": _chat({"type": "image", "image": "cut.jpg"})}])
     photo = pictures["photo"].read_bytes()
@@ -386,12 +386,12 @@ def test_pixel_values_need_a_qwen_processor_and_decodable_images(tmp_path, proce
         run_locally(_options([data], directory, tmp_path / "cache", extra_columns=["pixel_values"]))
     assert run_locally(_options([data], directory, tmp_path / "cache"))  # without pixels, the header is enough
     result = cli("run", str(data), "--tokenizer", str(directory), "--extra-column", "pixel_values",
-                 "--cache-dir", str(tmp_path / "cache"), home=tmp_path / "home")
+                 "--cache-dir", str(tmp_path / "cache"), home=cli_home)
     assert_rejected(result, "--extra-column pixel_values needs --processor")
     gemma = tmp_path / "gemma"
     gemma3(gemma)
     result = cli("run", str(data), "--processor", str(gemma), "--extra-column", "pixel_values",
-                 "--cache-dir", str(tmp_path / "cache"), home=tmp_path / "home")
+                 "--cache-dir", str(tmp_path / "cache"), home=cli_home)
     assert_rejected(result, "--extra-column pixel_values: a gemma3 processor's pixels are whole images")
 
 
@@ -439,7 +439,7 @@ def test_by_default_an_image_outside_the_image_root_is_refused_naming_its_row(tm
 
 
 def test_an_image_root_is_where_relative_paths_must_stay_and_the_cli_says_so_in_one_line(tmp_path, processor,
-                                                                                         strangers_data):
+                                                                                         strangers_data, cli_home):
     directory, _, _ = processor
     rows = [{"messages": _chat({"type": "image", "image": "photo.img"})},
             {"messages": _chat({"type": "image", "image": "../outside.img"})}]
@@ -450,7 +450,7 @@ def test_an_image_root_is_where_relative_paths_must_stay_and_the_cli_says_so_in_
         run_locally(TokenizeOptions(sources=[str(data)], processor=str(directory), cache_dir=str(tmp_path / "c"),
                                     image_root=str(root)))
     result = cli("run", str(data), "--processor", str(directory), "--image-root", str(root),
-                 "--cache-dir", str(tmp_path / "cache"), home=tmp_path / "home")
+                 "--cache-dir", str(tmp_path / "cache"), home=cli_home)
     assert_rejected(result, f"{data}:2: image 1: ../outside.img resolves outside the image root",
                     "--image-access local allows it")
 

@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import datasets
@@ -233,6 +232,7 @@ def gc_cli(cache: Path, *args: str) -> subprocess.CompletedProcess:
     return cli("gc", str(cache), *args, home=cache.parent / "prefect-home", timeout=120)
 
 
+@pytest.mark.usefixtures("cli_home")  # sft-tokenize in a subprocess
 def test_gc_beside_a_running_build_keeps_the_newest_version_and_the_build(grown, tmp_path):
     data, cache, path_a, manifest_a = grown
     # Version B: file 0 edited (so one of A's shards is A's alone) and an 11th file.
@@ -288,35 +288,24 @@ def test_gc_collects_what_a_killed_build_left(grown):
     assert len(open_cache(path_a)) == 10 * ROWS_PER_FILE
 
 
+@pytest.mark.usefixtures("cli_home")  # sft-tokenize in a subprocess
 def test_gc_refuses_a_missing_directory(tmp_path):
     done = gc_cli(tmp_path / "nowhere")
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.strip() == f"sft-tokenize: error: {tmp_path / 'nowhere'}: no such cache directory"
 
 
-@pytest.mark.slow  # a flow run on the test server, twice, with retries: half a minute on two cores
 def test_a_failed_slice_of_an_incremental_flow_run_is_retried_alone(tmp_path, monkeypatch, prefect_harness):
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter, FlowRunFilterId
+    from support.flows import artifacts_of
+    from support.flows import run_flow as flow_run
 
-    from sft_tokenize.flows.tokenize_dataset import TokenizeRun, tokenize_dataset
+    from sft_tokenize.flows.tokenize_dataset import TokenizeRun
 
     def run_flow(**overrides):
-        state = tokenize_dataset(TokenizeRun(**options(data, cache).model_dump(), workers=2, retries=1, **overrides),
-                                 return_state=True)
-        flow_run_id = state.state_details.flow_run_id
         slices = len(plan_slices(options(data, cache), min_slices=2).slices)
-        with get_client(sync_client=True) as client:
-            for _ in range(50):  # task-run states reach the API as events, a moment after the flow returns
-                task_runs = client.read_task_runs(
-                    flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
-                runs = {run.name: run for run in task_runs if run.name.startswith("tokenize-")}
-                if len(runs) == slices and all(run.state and run.state.is_final() for run in runs.values()):
-                    break
-                time.sleep(0.2)
-            artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
-                flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
-        return state, runs, {a.type: a.data for a in artifacts}
+        state, runs = flow_run(TokenizeRun(**options(data, cache).model_dump(), workers=2, retries=1, **overrides),
+                               settled=slices)
+        return state, {name: run for name, run in runs.items() if name.startswith("tokenize-")}, artifacts_of(state)
 
     data, cache = tmp_path / "data", tmp_path / "cache"
     write_files(data, 4)  # few slices: each is a task run on the test server

@@ -17,8 +17,6 @@ import pytest
 from support.cli import cli
 from support.paths import BIN, EXAMPLE_DATA, EXAMPLE_TOKENIZER
 
-from sft_tokenize.build.options import TokenizeOptions
-from sft_tokenize.build.protocol import run_locally
 from sft_tokenize.errors import BadInput
 from sft_tokenize.read.bin_packing import best_fit_decreasing, first_fit_decreasing
 from sft_tokenize.read.cache import open_cache
@@ -59,7 +57,7 @@ def test_bin_packing_equals_the_row_by_row_loop(best):
         assert as_lists(*pack(lengths, capacity)) == row_by_row(lengths.tolist(), capacity, best)
 
 
-@pytest.mark.slow
+@pytest.mark.usefixtures("trainers_extra")
 def test_bfd_gives_trls_bins_on_one_batch():
     pa = pytest.importorskip("pyarrow")
     data_utils = pytest.importorskip("trl.data_utils")
@@ -87,11 +85,10 @@ def test_the_lower_bound_is_martello_and_toths_l2_and_below_every_packing():
         assert max(bounds) <= len(best_fit_decreasing(lengths, capacity)[1]) - 1
 
 
-@pytest.fixture(scope="module")
-def cache_path(tmp_path_factory) -> Path:
+@pytest.fixture
+def cache_path(example_cache) -> Path:
     """The bundled example (240 rows of 28 to 478 tokens) as a published cache of several data files."""
-    return run_locally(TokenizeOptions(sources=[str(EXAMPLE_DATA)], tokenizer=str(EXAMPLE_TOKENIZER),
-                                       cache_dir=str(tmp_path_factory.mktemp("cache")), shard_size="60KB"))
+    return example_cache
 
 
 def snapshot(directory: Path) -> dict[str, tuple[int, int]]:
@@ -200,7 +197,7 @@ def test_the_sampler_gives_each_rank_one_bin_per_step(cache_path, tmp_path):
         PackedSampler(packed, rank=4)
 
 
-@pytest.mark.slow
+@pytest.mark.usefixtures("trainers_extra")
 def test_trls_padding_free_collator_reads_the_packed_sequences(cache_path, tmp_path):
     sft_trainer = pytest.importorskip("trl.trainer.sft_trainer")
     packed = open_cache(cache_path).packed(512, data_parallel=2, index_dir=str(tmp_path))
@@ -239,9 +236,8 @@ def read_only(*directories: Path):
         subprocess.run(["chattr", "-i", *map(str, directories)], check=True)
 
 
-@pytest.mark.slow
-def test_pack_and_inspect_from_the_command_line(cache_path, tmp_path):
-    index_dir, home = str(tmp_path / "indexes"), tmp_path / "prefect-home"
+def test_pack_and_inspect_from_the_command_line(cache_path, tmp_path, cli_home):
+    index_dir, home = str(tmp_path / "indexes"), cli_home
     result = cli("pack", str(cache_path), "--length", "512", "--data-parallel", "2", "--index-dir", index_dir,
                  home=home)
     assert result.returncode == 0, result.stderr
@@ -259,10 +255,9 @@ def test_pack_and_inspect_from_the_command_line(cache_path, tmp_path):
     assert "not a published cache" in missing.stderr and "Traceback" not in missing.stderr
 
 
-@pytest.mark.slow
-def test_a_read_only_cache_root_needs_an_index_dir(cache_path, tmp_path):
+def test_a_read_only_cache_root_needs_an_index_dir(cache_path, tmp_path, cli_home):
     cache = Path(shutil.copytree(cache_path, tmp_path / "cache" / cache_path.name))
-    before, home = snapshot(cache), tmp_path / "prefect-home"
+    before, home = snapshot(cache), cli_home
     with read_only(cache.parent, cache):
         refused = cli("pack", str(cache), "--length", "512", home=home)
         assert refused.returncode == 2, refused.stderr
@@ -279,7 +274,7 @@ def test_a_read_only_cache_root_needs_an_index_dir(cache_path, tmp_path):
         pack_cache(cache_path, PackOptions(length=512, index_dir=str(tmp_path / "file" / "sub")))
 
 
-@pytest.mark.slow
+@pytest.mark.usefixtures("cli_home")  # `sft-tokenize pack` in subprocesses
 def test_concurrent_packs_publish_one_index(cache_path, tmp_path):
     args = [str(BIN / "sft-tokenize"), "pack", str(cache_path), "--length", "384", "--data-parallel", "2",
             "--index-dir", str(tmp_path)]
@@ -293,7 +288,6 @@ def test_concurrent_packs_publish_one_index(cache_path, tmp_path):
     assert sorted(os.listdir(Path(path).parent)) == ["n384-r2-bfd", "n384-r2-bfd.lock"]
 
 
-@pytest.mark.slow
 @pytest.mark.usefixtures("prefect_harness")
 def test_the_flow_packs_after_publishing_and_reports_the_index(tmp_path):
     from prefect.client.orchestration import get_client

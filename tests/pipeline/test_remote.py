@@ -65,7 +65,7 @@ def test_s3_jsonl_and_parquet_match_local_files_and_slices_fetch_only_their_rang
     local = sorted(EXAMPLE_DATA.glob("*.jsonl"))
     for path in local:
         fs.put(str(path), f"data/jsonl/{path.name}")
-    pq.write_table(pa.Table.from_pylist(example_rows() * 4), tmp_path / "rows.parquet", row_group_size=40)
+    pq.write_table(pa.Table.from_pylist(example_rows() * 2), tmp_path / "rows.parquet", row_group_size=40)
     fs.put(str(tmp_path / "rows.parquet"), "data/parquet/rows.parquet")
 
     def options(sources, cache):

@@ -1,5 +1,5 @@
 """What a run leaves on disk, read the way the tests compare it: published caches, finished shards in the
-shard store, a cache's bytes as a value, and the advisory locks of the cache format."""
+shard store (by key or by slice), a cache's bytes as a value, and the advisory locks of the cache format."""
 
 from __future__ import annotations
 
@@ -13,7 +13,13 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from sft_tokenize.build.options import TokenizeOptions
+from sft_tokenize.build.plan import plan_slices
 from sft_tokenize.read.cache import open_cache
+from support.paths import EXAMPLE_DATA, EXAMPLE_TOKENIZER
+
+# The bundled example as most runs of the suite cut it: two files, four slices (one spans both files).
+EXAMPLE_SLICES = {"sources": [str(EXAMPLE_DATA)], "tokenizer": str(EXAMPLE_TOKENIZER), "shard_size": "100KB"}
 
 
 def published_caches(cache_root: Path) -> list[str]:
@@ -28,6 +34,19 @@ def staged_shards(cache_root: Path) -> dict[str, tuple[int, int]]:
         if shard.exists() and json.loads(sidecar.read_text())["bytes"] == shard.stat().st_size:
             finished[shard.name] = (shard.stat().st_ino, shard.stat().st_mtime_ns)
     return finished
+
+
+def staged_slices(options: TokenizeOptions, min_slices: int = 2) -> dict[int, tuple[int, int]]:
+    """The finished shards of the slices that `options` plan into (as a run of two workers cuts them), by slice
+    index: (inode, mtime_ns) tells whether a rerun rewrote one. A shard's name is its slice's content key."""
+    plan = plan_slices(options, min_slices=min_slices)
+    finished = staged_shards(options.cache_root)
+    return {s.index: finished[name] for s in plan.slices if (name := plan.job.shard_path(s).name) in finished}
+
+
+def data_files(cache_path: str | Path) -> dict[str, bytes]:
+    """A published cache's data files' bytes by name: its rows, whatever its metadata says."""
+    return {path.name: path.read_bytes() for path in sorted(Path(cache_path).glob("data-*.arrow"))}
 
 
 def assert_no_partial_shard(cache_root: Path) -> None:

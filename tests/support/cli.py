@@ -10,6 +10,7 @@ import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
+from support import lanes
 from support.faults import FAULT_FILE_ENV
 from support.paths import BIN, EXAMPLE_TOKENIZER
 
@@ -45,6 +46,7 @@ def cli(*args: str, home: Path, api_url: str | None = None, env: dict[str, str |
         preexec: Callable[[], None] | None = None, timeout: float = TIMEOUT,
         startup_timeout: int | None = 90) -> subprocess.CompletedProcess:
     """Run `sft-tokenize ARGS` to its end; `env` adds variables to `environment(home, api_url)` (None removes one)."""
+    lanes.require("cli", f"`sft-tokenize {args[0] if args else ''}` in a subprocess")
     return subprocess.run([str(BIN / "sft-tokenize"), *args], capture_output=True, text=True, stdin=subprocess.DEVNULL,
                           env=environment(home, api_url, startup_timeout=startup_timeout, **(env or {})),
                           preexec_fn=preexec, timeout=timeout)

@@ -15,6 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from support import lanes
 from support.cli import TIMEOUT, environment
 from support.paths import BIN
 
@@ -24,6 +25,7 @@ class Background:
     its output in files so that a long run never blocks on a full pipe."""
 
     def __init__(self, args: list[str], home: Path, logs: Path, api_url: str | None = None):
+        lanes.require("cli", "`sft-tokenize` in the background")
         logs.mkdir(parents=True, exist_ok=True)
         self.stdout_path, self.stderr_path = logs / "stdout", logs / "stderr"
         with self.stdout_path.open("w") as out, self.stderr_path.open("w") as err:

@@ -1,6 +1,6 @@
 """A real `prefect server start` on a free loopback port, as a team runs one: for the tests whose runs talk to
-a server (PREFECT_API_URL) instead of starting Prefect's embedded one. And a server that accepts and never
-answers, for the tests of remote reads that would hang."""
+a server (PREFECT_API_URL) instead of starting Prefect's embedded one. The servers still running on a Prefect
+home. And a server that accepts and never answers, for the tests of remote reads that would hang."""
 
 from __future__ import annotations
 
@@ -15,10 +15,32 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
+from support import lanes
 from support.cli import environment, free_port
 from support.paths import BIN
+
+
+def running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def servers_of(home: Path) -> list[int]:
+    """The live processes running a Prefect server with this PREFECT_HOME."""
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        try:
+            if "prefect.server.api.server:create_app" in " ".join(process.info["cmdline"] or []) \
+                    and process.environ().get("PREFECT_HOME") == str(home) and running(process.pid):
+                found.append(process.pid)
+        except psutil.Error:
+            continue
+    return found
 
 
 def stop(process: subprocess.Popen) -> None:
@@ -36,6 +58,7 @@ def stop(process: subprocess.Popen) -> None:
 def start_server(home: Path, port: int, **env: str) -> subprocess.Popen | None:
     """`prefect server start` on the port with PREFECT_HOME=home, once /api/health answers; None if it did not
     come up (its output is in home/server.log)."""
+    lanes.require("server", "`prefect server start`")
     with (home / "server.log").open("w") as log:
         process = subprocess.Popen([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port),
                                     "--no-ui"], env=environment(home, startup_timeout=None, **env), stdout=log,

@@ -15,12 +15,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from support.images import sample_images
-from support.vision import gemma3, qwen_vl
 
 from sft_tokenize.build.options import TokenizeOptions
 from sft_tokenize.build.protocol import run_locally
-from sft_tokenize.encoding.vision import load_family
 from sft_tokenize.errors import CacheError
 from sft_tokenize.read.image_collator import ImageCollator
 from sft_tokenize.read.layouts import IGNORE_INDEX
@@ -28,30 +25,10 @@ from sft_tokenize.read.layouts import IGNORE_INDEX
 torch = pytest.importorskip("torch", reason="needs the trainers extra: pip install -e '.[trainers]'")
 pytest.importorskip("trl", reason="needs the trainers extra: pip install -e '.[trainers]'")
 
-pytestmark = pytest.mark.trainers
 
 ROWS = 20
 BATCH = 4
 WORDS = "the cat sat on a mat and looked at what was there Über naïve 12 34 ,".split()
-BUILDERS = {"qwen2.5-vl": qwen_vl, "gemma3": gemma3}
-
-
-@pytest.fixture(scope="module")
-def image_files(tmp_path_factory):
-    """Every sample image but the 12-megapixel one (test_images covers it), each in a file."""
-    folder = tmp_path_factory.mktemp("images")
-    paths = {}
-    for name, data in sample_images().items():
-        if name != "huge":
-            paths[name] = folder / f"{name}.img"
-            paths[name].write_bytes(data)
-    return paths
-
-
-@pytest.fixture(scope="module", params=sorted(BUILDERS))
-def family(request, tmp_path_factory):
-    tokenizer, processor, config = BUILDERS[request.param](tmp_path_factory.mktemp(request.param))
-    return request.param, tokenizer, processor, load_family(config, tokenizer)
 
 
 def conversations(image_files, seed: int = 0) -> list[list[dict]]:
@@ -102,9 +79,9 @@ def record_for(vision, dataset, mode: str = "embed") -> dict:
 
 
 @pytest.fixture(scope="module")
-def cache(family, image_files):
+def cache(vision_family, image_files):
     """(family, tokenizer, processor, vision, chats, dataset, record) for the generated rows, embedded."""
-    name, tokenizer, processor, vision = family
+    name, tokenizer, processor, vision = vision_family
     chats = conversations(image_files)
     dataset = as_dataset(chats, vision, tokenizer)
     return name, tokenizer, processor, vision, chats, dataset, record_for(vision, dataset)
@@ -250,7 +227,7 @@ def tiny_qwen2_5_vl(tokenizer, vision):
     return Qwen2_5_VLForConditionalGeneration(config)
 
 
-@pytest.mark.parametrize("family", ["qwen2.5-vl"], indirect=True)
+@pytest.mark.parametrize("vision_family", ["qwen2.5-vl"], indirect=True)
 def test_trl_sft_trainer_trains_a_qwen2_5_vl_through_the_collator(cache, tmp_path):
     _, tokenizer, processor, vision, _, dataset, record = cache
     from trl import SFTConfig, SFTTrainer

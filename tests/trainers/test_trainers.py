@@ -26,7 +26,6 @@ from sft_tokenize.read.trainers import for_axolotl, for_trl, work_view
 torch = pytest.importorskip("torch", reason="needs the trainers extra: pip install -e '.[trainers]'")
 pytest.importorskip("trl", reason="needs the trainers extra: pip install -e '.[trainers]'")
 
-pytestmark = pytest.mark.trainers
 
 
 @pytest.fixture(scope="module")

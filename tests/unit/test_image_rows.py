@@ -13,20 +13,15 @@ from __future__ import annotations
 import random
 
 import numpy as np
-import pytest
-from support.images import sample_images
 from support.mask_oracle import image_oracle
-from support.vision import gemma3, qwen_vl
 
 from sft_tokenize.encoding.chat_encoder import ChatEncoder
-from sft_tokenize.encoding.vision import load_family
 from sft_tokenize.errors import BadRow
 from sft_tokenize.sources.conversations import Conversation
 from sft_tokenize.sources.images import load_images, normalize_images
 
 CONVERSATIONS = 500
 WORDS = "the cat sat on a mat and looked at what was there Über naïve 12 34 ,".split()
-BUILDERS = {"qwen2.5-vl": qwen_vl, "gemma3": gemma3}
 # Per family: its tokens that end a turn, its vision tokens, and whether its template renders a system
 # message's image parts (Gemma 3's reads only the first part's text).
 END_OF_TURN = {"qwen2.5-vl": ["<|im_end|>"], "gemma3": ["<end_of_turn>"]}
@@ -35,22 +30,6 @@ VISION_TOKENS = {"qwen2.5-vl": ["<|vision_start|>", "<|image_pad|>", "<|vision_e
 SYSTEM_IMAGES = {"qwen2.5-vl": True, "gemma3": False}
 # Small images of every kind the processors treat apart: the large ones cost seconds of pixels and add no case.
 SMALL = ("tiny", "photo", "exif6", "png-exif8", "rgba", "gray", "cmyk", "palette")
-
-
-@pytest.fixture(scope="module")
-def image_files(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("images")
-    paths = {}
-    for name, data in sample_images().items():
-        paths[name] = folder / f"{name}.img"
-        paths[name].write_bytes(data)
-    return paths
-
-
-@pytest.fixture(scope="module", params=sorted(BUILDERS))
-def family(request, tmp_path_factory):
-    tokenizer, processor, config = BUILDERS[request.param](tmp_path_factory.mktemp(request.param))
-    return request.param, tokenizer, processor, load_family(config, tokenizer)
 
 
 def conversations(image_files, name: str, count: int = CONVERSATIONS, seed: int = 0) -> list[list[dict]]:
@@ -132,8 +111,8 @@ def replacements(processor, messages: list[dict], made: dict) -> list[str]:
     return out
 
 
-def test_image_rows_equal_the_processors_and_train_what_the_definition_trains(family, image_files):
-    name, tokenizer, processor, vision = family
+def test_image_rows_equal_the_processors_and_train_what_the_definition_trains(vision_family, image_files):
+    name, tokenizer, processor, vision = vision_family
     chats = conversations(image_files, name)
     rows = [image_row(messages, vision) for messages in chats]
     assert {len(r.image_grids) for r in rows} >= set(range(7))
@@ -159,8 +138,8 @@ def test_image_rows_equal_the_processors_and_train_what_the_definition_trains(fa
             assert len(want.get("pixel_values", [])) == len(row.image_grids), f"row {k}"
 
 
-def test_a_cut_inside_an_image_run_drops_the_row_and_a_cut_after_it_truncates(family, image_files):
-    name, tokenizer, _, vision = family
+def test_a_cut_inside_an_image_run_drops_the_row_and_a_cut_after_it_truncates(vision_family, image_files):
+    name, tokenizer, _, vision = vision_family
     messages = [{"role": "user", "content": [{"type": "text", "text": "Look:"},
                                              {"type": "image", "path": str(image_files["photo"])}]},
                 {"role": "assistant", "content": "A pattern of stripes, in three colours."}]
@@ -175,18 +154,18 @@ def test_a_cut_inside_an_image_run_drops_the_row_and_a_cut_after_it_truncates(fa
     assert after.row(0).input_ids.tolist() == ids[:len(ids) - 2]
 
 
-def test_an_image_row_without_a_processor_is_a_row_error(family, image_files):
-    _, tokenizer, _, vision = family
+def test_an_image_row_without_a_processor_is_a_row_error(vision_family, image_files):
+    _, tokenizer, _, vision = vision_family
     row = image_row([{"role": "user", "content": [{"type": "image", "path": str(image_files["tiny"])}]},
                      {"role": "assistant", "content": "Small."}], vision)
     (got,) = ChatEncoder(tokenizer).encode_batch([row]).results()
     assert isinstance(got, BadRow) and got.reason == "image_without_processor"
 
 
-def test_two_assistant_turns_that_open_with_an_image_are_both_trained(family, image_files):
+def test_two_assistant_turns_that_open_with_an_image_are_both_trained(vision_family, image_files):
     """Messages with images are parts, the others strings (as sources give them): each turn's text is trained,
     though no message but the system's has a string to locate it by."""
-    name, tokenizer, processor, vision = family
+    name, tokenizer, processor, vision = vision_family
     image = {"type": "image", "path": str(image_files["photo"])}
     messages = [{"role": "system", "content": "Describe what you are shown."},
                 {"role": "user", "content": [image, {"type": "text", "text": "And this?"}]},

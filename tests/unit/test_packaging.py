@@ -13,8 +13,6 @@ from pathlib import Path
 import pytest
 from support.paths import EXAMPLE_DATA, EXAMPLE_TOKENIZER, ROOT
 
-pytestmark = pytest.mark.slow
-
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:

@@ -20,7 +20,6 @@ from support.paths import BIN, EXAMPLE_DATA, EXAMPLE_TOKENIZER, ROOT, TEMPLATES
 BENCH = ROOT / "benchmarks"
 TINY = ["--scale", "0.002", "--tokenizer", "example"]  # 22 long or 64 short conversations a unit
 
-pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
@@ -136,12 +135,8 @@ def test_packing_against_trl(bench):
     assert [row["length"] for row in report["corpus"]] == [4096, 8192] and report["build"]
 
 
-def test_mixture_and_digest_on_a_cache(bench):
-    from sft_tokenize.build.options import TokenizeOptions
-    from sft_tokenize.build.protocol import run_locally
-
-    cache = run_locally(TokenizeOptions(sources=[str(EXAMPLE_DATA)], tokenizer=str(EXAMPLE_TOKENIZER),
-                                        cache_dir=str(bench["root"] / "caches"), name="bench"))
+def test_mixture_and_digest_on_a_cache(bench, example_cache):
+    cache = example_cache
     out = bench["root"] / "mixture"
     script(bench, "mixture.py", str(cache), "--rows", "3000", "--out", str(out))
     mixture = json.loads((out / "mixture.json").read_text())

@@ -15,22 +15,22 @@ import tempfile
 from contextlib import closing
 from pathlib import Path
 
-import psutil
 import pytest
 from datasets import load_from_disk
+from support.caches import EXAMPLE_SLICES, staged_slices
 from support.cli import NOISE, assert_clean_error, cli, environment, run_args
 from support.data import example_rows, write_jsonl
 from support.faults import FAULT_FILE_ENV
 from support.paths import BIN, EXAMPLE_DATA, EXAMPLE_TOKENIZER
+from support.servers import servers_of
 
 from sft_tokenize.build.options import TokenizeOptions
-from sft_tokenize.build.plan import plan_slices
 from sft_tokenize.build.protocol import run_locally
 from sft_tokenize.errors import BadInput, CacheError, Failed
 from sft_tokenize.flows.cli import ERRORS
 from sft_tokenize.flows.server_state import server_paths, start_time
 
-# A test marked slow starts Prefect's embedded server in its subprocess: about ten seconds on two cores.
+# A test that uses prefect_home starts Prefect's embedded server in its subprocess: about ten seconds on two cores.
 
 
 def run_example(tmp_path: Path, home: Path, *extra: str, sources: list[str] | None = None,
@@ -45,29 +45,6 @@ def flow_run_states(home: Path) -> list[str]:
         return [state for (state,) in db.execute("SELECT state_type FROM flow_run")]
 
 
-def servers_of(home: Path) -> list[int]:
-    """Processes still running a Prefect server with this PREFECT_HOME."""
-    found = []
-    for process in psutil.process_iter(["cmdline"]):
-        try:
-            if "prefect.server.api.server:create_app" in " ".join(process.info["cmdline"] or []) \
-                    and process.environ().get("PREFECT_HOME") == str(home):
-                found.append(process.pid)
-        except psutil.Error:
-            continue
-    return found
-
-
-def staged_shards(cache_root: Path) -> dict[int, tuple[int, int]]:
-    """The finished shards in the shard store, by their slice's index: (inode, mtime) tells whether a rerun
-    rewrote one. A shard's name is its content key, which the plan of the same inputs gives."""
-    plan = plan_slices(TokenizeOptions(sources=[str(EXAMPLE_DATA)], tokenizer=str(EXAMPLE_TOKENIZER),
-                                       cache_dir=str(cache_root), shard_size="100KB"), min_slices=2)
-    return {s.index: (shard.stat().st_ino, shard.stat().st_mtime_ns) for s in plan.slices
-            if (shard := plan.job.shard_path(s)).with_suffix(".json").exists()}
-
-
-@pytest.mark.slow
 def test_run_prints_the_cache_path_last_and_inspect_summarizes_it(tmp_path, prefect_home):
     result = run_example(tmp_path, prefect_home)
     assert result.returncode == 0, result.stderr
@@ -105,7 +82,6 @@ def test_run_prints_the_cache_path_last_and_inspect_summarizes_it(tmp_path, pref
     assert "tokenizing" not in again.stderr and (prefect_home / "prefect.db").stat().st_mtime_ns == flow_runs
 
 
-@pytest.mark.slow
 def test_malformed_jsonl_line_exits_2_naming_the_file_and_line(tmp_path, prefect_home):
     rows = [json.dumps(row) for row in example_rows()[:5]]
     bad = write_jsonl(tmp_path / "bad.jsonl", rows[:3] + ['{"messages": [{"role": "user", "content": "hi"'] + rows[3:])
@@ -114,7 +90,6 @@ def test_malformed_jsonl_line_exits_2_naming_the_file_and_line(tmp_path, prefect
     assert "Retry" not in result.stderr  # bad data fails the same way every time: no retries
 
 
-@pytest.mark.slow
 def test_missing_file_exits_2_naming_it(tmp_path, prefect_home):
     missing = tmp_path / "nowhere.jsonl"
     database = (prefect_home / "prefect.db").stat().st_mtime_ns
@@ -122,6 +97,7 @@ def test_missing_file_exits_2_naming_it(tmp_path, prefect_home):
     assert (prefect_home / "prefect.db").stat().st_mtime_ns == database  # rejected before Prefect started
 
 
+@pytest.mark.usefixtures("cli_home")  # sft-tokenize in a subprocess
 @pytest.mark.parametrize("args", [
     ["run", str(EXAMPLE_DATA), "--cache-dir", "x"],  # no --tokenizer
     ["run", str(EXAMPLE_DATA), "--tokenizer", "t", "--cache-dir", "x", "--runner", "gpus"],
@@ -139,13 +115,12 @@ def test_bad_usage_exits_2(tmp_path, args):
     assert not (home / "prefect.db").exists()  # rejected before any Prefect server started
 
 
-@pytest.mark.slow
 def test_failed_slice_exits_1_and_the_same_command_resumes(tmp_path, prefect_home):
     fault_file = tmp_path / "faults"
     fault_file.write_text("1")
     failed = run_example(tmp_path, prefect_home, "--retries", "0", env={FAULT_FILE_ENV: str(fault_file)})
     assert_clean_error(failed, 1, "SlicesFailed", "1 of 4 slices failed", "tokenize-00001", "injected fault")
-    staged = staged_shards(tmp_path / "cache")
+    staged = staged_slices(TokenizeOptions(**EXAMPLE_SLICES, cache_dir=str(tmp_path / "cache")))
     assert sorted(staged) == [0, 2, 3]
 
     fault_file.unlink()
@@ -173,7 +148,6 @@ def probed_run(tmp_path: Path, home: Path, *extra: str) -> tuple[subprocess.Comp
     return result, json.loads(result.stderr.strip().splitlines()[-1])
 
 
-@pytest.mark.slow
 def test_a_run_loads_no_torch_a_later_one_no_tokenizer_classes_and_a_cache_hit_no_prefect(tmp_path, prefect_home):
     first, loaded = probed_run(tmp_path, prefect_home)
     assert "torch" not in loaded and "transformers.models.auto.tokenization_auto" in loaded, loaded
@@ -191,11 +165,10 @@ def test_a_run_loads_no_torch_a_later_one_no_tokenizer_classes_and_a_cache_hit_n
     assert hit.stdout == first.stdout and loaded == [], loaded
 
 
-@pytest.mark.slow
-def test_the_cli_takes_the_encoder_flag(tmp_path):
+def test_the_cli_takes_the_encoder_flag(tmp_path, cli_home):
     """`sft-tokenize run --encoder fastokens` in a subprocess gives the cache HF's tokenizers give."""
     done = cli("run", str(EXAMPLE_DATA), "--tokenizer", str(EXAMPLE_TOKENIZER), "--cache-dir", str(tmp_path / "fast"),
-               "--encoder", "fastokens", "--shard-size", "100KB", home=tmp_path / "home")
+               "--encoder", "fastokens", "--shard-size", "100KB", home=cli_home)
     assert done.returncode == 0, done.stderr
     fast = Path(done.stdout.strip().splitlines()[-1])
     hf = run_locally(TokenizeOptions(sources=[str(EXAMPLE_DATA)], tokenizer=str(EXAMPLE_TOKENIZER),

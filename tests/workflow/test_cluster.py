@@ -23,9 +23,11 @@ from pathlib import Path
 import psutil
 import pytest
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterFlowRunId
+from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+from support.caches import EXAMPLE_SLICES, data_files
 from support.cli import environment, free_port
 from support.faults import FAULT_FILE_ENV
+from support.flows import run_flow
 from support.paths import BIN, EXAMPLE_DATA, EXAMPLE_TOKENIZER
 
 from sft_tokenize.build.options import TokenizeOptions
@@ -39,7 +41,7 @@ from sft_tokenize.flows.tokenize_dataset import TokenizeRun, tokenize_dataset
 from sft_tokenize.format.layout import DIGEST_BOOK
 
 # Two input files cut into four slices, one of them spanning both files.
-SOURCES = {"sources": [str(EXAMPLE_DATA)], "tokenizer": str(EXAMPLE_TOKENIZER), "shard_size": "100KB"}
+SOURCES = EXAMPLE_SLICES
 SLICES = [f"tokenize-{i:05d}" for i in range(4)]
 
 
@@ -113,25 +115,10 @@ def dask_workers(address: str, count: int) -> dict[str, int]:
         return client.run(os.getpid)
 
 
-def run_flow(options: TokenizeRun | dict):
-    """The flow's final state and its task runs by name."""
-    state = tokenize_dataset(options, return_state=True)
-    with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(
-            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
-    return state, {run.name: run for run in runs}
-
-
 def flow_log(state) -> str:
     with get_client(sync_client=True) as client:
         logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[state.state_details.flow_run_id])))
     return "\n".join(log.message for log in logs)
-
-
-def data_files(cache_path: str | Path) -> dict[str, bytes]:
-    files = {path.name: path.read_bytes() for path in sorted(Path(cache_path).glob("data-*.arrow"))}
-    assert len(files) == 4
-    return files
 
 
 def run_options(cache_dir: Path, **overrides) -> dict:
@@ -144,7 +131,9 @@ def threads_cache(tmp_path_factory, prefect_harness) -> dict[str, bytes]:
     """The data files the threads runner writes: what every cluster must match byte for byte."""
     state, _ = run_flow(run_options(tmp_path_factory.mktemp("threads")))
     assert state.is_completed()
-    return data_files(state.result())
+    files = data_files(state.result())
+    assert len(files) == 4  # the four slices': what every runner's cache must equal
+    return files
 
 
 @pytest.fixture(scope="module")
@@ -256,7 +245,7 @@ def own_mount_namespace_works() -> str | None:
     return None if result.returncode == 0 else f"unshare --mount fails here: {result.stderr.strip()}"
 
 
-@pytest.mark.slow  # a scheduler and two workers of its own
+@pytest.mark.cluster  # a scheduler and two workers of its own
 @pytest.mark.usefixtures("prefect_harness")
 def test_workers_that_cannot_write_to_the_cache_root_fail_the_run_before_any_slice(tmp_path):
     """One worker has its own empty disk mounted at the cache root's path (a node without the shared
@@ -292,7 +281,7 @@ def test_workers_that_cannot_write_to_the_cache_root_fail_the_run_before_any_sli
     assert sorted(p.name for p in store.iterdir()) == sorted([".gc.lock", DIGEST_BOOK])
 
 
-@pytest.mark.slow  # a cluster of its own, started and stopped
+@pytest.mark.cluster  # a cluster of its own, started and stopped
 @pytest.mark.usefixtures("prefect_harness")
 def test_a_temporary_dask_cluster_writes_the_same_bytes_and_leaves_no_process(threads_cache, tmp_path):
     before = {p.pid for p in psutil.Process().children(recursive=True)}
@@ -311,7 +300,7 @@ def test_a_temporary_dask_cluster_writes_the_same_bytes_and_leaves_no_process(th
     assert not left(), [p.cmdline() for p in left()]
 
 
-@pytest.mark.slow  # a Ray head takes about 15 s to start on two cores
+@pytest.mark.cluster  # a Ray head of its own: about 15 s to start on two cores
 @pytest.mark.usefixtures("prefect_harness")
 def test_ray_cluster_writes_the_same_bytes(threads_cache, image_chats, tmp_path, monkeypatch):
     """Text rows, then image rows on the same head (one head's start-up, not two): each the bytes of a

@@ -101,11 +101,10 @@ def _boot(home: Path, user_cache: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-@pytest.mark.slow  # the first boot creates and migrates a database
-def test_the_first_fresh_home_makes_the_template_and_the_next_ones_copy_it(tmp_path, monkeypatch):
+def test_the_first_fresh_home_makes_the_template_and_the_next_ones_copy_it(tmp_path, monkeypatch, server_home):
     user_cache = tmp_path / "user-cache"
     monkeypatch.setenv("SFT_TOKENIZE_HOME", str(user_cache))
-    _boot(tmp_path / "first", user_cache)
+    _boot(server_home, user_cache)  # the embedded servers of three fresh homes
     template = template_dir()
     record = json.loads((template / TEMPLATE_RECORD).read_text())
     assert record == {**_this_prefect(), **_database_facts(template / TEMPLATE_DATABASE)}

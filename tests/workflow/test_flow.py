@@ -9,41 +9,27 @@ from pathlib import Path
 
 import pytest
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter, FlowRunFilterId
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+from support.caches import EXAMPLE_SLICES, data_files, staged_slices
 from support.faults import FAULT_FILE_ENV
-from support.paths import EXAMPLE_DATA, EXAMPLE_TOKENIZER
+from support.flows import run_flow
 
 from sft_tokenize.build.options import TokenizeOptions
-from sft_tokenize.build.plan import plan_slices
 from sft_tokenize.build.protocol import run_locally
 from sft_tokenize.flows.tokenize_dataset import TokenizeRun, tokenize_dataset
 from sft_tokenize.read.cache import open_cache, read_manifest
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
 
-# Two input files cut into four slices, one of them spanning both files.
-SOURCES = {"sources": [str(EXAMPLE_DATA)], "tokenizer": str(EXAMPLE_TOKENIZER), "shard_size": "100KB"}
+SOURCES = EXAMPLE_SLICES  # two input files cut into four slices, one of them spanning both files
 
 
 def run_options(cache_dir: Path, **overrides) -> TokenizeRun:
     return TokenizeRun(**SOURCES, cache_dir=str(cache_dir), workers=2, **overrides)
 
 
-def run_flow(options: TokenizeRun | dict):
-    """The flow's final state and its task runs by name."""
-    state = tokenize_dataset(options, return_state=True)
-    flow_run_id = state.state_details.flow_run_id
-    with get_client(sync_client=True) as client:
-        task_runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
-    return state, {run.name: run for run in task_runs}
-
-
 def tokenize_runs(task_runs: dict) -> dict:
     return {name: run for name, run in task_runs.items() if name.startswith("tokenize-")}
-
-
-def data_files(cache_path: str | Path) -> dict[str, bytes]:
-    return {path.name: path.read_bytes() for path in sorted(Path(cache_path).glob("data-*.arrow"))}
 
 
 def assert_same_cache(actual: str | Path, expected: str | Path) -> None:
@@ -55,18 +41,10 @@ def assert_same_cache(actual: str | Path, expected: str | Path) -> None:
         assert (actual_rows[i]["loss_mask"] == expected_rows[i]["loss_mask"]).all()
 
 
-def staged_shards(cache_root: Path) -> dict[int, tuple[int, int]]:
-    """The finished shards in the shard store, by their slice's index: (inode, mtime) tells whether a rerun
-    rewrote one. A shard's name is its content key, which the plan of the same inputs gives."""
-    plan = plan_slices(TokenizeOptions(**SOURCES, cache_dir=str(cache_root)), min_slices=2)
-    return {s.index: (shard.stat().st_ino, shard.stat().st_mtime_ns) for s in plan.slices
-            if (shard := plan.job.shard_path(s)).with_suffix(".json").exists()}
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    """The cache the plain pipeline builds, without Prefect."""
-    return run_locally(TokenizeOptions(**SOURCES, cache_dir=str(tmp_path_factory.mktemp("reference"))))
+@pytest.fixture
+def reference(example_cache) -> Path:
+    """The cache the plain pipeline builds from the same options, without Prefect."""
+    return example_cache
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +128,7 @@ def test_failed_slice_fails_the_flow_and_a_rerun_redoes_only_that_slice(tmp_path
     assert not [name for name in ("tokenize-00000", "tokenize-00002", "tokenize-00003") if name in state.message]
     failed = task_runs["tokenize-00001"]
     assert failed.state.is_failed() and failed.run_count == 2  # the first attempt and its one retry
-    staged = staged_shards(options.cache_root)
+    staged = staged_slices(options)
     assert sorted(staged) == [0, 2, 3]
 
     fault_file.unlink()
@@ -167,7 +145,6 @@ def test_failed_slice_fails_the_flow_and_a_rerun_redoes_only_that_slice(tmp_path
     assert_same_cache(state.result(), reference)
 
 
-@pytest.mark.slow  # spawning worker processes costs seconds
 def test_threads_and_processes_write_the_same_bytes(threads_run, tmp_path):
     _, threads_state, _ = threads_run
     # Parameters as a deployment run passes them, JSON: the runner comes from the parameters alone.

@@ -48,7 +48,6 @@ def data(tmp_path) -> Path:
     return tmp_path
 
 
-@pytest.mark.server
 def test_a_recipe_builds_a_cache_per_source_and_a_reweighting_only_a_new_index(tmp_path, data, prefect_home,
                                                                                api_url):
     recipe = write_recipe(tmp_path, data)
@@ -91,9 +90,9 @@ def test_a_recipe_builds_a_cache_per_source_and_a_reweighting_only_a_new_index(t
     ({"sources": [{"name": "typo", "sources": ["a.jsonl"], "rows": 1_000_000_000}]},
      "source typo (rows 1,000,000,000) would make a mixture index of at least 1,000,000,000 rows"),
 ])
-def test_a_bad_recipe_is_one_line_naming_the_key(tmp_path, data, change, expected):
+def test_a_bad_recipe_is_one_line_naming_the_key(tmp_path, data, change, expected, cli_home):
     recipe = write_recipe(tmp_path, data, **change)
-    result = cli("run", "--recipe", str(recipe), home=tmp_path / "home")
+    result = cli("run", "--recipe", str(recipe), home=cli_home)
     assert_clean_error(result, 2, str(recipe), expected)
     assert not (tmp_path / "caches").exists() or not any((tmp_path / "caches").glob("*-*"))
 

@@ -26,9 +26,12 @@ from pathlib import Path
 import datasets
 import psutil
 import pytest
+from support import lanes
+from support.caches import staged_shards
 from support.cli import cli, environment, error_line, free_port, run_args
 from support.data import example_rows, write_jsonl
 from support.paths import BIN, EXAMPLE_DATA, EXAMPLE_TOKENIZER
+from support.servers import running, servers_of
 
 from sft_tokenize.build.options import TokenizeOptions
 from sft_tokenize.build.protocol import run_locally
@@ -44,6 +47,7 @@ class Run:
     """`sft-tokenize` in the background, in its own session (as from a terminal), output in files."""
 
     def __init__(self, args: list[str], home: Path, logs: Path, **env: str):
+        lanes.require("cli", "`sft-tokenize` in the background")
         logs.mkdir(parents=True, exist_ok=True)
         self.out, self.err = logs / "stdout", logs / "stderr"
         with self.out.open("w") as out, self.err.open("w") as err:
@@ -77,8 +81,9 @@ class Run:
 
 
 @pytest.fixture
-def start(tmp_path):
-    """Start runs in the background; whatever a test leaves running is killed when it ends."""
+def start(tmp_path, cli_home):
+    """Start runs in the background; whatever a test leaves running is killed when it ends. (Its runs are CLI
+    subprocesses: cli_home puts the tests that use it in the `cli` lane.)"""
     runs: list[Run] = []
 
     def launch(args: list[str], home: Path, name: str, **env: str) -> Run:
@@ -91,13 +96,6 @@ def start(tmp_path):
             run.kill()
 
 
-def running(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
 def cache_rows(path: Path) -> list[tuple[list[int], list[int]]]:
     table = datasets.load_from_disk(str(path))
     return list(zip(table["input_ids"], table["loss_mask"], strict=True))
@@ -106,7 +104,6 @@ def cache_rows(path: Path) -> list[tuple[list[int], list[int]]]:
 # -- 1. many runs at once on a loaded machine; an API that does not answer -------------------------------------
 
 
-@pytest.mark.slow
 def test_eight_runs_at_once_beside_a_cpu_burner_all_succeed(tmp_path, start):
     home = tmp_path / "fresh-prefect-home"  # not even migrated: the first server does it while the others wait
     burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
@@ -131,26 +128,23 @@ def test_eight_runs_at_once_beside_a_cpu_burner_all_succeed(tmp_path, start):
     assert servers_of(home) == []
 
 
-def test_a_server_just_launched_is_the_one_the_next_run_joins(tmp_path):
+def test_a_server_just_launched_is_the_one_the_next_run_joins(server_home):
     """The next run must recognise the server that the previous one launched a moment ago, while its process may
     still be exec'ing (it once launched a second server on the same database, which failed migrating it)."""
-    from prefect.settings import PREFECT_HOME, temporary_settings
-
     from sft_tokenize.flows.embedded_server import EmbeddedServer
 
     burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
     try:
-        with temporary_settings(updates={PREFECT_HOME: tmp_path / "home"}):
-            for _ in range(40):
-                first, second = EmbeddedServer(), EmbeddedServer()
-                first.start()
-                second.start()
-                try:
-                    assert (second.pid, second.url) == (first.pid, first.url)
-                finally:
-                    second.release()
-                    first.release()  # the last to leave, before the server answered: killed at once
-                assert not running(first.pid)
+        for _ in range(40):
+            first, second = EmbeddedServer(), EmbeddedServer()
+            first.start()
+            second.start()
+            try:
+                assert (second.pid, second.url) == (first.pid, first.url)
+            finally:
+                second.release()
+                first.release()  # the last to leave, before the server answered: killed at once
+            assert not running(first.pid)
     finally:
         for burner in burners:
             burner.kill()
@@ -176,53 +170,36 @@ def test_only_the_recorded_process_itself_counts_as_the_running_server(tmp_path)
         assert (server._read_state() is not None) is joined, (pid, started)
 
 
-@pytest.mark.slow  # an embedded server starts, then ends itself
-def test_a_server_that_ends_itself_keeps_new_runs_out_until_it_is_gone(tmp_path):
+def test_a_server_that_ends_itself_keeps_new_runs_out_until_it_is_gone(server_home):
     """A server that finds no run left holds the join lock until its process has exited: a run arriving meanwhile
     waits, rather than launching a second server on the database that the first still writes to."""
     import fcntl
 
-    from prefect.settings import PREFECT_HOME, temporary_settings
-
     from sft_tokenize.flows.embedded_server import EmbeddedServer
     from sft_tokenize.flows.server_state import start_time
 
-    with temporary_settings(updates={PREFECT_HOME: tmp_path / "home"}):
-        server = EmbeddedServer()
-        server.start()
-        server.wait_until_ready()
-        lease, server._lease = server._lease, None
-        lease.close()  # as if this run were killed: the server is left with no lease, and ends itself
-        seen_held = False
-        with open(server.lock_path, "a") as lock:
-            deadline = time.monotonic() + 60
-            while start_time(server.pid) is not None and time.monotonic() < deadline:
-                try:
-                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    seen_held = True
-                else:
-                    fcntl.flock(lock, fcntl.LOCK_UN)
-                    assert not seen_held or start_time(server.pid) is None, "the lock was free while the server lived"
-                time.sleep(0.01)
-        server.process.wait(timeout=30)
+    server = EmbeddedServer()
+    server.start()
+    server.wait_until_ready()
+    lease, server._lease = server._lease, None
+    lease.close()  # as if this run were killed: the server is left with no lease, and ends itself
+    seen_held = False
+    with open(server.lock_path, "a") as lock:
+        deadline = time.monotonic() + 60
+        while start_time(server.pid) is not None and time.monotonic() < deadline:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                seen_held = True
+            else:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+                assert not seen_held or start_time(server.pid) is None, "the lock was free while the server lived"
+            time.sleep(0.01)
+    server.process.wait(timeout=30)
     assert seen_held and server.process.returncode == 0
     assert not server.state_path.exists()
 
 
-def servers_of(home: Path) -> list[int]:
-    found = []
-    for process in psutil.process_iter(["cmdline"]):
-        try:
-            if "prefect.server.api.server:create_app" in " ".join(process.info["cmdline"] or []) \
-                    and process.environ().get("PREFECT_HOME") == str(home) and running(process.pid):
-                found.append(process.pid)
-        except psutil.Error:
-            continue
-    return found
-
-
-@pytest.mark.slow
 def test_a_server_whose_runs_were_all_killed_exits_by_itself(tmp_path, prefect_home, start, long_input):
     run = start(run_args([long_input], tmp_path / "cache"), prefect_home, "killed")
     state = prefect_home / "sft-tokenize-server.json"
@@ -254,7 +231,6 @@ def flow_runs_of(url: str) -> list[str]:
     return [run["state_type"] for run in httpx.post(f"{url}/flow_runs/filter", json={}, timeout=30).json()]
 
 
-@pytest.mark.slow
 def test_a_warm_server_serves_the_next_run_until_server_stop_stops_it(tmp_path, prefect_home):
     """After its last run, the server idles for --server-idle seconds: the next run uses it (no second boot);
     `server status` reports it, `server stop` refuses while a run holds a lease, and stops it once none does."""
@@ -299,7 +275,6 @@ def test_a_warm_server_serves_the_next_run_until_server_stop_stops_it(tmp_path, 
             os.kill(pid, signal.SIGKILL)
 
 
-@pytest.mark.slow
 def test_server_idle_0_stops_the_server_with_its_run_and_an_idle_server_ends_by_itself(tmp_path, prefect_home):
     state_path = prefect_home / "sft-tokenize-server.json"
     args = run_args([EXAMPLE_DATA], tmp_path / "cache", "-q", "--force")
@@ -327,13 +302,12 @@ def test_server_idle_0_stops_the_server_with_its_run_and_an_idle_server_ends_by_
         assert [state for (state,) in db.execute("SELECT state_type FROM flow_run")] == ["COMPLETED", "COMPLETED"]
 
 
-@pytest.mark.slow  # the CLI waits out its API checks: about ten seconds
-def test_an_unreachable_api_url_is_one_line_and_exit_1(tmp_path):
+def test_an_unreachable_api_url_is_one_line_and_exit_1(tmp_path, cli_home):
     url = f"http://127.0.0.1:{free_port()}/api"  # nothing listens there
     started = time.monotonic()
     result = subprocess.run([str(BIN / "sft-tokenize"), *run_args([EXAMPLE_DATA], tmp_path / "cache")],
                             capture_output=True, text=True, timeout=120,
-                            env=environment(tmp_path / "home", url, **DEFAULTS))
+                            env=environment(cli_home, url, **DEFAULTS))
     assert time.monotonic() - started < 30
     assert result.returncode == 1 and result.stdout == ""
     assert result.stderr.strip().splitlines() == [error_line(result.stderr)]
@@ -352,7 +326,6 @@ def alpaca_csv() -> bytes:
     return text.getvalue().encode()
 
 
-@pytest.mark.slow
 def test_compressed_inputs_give_the_uncompressed_files_rows(tmp_path, prefect_home, start):
     from backports import zstd
 
@@ -409,7 +382,6 @@ def anonymous_bytes(processes: list[psutil.Process]) -> int:
     return total
 
 
-@pytest.mark.slow
 def test_a_50_mb_row_is_refused_or_counted_without_exhausting_memory(tmp_path, prefect_home, start):
     rows = example_rows()[:100]
     huge = {"messages": [{"role": "user", "content": "Repeat after me."},
@@ -452,10 +424,6 @@ def long_reference(tmp_path_factory, long_input) -> list:
     return cache_rows(path)
 
 
-def staged(cache_root: Path) -> dict[str, int]:
-    return {p.name: p.stat().st_ino for p in (cache_root / ".shards").glob("*.arrow")}
-
-
 @dataclass
 class Interrupted:
     name: str
@@ -465,12 +433,11 @@ class Interrupted:
     args: list[str]
     run: Run
     tree: list[psutil.Process] = field(default_factory=list)
-    kept: dict[str, int] = field(default_factory=dict)
+    kept: dict[str, tuple[int, int]] = field(default_factory=dict)
     signalled: float = 0.0
     stopped: float = 0.0
 
 
-@pytest.mark.slow
 def test_sigint_and_sigterm_stop_the_run_and_the_same_command_resumes(tmp_path, migrated_prefect_home, start,
                                                                      long_input, long_reference):
     """threads and processes, SIGINT and SIGTERM: the four runs side by side, each with its own PREFECT_HOME so
@@ -493,8 +460,8 @@ def test_sigint_and_sigterm_stop_the_run_and_the_same_command_resumes(tmp_path, 
                 case.stopped = time.monotonic()
         for case in list(waiting):
             assert case.run.process.poll() is None, f"{case.name} ended before it was interrupted: {case.run.stderr}"
-            if staged(case.cache_root):
-                case.tree, case.kept = case.run.tree(), staged(case.cache_root)
+            if staged_shards(case.cache_root):
+                case.tree, case.kept = case.run.tree(), staged_shards(case.cache_root)
                 if case.signum == signal.SIGINT:
                     os.killpg(case.run.process.pid, case.signum)  # Ctrl-C: the terminal signals the whole group
                 else:
@@ -515,7 +482,7 @@ def test_sigint_and_sigterm_stop_the_run_and_the_same_command_resumes(tmp_path, 
         assert [p.pid for p in case.tree if running(p.pid)] == [], f"{case.name}: processes left"
         # The CLI and its server, and the workers: the processes runner's, or the threads runner's encode pool.
         assert len(case.tree) >= 4, case.tree
-        now = staged(case.cache_root)
+        now = staged_shards(case.cache_root)
         assert {shard: now.get(shard) for shard in case.kept} == case.kept  # finished shards stay, untouched
         assert not list((case.cache_root / ".shards").glob("*.tmp-*"))  # nothing half-written is left
         assert not [p for p in case.cache_root.iterdir() if not p.name.startswith(".")]  # nothing published
@@ -527,16 +494,17 @@ def test_sigint_and_sigterm_stop_the_run_and_the_same_command_resumes(tmp_path, 
         path = Path(rerun.stdout.splitlines()[-1])
         assert cache_rows(path) == long_reference, case.name
         # The shards finished before the signal became the cache's files: the same inodes, not rewritten.
-        assert set(case.kept.values()) <= {p.stat().st_ino for p in path.glob("data-*.arrow")}, case.name
+        assert {inode for inode, _ in case.kept.values()} <= {p.stat().st_ino for p in path.glob("data-*.arrow")}, \
+            case.name
 
 
 # -- 5. a closed pipe -----------------------------------------------------------------------------------------
 
 
-def test_output_to_a_closed_pipe_is_no_traceback(tmp_path):
+def test_output_to_a_closed_pipe_is_no_traceback(tmp_path, cli_home):
     path = run_locally(TokenizeOptions(sources=[str(EXAMPLE_DATA / "chat-00001.jsonl")],
                                        tokenizer=str(EXAMPLE_TOKENIZER), cache_dir=str(tmp_path / "cache")))
-    env = environment(tmp_path / "home", **DEFAULTS)
+    env = environment(cli_home, **DEFAULTS)
     commands = [["inspect", str(path)], ["inspect", str(path), "--json"], ["--help"],
                 run_args([EXAMPLE_DATA / "chat-00001.jsonl"], tmp_path / "cache")]  # a cache hit prints its path
     commands[-1] = [arg for arg in commands[-1] if arg not in ("--shard-size", "100KB", "--workers", "2")]

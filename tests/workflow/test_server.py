@@ -42,6 +42,7 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 from prefect.states import AwaitingRetry
 from prefect.utilities.asyncutils import run_coro_as_sync
 from prefect.workers.process import ProcessWorker
+from support.caches import data_files, staged_slices
 from support.cli import client_env
 from support.faults import FAULT_FILE_ENV
 from support.paths import BIN, EXAMPLE_DATA, EXAMPLE_TOKENIZER, ROOT
@@ -52,8 +53,6 @@ from sft_tokenize.build.plan import plan_slices
 from sft_tokenize.build.recipe import Recipe
 from sft_tokenize.flows.tokenize_dataset import TokenizeRun
 from sft_tokenize.tasks.tokenize_slice import TAG
-
-pytestmark = pytest.mark.server
 
 FLOW = "tokenize-dataset"
 ENTRYPOINT = "flows/tokenize_dataset.py:tokenize_dataset"
@@ -96,21 +95,9 @@ def tokenize_runs(client: SyncPrefectClient, flow_run, attempt: int | None = Non
             if run.name.startswith("tokenize-") and attempt in (None, run.flow_run_run_count)}
 
 
-def staged_shards(cache_root: Path) -> dict[int, tuple[int, int]]:
-    """The finished shards in the shard store, by their slice's index: (inode, mtime) tells whether a rerun
-    rewrote one. A shard's name is its content key, which the plan of the same inputs gives."""
-    plan = plan_slices(TokenizeRun(**options(cache_root)), min_slices=2)
-    return {s.index: (shard.stat().st_ino, shard.stat().st_mtime_ns) for s in plan.slices
-            if (shard := plan.job.shard_path(s)).with_suffix(".json").exists()}
-
-
 def published(cache_root: Path) -> Path:
     [cache_path] = [p for p in cache_root.iterdir() if (p / "manifest.json").is_file()]
     return cache_path
-
-
-def data_files(cache_path: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(cache_path.glob("data-*.arrow"))}
 
 
 def assert_only_the_failed_shard_was_redone(cache_root: Path, before: dict, failed: int) -> None:
@@ -167,7 +154,7 @@ def fail_then_retry_ad_hoc(server: str, tmp: Path) -> SimpleNamespace:
         [flow_run] = client.read_flow_runs(flow_run_filter=FlowRunFilter(
             deployment_id=FlowRunFilterDeploymentId(is_null_=True),
             state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.FAILED]))))
-    staged = staged_shards(cache_root)
+    staged = staged_slices(TokenizeRun(**options(cache_root)))
 
     fault_file.unlink()
     plan = plan_slices(TokenizeRun(**options(cache_root)))
@@ -283,7 +270,7 @@ def test_ui_retry_of_a_failed_deployment_run_redoes_only_the_failed_shard(server
     assert "tokenize-00001" in flow_run.state.message
     assert "Retry the flow run in the Prefect UI (or run it again) to tokenize only this slice" in \
         flow_run.state.message  # a deployment run's message names the UI's Retry
-    staged = staged_shards(cache_root)
+    staged = staged_slices(TokenizeRun(**options(cache_root)))
 
     with api(server) as client:
         flow_run = retry_from_the_ui(client, flow_run)

@@ -1,0 +1,35 @@
+"""Flow runs in this process, on the Prefect test harness (the `prefect_harness` fixture): a run's final state
+and its task runs, read back from the API."""
+
+from __future__ import annotations
+
+import time
+
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter, FlowRunFilterId
+
+from sft_tokenize.flows.tokenize_dataset import TokenizeRun, tokenize_dataset
+
+
+def run_flow(options: TokenizeRun | dict, settled: int | None = None):
+    """Run tokenize_dataset to its end: (its final state, its task runs by name). With `settled`, wait until that
+    many tokenize task runs are in a final state: their states reach the API as events, a moment after the flow
+    returns."""
+    state = tokenize_dataset(options, return_state=True)
+    flow_runs = FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id]))
+    with get_client(sync_client=True) as client:
+        for _ in range(50 if settled else 1):
+            runs = {run.name: run for run in client.read_task_runs(flow_run_filter=flow_runs)}
+            tokenize = [run for name, run in runs.items() if name.startswith("tokenize-")]
+            if settled is None or len(tokenize) == settled and all(r.state and r.state.is_final() for r in tokenize):
+                break
+            time.sleep(0.2)
+    return state, runs
+
+
+def artifacts_of(state) -> dict:
+    """A flow run's artifacts' data by type (markdown, progress, …)."""
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id])))
+    return {artifact.type: artifact.data for artifact in artifacts}

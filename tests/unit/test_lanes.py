@@ -1,0 +1,86 @@
+"""The suite's lanes hold by construction: the fast lane (`pytest --fast`, `make test-fast`) selects no test that
+uses a fixture starting a Prefect server, a cluster or a CLI run, and what would start one there refuses to."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from support import lanes
+from support.paths import ROOT
+
+# What starts a server, a cluster or a CLI subprocess: the lanes' table must keep saying so.
+STARTERS = {"prefect_harness": "server", "api_url": "server", "server": "server", "server_home": "server",
+            "dask_cluster": "cluster", "migrated_prefect_home": "cli", "prefect_home": "cli", "cli_home": "cli",
+            "cli_homes": "cli", "launch": "cli", "bench": "server"}
+
+
+def pytest_run(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_the_table_names_every_fixture_that_starts_something_and_the_fast_lane_excludes_them():
+    assert {name: marker for name, marker in STARTERS.items() if marker in lanes.FIXTURE_MARKERS[name]} == STARTERS
+    for marker in ("server", "cluster", "cli", "slow", "trainers"):
+        assert lanes.excluded_by(lanes.FAST_LANE, marker), marker
+    assert not lanes.excluded_by(lanes.FAST_LANE, "unmarked")
+    assert lanes.markers_for(["tmp_path", "prefect_home", "dask_cluster"]) == {"cli", "cluster"}
+
+
+@pytest.mark.slow  # collects the whole suite again
+def test_the_fast_lane_selects_no_test_that_uses_a_server_a_cluster_or_a_cli_fixture():
+    """pytest's own account of each selected test's fixtures (`--fixtures-per-test`, which collects without
+    running), for the fast lane."""
+    done = pytest_run("--fast", "--fixtures-per-test", "-v")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    [(collected, deselected, selected)] = re.findall(r"collected (\d+) items / (\d+) deselected / (\d+) selected",
+                                                     done.stdout)
+    blocks = re.split(r"^-+ fixtures used by (.+) -+$", done.stdout, flags=re.M)[1:]
+    # (name, its location and fixtures), for each selected test that uses a fixture
+    tests = list(zip(blocks[::2], blocks[1::2], strict=True))
+    assert 500 < len(tests) <= int(selected) and int(deselected) > 100, done.stdout[-2000:]
+    assert int(collected) == int(selected) + int(deselected)
+    starters = {name for name, markers in lanes.FIXTURE_MARKERS.items() if {"server", "cluster", "cli"} & set(markers)}
+    using = [(test, text.split("\n")[1], found) for test, text in tests
+             if (found := starters & set(re.findall(r"^(\w+) -- ", text, flags=re.M)))]
+    assert using == []
+    assert not [test for test, text in tests if "trainers_extra -- " in text]
+
+
+GUARDED = textwrap.dedent('''
+    from support.cli import cli
+
+
+    def test_harness(request):  # asked for at run time: no marker at collection
+        request.getfixturevalue("prefect_harness")
+
+
+    def test_cli_without_its_fixture(tmp_path):
+        cli("--help", home=tmp_path / "home")
+''')
+
+
+def test_in_the_fast_lane_the_harness_and_the_cli_refuse_to_start(tmp_path):
+    (tmp_path / "test_guarded.py").write_text(GUARDED)
+    done = pytest_run("--fast", "-p", "conftest", "--rootdir", str(ROOT), "-c", str(ROOT / "pyproject.toml"),
+                      "--basetemp", str(tmp_path / "base"), str(tmp_path / "test_guarded.py"))
+    assert done.returncode == 1, done.stdout[-3000:]
+    assert "2 failed" in done.stdout
+    assert "the Prefect test harness: this session's lane (-m 'not server and not cluster and not cli and not " \
+           "slow and not trainers') excludes 'server' tests" in done.stdout
+    assert "`sft-tokenize --help` in a subprocess: this session's lane" in done.stdout
+    assert not list((tmp_path / "base").rglob("prefect.db"))  # no server made its database
+
+
+def test_outside_the_fast_lane_a_cli_run_needs_a_fixture_that_says_so(tmp_path):
+    (tmp_path / "test_guarded.py").write_text(GUARDED)
+    done = pytest_run("-p", "conftest", "--rootdir", str(ROOT), "-c", str(ROOT / "pyproject.toml"), "--basetemp",
+                      str(tmp_path / "base"), f"{tmp_path / 'test_guarded.py'}::test_cli_without_its_fixture")
+    assert done.returncode == 1, done.stdout[-3000:]
+    assert "`sft-tokenize --help` in a subprocess in a test without the 'cli' marker: use one of the fixtures " \
+           "that give it (" in done.stdout
