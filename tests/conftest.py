@@ -247,12 +247,12 @@ def trainers_extra() -> None:
 
 @pytest.fixture
 def launch(tmp_path) -> Iterator[Callable[..., Background]]:
-    """Start `sft-tokenize ARGS` in the background (logs under tmp_path/NAME); whatever a test leaves running,
+    """Start `sft-tokenize ARGS` in the background (logs under tmp_path/logs/NAME); whatever a test leaves running,
     stopped or not, is killed when it ends."""
     runs: list[Background] = []
 
-    def start(args: list[str], home: Path, name: str, api_url: str | None = None) -> Background:
-        runs.append(Background(args, home, tmp_path / name, api_url))
+    def start(args: list[str], home: Path, name: str, api_url: str | None = None, **env) -> Background:
+        runs.append(Background(args, home, tmp_path / "logs" / name, api_url, **env))
         return runs[-1]
 
     yield start

@@ -25,7 +25,7 @@ from sft_tokenize.build.options import TokenizeOptions
 from sft_tokenize.build.protocol import run_locally
 
 HELD = 3  # the slice that is still tokenizing when the server dies
-SLICES = 14  # the example rows four times over, in slices of 100KB
+SLICES = 7  # the example rows twice over, in slices of 100KB
 ENDS_WITHIN = 60  # seconds from the kill to the run's exit: a run that waits on a dead server fails this
 
 
@@ -45,11 +45,19 @@ STOPS = {  # how the server is stopped under the run, and what the run's line sa
 }
 
 
+@pytest.fixture(scope="module")
+def many(tmp_path_factory) -> tuple[Path, Path]:
+    """The input every case runs on, and the cache a clean build of it gives."""
+    root = tmp_path_factory.mktemp("many")
+    data = write_jsonl(root / "many.jsonl", example_rows() * 2)
+    return data, run_locally(TokenizeOptions(sources=[str(data)], tokenizer=str(EXAMPLE_TOKENIZER),
+                                             cache_dir=str(root / "reference"), shard_size="100KB"))
+
+
 @pytest.mark.parametrize("stop", STOPS)
-def test_a_lost_embedded_server_ends_the_run_in_one_line_and_the_same_command_resumes(tmp_path, prefect_home, stop):
-    data = write_jsonl(tmp_path / "many.jsonl", example_rows() * 4)
-    reference = run_locally(TokenizeOptions(sources=[str(data)], tokenizer=str(EXAMPLE_TOKENIZER),
-                                            cache_dir=str(tmp_path / "reference"), shard_size="100KB"))
+def test_a_lost_embedded_server_ends_the_run_in_one_line_and_the_same_command_resumes(tmp_path, prefect_home, stop,
+                                                                                     many):
+    data, reference = many
     cache_root = tmp_path / "cache"
     args = run_args([data], cache_root)
     faults = tmp_path / "faults"

@@ -24,13 +24,14 @@ class Background:
     """`sft-tokenize` running in its own session (its process group holds any embedded server and workers),
     its output in files so that a long run never blocks on a full pipe."""
 
-    def __init__(self, args: list[str], home: Path, logs: Path, api_url: str | None = None):
+    def __init__(self, args: list[str], home: Path, logs: Path, api_url: str | None = None, **env):
+        """`env`: more of `support.cli.environment`'s arguments (its startup_timeout, variables)."""
         lanes.require("cli", "`sft-tokenize` in the background")
         logs.mkdir(parents=True, exist_ok=True)
         self.stdout_path, self.stderr_path = logs / "stdout", logs / "stderr"
         with self.stdout_path.open("w") as out, self.stderr_path.open("w") as err:
             self.process = subprocess.Popen([str(BIN / "sft-tokenize"), *args], stdout=out, stderr=err,
-                                            stdin=subprocess.DEVNULL, env=environment(home, api_url),
+                                            stdin=subprocess.DEVNULL, env=environment(home, api_url, **env),
                                             start_new_session=True)
         self.group = self.process.pid
 
@@ -45,6 +46,17 @@ class Background:
     @property
     def stderr(self) -> str:
         return self.stderr_path.read_text()
+
+    def wait(self, timeout: float = TIMEOUT) -> int:
+        return self.process.wait(timeout=timeout)
+
+    def tree(self) -> list[psutil.Process]:
+        """The CLI and every process under it, while it runs."""
+        try:
+            root = psutil.Process(self.process.pid)
+            return [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
 
     def wait_until(self, condition: Callable[[], bool], what: str, timeout: float = 180) -> None:
         """Poll `condition`; fail if the run ends first or the time runs out."""

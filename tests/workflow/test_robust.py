@@ -7,8 +7,8 @@ Runs that can share a PREFECT_HOME do, and run side by side: they share one embe
 from __future__ import annotations
 
 import bz2
-import contextlib
 import csv
+import functools
 import gzip
 import io
 import json
@@ -26,11 +26,11 @@ from pathlib import Path
 import datasets
 import psutil
 import pytest
-from support import lanes
 from support.caches import staged_shards
 from support.cli import cli, environment, error_line, free_port, run_args
 from support.data import example_rows, write_jsonl
 from support.paths import BIN, EXAMPLE_DATA, EXAMPLE_TOKENIZER
+from support.runs import Background
 from support.servers import running, servers_of
 
 from sft_tokenize.build.options import TokenizeOptions
@@ -43,57 +43,10 @@ DEFAULTS = {"startup_timeout": None}
 RUN = {**DEFAULTS, "timeout": TIMEOUT}  # a CLI run to its end
 
 
-class Run:
-    """`sft-tokenize` in the background, in its own session (as from a terminal), output in files."""
-
-    def __init__(self, args: list[str], home: Path, logs: Path, **env: str):
-        lanes.require("cli", "`sft-tokenize` in the background")
-        logs.mkdir(parents=True, exist_ok=True)
-        self.out, self.err = logs / "stdout", logs / "stderr"
-        with self.out.open("w") as out, self.err.open("w") as err:
-            self.process = subprocess.Popen([str(BIN / "sft-tokenize"), *args], stdout=out, stderr=err,
-                                            stdin=subprocess.DEVNULL, env=environment(home, **DEFAULTS, **env),
-                                            start_new_session=True)
-
-    def wait(self, timeout: float = TIMEOUT) -> int:
-        return self.process.wait(timeout=timeout)
-
-    @property
-    def stdout(self) -> str:
-        return self.out.read_text()
-
-    @property
-    def stderr(self) -> str:
-        return self.err.read_text()
-
-    def tree(self) -> list[psutil.Process]:
-        try:
-            root = psutil.Process(self.process.pid)
-            return [root, *root.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            return []
-
-    def kill(self) -> None:
-        for process in reversed(self.tree()):
-            with contextlib.suppress(psutil.NoSuchProcess):
-                process.kill()
-        self.process.wait()
-
-
 @pytest.fixture
-def start(tmp_path, cli_home):
-    """Start runs in the background; whatever a test leaves running is killed when it ends. (Its runs are CLI
-    subprocesses: cli_home puts the tests that use it in the `cli` lane.)"""
-    runs: list[Run] = []
-
-    def launch(args: list[str], home: Path, name: str, **env: str) -> Run:
-        runs.append(Run(args, home, tmp_path / "logs" / name, **env))
-        return runs[-1]
-
-    yield launch
-    for run in runs:
-        if run.process.poll() is None:
-            run.kill()
+def start(launch):
+    """`sft-tokenize` in the background (conftest's `launch`), with Prefect's default start-up timeout."""
+    return functools.partial(launch, **DEFAULTS)
 
 
 def cache_rows(path: Path) -> list[tuple[list[int], list[int]]]:
@@ -431,7 +384,7 @@ class Interrupted:
     home: Path
     cache_root: Path
     args: list[str]
-    run: Run
+    run: Background
     tree: list[psutil.Process] = field(default_factory=list)
     kept: dict[str, tuple[int, int]] = field(default_factory=dict)
     signalled: float = 0.0
