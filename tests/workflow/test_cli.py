@@ -209,7 +209,7 @@ def _nobody_runs_the_cli() -> bool:
 
 
 @pytest.mark.parametrize("how", ["read-only", "store-is-a-file"])
-def test_gc_of_a_cache_root_it_cannot_write_is_one_line_naming_the_path(tmp_path, how):
+def test_gc_of_a_cache_root_it_cannot_write_is_one_line_naming_the_path(tmp_path, how, cli_home):
     """A read-only root (chmod; run as nobody when this is root, whose writes chmod does not stop), and a root whose
     shard store is a file, which stops root too."""
     as_user: list[str] = []
@@ -232,7 +232,7 @@ def test_gc_of_a_cache_root_it_cannot_write_is_one_line_naming_the_path(tmp_path
         expected = (str(root / ".shards"), policy_code(PermissionError))
     try:
         result = subprocess.run([*as_user, str(BIN / "sft-tokenize"), "gc", str(root)], capture_output=True, text=True,
-                                env=environment(tmp_path / "home"), stdin=subprocess.DEVNULL, timeout=300)
+                                env=environment(cli_home), stdin=subprocess.DEVNULL, timeout=300)
         one_error_line(result, expected[1], expected[0])
     finally:
         if how == "read-only":
@@ -264,10 +264,10 @@ ERROR_PATHS = {  # each subcommand with a bad argument: (argv, the error kind, w
 
 
 @pytest.mark.parametrize("command", ERROR_PATHS)
-def test_every_subcommand_ends_an_error_by_the_one_policy(tmp_path, command, request):
+def test_every_subcommand_ends_an_error_by_the_one_policy(tmp_path, command, request, cli_home):
     """Whatever the subcommand, an error is one line on stderr and the exit code the policy's table gives its kind."""
     argv, kind, named = ERROR_PATHS[command]
-    home = request.getfixturevalue("server_in_use") if command == "server" else tmp_path / "home"
+    home = request.getfixturevalue("server_in_use") if command == "server" else cli_home
     (tmp_path / "root").mkdir()
     (tmp_path / "root" / ".shards").write_text("not a directory")
     result = cli(*(arg.format(tmp=tmp_path) for arg in argv), home=home)
