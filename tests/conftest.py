@@ -163,7 +163,8 @@ def prefect_harness(tmp_path_factory):
         env.setenv("PREFECT_HOME", str(home))
         env.setenv("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
         env.setenv("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-        with temporary_settings(updates={PREFECT_HOME: home}), prefect_test_harness():
+        # Its 30 s default to start is too short on a busy 2-core machine (as the CLI's runs get 90 s: support.cli).
+        with temporary_settings(updates={PREFECT_HOME: home}), prefect_test_harness(server_startup_timeout=120):
             yield home
 
 
