@@ -1,0 +1,80 @@
+"""The lengths report (`inspect --lengths`, and the run's summary artifact): read/length_costs' numbers drawn as
+histograms and a table of candidate lengths, in the terminal (text) or in the Prefect UI (markdown)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+BAR_WIDTH = 40
+EIGHTHS = " ▏▎▍▌▋▊▉"
+
+
+def bar(count: int, largest: int, width: int = BAR_WIDTH) -> str:
+    """A bar of `count` against `largest`, in eighths of a character; any count above zero shows."""
+    if largest <= 0 or count <= 0:
+        return ""
+    eighths = max(1, round(8 * width * count / largest))
+    return "█" * (eighths // 8) + (EIGHTHS[eighths % 8] if eighths % 8 else "")
+
+
+def _share(part: int, whole: int) -> str:
+    return f"{100 * part / whole:.1f}%" if whole else "0.0%"
+
+
+def _range(low: int, high: int) -> str:
+    return f"{low:,}" if high == low + 1 else f"{low:,}–{high - 1:,}"
+
+
+def histogram_lines(bins: list[tuple[int, int, int]]) -> list[str]:
+    """One line per bin: its range, a bar, the count."""
+    largest = max((c for _, _, c in bins), default=0)
+    labels = [_range(low, high) for low, high, _ in bins]
+    width = max((len(label) for label in labels), default=0)
+    return [f"  {label:>{width}}  {bar(count, largest):<{BAR_WIDTH}}  {count:,}"
+            for label, (_, _, count) in zip(labels, bins, strict=True)]
+
+
+COLUMNS = ("length", "rows truncated", "rows dropped", "tokens lost", "trained tokens lost", "packed bins", "fill")
+
+
+def candidate_rows(report: dict[str, Any]) -> list[tuple[str, ...]]:
+    """The table's cells: per candidate length, what training there loses, and its packing."""
+    out = []
+    for c in report["candidates"]:
+        lost, trained_lost = c["tokens_lost"], c["trained_tokens_lost"]
+        out.append((f"{c['length']:,}", f"{c['rows_truncated']:,}", f"{c['rows_dropped']:,}",
+                    f"{lost:,} ({_share(lost, report['tokens'])})",
+                    f"{trained_lost:,} ({_share(trained_lost, report['trained_tokens'])})",
+                    f"{c['pack_bins']:,}" if "pack_bins" in c else "-",
+                    f"{100 * c['pack_fill']:.1f}%" if "pack_fill" in c else "-"))
+    return out
+
+
+def text_report(report: dict[str, Any]) -> str:
+    """For the terminal: both histograms, then the table of candidate lengths."""
+    lines = [f"{report['rows']:,} rows, {report['tokens']:,} tokens, {report['trained_tokens']:,} trained",
+             "", "tokens per row:", *histogram_lines(report["lengths_histogram"]),
+             "", "trained tokens per row:", *histogram_lines(report["trained_histogram"]),
+             "", f"at each length (truncation: {report['truncation']}; packing: the bins of `pack --length`):"]
+    table = [COLUMNS, *candidate_rows(report)]
+    widths = [max(len(row[i]) for row in table) for i in range(len(COLUMNS))]
+    lines += ["  " + "  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in table]
+    return "\n".join(lines)
+
+
+def _markdown_histogram(title: str, bins: list[tuple[int, int, int]]) -> list[str]:
+    largest = max((c for _, _, c in bins), default=0)
+    lines = [f"**{title}**", "", "| tokens | rows | |", "|---:|---:|:---|"]
+    lines += [f"| {_range(low, high)} | {count:,} | `{bar(count, largest) or ' '}` |" for low, high, count in bins]
+    return lines + [""]
+
+
+def markdown_report(report: dict[str, Any]) -> str:
+    """For a Prefect artifact: the histograms as bar charts and the table of candidate lengths."""
+    lines = [f"{report['rows']:,} rows, {report['tokens']:,} tokens, {report['trained_tokens']:,} trained", ""]
+    lines += _markdown_histogram("Tokens per row", report["lengths_histogram"])
+    lines += _markdown_histogram("Trained tokens per row", report["trained_histogram"])
+    lines += [f"**At each length** (truncation: {report['truncation']}; packing: the bins of `pack --length`)", "",
+              "| " + " | ".join(COLUMNS) + " |", "|" + "---:|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(row) + " |" for row in candidate_rows(report)]
+    return "\n".join(lines)

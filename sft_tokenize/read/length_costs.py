@@ -1,0 +1,143 @@
+"""What a max_length or a packing length would cost, from a published cache's rows alone.
+
+For each candidate length L it counts what training at L would lose: the rows longer than L (truncated to
+their first L tokens, or dropped with `truncation="drop"`), the rows whose trained tokens all lie past L (a
+truncated row with no trained token left is dropped, as the build drops it), the input tokens and the
+**trained** tokens lost, and the bins and fill of the packing index `pack --length L` would build (its
+packing algorithm, on the same lengths).
+
+Lengths come from the Arrow list offsets; trained tokens from one pass over `loss_mask` (or `labels`), a
+chunk of rows at a time, which records for every row how many of its trained tokens lie within each
+candidate length. Memory is rows × candidates counters, never the tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from sft_tokenize.read.bin_packing import ALGORITHMS
+from sft_tokenize.read.layouts import IGNORE_INDEX
+
+SMALLEST_CANDIDATE = 512
+CHUNK_ROWS = 1 << 14  # rows per pass over the mask: a few MB of flat values at typical lengths
+
+
+@dataclass(frozen=True)
+class RowTokens:
+    """Per row: its tokens, its trained tokens, and its trained tokens within each of `within`'s lengths."""
+
+    lengths: np.ndarray  # int64
+    trained: np.ndarray  # int64
+    within: dict[int, np.ndarray]  # L -> int64 trained tokens among the row's first L
+
+
+def candidate_lengths(longest: int, extra: Iterable[int] = ()) -> list[int]:
+    """Powers of two from 512 up to the first that holds the longest row, and any lengths asked for."""
+    out, length = set(), SMALLEST_CANDIDATE
+    while True:
+        out.add(length)
+        if length >= longest:
+            break
+        length *= 2
+    return sorted(out | {int(n) for n in extra})
+
+
+def _trained_flags(column: pa.ChunkedArray | pa.Array, name: str) -> np.ndarray:
+    values = column.values if isinstance(column, pa.ListArray) else pc.list_flatten(column)
+    flat = values.to_numpy(zero_copy_only=False)
+    return flat != IGNORE_INDEX if name == "labels" else flat.astype(bool, copy=False)
+
+
+def row_tokens(table: pa.Table, lengths: Sequence[int]) -> RowTokens:
+    """One pass over the table's trained-token column (`loss_mask`, else `labels`)."""
+    name = "loss_mask" if "loss_mask" in table.column_names else "labels"
+    if name not in table.column_names:
+        raise ValueError(f"the cache has neither a loss_mask nor a labels column ({', '.join(table.column_names)})")
+    column = table.column(name)
+    rows = table.num_rows
+    row_lengths = np.empty(rows, dtype=np.int64)
+    trained = np.empty(rows, dtype=np.int64)
+    within = {int(n): np.empty(rows, dtype=np.int64) for n in lengths}
+    for start in range(0, rows, CHUNK_ROWS):
+        chunk = column.slice(start, CHUNK_ROWS).combine_chunks()
+        count = len(chunk)
+        offsets = chunk.offsets.to_numpy()
+        offsets = offsets - offsets[0]
+        sizes = np.diff(offsets)
+        flags = _trained_flags(chunk, name)
+        running = np.zeros(len(flags) + 1, dtype=np.int64)
+        np.cumsum(flags, out=running[1:])
+        first = offsets[:-1]
+        row_lengths[start:start + count] = sizes
+        trained[start:start + count] = running[offsets[1:]] - running[first]
+        for n, out in within.items():
+            out[start:start + count] = running[first + np.minimum(sizes, n)] - running[first]
+    return RowTokens(row_lengths, trained, within)
+
+
+def log_histogram(values: np.ndarray, per_octave: int = 2) -> list[tuple[int, int, int]]:
+    """(low, high, count) bins with `per_octave` bins per doubling, low ≤ value < high, from the smallest
+    value's bin to the largest's; the counts add up to len(values). Zeros get a bin [0, 1) of their own."""
+    values = np.asarray(values, dtype=np.int64)
+    if not len(values):
+        return []
+    edges = sorted({int(round(2 ** (k / per_octave))) for k in range(0, per_octave * 64)})
+    edges = [0, *edges]
+    lo_edge = max(i for i, e in enumerate(edges) if e <= values.min())
+    hi_edge = min(i for i, e in enumerate(edges) if e > values.max())
+    edges = edges[lo_edge:hi_edge + 1]
+    counts = np.histogram(values, bins=edges)[0]  # the last bin of np.histogram is closed: its edge is above max
+    return [(edges[i], edges[i + 1], int(c)) for i, c in enumerate(counts)]
+
+
+def cost_at(rows: RowTokens, length: int, truncation: Literal["truncate", "drop"] = "truncate",
+            pack: bool = True, algorithm: str = "bfd") -> dict[str, Any]:
+    """What training at `length` loses, and the packing index at `length`."""
+    if length not in rows.within:
+        raise ValueError(f"length {length} was not among the lengths counted ({sorted(rows.within)})")
+    over = rows.lengths > length
+    if truncation == "drop":
+        dropped = over
+        truncated = np.zeros_like(over)
+        tokens_lost = int(rows.lengths[over].sum())
+    else:
+        dropped = over & (rows.within[length] == 0)  # truncated away: no trained token left
+        truncated = over & ~dropped
+        tokens_lost = int((rows.lengths[truncated] - length).sum() + rows.lengths[dropped].sum())
+    kept_trained = np.where(dropped, 0, rows.within[length] if truncation == "truncate" else rows.trained)
+    out = {
+        "length": length,
+        "rows_truncated": int(truncated.sum()),
+        "rows_dropped": int(dropped.sum()),
+        "tokens_lost": tokens_lost,
+        "trained_tokens_lost": int(rows.trained.sum() - kept_trained.sum()),
+    }
+    if pack:  # the bins of the index `sft-tokenize pack --length L` builds: every row, cut to its first L tokens
+        cut = np.minimum(rows.lengths, length)
+        bins = len(ALGORITHMS[algorithm](cut, length)[1]) - 1 if len(cut) else 0
+        out["pack_bins"] = bins
+        out["pack_fill"] = round(int(cut.sum()) / (bins * length), 6) if bins else 0.0
+    return out
+
+
+def length_costs(table: pa.Table, at: Iterable[int] = (), truncation: Literal["truncate", "drop"] = "truncate",
+                 pack: bool = True) -> dict[str, Any]:
+    """The histograms and the table of candidate lengths for a cache's (or a mixture's) rows."""
+    lengths = pc.list_value_length(table.column(table.column_names[0])).to_numpy(zero_copy_only=False)
+    candidates = candidate_lengths(int(lengths.max(initial=0)), at)
+    rows = row_tokens(table, candidates)
+    return {
+        "rows": int(len(rows.lengths)),
+        "tokens": int(rows.lengths.sum()),
+        "trained_tokens": int(rows.trained.sum()),
+        "truncation": truncation,
+        "lengths_histogram": log_histogram(rows.lengths),
+        "trained_histogram": log_histogram(rows.trained),
+        "candidates": [cost_at(rows, n, truncation, pack) for n in candidates],
+    }
