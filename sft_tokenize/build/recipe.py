@@ -38,7 +38,7 @@ from sft_tokenize.build.options import TokenizeOptions
 from sft_tokenize.build.plan import default_name
 from sft_tokenize.errors import BadInput
 from sft_tokenize.format.layout import MIXTURES
-from sft_tokenize.read.mixture_options import AMOUNTS, MixtureOptions, MixtureSettings, MixtureSource
+from sft_tokenize.read.mixture_options import AMOUNTS, CAPS, MixtureOptions, MixtureSettings, MixtureSource
 from sft_tokenize.read.mixture_selection import check_index_size, least_rows
 
 # What each source decides for itself; every other run option is the recipe's, shared by its sources.
@@ -59,7 +59,8 @@ class Recipe(BaseModel):
 
     sources: list[dict[str, Any]] = Field(min_length=1, description="Each source: its own options (sources, "
                                           "format, columns, system_prompt, train_on, ...) and one amount "
-                                          "(weight, epochs, rows or tokens).")
+                                          "(weight, epochs, rows or tokens), and with a weight its caps "
+                                          "(max_epochs, max_share).")
     mixture: MixtureSettings = Field(default_factory=MixtureSettings)
 
     @model_validator(mode="after")
@@ -80,16 +81,16 @@ class Recipe(BaseModel):
         return self
 
     def _own(self, i: int) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Source i's own options and its amount."""
+        """Source i's own options and its amount (with its caps)."""
         own = dict(self.sources[i])
-        amount = {key: own.pop(key) for key in AMOUNTS if key in own}
+        amount = {key: own.pop(key) for key in AMOUNTS + CAPS if key in own}
         unknown = sorted(set(own) - set(SOURCE_KEYS))
         if unknown:
             where = "shared option: it goes at the recipe's top" if unknown[0] in SHARED_KEYS else "source key"
             raise ValueError(f"sources[{i}].{unknown[0]}: not a {where}")
         if "sources" not in own:
             raise ValueError(f"sources[{i}].sources: missing (the files, globs or hub:NAME it reads)")
-        if len(amount) != 1:
+        if len(set(amount) & set(AMOUNTS)) != 1:
             raise ValueError(f"sources[{i}]: give exactly one of {', '.join(AMOUNTS)}")
         return own, amount
 

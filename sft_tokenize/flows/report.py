@@ -219,7 +219,14 @@ def mixture_summary(meta: dict[str, Any]) -> list[tuple[str, str]]:
                                                                          else "none"), ("rows", f"{meta['rows']:,}")]
     for source in meta["sources"]:
         (kind, amount), = source["asked"].items()
-        rows.append((source["name"], f"asked {kind} {amount}; achieved {source['rows']:,} rows, "
+        asked = f"asked {kind} {amount}"
+        if "caps" in source:
+            caps = {k: v for k, v in source["caps"].items() if k in ("max_epochs", "max_share")}
+            bound = source["caps"]["capped_by"]
+            asked += (f" ({', '.join(f'{k} {v:g}' for k, v in caps.items())}: "
+                      + (f"capped by {bound}, planned share {source['caps']['planned_share']:.1%})" if bound
+                         else "not reached)"))
+        rows.append((source["name"], f"{asked}; achieved {source['rows']:,} rows, "
                                      f"{source['tokens']:,} tokens, {source['trained_tokens']:,} trained, share "
                                      f"{source['share']:.1%}, {source['epochs']:.2f} epochs"))
     rows += [("warning", warning) for warning in meta.get("warnings", [])]

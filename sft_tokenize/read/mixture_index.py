@@ -144,7 +144,7 @@ def mix_caches(options: MixtureOptions) -> MixtureIndex:
                      "rows.npy": write_npy(building / "rows.npy", rows)}
             meta = {"mixture_version": MIXTURE_VERSION, "key": key, "unit": options.unit, "budget": options.budget,
                     "seed": options.seed, "order": options.order, "rows": int(len(rows)),
-                    "sources": _summary(sources, chosen, options.unit),
+                    "sources": _summary(sources, chosen, options),
                     "warnings": share_warnings(sources, chosen, options),
                     "source_caches": [str(s.cache.path) for s in sources], "files": files}
             (building / MIXTURE_INDEX).write_text(json.dumps(meta, indent=2) + "\n")

@@ -11,6 +11,7 @@ from sft_tokenize.format.layout import MIXTURES
 
 Unit = Literal["rows", "tokens", "trained_tokens"]
 AMOUNTS = ("weight", "epochs", "rows", "tokens")
+CAPS = ("max_epochs", "max_share")  # limits on what a weight takes; the rest goes to the other weighted sources
 # The largest index built unless `max_index_rows` says otherwise: a typo (`rows: 1000000000`, `epochs: 1e9`) is
 # refused, naming its source, instead of filling the memory or the disk. 100M rows are 1.6 GB on disk.
 MAX_INDEX_ROWS = 100_000_000
@@ -31,6 +32,12 @@ class MixtureSource(BaseModel):
                              "prefix of one more).")
     tokens: int | None = Field(None, gt=0, description="This many tokens of the mixture's unit (input tokens "
                                "when the unit is rows).")
+    max_epochs: float | None = Field(None, gt=0, allow_inf_nan=False, description="With a weight: the most epochs "
+                                     "of this source the weight may take; what it cannot take goes to the other "
+                                     "weighted sources, by their weights.")
+    max_share: float | None = Field(None, gt=0, le=1, allow_inf_nan=False, description="With a weight: the largest "
+                                    "share of the budget (in the mixture's unit) this source may take; the rest goes "
+                                    "to the other weighted sources, by their weights.")
 
     @model_validator(mode="after")
     def _one_amount(self) -> MixtureSource:
@@ -38,7 +45,15 @@ class MixtureSource(BaseModel):
         if len(given) != 1:
             raise ValueError(f"source {self.name or self.cache}: give exactly one of {', '.join(AMOUNTS)} "
                              f"({'none' if not given else ', '.join(given)} given)")
+        if self.caps and self.weight is None:
+            raise ValueError(f"source {self.name or self.cache}: {', '.join(self.caps)} limits what a weight takes; "
+                             f"this source asks for {given[0]}, an absolute amount")
         return self
+
+    @property
+    def caps(self) -> dict[str, float]:
+        """The caps given (max_epochs, max_share)."""
+        return {key: getattr(self, key) for key in CAPS if getattr(self, key) is not None}
 
     @property
     def amount(self) -> tuple[str, float]:

@@ -56,8 +56,9 @@ class SourceRows:
         return self.spec.name or self.cache.path.name
 
     def identity(self) -> dict[str, Any]:
+        caps = {"caps": self.spec.caps} if self.spec.caps else {}  # an index without caps keeps its key
         return {"name": self.name, "cache": self.cache.path.name, "fingerprint": self.cache.manifest["fingerprint"],
-                "rows": len(self.cache), "amount": dict([self.spec.amount])}
+                "rows": len(self.cache), "amount": dict([self.spec.amount]), **caps}
 
 
 def trained_lengths(cache: TokenizedCache) -> np.ndarray:
@@ -127,11 +128,39 @@ def choose_rows(sources: list[SourceRows], options: MixtureOptions) -> list[np.n
         if left <= 0:
             raise BadInput(f"budget: {options.budget} {options.unit}, but the absolute amounts already take "
                            f"{absolute}; nothing is left for the weighted sources")
-        total_weight = sum(sources[i].spec.weight for i in weighted)
-        for i in weighted:
-            chosen[i] = _rows_for_units(sources[i].units, left * sources[i].spec.weight / total_weight,
-                                        options.seed, i)
+        for i, (target, _) in weighted_targets(sources, left, options).items():
+            chosen[i] = _rows_for_units(sources[i].units, target, options.seed, i)
     return chosen
+
+
+def weighted_targets(sources: list[SourceRows], left: float, options: MixtureOptions
+                     ) -> dict[int, tuple[float, str | None]]:
+    """Per weighted source, the units it takes of what the budget leaves (`left`) and the cap that bounds it, if
+    any. Weights share `left`; a source whose share passes one of its caps takes its cap instead, and the
+    weights of the sources not yet capped share what is still left, until no share passes a cap. Where every
+    source is capped, part of the budget stays unfilled (`budget_warnings` says so)."""
+    free = [i for i, s in enumerate(sources) if s.spec.weight is not None]
+    limit = {i: min(((sources[i].spec.caps[c] * (float(sources[i].units.sum()) if c == "max_epochs"
+                                                  else float(options.budget or 0)), c)
+                     for c in sources[i].spec.caps), default=(math.inf, None)) for i in free}
+    out: dict[int, tuple[float, str | None]] = {}
+    while free:
+        weights = sum(sources[i].spec.weight for i in free)
+        share = {i: left * sources[i].spec.weight / weights for i in free}
+        over = [i for i in free if share[i] > limit[i][0]]
+        if not over:
+            out.update({i: (share[i], None) for i in free})
+            break
+        for i in over:
+            out[i] = limit[i]
+            left -= limit[i][0]
+            free.remove(i)
+    return dict(sorted(out.items()))
+
+
+def _absolute(sources: list[SourceRows], chosen: list[np.ndarray]) -> int:
+    """The units the sources asked for by absolute amounts (epochs, rows, tokens) took."""
+    return sum(int(s.units[rows].sum()) for s, rows in zip(sources, chosen, strict=True) if s.spec.weight is None)
 
 
 def _asked(kind: str, amount: float) -> str:
@@ -163,10 +192,9 @@ def planned_rows(sources: list[SourceRows], options: MixtureOptions) -> list[tup
         planned.append((f"source {source.name}", _asked(kind, amount), rows))
         absolute += units
     left = (options.budget or 0) - absolute  # a budget the absolute amounts use up: choose_rows says so
-    for source in sources:
-        if source.spec.weight is not None and left > 0:
-            planned.append((f"source {source.name}", _asked("weight", source.spec.weight),
-                            _about(source.units, left * source.spec.weight)))
+    for i, (target, _) in weighted_targets(sources, left, options).items() if left > 0 else ():
+        planned.append((f"source {sources[i].name}", _asked("weight", sources[i].spec.weight),
+                        _about(sources[i].units, target)))
     return planned
 
 
@@ -252,11 +280,22 @@ def interleave(sources: list[SourceRows], chosen: list[np.ndarray], options: Mix
     return source_ids[order], rows[order]
 
 
-def _summary(sources: list[SourceRows], chosen: list[np.ndarray], unit: str) -> list[dict]:
-    """Per source: what was asked, what was achieved (rows, tokens, trained tokens, share, epochs)."""
+def _planned(sources: list[SourceRows], chosen: list[np.ndarray], options: MixtureOptions
+             ) -> dict[int, tuple[float, str | None]]:
+    """weighted_targets as choose_rows met them (what the budget left after the absolute amounts)."""
+    if not any(s.spec.weight is not None for s in sources):
+        return {}
+    return weighted_targets(sources, (options.budget or 0) - _absolute(sources, chosen), options)
+
+
+def _summary(sources: list[SourceRows], chosen: list[np.ndarray], options: MixtureOptions) -> list[dict]:
+    """Per source: what was asked (and its caps: which one bounded it, and the share planned after the caps),
+    what was achieved (rows, tokens, trained tokens, share, epochs)."""
+    unit = options.unit
     total = sum(int(s.units[rows].sum()) for s, rows in zip(sources, chosen, strict=True))
+    planned = _planned(sources, chosen, options)
     out = []
-    for source, rows in zip(sources, chosen, strict=True):
+    for i, (source, rows) in enumerate(zip(sources, chosen, strict=True)):
         kind, amount = source.spec.amount
         achieved = int(source.units[rows].sum())
         seen = np.bincount(rows, minlength=len(source.cache))
@@ -270,21 +309,34 @@ def _summary(sources: list[SourceRows], chosen: list[np.ndarray], unit: str) -> 
             "epochs": round(len(rows) / len(source.cache), 6),
             "times_seen": {"min": int(seen.min()), "max": int(seen.max())},
         })
+        if source.spec.caps:
+            target, cap = planned[i]
+            out[-1]["caps"] = {**source.spec.caps, "capped_by": cap,
+                               "planned_share": round(target / options.budget, 6) if options.budget else 0.0}
     return out
 
 
 def share_warnings(sources: list[SourceRows], chosen: list[np.ndarray], options: MixtureOptions) -> list[str]:
-    """One line per weighted source whose share of the weighted sources' total misses its weight by more than
-    SHARE_TOLERANCE: rows are whole, and each weighted source takes at least one."""
-    weighted = [i for i, source in enumerate(sources) if source.spec.weight is not None]
-    achieved = {i: int(sources[i].units[chosen[i]].sum()) for i in weighted}
-    total = sum(achieved.values())
+    """One line per weighted source whose share of the weighted sources' total misses its planned share (its
+    weight, or what its caps left it) by more than SHARE_TOLERANCE: rows are whole, and each weighted source
+    takes at least one. And one line if the caps left part of the budget unfilled."""
+    planned = _planned(sources, chosen, options)
+    achieved = {i: int(sources[i].units[chosen[i]].sum()) for i in planned}
+    total, planned_total = sum(achieved.values()), sum(target for target, _ in planned.values())
     warnings = []
-    for i in weighted if total else []:
-        share, weight = achieved[i] / total, sources[i].spec.weight
+    left = (options.budget or 0) - _absolute(sources, chosen)
+    if planned and planned_total < left * (1 - 1e-9):
+        capped = ", ".join(f"{sources[i].name} ({cap} {sources[i].spec.caps[cap]:g})" for i, (_, cap) in
+                           planned.items())
+        warnings.append(f"every weighted source is capped ({capped}): they take {planned_total:,.0f} of the "
+                        f"{left:,.0f} {options.unit} the budget leaves them; the mixture is that much smaller")
+    for i in planned if total else []:
+        share, weight = achieved[i] / total, planned[i][0] / planned_total
         if abs(share - weight) > SHARE_TOLERANCE:
+            capped = any(cap for _, cap in planned.values())
+            asked = f"planned {weight:.1%} after the caps" if capped else f"asked weight {sources[i].spec.weight:g}"
             warnings.append(
-                f"source {sources[i].name}: asked weight {weight:g}, achieved {share:.1%} of the weighted sources' "
+                f"source {sources[i].name}: {asked}, achieved {share:.1%} of the weighted sources' "
                 f"{options.unit} ({achieved[i]:,} of {total:,}), more than {SHARE_TOLERANCE * 100:g} points off: "
                 f"the budget ({options.budget:,} {options.unit}) is small against whole rows of up to "
                 f"{int(sources[i].units.max()):,}; a larger budget comes closer")

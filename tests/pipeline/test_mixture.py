@@ -222,3 +222,72 @@ def test_shares_far_from_the_weights_are_warned_about_in_the_index_and_its_summa
     assert not again.built_now and [r.getMessage() for r in caplog.records] == [
         f"mixture {again.meta['key']}: {warning}" for warning in warnings]
     assert mix_caches(_mixture(caches, budget=20_000, **amounts)).meta["warnings"] == []
+
+
+def _trained_total(caches, name) -> int:
+    return int(trained_lengths(open_cache(caches[name])).sum())
+
+
+def test_max_epochs_caps_a_weight_and_the_other_weighted_source_fills_the_budget(caches):
+    """gold's weight would repeat it 10 times; max_epochs 3 gives it 3 epochs, and chat takes the rest."""
+    from sft_tokenize.flows.report import mixture_summary
+
+    budget = 20 * _trained_total(caches, "gold")
+    index = mix_caches(_mixture(caches, budget=budget, chat={"weight": 0.5},
+                                gold={"weight": 0.5, "max_epochs": 3}))
+    chat, gold = index.meta["sources"]
+    assert gold["epochs"] == 3 and gold["times_seen"] == {"min": 3, "max": 3}
+    assert gold["caps"] == {"max_epochs": 3, "capped_by": "max_epochs",
+                            "planned_share": round(3 * _trained_total(caches, "gold") / budget, 6)}
+    assert "caps" not in chat
+    achieved = chat["trained_tokens"] + gold["trained_tokens"]
+    assert budget <= achieved < budget + int(trained_lengths(open_cache(caches["chat"])).max())
+    assert chat["share"] > 0.8  # 17 of the 20 parts went to chat
+    assert index.meta["warnings"] == []
+    (text,) = [text for key, text in mixture_summary(index.meta) if key == gold["name"]]
+    assert text.startswith("asked weight 0.5 (max_epochs 3: capped by max_epochs, planned share 15.0%); "
+                           "achieved 120 rows")
+
+
+def test_max_share_caps_a_weight_at_its_share_of_the_budget(caches):
+    budget = 20_000
+    index = mix_caches(_mixture(caches, budget=budget, chat={"weight": 0.8, "max_share": 0.5},
+                                alpaca={"weight": 0.2}))
+    chat, alpaca = index.meta["sources"]
+    assert chat["caps"]["capped_by"] == "max_share" and chat["caps"]["planned_share"] == 0.5
+    assert abs(chat["share"] - 0.5) < 0.01 and abs(alpaca["share"] - 0.5) < 0.01
+    unbounded = mix_caches(_mixture(caches, budget=budget, chat={"weight": 0.8, "max_share": 0.9},
+                                    alpaca={"weight": 0.2}))
+    assert unbounded.meta["sources"][0]["caps"]["capped_by"] is None
+    assert abs(unbounded.meta["sources"][0]["share"] - 0.8) < 0.01  # a cap not reached changes nothing
+    uncapped = mix_caches(_mixture(caches, budget=budget, chat={"weight": 0.8}, alpaca={"weight": 0.2}))
+    assert np.array_equal(unbounded.rows, uncapped.rows) and np.array_equal(unbounded.sources, uncapped.sources)
+
+
+def test_caps_that_cannot_fill_the_budget_say_so(caches):
+    budget = 100 * _trained_total(caches, "gold")
+    index = mix_caches(_mixture(caches, budget=budget, gold={"weight": 1.0, "max_epochs": 2}))
+    (gold,) = index.meta["sources"]
+    assert gold["epochs"] == 2
+    (warning,) = index.meta["warnings"]
+    assert warning.startswith(f"every weighted source is capped ({gold['name']} (max_epochs 2)): they take "
+                              f"{2 * _trained_total(caches, 'gold'):,} of the {budget:,} trained_tokens")
+    assert warning.endswith("the mixture is that much smaller")
+
+
+def test_caps_belong_to_weights():
+    with pytest.raises(ValueError, match="max_epochs limits what a weight takes; this source asks for epochs"):
+        MixtureSource(cache="c", name="gold", epochs=2, max_epochs=3)
+    with pytest.raises(ValueError, match="less than or equal to 1"):
+        MixtureSource(cache="c", weight=0.5, max_share=1.5)
+
+
+def test_a_recipe_passes_its_sources_caps_to_the_mixture(caches, tmp_path):
+    from sft_tokenize.build.recipe import Recipe
+
+    recipe = Recipe(tokenizer="t", cache_dir=str(tmp_path), mixture={"budget": 1000},
+                    sources=[{"name": "chat", "sources": ["a.jsonl"], "weight": 0.5},
+                             {"name": "gold", "sources": ["b.jsonl"], "weight": 0.5, "max_epochs": 3}])
+    options = recipe.mixture_options([caches["chat"], caches["gold"]])
+    assert [s.caps for s in options.sources] == [{}, {"max_epochs": 3}]
+    assert recipe.runs()[1].name == "gold"  # a cap is not a run option
