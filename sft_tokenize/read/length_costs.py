@@ -54,8 +54,9 @@ def _trained_flags(column: pa.ChunkedArray | pa.Array, name: str) -> np.ndarray:
     return flat != IGNORE_INDEX if name == "labels" else flat.astype(bool, copy=False)
 
 
-def row_tokens(table: pa.Table, lengths: Sequence[int]) -> RowTokens:
-    """One pass over the table's trained-token column (`loss_mask`, else `labels`)."""
+def row_tokens(table: pa.Table, lengths: Sequence[int] = ()) -> RowTokens:
+    """One pass over the table's trained-token column (`loss_mask`, else `labels`): every row's tokens, trained
+    tokens, and trained tokens within each of `lengths`."""
     name = "loss_mask" if "loss_mask" in table.column_names else "labels"
     if name not in table.column_names:
         raise ValueError(f"the cache has neither a loss_mask nor a labels column ({', '.join(table.column_names)})")

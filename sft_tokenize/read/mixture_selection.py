@@ -23,13 +23,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow.compute as pc
 
 from sft_tokenize.errors import BadInput
 from sft_tokenize.read.cache import TokenizedCache
+from sft_tokenize.read.length_costs import row_tokens
 from sft_tokenize.read.mixture_options import MixtureOptions, MixtureSettings, MixtureSource
 
-SUM_CHUNK_ROWS = 65_536
 INDEX_BYTES_PER_ROW = 16  # on disk: an int64 in sources.npy and one in rows.npy
 # Memory while an index is built, per row: its arrays, the interleaving's keys and sort (87 measured, 20M rows).
 INDEX_BUILD_BYTES_PER_ROW = 96
@@ -63,19 +62,9 @@ class SourceRows:
 
 def trained_lengths(cache: TokenizedCache) -> np.ndarray:
     """Trained tokens per row (loss_mask 1, or a label other than -100), a chunk of rows at a time."""
-    name = "loss_mask" if "loss_mask" in cache.columns else "labels"
-    out = np.empty(len(cache), dtype=np.int64)
     if cache.table is None:
-        return out
-    column = cache.table.column(name)
-    for start in range(0, len(cache), SUM_CHUNK_ROWS):
-        chunk = column.slice(start, SUM_CHUNK_ROWS).combine_chunks()
-        values = chunk.flatten().to_numpy(zero_copy_only=False)
-        hits = np.concatenate([[0], np.cumsum(values == 1 if name == "loss_mask" else values != -100)])
-        offsets = pc.list_value_length(chunk).to_numpy().cumsum()
-        ends = hits[offsets]
-        out[start:start + len(chunk)] = np.diff(np.concatenate([[0], ends]))
-    return out
+        return np.empty(0, dtype=np.int64)
+    return row_tokens(cache.table, ()).trained
 
 
 def _units(cache: TokenizedCache, unit: str) -> np.ndarray:
