@@ -78,3 +78,55 @@ def markdown_report(report: dict[str, Any]) -> str:
               "| " + " | ".join(COLUMNS) + " |", "|" + "---:|" * len(COLUMNS)]
     lines += ["| " + " | ".join(row) + " |" for row in candidate_rows(report)]
     return "\n".join(lines)
+
+
+def _source_shares(report: dict[str, Any]) -> list[tuple[str, str, str, int, int]]:
+    """(source, measure, times, part, whole) for each source's rows, tokens and trained tokens."""
+    out = []
+    for source in report["sources"]:
+        seen = source["times_seen"]
+        times = f"{source['epochs']:.2f} epochs, each row {seen['min']}–{seen['max']}×"
+        for measure, key in (("rows", "rows"), ("tokens", "tokens"), ("trained", "trained_tokens")):
+            out.append((source["name"], measure, times, source[key], report[key]))
+    return out
+
+
+def _per_source_losses(report: dict[str, Any]) -> list[tuple[str, ...]]:
+    """Per candidate length, each source's trained tokens lost there."""
+    return [(f"{c['length']:,}", *(f"{s['candidates'][k]['trained_tokens_lost']:,} "
+                                    f"({_share(s['candidates'][k]['trained_tokens_lost'], s['trained_tokens'])})"
+                                    for s in report["sources"]))
+            for k, c in enumerate(report["candidates"])]
+
+
+def mixture_text_report(report: dict[str, Any]) -> str:
+    """A mixture's report: the mixed rows as one cache, each source's shares as bars, and what each length
+    costs each source."""
+    lines = [text_report(report), "", "each source's share of the mixture:"]
+    shares = _source_shares(report)
+    name_width = max(len(name) for name, *_ in shares)
+    for k, (name, measure, times, part, whole) in enumerate(shares):
+        label = name if k % 3 == 0 else ""
+        share = part / whole if whole else 0.0
+        lines.append(f"  {label:<{name_width}}  {measure:<7}  {bar(round(share * 1000), 1000):<{BAR_WIDTH}}  "
+                     f"{share:6.1%}  {part:,}" + (f"   {times}" if k % 3 == 0 else ""))
+    table = [("length", *(s["name"] for s in report["sources"])), *_per_source_losses(report)]
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    lines += ["", "trained tokens each source loses at each length:"]
+    lines += ["  " + "  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in table]
+    return "\n".join(lines)
+
+
+def mixture_markdown_report(report: dict[str, Any]) -> str:
+    """The same for a Prefect artifact."""
+    lines = [markdown_report(report), "", "**Each source's share of the mixture**", "",
+             "| source | of | share | | count | epochs, repeats |", "|:---|:---|---:|:---|---:|:---|"]
+    for k, (name, measure, times, part, whole) in enumerate(_source_shares(report)):
+        share = part / whole if whole else 0.0
+        lines.append(f"| {name if k % 3 == 0 else ''} | {measure} | {share:.1%} | `{bar(round(share * 1000), 1000)}` "
+                     f"| {part:,} | {times if k % 3 == 0 else ''} |")
+    names = [s["name"] for s in report["sources"]]
+    lines += ["", "**Trained tokens each source loses at each length**", "",
+              "| length | " + " | ".join(names) + " |", "|" + "---:|" * (len(names) + 1)]
+    lines += ["| " + " | ".join(row) + " |" for row in _per_source_losses(report)]
+    return "\n".join(lines)

@@ -36,6 +36,15 @@ class RowTokens:
     trained: np.ndarray  # int64
     within: dict[int, np.ndarray]  # L -> int64 trained tokens among the row's first L
 
+    def take(self, rows: np.ndarray) -> RowTokens:
+        """These rows (repeats included), as a mixture sees them."""
+        return RowTokens(self.lengths[rows], self.trained[rows], {n: w[rows] for n, w in self.within.items()})
+
+    @staticmethod
+    def concat(parts: list[RowTokens]) -> RowTokens:
+        return RowTokens(np.concatenate([p.lengths for p in parts]), np.concatenate([p.trained for p in parts]),
+                         {n: np.concatenate([p.within[n] for p in parts]) for n in parts[0].within})
+
 
 def candidate_lengths(longest: int, extra: Iterable[int] = ()) -> list[int]:
     """Powers of two from 512 up to the first that holds the longest row, and any lengths asked for."""
@@ -127,12 +136,8 @@ def cost_at(rows: RowTokens, length: int, truncation: Literal["truncate", "drop"
     return out
 
 
-def length_costs(table: pa.Table, at: Iterable[int] = (), truncation: Literal["truncate", "drop"] = "truncate",
-                 pack: bool = True) -> dict[str, Any]:
-    """The histograms and the table of candidate lengths for a cache's (or a mixture's) rows."""
-    lengths = pc.list_value_length(table.column(table.column_names[0])).to_numpy(zero_copy_only=False)
-    candidates = candidate_lengths(int(lengths.max(initial=0)), at)
-    rows = row_tokens(table, candidates)
+def _report(rows: RowTokens, candidates: list[int], truncation: Literal["truncate", "drop"], pack: bool
+            ) -> dict[str, Any]:
     return {
         "rows": int(len(rows.lengths)),
         "tokens": int(rows.lengths.sum()),
@@ -142,3 +147,32 @@ def length_costs(table: pa.Table, at: Iterable[int] = (), truncation: Literal["t
         "trained_histogram": log_histogram(rows.trained),
         "candidates": [cost_at(rows, n, truncation, pack) for n in candidates],
     }
+
+
+def length_costs(table: pa.Table, at: Iterable[int] = (), truncation: Literal["truncate", "drop"] = "truncate",
+                 pack: bool = True) -> dict[str, Any]:
+    """The histograms and the table of candidate lengths for a cache's rows."""
+    lengths = pc.list_value_length(table.column(table.column_names[0])).to_numpy(zero_copy_only=False)
+    candidates = candidate_lengths(int(lengths.max(initial=0)), at)
+    return _report(row_tokens(table, candidates), candidates, truncation, pack)
+
+
+def mixture_costs(tables: list[pa.Table], sources: np.ndarray, rows: np.ndarray, meta: dict[str, Any],
+                  at: Iterable[int] = (), truncation: Literal["truncate", "drop"] = "truncate",
+                  pack: bool = True) -> dict[str, Any]:
+    """The same for a mixture index (its source caches' tables, its `sources` and `rows` arrays and its
+    mixture.json): over the mixed rows as a trainer sees them (a row taken three times counts three times),
+    then per source its shares, epochs and repeats (from mixture.json) and what each length costs it."""
+    per_table = [rows[sources == s] for s in range(len(tables))]
+    longest = max((int(pc.max(pc.list_value_length(t.column(t.column_names[0]))).as_py() or 0) for t in tables
+                   if t.num_rows), default=0)
+    candidates = candidate_lengths(longest, at)
+    taken = [row_tokens(t, candidates).take(r) for t, r in zip(tables, per_table, strict=True)]
+    out = _report(RowTokens.concat(taken), candidates, truncation, pack)
+    out["sources"] = []
+    for recorded, mine in zip(meta["sources"], taken, strict=True):
+        described = {k: recorded[k] for k in ("name", "asked", "rows", "tokens", "trained_tokens", "share",
+                                              "epochs", "times_seen", "caps") if k in recorded}
+        described["candidates"] = [cost_at(mine, n, truncation, pack=False) for n in candidates]
+        out["sources"].append(described)
+    return out

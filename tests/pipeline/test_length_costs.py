@@ -24,11 +24,11 @@ def cache(request, tmp_path_factory):
         cache_dir=str(tmp_path_factory.mktemp("cache")), shard_size="60KB")))
 
 
-def direct_count(cache, length: int, truncation: str) -> dict[str, int]:
+def direct_count(rows, length: int, truncation: str = "truncate") -> dict[str, int]:
     """Row by row, in plain Python: what training at `length` loses."""
     out = {"rows_truncated": 0, "rows_dropped": 0, "tokens_lost": 0, "trained_tokens_lost": 0}
-    for i in range(len(cache)):
-        row = cache[i]
+    for i in range(len(rows)):
+        row = rows[i]
         trained = row["loss_mask"] == 1 if "loss_mask" in row else row["labels"] != -100
         n, total = len(row["input_ids"]), int(trained.sum())
         if n <= length:
@@ -93,3 +93,41 @@ def test_candidates_are_powers_of_two_from_512_to_the_longest_row_plus_those_ask
     assert candidate_lengths(478) == [512]
     assert candidate_lengths(513) == [512, 1024]
     assert candidate_lengths(5000, extra=[3000]) == [512, 1024, 2048, 3000, 4096, 8192]
+
+
+@pytest.fixture(scope="module")
+def mixture(tmp_path_factory):
+    """The example's two files as two caches, mixed 50/50 with the second capped at 2 epochs."""
+    from sft_tokenize.read.mixed_rows import open_mixture
+    from sft_tokenize.read.mixture_index import mix_caches
+    from sft_tokenize.read.mixture_options import MixtureOptions, MixtureSource
+
+    root = tmp_path_factory.mktemp("mixture")
+    caches = [run_locally(TokenizeOptions(sources=[str(EXAMPLE_DATA / f"chat-0000{i}.jsonl")], name=f"part{i}",
+                                          tokenizer=str(EXAMPLE_TOKENIZER), cache_dir=str(root))) for i in (0, 1)]
+    index = mix_caches(MixtureOptions(budget=60_000, sources=[MixtureSource(cache=str(caches[0]), weight=0.5),
+                                                              MixtureSource(cache=str(caches[1]), weight=0.5,
+                                                                            max_epochs=2)]))
+    return open_mixture(index.path)
+
+
+def test_a_mixtures_table_counts_its_rows_as_a_trainer_sees_them_and_each_source_apart(mixture, tmp_path):
+    from sft_tokenize.read.length_costs import mixture_costs
+
+    m = mixture
+    report = mixture_costs([c.table for c in m.caches], m.index.sources, m.index.rows, m.index.meta, at=[128, 256])
+    assert report["rows"] == len(m) and sum(c for *_, c in report["lengths_histogram"]) == len(m)
+    for k, candidate in enumerate(report["candidates"]):
+        n = candidate["length"]
+        expected = direct_count(m, n)
+        assert {key: candidate[key] for key in expected} == expected
+        for s, source in enumerate(report["sources"]):
+            rows = [m[i] for i in range(len(m)) if m.locate(i)[0] == s]
+            mine = direct_count(rows, n)
+            assert {key: source["candidates"][k][key] for key in mine} == mine
+        index = pack_cache(m, PackOptions(length=n, index_dir=str(tmp_path)))
+        assert candidate["pack_bins"] == len(index)
+    part1 = report["sources"][1]
+    assert part1["epochs"] == 2 and part1["caps"]["capped_by"] == "max_epochs"
+    assert report["candidates"][0]["trained_tokens_lost"] == sum(
+        s["candidates"][0]["trained_tokens_lost"] for s in report["sources"])
