@@ -66,10 +66,12 @@ def default_name(spec: str) -> str:
     return "".join(c if c.isalnum() or c in "._-" else "-" for c in stem)[:100].strip(".-_") or "dataset"
 
 
-def cache_root(options: TokenizeOptions) -> Path:
+def cache_root(options: TokenizeOptions, create: bool = True) -> Path:
     root = options.cache_root
     if root.exists() and not root.is_dir():
         raise BadInput(f"cache dir {root} exists and is not a directory")
+    if not create:
+        return root
     try:
         (root / STAGING).mkdir(parents=True, exist_ok=True)
     except OSError as error:
@@ -142,14 +144,15 @@ def _check_tokenizer(tokenizer, columns: ColumnMap, options: TokenizeOptions) ->
 
 
 def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable[[], object] | None = None,
-                content_keys: bool = True) -> Plan:
+                content_keys: bool = True, dry: bool = False) -> Plan:
     """Check the inputs, fingerprint them, and cut slices of about `shard_size` bytes (at least
     `min_slices` of them, so every worker gets work), each keyed by the content it reads. A published cache
     returns before any tokenizer load; otherwise `on_work` is called as soon as the cache is known to be
     missing, so whatever it starts (the Prefect server) runs while the tokenizer is loaded and checked and
     the inputs are cut and hashed. `content_keys=False` skips hashing the inputs, for a check that does not
-    tokenize (its slices have no key)."""
-    root = cache_root(options)
+    tokenize (its slices have no key). `dry`: write nothing under the cache root (a dry run: no staging
+    directory, no writability probe, the inputs' digests not saved)."""
+    root = cache_root(options, create=not dry)
     tokenizer_dir = resolve_tokenizer(options.tokenizer, options.tokenizer_revision)
     processor_dir = resolve_tokenizer(options.processor, options.tokenizer_revision, "processor") \
         if options.processor else None
@@ -194,7 +197,8 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable
         return Plan(job, [], name, cache_path, inputs, cached=True)  # read-only roots serve their caches
     if (changed := changed_image(cache_path, options.storage_options, options.image_timeout)) is not None:
         logger.warning("%s: the image changed since %s was built; building it again", changed, cache_path)
-    check_writable(root)
+    if not dry:
+        check_writable(root)
     if on_work is not None:
         on_work()
     # Here, so that a bad tokenizer, a missing extra or a refusal shows up before any task (and the threads
@@ -221,5 +225,6 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable
     if content_keys:
         digests = Digests(book=job.digest_book)
         slices = [replace(s, key=slice_key(s, job.tokenization, options.storage_options, digests)) for s in slices]
-        digests.save()
+        if not dry:
+            digests.save()
     return Plan(job, slices, name, cache_path, inputs, cached=False)
