@@ -12,7 +12,8 @@ from support.paths import EXAMPLE_DATA, EXAMPLE_TOKENIZER
 
 from sft_tokenize.build.dry_run import dry_run, spread
 from sft_tokenize.build.options import TokenizeOptions
-from sft_tokenize.build.plan import plan_slices, run_locally
+from sft_tokenize.build.plan import plan_slices
+from sft_tokenize.build.protocol import run_locally
 from sft_tokenize.read.cache import open_cache
 
 WORDS = "the a model answer question data token river stone light seven careful quickly".split()

@@ -8,7 +8,7 @@ import pytest
 from support.paths import EXAMPLE_DATA, EXAMPLE_TOKENIZER
 
 from sft_tokenize.build.options import TokenizeOptions
-from sft_tokenize.build.plan import run_locally
+from sft_tokenize.build.protocol import run_locally
 from sft_tokenize.read.cache import open_cache
 from sft_tokenize.read.length_costs import candidate_lengths, length_costs, log_histogram
 from sft_tokenize.read.packing_index import PackOptions, pack_cache
