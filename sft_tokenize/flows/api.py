@@ -232,3 +232,20 @@ def run_recipe(recipe_file: str | os.PathLike, run_settings: dict[str, Any] | No
     runs = recipe.runs()
     caches = [run_tokenize({**options.model_dump(), **(run_settings or {})}, progress) for options in runs]
     return mix_caches(recipe.mixture_options([str(path) for path in caches])).path
+
+
+def plan_runs(settings: dict[str, Any], workers: int, recipe_file: str | os.PathLike | None = None,
+              overrides: dict[str, Any] | None = None) -> list[tuple[Path, dict[str, Any] | None]]:
+    """A dry run of the run `settings` describe, or of each source of a recipe: per run its cache's path and the
+    dry run's report (None when the cache is published). Nothing is written under the cache root; no Prefect."""
+    from sft_tokenize.build.dry_run import dry_run
+    from sft_tokenize.build.plan import plan_slices
+    from sft_tokenize.build.recipe import load_recipe
+    from sft_tokenize.flows.run_options import TokenizeRun
+
+    runs = load_recipe(recipe_file, overrides).runs() if recipe_file else [_checked(TokenizeRun, settings)]
+    out = []
+    for options in runs:
+        plan = plan_slices(options, dry=True)
+        out.append((plan.cache_path, None if plan.cached else dry_run(plan.job, plan.slices, workers)))
+    return out

@@ -54,6 +54,10 @@ class RunCommand(BaseModel):
         None, description="a YAML recipe: several sources, each with its own options, tokenized into a cache each and "
                           "mixed by a mixture index (docs/mixtures.md); prints the index's path. --tokenizer and "
                           "--cache-dir, if given, override the recipe's")
+    plan_only: Annotated[bool, Flag(INPUT)] = Field(
+        False, description="print what the run would do and write nothing: its slices and input bytes, whether the "
+                           "cache is published and which slices the shard store holds, and the tokens and time "
+                           "estimated by tokenizing a sample of the rows; no Prefect")
     messages_column: Annotated[str | None, Flag(INPUT, metavar="COL")] = Field(
         None, description="the column holding the conversations (--column messages=COL)")
     server_idle: Annotated[float, Flag(VERSIONS, metavar="SECONDS", parse=_seconds)] = Field(
@@ -71,7 +75,14 @@ class InspectCommand(BaseModel):
 
     cache: Annotated[str, Flag(FLAGS, metavar="CACHE_OR_MIXTURE", positional=True)] = Field(
         description="a published cache directory, or a mixture index")
-    as_json: Annotated[bool, Flag(FLAGS, flag="--json")] = Field(False, description="print the whole manifest as JSON")
+    as_json: Annotated[bool, Flag(FLAGS, flag="--json")] = Field(
+        False, description="print the whole manifest (with --lengths, the lengths report) as JSON")
+    lengths: Annotated[bool, Flag(FLAGS)] = Field(
+        False, description="histograms of tokens and trained tokens per row, and what each max_length or packing "
+                           "length would cost: rows truncated or dropped, tokens and trained tokens lost, packed bins "
+                           "and fill, at powers of two from 512 to the longest row (per source too, for a mixture)")
+    at: Annotated[list[int], Flag(FLAGS, metavar="N", parse=positive_int, repeat=True)] = Field(
+        default_factory=list, description="with --lengths: also the cost at N tokens")
     row: Annotated[list[int], Flag(FLAGS, metavar="N", parse=int, repeat=True)] = Field(
         default_factory=list, description="print row N decoded, its trained tokens highlighted (green, or [[…]] when "
                                           "piped); rows count from 0")

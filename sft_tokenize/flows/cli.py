@@ -50,6 +50,8 @@ def run(args: argparse.Namespace) -> int:
     keep_torch_out()
     raise_on_sigterm()
     settings = options_from(args)
+    if args.plan_only:
+        return plan_only(args, settings)
     if settings["runner"] == "dask" and not args.verbose:
         # A temporary cluster's scheduler runs in this process: a notice per worker and connection is noise here.
         logging.getLogger("distributed").setLevel(logging.WARNING)
@@ -63,12 +65,26 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def plan_only(args: argparse.Namespace, settings: dict) -> int:
+    """`run --plan-only`: each run's plan and estimate (a recipe's sources one after another), nothing written."""
+    from sft_tokenize.flows.api import plan_runs
+    from sft_tokenize.flows.report import plan_summary, text_table
+
+    overrides = {key: settings[key] for key in ("tokenizer", "cache_dir") if settings[key]}
+    workers = settings.get("workers") or os.cpu_count() or 1
+    for k, (cache_path, found) in enumerate(plan_runs(settings, workers, args.recipe, overrides)):
+        print(("\n" if k else "") + text_table(plan_summary(cache_path, found, workers)))
+    return EXIT_OK
+
+
 def inspect(args: argparse.Namespace) -> int:
     from sft_tokenize.flows.report import fingerprint_inputs, mixture_summary, packing_summary, summary, text_table
     from sft_tokenize.read.cache import read_manifest, verify_cache
     from sft_tokenize.read.mixture_index import check_sources, load_mixture
     from sft_tokenize.read.packing_index import list_indexes
 
+    if args.lengths:
+        return show_lengths(args)
     if is_mixture(args.cache):  # a mixture index: its per-source summary
         index = load_mixture(args.cache)
         check_sources(index)  # a summary of sources that are gone would look healthy
@@ -95,6 +111,18 @@ def inspect(args: argparse.Namespace) -> int:
         print(text_table(summary(manifest, os.path.abspath(args.cache)) + verified + fingerprint_inputs(manifest)))
         for index in indexes:
             print("\n" + text_table(packing_summary(index.meta, index.build, index.path)))
+    return EXIT_OK
+
+
+def show_lengths(args: argparse.Namespace) -> int:
+    """`inspect --lengths`: what each max_length and packing length would cost the cache or mixture."""
+    from sft_tokenize.flows.length_report import cache_costs, mixture_text_report, text_report
+
+    costs = cache_costs(args.cache, args.at)
+    if args.as_json:
+        print(json.dumps(costs, indent=2))
+    else:
+        print(mixture_text_report(costs) if "sources" in costs else text_report(costs))
     return EXIT_OK
 
 

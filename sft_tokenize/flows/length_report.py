@@ -3,7 +3,35 @@ histograms and a table of candidate lengths, in the terminal (text) or in the Pr
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, Literal
+
+import numpy as np
+
+from sft_tokenize.format.layout import is_mixture
+from sft_tokenize.read.cache import open_cache
+from sft_tokenize.read.length_costs import RowTokens, length_costs, mixture_costs, report_of
+from sft_tokenize.read.mixed_rows import open_mixture
+
+
+def _truncation(manifest: dict[str, Any]) -> Literal["truncate", "drop"]:
+    """The policy the cache was built with (recorded among the fingerprint's inputs; truncate if none)."""
+    return (manifest.get("fingerprint_inputs") or {}).get("truncation") or "truncate"
+
+
+def cache_costs(path: str, at: Iterable[int] = (), pack: bool = True) -> dict[str, Any]:
+    """The lengths report of the published cache or mixture index at `path` (its truncation: the build's)."""
+    if is_mixture(path):
+        mixed = open_mixture(path)
+        truncation = _truncation(mixed.caches[0].manifest)
+        return mixture_costs([c.table for c in mixed.caches], mixed.index.sources, mixed.index.rows,
+                             mixed.index.meta, at, truncation, pack)
+    cache = open_cache(path)
+    truncation = _truncation(cache.manifest)
+    if cache.table is None:
+        return report_of(RowTokens(*(np.empty(0, dtype=np.int64),) * 2, {}), [], truncation, pack)
+    return length_costs(cache.table, at, truncation, pack)
+
 
 BAR_WIDTH = 40
 EIGHTHS = " ▏▎▍▌▋▊▉"

@@ -15,7 +15,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from sft_tokenize.build.recipe import Recipe
-from sft_tokenize.flows.artifacts import artifact_key
+from sft_tokenize.flows.artifacts import artifact_key, lengths_markdown
 from sft_tokenize.flows.report import markdown_table, mixture_summary
 from sft_tokenize.flows.run_options import TokenizeRun
 from sft_tokenize.flows.tokenize_dataset import tokenize_dataset
@@ -38,6 +38,7 @@ def tokenize_recipe(recipe: Recipe, run: dict[str, Any] | None = None) -> str:
     logger.info("mixture %s: %s rows from %d sources", index.path, f"{len(index):,}", len(caches))
     for warning in index.meta.get("warnings", []):
         logger.warning("mixture %s: %s", index.meta["key"], warning)
-    create_markdown_artifact(markdown_table(f"Mixture {index.meta['key']}", mixture_summary(index.meta)),
+    create_markdown_artifact(markdown_table(f"Mixture {index.meta['key']}", mixture_summary(index.meta))
+                             + "\n" + lengths_markdown(index.path, len(index)),
                              key=artifact_key("sft-mixture", index.meta["key"]))
     return str(index.path)

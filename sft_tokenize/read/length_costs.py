@@ -136,7 +136,7 @@ def cost_at(rows: RowTokens, length: int, truncation: Literal["truncate", "drop"
     return out
 
 
-def _report(rows: RowTokens, candidates: list[int], truncation: Literal["truncate", "drop"], pack: bool
+def report_of(rows: RowTokens, candidates: list[int], truncation: Literal["truncate", "drop"], pack: bool
             ) -> dict[str, Any]:
     return {
         "rows": int(len(rows.lengths)),
@@ -154,7 +154,7 @@ def length_costs(table: pa.Table, at: Iterable[int] = (), truncation: Literal["t
     """The histograms and the table of candidate lengths for a cache's rows."""
     lengths = pc.list_value_length(table.column(table.column_names[0])).to_numpy(zero_copy_only=False)
     candidates = candidate_lengths(int(lengths.max(initial=0)), at)
-    return _report(row_tokens(table, candidates), candidates, truncation, pack)
+    return report_of(row_tokens(table, candidates), candidates, truncation, pack)
 
 
 def mixture_costs(tables: list[pa.Table], sources: np.ndarray, rows: np.ndarray, meta: dict[str, Any],
@@ -168,7 +168,7 @@ def mixture_costs(tables: list[pa.Table], sources: np.ndarray, rows: np.ndarray,
                    if t.num_rows), default=0)
     candidates = candidate_lengths(longest, at)
     taken = [row_tokens(t, candidates).take(r) for t, r in zip(tables, per_table, strict=True)]
-    out = _report(RowTokens.concat(taken), candidates, truncation, pack)
+    out = report_of(RowTokens.concat(taken), candidates, truncation, pack)
     out["sources"] = []
     for recorded, mine in zip(meta["sources"], taken, strict=True):
         described = {k: recorded[k] for k in ("name", "asked", "rows", "tokens", "trained_tokens", "share",
@@ -176,3 +176,4 @@ def mixture_costs(tables: list[pa.Table], sources: np.ndarray, rows: np.ndarray,
         described["candidates"] = [cost_at(mine, n, truncation, pack=False) for n in candidates]
         out["sources"].append(described)
     return out
+

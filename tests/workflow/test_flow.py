@@ -79,6 +79,12 @@ def test_flow_reports_progress_and_a_summary(threads_run):
     summary = artifacts["markdown"].data
     for expected in ("| rows | 240 |", "| tokens |", "| dropped rows | none |", "p90", "tokens/s", state.result()):
         assert expected in summary
+    # The lengths report: a bar per length bin, whose rows add up to the cache's, and the table of lengths.
+    lengths = summary.split("### Lengths")[1]
+    bins = lengths.split("**Tokens per row**")[1].split("**Trained tokens per row**")[0]
+    counts = [int(line.split("|")[2].replace(",", "")) for line in bins.splitlines() if line.startswith("| ")
+              and "`" in line]
+    assert sum(counts) == 240 and "**At each length**" in lengths and "| 512 |" in lengths
 
 
 def test_second_run_is_a_cache_hit_that_tokenizes_nothing(threads_run):
