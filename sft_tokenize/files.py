@@ -294,3 +294,11 @@ def file_digest(path: str, start: int = 0, stop: int | None = None) -> str:
             digest.update(buffer[:got])
             remaining -= got
     return digest.hexdigest()
+
+
+def human_size(count: float) -> str:
+    """A byte count as people read it: 1.6 GB, 340 kB, 12 bytes."""
+    for scale, unit in ((10**12, "TB"), (10**9, "GB"), (10**6, "MB")):
+        if count >= scale:
+            return f"{count / scale:,.1f} {unit}"
+    return f"{count / 10**3:,.0f} kB" if count >= 10**3 else f"{count:,.0f} bytes"

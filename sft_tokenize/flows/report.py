@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from sft_tokenize.build.publish import describe_drops
+from sft_tokenize.files import human_size
 
 if TYPE_CHECKING:
     from sft_tokenize.sources.resolve import Slice
@@ -233,13 +234,6 @@ def mixture_summary(meta: dict[str, Any]) -> list[tuple[str, str]]:
     return rows
 
 
-def _size(n: float) -> str:
-    for scale, unit in ((10**12, "TB"), (10**9, "GB"), (10**6, "MB"), (10**3, "kB")):
-        if n >= scale:
-            return f"{n / scale:,.1f} {unit}"
-    return f"{n:,.0f} bytes"
-
-
 def plan_summary(cache_path: str | Path, found: dict[str, Any] | None, workers: int) -> list[tuple[str, str]]:
     """`run --plan-only`'s table: the cache, or what a run would tokenize and the estimate (build/dry_run.py)."""
     if found is None:
@@ -248,13 +242,13 @@ def plan_summary(cache_path: str | Path, found: dict[str, Any] | None, workers: 
     seconds = found["estimated_seconds"]
     return [
         ("cache", f"{cache_path}: not published"),
-        ("slices", f"{found['slices']:,} ({_size(found['input_bytes'])} of input)"),
+        ("slices", f"{found['slices']:,} ({human_size(found['input_bytes'])} of input)"),
         ("stored", f"{len(stored):,} slices' shards are in the store and would be reused"
                    + (f" ({', '.join(map(str, stored[:10]))}{', …' if len(stored) > 10 else ''})" if stored else "")),
         ("estimate", f"about {found['estimated_rows']:,} rows, {found['estimated_tokens']:,} tokens, "
                      f"{found['estimated_trained_tokens']:,} trained"),
         ("time", f"about {seconds:,.1f} s of tokenizing on {workers} workers (at the sample's speed on one "
                  "thread; the fixed cost of a run comes on top)" if seconds is not None else "unknown"),
-        ("sample", f"{sample['rows']:,} rows ({_size(sample['bytes'])}) from slices "
+        ("sample", f"{sample['rows']:,} rows ({human_size(sample['bytes'])}) from slices "
                    f"{', '.join(map(str, sample['slices']))}, tokenized in {sample['seconds']:.2f} s"),
     ]

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from sft_tokenize.errors import BadInput
+from sft_tokenize.files import human_size
 from sft_tokenize.read.cache import TokenizedCache
 from sft_tokenize.read.length_costs import row_tokens
 from sft_tokenize.read.mixture_options import MixtureOptions, MixtureSettings, MixtureSource
@@ -207,13 +208,6 @@ def least_rows(options: MixtureOptions, max_length: int | None = None) -> list[t
     return least
 
 
-def _size(count: int) -> str:
-    for scale, unit in ((10**12, "TB"), (10**9, "GB"), (10**6, "MB")):
-        if count >= scale:
-            return f"{count / scale:,.1f} {unit}"
-    return f"{count / 10**3:,.0f} kB" if count >= 10**3 else f"{count} bytes"
-
-
 def _available_memory() -> int | None:
     """The memory this machine can give without swapping (Linux's MemAvailable), or None where unknown."""
     try:
@@ -236,17 +230,17 @@ def check_index_size(planned: list[tuple[str, str, int]], options: MixtureSettin
     name, asked, rows = max(planned, key=lambda entry: entry[2])
     its = "" if rows == total else f", {rows:,} of them its own"
     what = (f"{name} ({asked}) would make a mixture index of {'at least' if at_least else 'about'} {total:,} rows "
-            f"({_size(total * INDEX_BYTES_PER_ROW)} on disk, {_size(total * INDEX_BUILD_BYTES_PER_ROW)} of memory "
-            f"to build it{its})")
+            f"({human_size(total * INDEX_BYTES_PER_ROW)} on disk, {human_size(total * INDEX_BUILD_BYTES_PER_ROW)} "
+            f"of memory to build it{its})")
     if total > options.max_index_rows:
         raise BadInput(f"{what}, over the bound of {options.max_index_rows:,} rows (the mixture's max_index_rows: "
                        "raise it if you mean it)")
     memory = _available_memory()
     if memory is not None and total * INDEX_BUILD_BYTES_PER_ROW > memory:
-        raise BadInput(f"{what}, more than the {_size(memory)} of memory available")
+        raise BadInput(f"{what}, more than the {human_size(memory)} of memory available")
     existing = next((p for p in (index_root, *index_root.parents) if p.exists()), None) if index_root else None
     if existing is not None and total * INDEX_BYTES_PER_ROW > shutil.disk_usage(existing).free:
-        raise BadInput(f"{what}, more than the {_size(shutil.disk_usage(existing).free)} free under {existing}")
+        raise BadInput(f"{what}, more than the {human_size(shutil.disk_usage(existing).free)} free under {existing}")
 
 
 def interleave(sources: list[SourceRows], chosen: list[np.ndarray], options: MixtureOptions

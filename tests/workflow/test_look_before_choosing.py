@@ -35,7 +35,7 @@ def test_plan_only_writes_nothing_starts_no_prefect_and_says_what_a_run_would_do
     assert dry.returncode == 0, dry.stderr
     assert not root.exists() and list(home.iterdir()) == []  # no cache root, no Prefect database
     fields = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in dry.stdout.splitlines())
-    assert fields["cache"].endswith(": not published") and fields["slices"].startswith("4 (340.5 kB")
+    assert fields["cache"].endswith(": not published") and fields["slices"].startswith("4 (340 kB")
     assert fields["stored"].startswith("0 slices")
     estimated = int(re.search(r"about [\d,]+ rows, ([\d,]+) tokens", fields["estimate"])[1].replace(",", ""))
     built = cli(*run_args([EXAMPLE_DATA], root), home=home)
