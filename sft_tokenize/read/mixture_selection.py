@@ -128,7 +128,7 @@ def weighted_targets(sources: list[SourceRows], left: float, options: MixtureOpt
     """Per weighted source, the units it takes of what the budget leaves (`left`) and the cap that bounds it, if
     any. Weights share `left`; a source whose share passes one of its caps takes its cap instead, and the
     weights of the sources not yet capped share what is still left, until no share passes a cap. Where every
-    source is capped, part of the budget stays unfilled (`budget_warnings` says so)."""
+    source is capped, part of the budget stays unfilled (`share_warnings` says so)."""
     free = [i for i, s in enumerate(sources) if s.spec.weight is not None]
     limit = {i: min(((sources[i].spec.caps[c] * (float(sources[i].units.sum()) if c == "max_epochs"
                                                   else float(options.budget or 0)), c)
@@ -314,7 +314,7 @@ def share_warnings(sources: list[SourceRows], chosen: list[np.ndarray], options:
         warnings.append(f"every weighted source is capped ({capped}): they take {planned_total:,.0f} of the "
                         f"{left:,.0f} {options.unit} the budget leaves them; the mixture is that much smaller")
     for i in planned if total else []:
-        share, weight = achieved[i] / total, planned[i][0] / planned_total
+        share, weight = achieved[i] / total, planned[i][0] / planned_total if planned_total else 0.0
         if abs(share - weight) > SHARE_TOLERANCE:
             capped = any(cap for _, cap in planned.values())
             asked = f"planned {weight:.1%} after the caps" if capped else f"asked weight {sources[i].spec.weight:g}"
