@@ -14,7 +14,7 @@ A template renders one row at a time, so the cost of Jinja's generic paths is pa
   a method, takes the environment's path as before.
 
 Each shortcut returns what the sandbox returns for that case (the same value, or the same Undefined), so
-the same templates render the same text, errors included (tests/unit/test_sandbox.py checks every reference
+the same templates render the same text, errors included (tests/unit/test_environment.py checks every reference
 template against transformers' own renderer).
 """
 
