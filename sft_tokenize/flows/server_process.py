@@ -255,7 +255,13 @@ def serve(port: int) -> None:
                 booted = True
                 if in_full:
                     _record_boot(home / BOOT_RECORD)
-            lock = open(lock_path, "a")  # noqa: SIM115 - kept locked until this process is gone, if it ends
+            try:
+                lock = open(lock_path, "a")  # noqa: SIM115 - kept locked until this process is gone, if it ends
+            except OSError as error:  # PREFECT_HOME moved or deleted: no run can find this server any more
+                print(f"{lock_path}: {error.strerror}: ending", file=sys.stderr, flush=True)
+                server.should_exit = True
+                time.sleep(SHUTDOWN_TIMEOUT)
+                os._exit(0)
             fcntl.flock(lock, fcntl.LOCK_EX)
             if is_locked(lease_path):  # some run holds a lease
                 _in_use(state_path)

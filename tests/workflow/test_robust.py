@@ -153,6 +153,20 @@ def test_a_server_that_ends_itself_keeps_new_runs_out_until_it_is_gone(server_ho
     assert not server.state_path.exists()
 
 
+def test_a_server_whose_home_is_moved_away_ends_instead_of_serving_on(server_home, tmp_path):
+    """A PREFECT_HOME moved or deleted under its server (a temporary directory cleaned up) leaves no run able to
+    find that server: it ends, where its idle thread used to die on the missing lock file and leave it serving."""
+    from sft_tokenize.flows.embedded_server import EmbeddedServer
+    from sft_tokenize.flows.server_state import start_time
+
+    server = EmbeddedServer()
+    server.start()
+    server.wait_until_ready()
+    server_home.rename(tmp_path / "moved")
+    server.process.wait(timeout=60)
+    assert server.process.returncode == 0 and start_time(server.pid) is None
+
+
 def test_a_server_whose_runs_were_all_killed_exits_by_itself(tmp_path, prefect_home, start, long_input):
     run = start(run_args([long_input], tmp_path / "cache"), prefect_home, "killed")
     state = prefect_home / "sft-tokenize-server.json"
