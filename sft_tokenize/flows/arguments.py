@@ -185,6 +185,19 @@ def add_flags(parser: argparse.ArgumentParser, models: tuple[type[BaseModel], ..
             group.add_argument(*flag_names(name, flag), **{k: v for k, v in settings.items() if v is not None})
 
 
+# The commands whose flags are all declared in COMMANDS: name → (`--help`'s line, the command's description).
+SIMPLE_COMMANDS = {
+    "inspect": ("summarize a published cache or a mixture index",
+                "Summarize a published cache from its manifest, and its packing indexes; or a mixture index: per "
+                "source, what was asked and achieved."),
+    "pack": ("plan packed sequences over a whole cache (a global packing index)",
+             "Build the global packing index of a published cache beside it; prints the index path as the last line."),
+    "gc": ("remove old versions and the shards no cache or running build uses",
+           "Keep the newest N versions of each cache name; remove the others and every stored shard that no kept "
+           "version and no running build uses."),
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(prog=PROG, description="Tokenize SFT datasets into a memory-mapped Arrow cache.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -197,20 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
               defaults={"server_idle": os.environ.get(SERVER_IDLE_ENV, str(DEFAULT_SERVER_IDLE))},
               require=False)  # a recipe may give the sources, the tokenizer and the cache root (parse_known_args)
 
-    inspect = commands.add_parser("inspect", help="summarize a published cache or a mixture index",
-                                  description="Summarize a published cache from its manifest, and its packing indexes; "
-                                              "or a mixture index: per source, what was asked and achieved.")
-    add_flags(inspect, COMMANDS[("inspect",)])
-
-    pack = commands.add_parser("pack", help="plan packed sequences over a whole cache (a global packing index)",
-                               description="Build the global packing index of a published cache beside it; "
-                                           "prints the index path as the last line.")
-    add_flags(pack, COMMANDS[("pack",)])
-
-    gc = commands.add_parser("gc", help="remove old versions and the shards no cache or running build uses",
-                             description="Keep the newest N versions of each cache name; remove the others and "
-                                         "every stored shard that no kept version and no running build uses.")
-    add_flags(gc, COMMANDS[("gc",)])
+    for name, (short, description) in SIMPLE_COMMANDS.items():
+        add_flags(commands.add_parser(name, help=short, description=description), COMMANDS[(name,)])
 
     server = commands.add_parser("server", help="the embedded Prefect server that runs share: status, stop",
                                  description="The embedded Prefect server of this PREFECT_HOME, which ad-hoc runs "
