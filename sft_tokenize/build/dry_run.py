@@ -89,10 +89,12 @@ def dry_run(job: Job, slices: list[Slice], workers: int) -> dict[str, Any]:
     """The plan-only report: slices, input bytes, what is stored, and the estimated tokens and time."""
     total = sum(s.nbytes for s in slices)
     have = stored(job, slices)
-    found = sample(job, [s for s in slices if s.index not in set(have)] or slices)
+    held = set(have)
+    missing = [s for s in slices if s.index not in held]
+    found = sample(job, missing or slices)
     per_byte = found.tokens / found.nbytes if found.nbytes else 0.0
     rate = found.nbytes / found.seconds if found.seconds else 0.0  # input bytes per second, one thread
-    to_do = sum(s.nbytes for s in slices if s.index not in set(have))
+    to_do = sum(s.nbytes for s in missing)
     return {
         "slices": len(slices),
         "input_bytes": total,
