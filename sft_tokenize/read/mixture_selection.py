@@ -123,6 +123,13 @@ def choose_rows(sources: list[SourceRows], options: MixtureOptions) -> list[np.n
     return chosen
 
 
+def _cap(source: SourceRows, budget: int | None) -> tuple[float, str | None]:
+    """The most units `source`'s caps let its weight take, and the cap that says so ((inf, None): no cap)."""
+    allowed = [(value * (float(source.units.sum()) if cap == "max_epochs" else float(budget or 0)), cap)
+               for cap, value in source.spec.caps.items()]
+    return min(allowed, default=(math.inf, None))
+
+
 def weighted_targets(sources: list[SourceRows], left: float, options: MixtureOptions
                      ) -> dict[int, tuple[float, str | None]]:
     """Per weighted source, the units it takes of what the budget leaves (`left`) and the cap that bounds it, if
@@ -130,9 +137,7 @@ def weighted_targets(sources: list[SourceRows], left: float, options: MixtureOpt
     weights of the sources not yet capped share what is still left, until no share passes a cap. Where every
     source is capped, part of the budget stays unfilled (`share_warnings` says so)."""
     free = [i for i, s in enumerate(sources) if s.spec.weight is not None]
-    limit = {i: min(((sources[i].spec.caps[c] * (float(sources[i].units.sum()) if c == "max_epochs"
-                                                  else float(options.budget or 0)), c)
-                     for c in sources[i].spec.caps), default=(math.inf, None)) for i in free}
+    limit = {i: _cap(sources[i], options.budget) for i in free}
     out: dict[int, tuple[float, str | None]] = {}
     while free:
         weights = sum(sources[i].spec.weight for i in free)
