@@ -247,6 +247,11 @@ def serve(port: int) -> None:
     server = uvicorn.Server(uvicorn.Config(SERVER_APP, factory=True, host="127.0.0.1", port=port, log_level="error",
                                            lifespan="on"))
 
+    def end() -> None:
+        server.should_exit = True
+        time.sleep(SHUTDOWN_TIMEOUT)  # a shutdown that hangs is cut short
+        os._exit(0)
+
     def end_when_unused() -> None:
         booted = False
         while not server.should_exit:
@@ -259,9 +264,7 @@ def serve(port: int) -> None:
                 lock = open(lock_path, "a")  # noqa: SIM115 - kept locked until this process is gone, if it ends
             except OSError as error:  # PREFECT_HOME moved or deleted: no run can find this server any more
                 print(f"{lock_path}: {error.strerror}: ending", file=sys.stderr, flush=True)
-                server.should_exit = True
-                time.sleep(SHUTDOWN_TIMEOUT)
-                os._exit(0)
+                end()
             fcntl.flock(lock, fcntl.LOCK_EX)
             if is_locked(lease_path):  # some run holds a lease
                 _in_use(state_path)
@@ -275,10 +278,8 @@ def serve(port: int) -> None:
                     state_path.unlink()
             # The join lock stays held while this server shuts down, so that no run launches another server on
             # the same database meanwhile (it would migrate it while this one still writes to it). The kernel
-            # drops it when this process exits; a shutdown that hangs is cut short.
-            server.should_exit = True
-            time.sleep(SHUTDOWN_TIMEOUT)
-            os._exit(0)
+            # drops it when this process exits.
+            end()
 
     threading.Thread(target=end_when_unused, daemon=True).start()
     server.run()
