@@ -8,10 +8,9 @@ from typing import Any, Literal
 
 import numpy as np
 
-from sft_tokenize.format.layout import is_mixture
-from sft_tokenize.read.cache import open_cache
 from sft_tokenize.read.length_costs import RowTokens, length_costs, mixture_costs, report_of
-from sft_tokenize.read.mixed_rows import open_mixture
+from sft_tokenize.read.mixed_rows import MixedRows
+from sft_tokenize.read.packing_index import open_rows
 
 
 def _truncation(manifest: dict[str, Any]) -> Literal["truncate", "drop"]:
@@ -21,16 +20,14 @@ def _truncation(manifest: dict[str, Any]) -> Literal["truncate", "drop"]:
 
 def cache_costs(path: str, at: Iterable[int] = (), pack: bool = True) -> dict[str, Any]:
     """The lengths report of the published cache or mixture index at `path` (its truncation: the build's)."""
-    if is_mixture(path):
-        mixed = open_mixture(path)
-        truncation = _truncation(mixed.caches[0].manifest)
-        return mixture_costs([c.table for c in mixed.caches], mixed.index.sources, mixed.index.rows,
-                             mixed.index.meta, at, truncation, pack)
-    cache = open_cache(path)
-    truncation = _truncation(cache.manifest)
-    if cache.table is None:
+    rows = open_rows(path)
+    truncation = _truncation(rows.caches[0].manifest)
+    if isinstance(rows, MixedRows):
+        return mixture_costs([c.table for c in rows.caches], rows.index.sources, rows.index.rows, rows.index.meta,
+                             at, truncation, pack)
+    if rows.table is None:
         return report_of(RowTokens(*(np.empty(0, dtype=np.int64),) * 2, {}), [], truncation, pack)
-    return length_costs(cache.table, at, truncation, pack)
+    return length_costs(rows.table, at, truncation, pack)
 
 
 BAR_WIDTH = 40
