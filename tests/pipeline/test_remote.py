@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import threading
-from collections import Counter
-
 import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from support.data import example_rows
 from support.paths import EXAMPLE_DATA, EXAMPLE_TOKENIZER
+from support.s3 import s3_server
 
 from sft_tokenize.build.options import TokenizeOptions
 from sft_tokenize.build.plan import plan_slices
@@ -23,34 +21,13 @@ pytest.importorskip("s3fs", reason="s3fs is in the dev extra")
 
 @pytest.fixture(scope="module")
 def s3(monkeypatch_module):
-    """A moto S3 server in a thread on a free loopback port, counting the object bytes it serves."""
-    from moto.server import DomainDispatcherApplication, create_backend_app
-    from werkzeug.serving import make_server
-
-    served: Counter = Counter()
-    app = DomainDispatcherApplication(create_backend_app)
-
-    def counting(environ, start_response):
-        body = app(environ, start_response)
-        key = environ["PATH_INFO"] if environ["REQUEST_METHOD"] == "GET" else None
-        for chunk in body:
-            if key:
-                served[key] += len(chunk)
-            yield chunk
-
-    server = make_server("127.0.0.1", 0, counting, threaded=True)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    endpoint = f"http://127.0.0.1:{server.server_port}"
-    for name, value in {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
-                        "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint}.items():
-        monkeypatch_module.setenv(name, value)
-    import s3fs
-
-    fs = s3fs.S3FileSystem(endpoint_url=endpoint, skip_instance_cache=True)
-    fs.mkdir("data")
-    yield fs, served
-    server.shutdown()
+    """A moto S3 server (support/s3.py) with a bucket `data`: its filesystem, and the bytes it served by path."""
+    with s3_server() as server:
+        for name, value in server.environment.items():
+            monkeypatch_module.setenv(name, value)
+        fs = server.filesystem()
+        fs.mkdir("data")
+        yield fs, server.served
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,67 @@
+"""A real S3 API on 127.0.0.1 (moto's server, in a thread of the test process) that counts what it is asked:
+GETs' bytes by object path, and requests by method and path. Processes a test starts (CLI runs, Dask workers)
+reach it through `environment`, as a user's do through AWS_* variables."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+
+@dataclass
+class S3Server:
+    endpoint: str
+    served: Counter = field(default_factory=Counter)  # object path → bytes of its GETs' bodies
+    requests: Counter = field(default_factory=Counter)  # (method, path) → requests
+
+    @property
+    def environment(self) -> dict[str, str]:
+        """What a process needs to reach this server with s3fs or boto3."""
+        return {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1",
+                "AWS_ENDPOINT_URL": self.endpoint}
+
+    def filesystem(self):
+        """A new s3fs filesystem on this server (no instance cache: a test sees the objects as they are now)."""
+        import s3fs
+
+        return s3fs.S3FileSystem(endpoint_url=self.endpoint, key="test", secret="test", skip_instance_cache=True)
+
+    def puts(self, prefix: str = "") -> int:
+        """PUT requests (single uploads and multipart parts) to paths under `/prefix`."""
+        return sum(n for (method, path), n in self.requests.items()
+                   if method == "PUT" and path.startswith(f"/{prefix}"))
+
+    def clear(self) -> None:
+        self.served.clear()
+        self.requests.clear()
+
+
+@contextmanager
+def s3_server() -> Iterator[S3Server]:
+    """Start moto's S3 server on a free loopback port; stop it on leaving."""
+    from moto.server import DomainDispatcherApplication, create_backend_app
+    from werkzeug.serving import make_server
+
+    app = DomainDispatcherApplication(create_backend_app)
+    state = S3Server(endpoint="")
+
+    def counting(environ, start_response):
+        method, path = environ["REQUEST_METHOD"], environ["PATH_INFO"]
+        state.requests[method, path] += 1
+        body = app(environ, start_response)
+        for chunk in body:
+            if method == "GET":
+                state.served[path] += len(chunk)
+            yield chunk
+
+    server = make_server("127.0.0.1", 0, counting, threaded=True)
+    state.endpoint = f"http://127.0.0.1:{server.server_port}"
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield state
+    finally:
+        server.shutdown()
