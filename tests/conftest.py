@@ -56,13 +56,19 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 @pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Each test gets the markers of the fixtures it uses, before `-m` selects (the marker plugin's hook runs
-    after this one)."""
+    after this one). Under pytest-xdist (`make test`: -n 2 --dist loadgroup) each module also gets its worker
+    group (lanes.worker_groups), and the long groups are handed out first."""
     for item in items:
         for marker in sorted(lanes.markers_for(item.fixturenames)):
             if item.get_closest_marker(marker) is None:
                 item.add_marker(marker)
+    if config.pluginmanager.has_plugin("xdist") and config.getoption("dist", "no") == "loadgroup":
+        groups = lanes.worker_groups(items)
+        for item in items:
+            item.add_marker(pytest.mark.xdist_group(groups[item.nodeid.split("::")[0]]))
+        items.sort(key=lambda item: lanes.distribution_order(item, groups))
 
 
 @pytest.hookimpl(wrapper=True)

@@ -37,6 +37,11 @@ LANES = {
 # The data plane's lane (`make test-fast`, `pytest --fast`): nothing above.
 FAST_LANE = " and ".join(f"not {marker}" for marker in LANES)
 
+# The fixtures that start one Prefect server for the whole session (the test harness, the CLI runs' server,
+# test_server.py's own): under pytest-xdist every module that uses one runs on the same worker, so the session
+# still starts each of them once.
+SHARED_SERVERS = frozenset({"prefect_harness", "api_url", "server"})
+
 # The test being run (set by tests/conftest.py around each test's setup, call and teardown).
 current: pytest.Item | None = None
 
@@ -65,3 +70,25 @@ def require(marker: str, what: str) -> None:
         givers = sorted(name for name, markers in FIXTURE_MARKERS.items() if marker in markers)
         pytest.fail(f"{what} in a test without the {marker!r} marker: use one of the fixtures that give it "
                     f"({', '.join(givers)}; tests/support/lanes.py)", pytrace=False)
+
+
+def worker_groups(items: list[pytest.Item]) -> dict[str, str]:
+    """module → the pytest-xdist group its tests run in: its own, or "prefect" for every module with a test
+    that uses a shared server. A module stays on one worker, so its module fixtures are made once."""
+    groups: dict[str, str] = {}
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        if SHARED_SERVERS & set(item.fixturenames):
+            groups[module] = "prefect"
+        else:
+            groups.setdefault(module, module)
+    return groups
+
+
+def distribution_order(item: pytest.Item, groups: dict[str, str]) -> int:
+    """Long groups first, so that no long group starts last: the shared servers' group, then modules that run
+    the CLI, clusters or slow work, then the data plane's."""
+    group = groups[item.nodeid.split("::")[0]]
+    if group == "prefect":
+        return 0
+    return 1 if markers_for(item.fixturenames) - {"trainers"} or item.get_closest_marker("slow") else 2
