@@ -35,6 +35,16 @@ import xxhash
 logger = logging.getLogger("sft_tokenize")
 
 HASH_CHUNK_BYTES = 1 << 20
+HOME_ENV = "SFT_TOKENIZE_HOME"
+
+
+def user_cache() -> Path:
+    """This user's sft-tokenize directory, for what any process of this user may reuse (prepared tokenizers,
+    local copies of remote caches): $SFT_TOKENIZE_HOME, else $XDG_CACHE_HOME/sft-tokenize, else
+    ~/.cache/sft-tokenize."""
+    if os.environ.get(HOME_ENV):
+        return Path(os.environ[HOME_ENV]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "sft-tokenize"
 
 
 @contextlib.contextmanager

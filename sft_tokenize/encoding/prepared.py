@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 from dataclasses import dataclass, field, replace
 from importlib import metadata
@@ -36,13 +35,12 @@ from typing import Any
 import numpy as np
 
 from sft_tokenize.encoding.exact import FastEncoder, check_encoder, log_refusal, rebuilt_encoder
-from sft_tokenize.files import atomic_path, atomic_write
+from sft_tokenize.files import atomic_path, atomic_write, user_cache
 from sft_tokenize.fingerprint import fingerprint
 
 logger = logging.getLogger("sft_tokenize")
 
 PREPARED_VERSION = 1  # bumped whenever what an entry holds, or how it is read, changes
-HOME_ENV = "SFT_TOKENIZE_HOME"
 
 
 @dataclass(frozen=True)
@@ -105,13 +103,6 @@ def _version(package: str) -> str | None:
         return metadata.version(package)
     except metadata.PackageNotFoundError:
         return None
-
-
-def user_cache() -> Path:
-    """This user's sft-tokenize cache directory (see the module docstring)."""
-    if os.environ.get(HOME_ENV):
-        return Path(os.environ[HOME_ENV]).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "sft-tokenize"
 
 
 def prepared_dir(tokenizer_files: dict[str, str], trust_remote_code: bool) -> Path:

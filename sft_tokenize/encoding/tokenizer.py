@@ -55,7 +55,7 @@ def saved_pretrained(loaded: Any, what: str = "tokenizer") -> Path:
     the hash of their content (`saved/<sha256>/`): the same tokenizer, loaded twice, is one directory, so a run
     given the object is keyed by its files as a run given a path is, and an edited one (a new chat template)
     is another directory. Recomputable, so nothing is fsynced."""
-    from sft_tokenize.encoding.prepared import user_cache
+    from sft_tokenize.files import user_cache
 
     root = user_cache() / "saved"
     root.mkdir(parents=True, exist_ok=True)

@@ -6,7 +6,7 @@ server_state.py's docstring for the protocol, docs/performance.md for the figure
 A new PREFECT_HOME's database starts as a copy. Creating and migrating Prefect's SQLite database (about a hundred
 Alembic migrations) and registering its block types takes ~11 s on two busy cores, and every fresh PREFECT_HOME
 paid it. The first server on the machine to create one snapshots it, migrated and registered but before it has
-served anything, into this user's cache (prepared.py's `user_cache()`):
+served anything, into this user's cache (files.py's `user_cache()`):
 
     <user cache>/prefect-databases/prefect-<version>-<key>/
         prefect.db       the snapshot (SQLite's backup API: one consistent file)
@@ -94,7 +94,7 @@ def _boot_facts() -> dict | None:
 
 def template_dir() -> Path:
     """Where this Prefect's database template is kept (see the module docstring)."""
-    from sft_tokenize.encoding.prepared import user_cache
+    from sft_tokenize.files import user_cache
     from sft_tokenize.fingerprint import fingerprint
 
     this = _this_prefect()

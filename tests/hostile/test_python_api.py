@@ -15,7 +15,7 @@ from sft_tokenize import BadInput, tokenize
 from sft_tokenize.build.options import TokenizeOptions
 from sft_tokenize.build.plan import plan_slices
 from sft_tokenize.build.protocol import run_locally
-from sft_tokenize.encoding.prepared import user_cache
+from sft_tokenize.files import user_cache
 
 
 @pytest.fixture
