@@ -45,13 +45,15 @@ _API = {
     "for_trl": "sft_tokenize.read.trainers",
     "for_axolotl": "sft_tokenize.read.trainers",
     "work_view": "sft_tokenize.read.trainers",
+    "materialize": "sft_tokenize.read.remote_cache",
     "ImageCollator": "sft_tokenize.read.image_collator",
     "BadInput": "sft_tokenize.errors",
     "CacheError": "sft_tokenize.errors",
 }
 __all__ = ["BadInput", "CacheError", "ImageCollator", "MixtureOptions", "MixtureSource", "PackOptions", "PackedSampler",
-           "PackedSequences", "TokenizedCache", "for_axolotl", "for_trl", "mix_caches", "mixture_dataset",
-           "open_cache", "open_mixture", "pack_cache", "packed_sequences", "read_manifest", "tokenize", "work_view"]
+           "PackedSequences", "TokenizedCache", "for_axolotl", "for_trl", "materialize", "mix_caches",
+           "mixture_dataset", "open_cache", "open_mixture", "pack_cache", "packed_sequences", "read_manifest",
+           "tokenize", "work_view"]
 
 if TYPE_CHECKING:
     from sft_tokenize.errors import BadInput, CacheError
@@ -64,6 +66,7 @@ if TYPE_CHECKING:
     from sft_tokenize.read.mixture_options import MixtureOptions, MixtureSource
     from sft_tokenize.read.packed_sequences import PackedSampler, PackedSequences, packed_sequences
     from sft_tokenize.read.packing_index import PackOptions, pack_cache
+    from sft_tokenize.read.remote_cache import materialize
     from sft_tokenize.read.trainers import for_axolotl, for_trl, mixture_dataset, work_view
 
 

@@ -7,6 +7,9 @@
       .packing/<cache>/<key>/        PACKING: PACKING_INDEX, INDEX_BUILD and the index's arrays
       .mixtures/<key>/               MIXTURES: MIXTURE_INDEX, INDEX_BUILD and the index's arrays
       .prefect-results/              PREFECT_RESULTS: the Prefect layer's task results, by slice key
+
+    USER_CACHE/remote/<root>-<hash>/  REMOTE_COPIES: a remote cache root's local copy (read/remote_cache.py), laid out
+                                      as a cache root: .shards/<key>.arrow, <name>-<fingerprint>/, .staging/
 """
 
 from __future__ import annotations
@@ -43,6 +46,9 @@ SET_ASIDE_SUFFIX = ".corrupt"  # a published cache found damaged, moved aside wh
 PACKING_INDEX = "index.json"
 MIXTURE_INDEX = "mixture.json"
 INDEX_BUILD = "build.json"  # how the index was built: seconds, tool version
+
+# In the user's sft-tokenize home (files.user_cache): the local copies of remote cache roots, one directory each
+REMOTE_COPIES = "remote"
 
 DELETING = ".deleting"  # `.<version>.deleting-<tag>`: a version being removed, renamed out of the way first
 BUILDING_SUFFIX, STALE_SUFFIX = ".building", ".stale"  # hidden, beside an index's directory: its new and old copy

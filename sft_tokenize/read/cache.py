@@ -3,6 +3,7 @@
     cache = open_cache("/data/cache/ultrachat-3f2a9c1d0b7e4f65")
     len(cache), cache[0]["input_ids"], cache.lengths   # lengths from the Arrow list offsets
     cache.packed(4096, data_parallel=8)                 # packed sequences over a global packing index
+    open_cache("s3://bucket/caches/ultrachat-3f2a9c1d0b7e4f65")   # copied to this machine once, then the same
 
 The cache pickles as its path, so every dataloader worker maps the same files instead of copying rows.
 See FORMAT.md for the layout.
@@ -28,6 +29,7 @@ from sft_tokenize.errors import CacheError
 from sft_tokenize.files import file_digest
 from sft_tokenize.format.layout import SHARD_STORE, SIDECAR_SUFFIX
 from sft_tokenize.format.manifest import read_manifest
+from sft_tokenize.read.remote_cache import cache_location
 
 LENGTH_CHUNK_ROWS = 1 << 20
 
@@ -99,12 +101,17 @@ class TokenizedCache(Sequence):
         return f"TokenizedCache({str(self.path)!r}, rows={len(self)})"
 
 
-def open_cache(path: str | Path) -> TokenizedCache:
+def open_cache(path: str | Path, local_dir: str | Path | None = None,
+               storage_options: dict | None = None) -> TokenizedCache:
     """The published cache at `path`, memory-mapped. Refused (CacheError naming the file) if its manifest or
     state.json is missing or incomplete, if a data file is missing, has another size than the manifest says or
     is not readable Arrow, or if the row count differs. The data files' bytes are not read: for that, see
-    `verify_cache`."""
-    return TokenizedCache(path)
+    `verify_cache`.
+
+    `path` may be a version's URL on object storage (`s3://bucket/root/<name>-<fingerprint>`): it is copied into
+    `local_dir` first, once per machine, its shards checked against their digests (remote_cache.materialize,
+    which `storage_options` are for), and the local copy is opened."""
+    return TokenizedCache(cache_location(path, local_dir, storage_options))
 
 
 def _recorded_digest(path: Path, manifest: dict, k: int) -> str | None:

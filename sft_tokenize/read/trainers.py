@@ -26,6 +26,7 @@ from sft_tokenize.format.layout import DATASET_INFO, STATE, is_mixture
 from sft_tokenize.format.manifest import read_manifest
 from sft_tokenize.read.layouts import LAYOUTS
 from sft_tokenize.read.mixed_rows import open_mixture
+from sft_tokenize.read.remote_cache import cache_location
 
 VIEW_METADATA = (STATE, DATASET_INFO)
 
@@ -75,7 +76,8 @@ def mixture_dataset(path: str | Path, work_dir: str | Path | None = None):
     return concatenate_datasets(views).select(starts[np.asarray(mixed.index.sources)] + np.asarray(mixed.index.rows))
 
 
-def for_trl(path: str | Path, work_dir: str | Path | None = None):
+def for_trl(path: str | Path, work_dir: str | Path | None = None, local_dir: str | Path | None = None,
+            storage_options: dict | None = None):
     """The cache (or a mixture index's rows) as the `datasets.Dataset` to give TRL's `SFTTrainer` as
     `train_dataset`.
 
@@ -83,9 +85,10 @@ def for_trl(path: str | Path, work_dir: str | Path | None = None):
     whatever `completion_only_loss` or `assistant_only_loss` say. A skyrl cache's `loss_mask` is renamed
     `assistant_masks` (a metadata change), the one mask column SFTTrainer always turns into labels.
     Whatever SFTTrainer maps (labels, truncation to `max_length`, packing) is written under the work view,
-    never into the cache."""
+    never into the cache. A version's URL on object storage is copied into `local_dir` first (see open_cache)."""
     from datasets import load_from_disk
 
+    path = cache_location(path, local_dir, storage_options)
     # a mixture index is the rows of several caches
     dataset = mixture_dataset(path, work_dir) if is_mixture(path) else load_from_disk(str(work_view(path, work_dir)))
     if "labels" not in dataset.column_names:
@@ -93,9 +96,12 @@ def for_trl(path: str | Path, work_dir: str | Path | None = None):
     return dataset
 
 
-def for_axolotl(path: str | Path, work_dir: str | Path | None = None) -> Path:
+def for_axolotl(path: str | Path, work_dir: str | Path | None = None, local_dir: str | Path | None = None,
+                storage_options: dict | None = None) -> Path:
     """The directory to name as a dataset's `path:` in an axolotl config (`ds_type` unset): the work view
-    of an axolotl-layout cache, so axolotl's own preprocessing maps write beside it, not into the cache."""
+    of an axolotl-layout cache, so axolotl's own preprocessing maps write beside it, not into the cache. A
+    version's URL on object storage is copied into `local_dir` first (see open_cache)."""
+    path = cache_location(path, local_dir, storage_options)
     columns = read_manifest(path)["columns"]
     if columns != list(LAYOUTS["axolotl"]):
         raise CacheError(f"{path}: its columns are {', '.join(columns)}; axolotl needs exactly input_ids, "
