@@ -23,6 +23,7 @@ from sft_tokenize.flags import (
     flag_default,
     flag_names,
     help_text,
+    json_object,
     positive_int,
     shown_default,
 )
@@ -70,11 +71,21 @@ class RunCommand(BaseModel):
         False, description="Prefect run logs with tracebacks")
 
 
+# How a reader's command reaches a cache on object storage: one declaration, for each command that takes a URL.
+ReadStorageOptions = Annotated[dict, Flag(FLAGS, metavar="JSON", parse=json_object)]
+READ_STORAGE_OPTIONS = Field(
+    default_factory=dict, description='fsspec options for a cache URL\'s filesystem, a JSON object (e.g. \'{"profile": '
+                                      '"training"}\'); credentials are better taken from the environment (AWS_* '
+                                      "variables, a profile)")
+
+
 class InspectCommand(BaseModel):
     """`sft-tokenize inspect`'s flags."""
 
     cache: Annotated[str, Flag(FLAGS, metavar="CACHE_OR_MIXTURE", positional=True)] = Field(
-        description="a published cache directory, or a mixture index")
+        description="a published cache directory, a mixture index, or a cache version's URL on object storage (its "
+                    "summary is read from the remote manifest; --lengths, --row, --sample and --verify copy it to "
+                    "this machine first, as `pull` does to its default directory)")
     as_json: Annotated[bool, Flag(FLAGS, flag="--json")] = Field(
         False, description="print the whole manifest (with --lengths, the lengths report) as JSON")
     lengths: Annotated[bool, Flag(FLAGS)] = Field(
@@ -95,6 +106,19 @@ class InspectCommand(BaseModel):
     verify: Annotated[bool, Flag(FLAGS)] = Field(
         False, description="read every data file whole and compare it with the digest recorded when it was written "
                            "(without it, only the files' sizes are checked)")
+    storage_options: ReadStorageOptions = READ_STORAGE_OPTIONS
+
+
+class PullCommand(BaseModel):
+    """`sft-tokenize pull`'s flags."""
+
+    url: Annotated[str, Flag(FLAGS, metavar="URL", positional=True)] = Field(
+        description="a cache version's URL on object storage, `ROOT/<name>-<fingerprint>` (what `sft-tokenize run "
+                    "--cache-dir ROOT` prints)")
+    local_dir: Annotated[str, Flag(FLAGS, metavar="DIR", positional=True)] = Field(
+        description="the local cache root to copy it into: the version becomes `DIR/<name>-<fingerprint>`, its "
+                    "shards `DIR/.shards/<key>.arrow` (shared with the other versions pulled there)")
+    storage_options: ReadStorageOptions = READ_STORAGE_OPTIONS
 
 
 class PackCommand(PackOptions):
@@ -123,6 +147,7 @@ COMMANDS: dict[tuple[str, ...], tuple[type[BaseModel], ...]] = {
     ("run",): (TokenizeRun, RunCommand),
     ("inspect",): (InspectCommand,),
     ("pack",): (PackCommand,),
+    ("pull",): (PullCommand,),
     ("gc",): (GcCommand,),
     ("server", "stop"): (ServerStopCommand,),
 }
@@ -192,6 +217,9 @@ SIMPLE_COMMANDS = {
                 "source, what was asked and achieved."),
     "pack": ("plan packed sequences over a whole cache (a global packing index)",
              "Build the global packing index of a published cache beside it; prints the index path as the last line."),
+    "pull": ("copy a cache version from object storage to a local directory",
+             "Copy a cache version from object storage into a local cache root, each shard once and checked against "
+             "its digest; prints the local cache's path as the last line (datasets.load_from_disk opens it)."),
     "gc": ("remove old versions and the shards no cache or running build uses",
            "Keep the newest N versions of each cache name; remove the others and every stored shard that no kept "
            "version and no running build uses."),

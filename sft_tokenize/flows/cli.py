@@ -5,6 +5,7 @@
     sft-tokenize inspect /data/cache/data-3f2a9c1d0b7e4f65 [--json]
     sft-tokenize pack /data/cache/data-3f2a9c1d0b7e4f65 --length 4096 --data-parallel 8
     sft-tokenize gc /data/cache [--keep N]
+    sft-tokenize pull s3://bucket/caches/data-3f2a9c1d0b7e4f65 /data/local-caches
     sft-tokenize server status|stop [--force]
 
 stdout carries only the result (the cache path or the packing index path as its last line, or the inspect
@@ -82,7 +83,15 @@ def inspect(args: argparse.Namespace) -> int:
     from sft_tokenize.read.cache import read_manifest, verify_cache
     from sft_tokenize.read.mixture_index import check_sources, load_mixture
     from sft_tokenize.read.packing_index import list_indexes
+    from sft_tokenize.read.remote_cache import is_remote, materialize, remote_manifest
 
+    if is_remote(args.cache):
+        if not (args.lengths or args.row or args.sample or args.verify):  # the manifest says it all: no download
+            manifest = remote_manifest(args.cache, args.storage_options)
+            print(json.dumps(manifest, indent=2) if args.as_json
+                  else text_table(summary(manifest, args.cache.rstrip("/")) + fingerprint_inputs(manifest)))
+            return EXIT_OK
+        args.cache = str(materialize(args.cache, storage_options=args.storage_options))
     if args.lengths:
         return show_lengths(args)
     if is_mixture(args.cache):  # a mixture index: its per-source summary
@@ -111,6 +120,17 @@ def inspect(args: argparse.Namespace) -> int:
         print(text_table(summary(manifest, os.path.abspath(args.cache)) + verified + fingerprint_inputs(manifest)))
         for index in indexes:
             print("\n" + text_table(packing_summary(index.meta, index.build, index.path)))
+    return EXIT_OK
+
+
+def pull(args: argparse.Namespace) -> int:
+    """`pull URL DIR`: a remote cache version copied into the local cache root DIR; prints its local path."""
+    from sft_tokenize.read.remote_cache import is_remote, materialize
+
+    if not is_remote(args.url):
+        raise BadInput(f"{args.url}: not a URL of object storage (s3://, gs://, …): a local cache is opened where "
+                       "it is")
+    print(materialize(args.url, args.local_dir, args.storage_options))
     return EXIT_OK
 
 
@@ -199,7 +219,7 @@ def server(args: argparse.Namespace) -> int:
 
 
 SUBCOMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "run": run, "inspect": inspect, "pack": pack, "gc": gc, "server": server}
+    "run": run, "inspect": inspect, "pack": pack, "pull": pull, "gc": gc, "server": server}
 
 
 def _interrupted(interrupt: BaseException, args: argparse.Namespace | None) -> str:
