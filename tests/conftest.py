@@ -26,6 +26,7 @@ from support.families import (
     build_metaspace_tokenizer,
     build_modern_tokenizer,
 )
+from support.remote_caches import RemoteCache, publish_remote
 from support.runs import Background
 from support.servers import prefect_server
 
@@ -118,6 +119,22 @@ def example_cache(tmp_path_factory) -> Path:
 
     root = tmp_path_factory.mktemp("example") / "cache"
     return Path(run_locally(TokenizeOptions(**EXAMPLE_SLICES, cache_dir=str(root))))
+
+
+@pytest.fixture(scope="module")
+def remote_example(example_cache) -> Iterator[RemoteCache]:
+    """The example cache published on a real S3 API (moto, support/s3.py) as a run to `s3://caches/sft` lays it
+    out (support/remote_caches.py): one server per module, whose AWS_* variables this process has meanwhile."""
+    pytest.importorskip("moto.server", reason="moto[server] is in the dev extra")
+    pytest.importorskip("s3fs", reason="s3fs is in the dev extra")
+    from support.s3 import s3_server
+
+    with s3_server() as server, pytest.MonkeyPatch.context() as patch:
+        for name, value in server.environment.items():
+            patch.setenv(name, value)
+        fs = server.filesystem()
+        fs.mkdir("caches")
+        yield RemoteCache(server, fs, "s3://" + publish_remote(fs, example_cache, "caches/sft"))
 
 
 @pytest.fixture(scope="session")

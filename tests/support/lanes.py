@@ -25,6 +25,7 @@ FIXTURE_MARKERS: dict[str, tuple[str, ...]] = {
     "dask_cluster": ("cluster",),
     "bench": ("cli", "server", "slow"),  # benchmarks/ scripts: CLI runs on embedded servers
     "wheel": ("slow",),  # builds the project's wheel
+    "remote_example": ("slow",),  # an S3 server (moto) holding the example cache
     "trainers_extra": ("trainers",),  # CPU torch, trl (every test under tests/trainers/ uses it)
 }
 LANES = {
