@@ -151,6 +151,16 @@ def test_trl_builds_labels_from_a_skyrl_cache_outside_it(caches, mask_of, tokeni
     assert list((tmp_path / "view").glob("cache-*.arrow")), "TRL's labels map should have been cached in the view"
 
 
+def test_trl_trains_on_a_cache_read_from_a_bucket(remote_example, example_cache, tokenizer, tmp_path):
+    """for_trl(url): the version is copied to this machine (local_dir), and SFTTrainer trains on its rows."""
+    local = open_cache(example_cache)
+    mask_of = {tuple(local[i]["input_ids"].tolist()): local[i]["loss_mask"] for i in range(len(local))}
+    dataset = for_trl(remote_example.url, tmp_path / "view", local_dir=tmp_path / "local")
+    assert len(dataset) == len(local)
+    check_trl_batches(train_trl(dataset, tokenizer, tmp_path / "out", max_length=None), mask_of)
+    assert (tmp_path / "local" / example_cache.name / "manifest.json").is_file()
+
+
 def test_trl_trains_on_a_mixture_of_two_caches_and_leaves_them_alone(caches, mask_of, tokenizer, tmp_path):
     from sft_tokenize.read.mixture_index import mix_caches
     from sft_tokenize.read.mixture_options import MixtureOptions, MixtureSource
