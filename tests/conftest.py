@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -123,18 +124,24 @@ def example_cache(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def remote_example(example_cache) -> Iterator[RemoteCache]:
-    """The example cache published on a real S3 API (moto, support/s3.py) as a run to `s3://caches/sft` lays it
+    """The example cache published on a real S3 API (moto, support/s3.py) as a run to `s3://BUCKET/sft` lays it
     out (support/remote_caches.py): one server per module, whose AWS_* variables this process has meanwhile."""
     pytest.importorskip("moto.server", reason="moto[server] is in the dev extra")
     pytest.importorskip("s3fs", reason="s3fs is in the dev extra")
+    from s3fs import S3FileSystem
     from support.s3 import s3_server
 
+    # fsspec keeps s3fs instances by their options, not by the endpoint the environment names: none made for
+    # another module's server may serve this one, nor one made here the next module's
+    S3FileSystem.clear_instance_cache()
     with s3_server() as server, pytest.MonkeyPatch.context() as patch:
         for name, value in server.environment.items():
             patch.setenv(name, value)
         fs = server.filesystem()
-        fs.mkdir("caches")
-        yield RemoteCache(server, fs, "s3://" + publish_remote(fs, example_cache, "caches/sft"))
+        bucket = f"caches-{uuid.uuid4().hex[:8]}"  # moto's buckets outlive its server: one of this module's own
+        fs.mkdir(bucket)
+        yield RemoteCache(server, fs, "s3://" + publish_remote(fs, example_cache, f"{bucket}/sft"), bucket)
+    S3FileSystem.clear_instance_cache()
 
 
 @pytest.fixture(scope="session")

@@ -64,7 +64,7 @@ def test_two_processes_on_one_node_download_each_shard_once(remote_example, tmp_
     paths = {out.strip() for out, _ in outputs}
     assert len(paths) == 1
     path = Path(paths.pop())
-    assert path.parent.parent == home / REMOTE_COPIES and path.parent.name.startswith("caches-sft-")
+    assert path.parent.parent == home / REMOTE_COPIES and path.parent.name.startswith(f"{remote_example.bucket}-sft-")
     shards = shard_paths(remote_example)
     assert len(shards) == 4
     for object_path, size in shards.items():
@@ -74,9 +74,9 @@ def test_two_processes_on_one_node_download_each_shard_once(remote_example, tmp_
 
 def test_a_corrupt_shard_object_is_refused_by_name_and_nothing_is_published(remote_example, example_cache, tmp_path):
     fs = remote_example.fs
-    version = publish_remote(fs, example_cache, "caches/damaged")
+    version = publish_remote(fs, example_cache, f"{remote_example.bucket}/damaged")
     manifest = json.loads(fs.cat_file(f"{version}/{MANIFEST}"))
-    bad = f"caches/damaged/{SHARD_STORE}/{manifest['files'][2]['key']}.arrow"
+    bad = f"{remote_example.bucket}/damaged/{SHARD_STORE}/{manifest['files'][2]['key']}.arrow"
     data = bytearray(fs.cat_file(bad))
     data[len(data) // 2] ^= 0xFF  # same size, other bytes: only the digest can tell
     fs.pipe_file(bad, bytes(data))
@@ -113,9 +113,10 @@ def test_pull_says_what_failed_in_one_line(remote_example, example_cache, tmp_pa
 
     version = example_cache.name
     cases = [(f"s3://no-such-bucket/sft/{version}", "no such bucket 'no-such-bucket'"),
-             ("s3://caches/sft/data-0123456789abcdef", "no published version there (manifest.json is missing"),
-             ("s3://caches", "not a cache version's URL"),
-             (f"nosuch://caches/sft/{version}", "not a usable URL"),
+             (f"s3://{remote_example.bucket}/sft/data-0123456789abcdef",
+              "no published version there (manifest.json is missing"),
+             (f"s3://{remote_example.bucket}", "not a cache version's URL"),
+             (f"nosuch://{remote_example.bucket}/sft/{version}", "not a usable URL"),
              (remote_example.url, "access denied")]  # last: the server checks credentials from then on
     for url, said in cases:
         if said == "access denied":  # moto's IAM check, which knows no key "test"

@@ -19,6 +19,7 @@ class RemoteCache:
     server: Any  # support.s3.S3Server
     fs: Any
     url: str
+    bucket: str
 
 
 def publish_remote(fs, cache: Path, root: str) -> str:
