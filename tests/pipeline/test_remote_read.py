@@ -4,9 +4,10 @@ machine, checked against its manifest's digests, and the same rows as the local 
 from __future__ import annotations
 
 import json
-import os
+import select
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import datasets
@@ -15,9 +16,11 @@ from support.cli import cli
 from support.remote_caches import publish_remote
 
 from sft_tokenize.errors import CacheError
+from sft_tokenize.files import locked
 from sft_tokenize.flows.cli import main
-from sft_tokenize.format.layout import MANIFEST, REMOTE_COPIES, SHARD_STORE, STAGING
+from sft_tokenize.format.layout import LOCK_SUFFIX, MANIFEST, REMOTE_COPIES, SHARD_STORE, STAGING
 from sft_tokenize.read.cache import open_cache
+from sft_tokenize.read.remote_cache import default_local_dir, split_version
 
 
 def shard_paths(remote) -> dict[str, int]:
@@ -53,18 +56,35 @@ print(open_cache(sys.argv[1]).path)
 """
 
 
-def test_two_processes_on_one_node_download_each_shard_once(remote_example, tmp_path):
+def waited(process: subprocess.Popen, seconds: float = 60) -> str:
+    """The line on `process`'s stderr that says it waits for another copy (failing after `seconds`)."""
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0 and select.select([process.stderr], [], [], left)[0]:
+        line = process.stderr.readline()
+        if "another process is copying" in line or not line:
+            return line
+    raise AssertionError(f"process {process.pid} never said it waits")
+
+
+def test_two_processes_on_one_node_download_each_shard_once(remote_example, tmp_path, monkeypatch):
+    """Both start while the version's lock is held, so both are there at once: one copies, the other waits for
+    it and then downloads nothing."""
     home = tmp_path / "home"
-    env = {**os.environ, "SFT_TOKENIZE_HOME": str(home)}
+    monkeypatch.setenv("SFT_TOKENIZE_HOME", str(home))
+    root, version = split_version(remote_example.url)
     remote_example.server.clear()
-    processes = [subprocess.Popen([sys.executable, "-c", OPEN_AT_ONCE, remote_example.url], env=env, text=True,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
+    with locked(default_local_dir(root) / STAGING / f"{version}{LOCK_SUFFIX}"):
+        processes = [subprocess.Popen([sys.executable, "-c", OPEN_AT_ONCE, remote_example.url], text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
+        for process in processes:
+            assert remote_example.url in waited(process)
     outputs = [p.communicate(timeout=120) for p in processes]
     assert [p.returncode for p in processes] == [0, 0], outputs
     paths = {out.strip() for out, _ in outputs}
     assert len(paths) == 1
     path = Path(paths.pop())
     assert path.parent.parent == home / REMOTE_COPIES and path.parent.name.startswith(f"{remote_example.bucket}-sft-")
+    assert remote_example.server.requests["GET", f"/{remote_example.url[len('s3://'):]}/{MANIFEST}"] == 1
     shards = shard_paths(remote_example)
     assert len(shards) == 4
     for object_path, size in shards.items():
@@ -90,7 +110,7 @@ def test_a_corrupt_shard_object_is_refused_by_name_and_nothing_is_published(remo
     assert not list((local / STAGING).iterdir())
 
 
-def test_pull_makes_a_directory_load_from_disk_opens_and_says_what_failed_in_one_line(
+def test_pull_makes_a_directory_load_from_disk_opens_and_inspect_reads_the_manifest_alone(
         remote_example, example_cache, cli_home, tmp_path):
     env = remote_example.server.environment
     done = cli("pull", remote_example.url, str(tmp_path / "pulled"), home=cli_home, env=env)
@@ -105,7 +125,6 @@ def test_pull_makes_a_directory_load_from_disk_opens_and_says_what_failed_in_one
     assert shown.returncode == 0, shown.stderr
     assert remote_example.url in shown.stdout and "240" in shown.stdout
     assert not any(SHARD_STORE in path for _, path in remote_example.server.requests)
-
 
 
 def test_pull_says_what_failed_in_one_line(remote_example, example_cache, tmp_path, capsys, monkeypatch):
