@@ -16,7 +16,8 @@ example: $(BIN)/python
 	$(BIN)/pip install -q -e .
 	$(BIN)/sft-tokenize run examples/data --tokenizer examples/tokenizer --cache-dir $(EXAMPLE_CACHE)
 
-# Install with the dev, trainers and fast extras, then run the whole suite (tests start and stop the services they need).
+# Install with the dev, trainers and fast extras, then run the whole suite on three workers (docs/architecture.md,
+# "The tests' lanes"); tests start and stop the services they need.
 # pytest's exit code 5 (no test collected) fails like any other non-zero code.
 # torch is installed first at the pinned version, which picks the CPU build where the index or find-links offer
 # it (TORCH_INDEX=https://download.pytorch.org/whl/cpu elsewhere), then the trainers extra, whose range it meets.
@@ -31,7 +32,7 @@ test: $(BIN)/python
 	$(BIN)/pip install -q --no-deps '$(AXOLOTL)'
 	$(BIN)/ruff check .
 	$(MAKE) docs
-	$(BIN)/python -m pytest --junitxml=.cache/pytest-junit.xml
+	$(BIN)/python -m pytest -n 3 --dist loadgroup --junitxml=.cache/pytest-junit.xml
 
 # The data plane's lane, for a change in progress: no Prefect server or harness, no cluster, no CLI subprocess, no
 # trainers, nothing slow (under 2 minutes on 2 cores). A test's lane comes from the fixtures it uses

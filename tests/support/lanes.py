@@ -38,10 +38,9 @@ LANES = {
 # The data plane's lane (`make test-fast`, `pytest --fast`): nothing above.
 FAST_LANE = " and ".join(f"not {marker}" for marker in LANES)
 
-# The fixtures that start one Prefect server for the whole session (the test harness, the CLI runs' server,
-# test_server.py's own): under pytest-xdist every module that uses one runs on the same worker, so the session
-# still starts each of them once.
-SHARED_SERVERS = frozenset({"prefect_harness", "api_url", "server"})
+# The fixtures that start one Prefect server for the whole session (the test harness, the CLI runs' server): under
+# pytest-xdist every module that uses one runs on the same worker, so the session still starts each of them once.
+SHARED_SERVERS = frozenset({"prefect_harness", "api_url"})
 
 # The test being run (set by tests/conftest.py around each test's setup, call and teardown).
 current: pytest.Item | None = None
@@ -74,22 +73,26 @@ def require(marker: str, what: str) -> None:
 
 
 def worker_groups(items: list[pytest.Item]) -> dict[str, str]:
-    """module → the pytest-xdist group its tests run in: its own, or "prefect" for every module with a test
-    that uses a shared server. A module stays on one worker, so its module fixtures are made once."""
-    groups: dict[str, str] = {}
+    """module → the pytest-xdist group its tests run in: the module itself, joined with every other module that
+    uses one of the same shared servers (SHARED_SERVERS). A module stays on one worker, so its module fixtures
+    are made once."""
+    group: dict[str, str] = {}  # module or server fixture → a member of its group (union-find)
+
+    def find(name: str) -> str:
+        while group.setdefault(name, name) != name:
+            name = group[name]
+        return name
+
     for item in items:
         module = item.nodeid.split("::")[0]
-        if SHARED_SERVERS & set(item.fixturenames):
-            groups[module] = "prefect"
-        else:
-            groups.setdefault(module, module)
-    return groups
+        for server in SHARED_SERVERS & set(item.fixturenames):
+            group[find(module)] = find(server)
+    return {module: find(module) for module in {item.nodeid.split("::")[0] for item in items}}
 
 
 def distribution_order(item: pytest.Item, groups: dict[str, str]) -> int:
-    """Long groups first, so that no long group starts last: the shared servers' group, then modules that run
+    """Long groups first, so that no long group starts last: those that share a server, then modules that run
     the CLI, clusters or slow work, then the data plane's."""
-    group = groups[item.nodeid.split("::")[0]]
-    if group == "prefect":
+    if groups[item.nodeid.split("::")[0]] in SHARED_SERVERS:
         return 0
     return 1 if markers_for(item.fixturenames) - {"trainers"} or item.get_closest_marker("slow") else 2
