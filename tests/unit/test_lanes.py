@@ -85,3 +85,23 @@ def test_outside_the_fast_lane_a_cli_run_needs_a_fixture_that_says_so(tmp_path):
     assert done.returncode == 1, done.stdout[-3000:]
     assert "`sft-tokenize --help` in a subprocess in a test without the 'cli' marker: use one of the fixtures " \
            "that give it (" in done.stdout
+
+
+def test_modules_that_share_a_server_share_a_worker_and_go_first():
+    """Under pytest-xdist: the harness's modules and api_url's are one group (a module using both joins them),
+    any other module is a group of its own, and the shared group is handed out first."""
+    from types import SimpleNamespace
+
+    def item(module: str, *fixtures: str):
+        return SimpleNamespace(nodeid=f"{module}::t", fixturenames=["tmp_path", *fixtures],
+                               get_closest_marker=lambda name: None)
+
+    items = [item("a.py", "prefect_harness"), item("b.py", "api_url"), item("c.py", "cli_home"),
+             item("d.py"), item("e.py", "api_url", "prefect_harness"), item("a.py")]
+    groups = lanes.worker_groups(items)
+    assert groups["a.py"] == groups["b.py"] == groups["e.py"] in lanes.SHARED_SERVERS
+    assert groups["c.py"] == "c.py" and groups["d.py"] == "d.py"
+    assert [lanes.distribution_order(i, groups) for i in items] == [0, 0, 1, 2, 0, 0]
+    # without the module that uses both, the two servers' modules are two groups (two workers may take them)
+    apart = lanes.worker_groups(items[:4])
+    assert apart["a.py"] != apart["b.py"]
