@@ -22,8 +22,9 @@ from sft_tokenize.build.options import (
     TrainOn,
     Truncation,
 )
+from sft_tokenize.build.remote_root import working_dir
 from sft_tokenize.files import REMOTE_TIMEOUT
-from sft_tokenize.format.layout import DIGEST_BOOK
+from sft_tokenize.format.layout import DIGEST_BOOK, SHARD_STORE, SHARD_SUFFIX
 from sft_tokenize.read.layouts import COLUMN_TYPES, Layout, layout_columns
 from sft_tokenize.sources.conversations import ColumnMap
 from sft_tokenize.sources.resolve import Slice
@@ -33,13 +34,22 @@ class _JobPaths:
     """Where a job's files are."""
 
     store: str
+    remote_root: str
+
+    @property
+    def local_store(self) -> Path:
+        """Where this process writes shards: the store itself, or with a remote root this process's own working
+        store, derived here (never a path the flow's machine computed: a worker has its own disk)."""
+        if self.remote_root:
+            return working_dir(self.remote_root) / SHARD_STORE
+        return Path(self.store)
 
     def shard_path(self, slice_: Slice) -> Path:
-        return Path(self.store) / f"{slice_.key}.arrow"
+        return self.local_store / f"{slice_.key}{SHARD_SUFFIX}"
 
     @property
     def digest_book(self) -> Path:
-        return Path(self.store) / DIGEST_BOOK
+        return self.local_store / DIGEST_BOOK
 
 
 @dataclass(frozen=True)
@@ -83,6 +93,9 @@ class Job(_JobPaths):
     prepared: str = ""
     # the processor's configuration as JSON text (image rows, encoding/vision.py); empty: no processor
     processor_config: str = ""
+    # the URL of a remote cache root (remote_root.py); empty: a local root. Then `store` is its store's URL, and
+    # each process writes its shards into its own working store (local_store) before uploading them
+    remote_root: str = ""
 
 
 def features(extra_columns: tuple[str, ...] = (), layout: str = "skyrl", images: bool = False):

@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
+from sft_tokenize.build.remote_root import remote_url, split_url, working_dir
 from sft_tokenize.files import IMAGE_ACCESS, REMOTE_TIMEOUT
 from sft_tokenize.flags import Flag, json_object, positive_int, positive_seconds, role_column
 from sft_tokenize.flags import declared as declared_in
@@ -118,7 +119,9 @@ class TokenizeOptions(BaseModel):
                                            hashed_when_set=True, job=parse_size)] = Field(
         "50MB", description="largest image file read: a larger one is a bad row (image_too_large), never decoded")
     cache_dir: Annotated[str, Option(OUTPUT, metavar="DIR")] = Field(
-        description="the cache root: published caches, their versions, staging and the shard store live under it")
+        description="the cache root: published caches, their versions, staging and the shard store live under it; "
+                    "a path, or an fsspec URL (s3://bucket/prefix, gs://...) whose credentials are --storage-options "
+                    "and the environment's")
     name: Annotated[str | None, Option(OUTPUT)] = Field(
         None, description="cache name (default: the first source's stem): letters, digits, '.', '_' or '-'")
     format: Annotated[Format, Option(INPUT, fingerprint="resolved")] = Field(
@@ -232,8 +235,17 @@ class TokenizeOptions(BaseModel):
         return size
 
     @property
+    def remote_root(self) -> str | None:
+        """The URL of a cache root on object storage (remote_root.py), or None for a local one."""
+        return remote_url(self.cache_dir)
+
+    @property
     def cache_root(self) -> Path:
-        return Path(os.path.abspath(Path(self.cache_dir).expanduser()))  # normalised: no `in/../caches`
+        """The local root: the directory itself, or for a remote root this machine's working directory for it."""
+        protocol, local = split_url(self.cache_dir)
+        if protocol:
+            return working_dir(local)
+        return Path(os.path.abspath(Path(local).expanduser()))  # normalised: no `in/../caches`
 
 
 def declared(model: type[BaseModel] = TokenizeOptions) -> Iterator[tuple[str, FieldInfo, Option]]:

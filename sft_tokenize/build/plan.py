@@ -19,6 +19,8 @@ from sft_tokenize.build.job import Job
 from sft_tokenize.build.keys import Digests, slice_key
 from sft_tokenize.build.options import TokenizeOptions, hashed_values, job_values, parse_size
 from sft_tokenize.build.publish import changed_image, is_published
+from sft_tokenize.build.remote_publish import is_published_remote, version_url
+from sft_tokenize.build.remote_root import probe_root
 from sft_tokenize.build.store import store_dir
 from sft_tokenize.build.timeline import mark
 from sft_tokenize.build.workers import process_encoding
@@ -32,7 +34,7 @@ from sft_tokenize.errors import BadInput
 from sft_tokenize.files import write_problem
 from sft_tokenize.fingerprint import fingerprint, hash_directory, hash_text, tokenization_inputs
 from sft_tokenize.format import CACHE_FORMAT_VERSION
-from sft_tokenize.format.layout import STAGING
+from sft_tokenize.format.layout import SHARD_STORE, STAGING
 from sft_tokenize.sources.conversations import DEFAULT_COLUMNS, REQUIRED, ColumnMap, resolve_columns
 from sft_tokenize.sources.readers import reader
 from sft_tokenize.sources.resolve import Slice, SourceFile, resolve
@@ -49,6 +51,12 @@ class Plan:
     cache_path: Path
     inputs: dict  # what the fingerprint hashes; recorded in the manifest
     cached: bool  # a valid cache with this fingerprint is already published
+    url: str = ""  # with a remote root: the version's URL (cache_path is then unused)
+
+    @property
+    def location(self) -> str:
+        """Where the cache is published: its URL on a remote root, else its directory."""
+        return self.url or str(self.cache_path)
 
     @property
     def staging(self) -> Path:
@@ -180,10 +188,12 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable
     inputs["ignored_files"] = ignored  # recorded, not hashed: they are never read
     name = options.name or default_name(options.sources[0])
     cache_path = root / f"{name}-{digest}"
+    remote = options.remote_root
+    url = version_url(remote, name, digest) if remote else ""
     job = Job(
         fingerprint=digest,
         staging=str(root / STAGING / digest),
-        store=str(store_dir(root)),
+        store=f"{remote}/{SHARD_STORE}" if remote else str(store_dir(root)),
         tokenization=fingerprint(tokenization_inputs(inputs)),
         tokenizer_dir=str(tokenizer_dir),
         chat_template=template_override,
@@ -191,11 +201,17 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable
         **job_values(options),  # the options the slices read (options.py)
         prepared=str(prepared_dir(tokenizer_files, options.trust_remote_code)),
         processor_config=json.dumps(processor_config, sort_keys=True) if processor_config else "",
+        remote_root=remote or "",
     )
     mark("planned")
-    if is_published(cache_path, options.storage_options, options.image_timeout):
+    if remote:
+        if not dry:  # a bad URL, a missing bucket or denied credentials: said now, before any work
+            probe_root(remote, options.storage_options)
+        if is_published_remote(url, options.storage_options):
+            return Plan(job, [], name, cache_path, inputs, cached=True, url=url)
+    elif is_published(cache_path, options.storage_options, options.image_timeout):
         return Plan(job, [], name, cache_path, inputs, cached=True)  # read-only roots serve their caches
-    if (changed := changed_image(cache_path, options.storage_options, options.image_timeout)) is not None:
+    elif (changed := changed_image(cache_path, options.storage_options, options.image_timeout)) is not None:
         logger.warning("%s: the image changed since %s was built; building it again", changed, cache_path)
     if not dry:
         check_writable(root)
@@ -227,4 +243,4 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable
         slices = [replace(s, key=slice_key(s, job.tokenization, options.storage_options, digests)) for s in slices]
         if not dry:
             digests.save()
-    return Plan(job, slices, name, cache_path, inputs, cached=False)
+    return Plan(job, slices, name, cache_path, inputs, cached=False, url=url)

@@ -163,6 +163,34 @@ def image_files(shards: list[dict]) -> list[list]:
     return sorted({entry[0]: entry for meta in shards for entry in meta.get("image_files", ())}.values())
 
 
+def refuse_empty(slices: list[Slice], shards: list[dict]) -> None:
+    """A cache with no row is not published: say which input gave none and why."""
+    if any(s["rows"] for s in shards):
+        return
+    dropped = total_drops(shards)
+    sources = list(dict.fromkeys(part.url for slice_ in slices for part in slice_.parts))
+    where = sources[0] if len(sources) == 1 else f"{sources[0]} and {len(sources) - 1} more files"
+    raise BadInput(f"{where}: no row has a trained token: {sum(dropped.values())} rows dropped "
+                   f"({describe_drops(dropped)}); nothing was published")
+
+
+def state_text(job: Job, files: list[dict], read_from: list[list]) -> str:
+    """The cache's state.json, as `datasets` writes it: its data files and its fingerprint."""
+    # datasets' fingerprint of the cache: the image files' versions are a part of what it is made of
+    content = fingerprint({"cache": job.fingerprint, "image_files": read_from}) if read_from else job.fingerprint
+    state = {"_data_files": [{"filename": f["name"]} for f in files], "_fingerprint": content,
+             "_format_columns": None, "_format_kwargs": {}, "_format_type": None,
+             "_output_all_columns": False, "_split": None}
+    return json.dumps(state, indent=2, sort_keys=True)
+
+
+def stamp(manifest: dict, slices: int, reused: int, timings: dict | None, started: float) -> None:
+    """What the manifest says about the build that published it."""
+    manifest["build"] = {"published_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="microseconds"),
+                         "slices_reused": reused, "slices_tokenized": slices - reused}
+    manifest["timings"] = {**(timings or {}), "publish_seconds": round(time.monotonic() - started, 3)}
+
+
 def publish_cache(job: Job, slices: list[Slice], cache_path: Path, inputs: dict, name: str,
                   timings: dict | None = None, reused: int = 0) -> Path:
     """Check every shard, then publish them as the cache at `cache_path`; returns that path. `reused`: how
@@ -183,12 +211,7 @@ def publish_cache(job: Job, slices: list[Slice], cache_path: Path, inputs: dict,
         # another run with the same fingerprint got there first
         if is_published(cache_path, job.storage_options, job.image_timeout):
             return cache_path
-        if not any(s["rows"] for s in shards):
-            dropped = total_drops(shards)
-            sources = list(dict.fromkeys(part.url for slice_ in slices for part in slice_.parts))
-            where = sources[0] if len(sources) == 1 else f"{sources[0]} and {len(sources) - 1} more files"
-            raise BadInput(f"{where}: no row has a trained token: {sum(dropped.values())} rows dropped "
-                           f"({describe_drops(dropped)}); nothing was published")
+        refuse_empty(slices, shards)
         kept = [(s, slice_) for s, slice_ in zip(shards, slices, strict=True) if s["rows"]]
         # A corrupt cache at cache_path (is_published said no) is replaced, never served.
         with built_directory(cache_path, beside(staging, STAGED_SUFFIX), beside(staging, SET_ASIDE_SUFFIX)) as building:
@@ -205,19 +228,11 @@ def publish_cache(job: Job, slices: list[Slice], cache_path: Path, inputs: dict,
             read_from = image_files(shards)
             if read_from:
                 (building / IMAGE_FILES).write_text(json.dumps(read_from))
-            # datasets' fingerprint of the cache: the image files' versions are a part of what it is made of
-            content = fingerprint({"cache": job.fingerprint, "image_files": read_from}) if read_from \
-                else job.fingerprint
-            state = {"_data_files": [{"filename": f["name"]} for f in files], "_fingerprint": content,
-                     "_format_columns": None, "_format_kwargs": {}, "_format_type": None,
-                     "_output_all_columns": False, "_split": None}
-            (building / STATE).write_text(json.dumps(state, indent=2, sort_keys=True))
+            (building / STATE).write_text(state_text(job, files, read_from))
             from datasets import DatasetInfo
 
             DatasetInfo(features=job_features(job)).write_to_directory(str(building))
             manifest = build_manifest(job, slices, shards, files, inputs, name)
-            manifest["build"] = {"published_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="microseconds"),
-                                 "slices_reused": reused, "slices_tokenized": len(slices) - reused}
-            manifest["timings"] = {**(timings or {}), "publish_seconds": round(time.monotonic() - started, 3)}
+            stamp(manifest, len(slices), reused, timings, started)
             (building / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return cache_path

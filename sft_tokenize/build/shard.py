@@ -20,6 +20,7 @@ from typing import Any
 from sft_tokenize.build.image_rows import ImageRows, held_bytes, pixel_bytes
 from sft_tokenize.build.job import Job
 from sft_tokenize.build.keys import forget, slice_key
+from sft_tokenize.build.remote_store import checked_remote, upload_shard
 from sft_tokenize.build.shard_check import _SHARD_DIGESTS, _checked_shard, sidecar_path
 from sft_tokenize.build.shard_stats import ShardStats
 from sft_tokenize.build.shard_writer import ShardWriter
@@ -133,7 +134,22 @@ def _stream_rows(job: Job, slice_: Slice, stream) -> ShardStats:
 
 
 def tokenize_slice(job: Job, slice_: Slice) -> int:
-    """Tokenize one slice into `<key>.arrow` in the store (reusing a finished one); return its row count."""
+    """Tokenize one slice into `<key>.arrow` in the store (reusing a finished one); return its row count. On a
+    remote root, the shard object is checked first, and a new shard is written into this process's working
+    store, uploaded, and removed there (remote_store.py)."""
+    if not job.remote_root:
+        return _tokenize_into_store(job, slice_)
+    done, damaged = checked_remote(job, slice_)
+    if done is not None:
+        return done["rows"]
+    if damaged:
+        logger.warning("%s; tokenizing slice %d again", damaged, slice_.index)
+    rows = _tokenize_into_store(job, slice_)  # a local shard left by an upload cut short is checked and reused
+    upload_shard(job, slice_)
+    return rows
+
+
+def _tokenize_into_store(job: Job, slice_: Slice) -> int:
     done, damaged = _checked_shard(job, slice_)
     if done is not None:
         return done["rows"]

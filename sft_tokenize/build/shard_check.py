@@ -27,6 +27,21 @@ NOT_BAD_ROWS = frozenset({"no_assistant_turn", "too_long", "truncated_away", "no
 _SHARD_DIGESTS = Digests()
 
 
+def sidecar_verdict(job: Job, slice_: Slice, meta: object, where: str) -> tuple[bool, str | None]:
+    """Whether a sidecar (local or remote) may stand for this slice's shard, before its bytes are checked:
+    (True, None), or (False, why not: None when quietly tokenized again, a message when it is damaged)."""
+    if not isinstance(meta, dict) or meta.get("key") != slice_.key:
+        return False, f"{where}: the sidecar is not this shard's (it names another key)"
+    if "digest" not in meta or "bytes" not in meta:
+        return False, None  # written before shards were digested: not trusted, quietly tokenized again
+    if job.on_bad_row == "raise" and set(meta.get("dropped", {})) - NOT_BAD_ROWS:
+        return False, None  # written by a run that skipped bad rows: this run must stop at them instead
+    files = meta.get("image_files")
+    if files and (changed := changed_file(files, job.storage_options, job.image_timeout)):
+        return False, f"{changed}: the image changed since slice {slice_.index}'s shard was written"
+    return True, None
+
+
 def _checked_shard(job: Job, slice_: Slice) -> tuple[dict | None, str | None]:
     """(the sidecar of a complete shard of this slice's key, None), or (None, why a stored shard is not one:
     None when there is nothing to trust, a message when what is there is damaged)."""
@@ -39,15 +54,9 @@ def _checked_shard(job: Job, slice_: Slice) -> tuple[dict | None, str | None]:
         return None, None
     except (OSError, ValueError) as error:
         return None, f"{sidecar}: unreadable sidecar ({getattr(error, 'strerror', None) or error})"
-    if not isinstance(meta, dict) or meta.get("key") != slice_.key:
-        return None, f"{sidecar}: the sidecar is not this shard's (it names another key)"
-    if "digest" not in meta or "bytes" not in meta:
-        return None, None  # written before shards were digested: not trusted, quietly tokenized again
-    if job.on_bad_row == "raise" and set(meta.get("dropped", {})) - NOT_BAD_ROWS:
-        return None, None  # written by a run that skipped bad rows: this run must stop at them instead
-    files = meta.get("image_files")
-    if files and (changed := changed_file(files, job.storage_options, job.image_timeout)):
-        return None, f"{changed}: the image changed since slice {slice_.index}'s shard was written"
+    trusted, problem = sidecar_verdict(job, slice_, meta, str(sidecar))
+    if not trusted:
+        return None, problem
     if meta["bytes"] != size:
         return None, f"{shard}: {size:,} bytes, its sidecar says {meta['bytes']:,}: the stored shard is corrupt"
     try:

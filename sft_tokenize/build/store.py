@@ -150,6 +150,7 @@ class Collected:
     shards_kept: int = 0
     shards_removed: int = 0
     bytes_freed: int = 0  # of shards no cache held a link to, and of removed versions' files no other name held
+    uploads_aborted: int = 0  # a remote root's incomplete multipart uploads, left by crashed writers
 
 
 def remove_cache(path: Path) -> int:

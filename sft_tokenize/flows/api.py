@@ -55,7 +55,12 @@ def prefect_home_problem() -> str | None:
             f"({problem}); point PREFECT_API_URL at a server or PREFECT_HOME at a writable directory")
 
 
-def run_tokenize(settings: dict[str, Any], progress: Callable[[Any], Any] | None = None) -> Path:
+def _location(cache: str) -> Path | str:
+    """A published cache's directory, or its URL on a remote cache root."""
+    return cache if "://" in cache else Path(cache)
+
+
+def run_tokenize(settings: dict[str, Any], progress: Callable[[Any], Any] | None = None) -> Path | str:
     """Build (or find) the cache that `settings` (the flow's TokenizeRun fields) describe; return its path.
 
     `progress`, if given, is a context manager factory whose value takes the flow's progress updates (the
@@ -88,7 +93,7 @@ def run_tokenize(settings: dict[str, Any], progress: Callable[[Any], Any] | None
     require_extra(settings.get("runner", "threads"))
     plan = plan_slices(checked, on_work=start_server, content_keys=False)  # the flow hashes the inputs
     if plan.cached and not settings.get("force"):
-        return plan.cache_path
+        return plan.url or plan.cache_path
     if plan.cached:  # --force of a published cache: the plan did not check the root it will write under
         check_writable(checked.cache_root)
 
@@ -118,10 +123,10 @@ def run_tokenize(settings: dict[str, Any], progress: Callable[[Any], Any] | None
             server.use()
         mark("server")
         if progress is None:
-            return Path(tokenize_dataset(options))
+            return _location(tokenize_dataset(options))
         # The bar closes, showing its last state, before an error is reported below it.
         with progress() as bar, on_progress(bar.update):
-            return Path(tokenize_dataset(options))
+            return _location(tokenize_dataset(options))
     except BadInput:
         raise
     except ServerLost as lost:  # the embedded server's process died under the run

@@ -68,7 +68,13 @@ def where(options: TokenizeRun, workers: int) -> str:
 
 
 def result_storage(options: TokenizeOptions) -> dict:
-    """Prefect's result records live beside the cache they describe, unless the operator set a storage block."""
+    """Prefect's result records live beside the cache they describe, unless the operator set a storage block: on
+    a remote root, in the bucket (Prefect's own RemoteFileSystem), so that workers sharing only it share them."""
     if get_current_settings().results.default_storage_block:
         return {}
+    if options.remote_root:
+        from prefect.filesystems import RemoteFileSystem
+
+        return {"result_storage": RemoteFileSystem(basepath=f"{options.remote_root}/{PREFECT_RESULTS}",
+                                                   settings=options.storage_options)}
     return {"result_storage": options.cache_root / PREFECT_RESULTS}

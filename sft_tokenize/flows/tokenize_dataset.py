@@ -17,11 +17,12 @@ from prefect.futures import as_completed
 
 from sft_tokenize.build.plan import Plan
 from sft_tokenize.build.protocol import build_cache
+from sft_tokenize.build.remote_store import collect_remote_garbage, finished_remote
 from sft_tokenize.build.shard_check import finished_shard
 from sft_tokenize.build.store import collect_garbage, discard_shards, remove_cache
 from sft_tokenize.build.timeline import mark
 from sft_tokenize.build.workers import encoding_processes, warm_encoder
-from sft_tokenize.errors import first_line
+from sft_tokenize.errors import BadInput, first_line
 from sft_tokenize.flows.artifacts import report, report_packing
 from sft_tokenize.flows.cluster import check_workers
 from sft_tokenize.flows.failures import raise_failures
@@ -56,6 +57,9 @@ def _notify(finished: int, total: int, rows: int) -> None:
 def discard_previous_output(plan: Plan, options: TokenizeRun) -> Plan:
     """`force`: delete the published cache and this plan's shards in the store (other caches keep their
     links to them), planning again if the cache was there."""
+    if plan.job.remote_root:
+        raise BadInput(f"--force: not supported on a remote cache root ({plan.job.remote_root}); remove the version "
+                       "with `sft-tokenize gc` or build under another --name")
     if plan.cache_path.exists():
         remove_cache(plan.cache_path)
         get_run_logger().info("force: deleted the published cache %s", plan.cache_path)
@@ -90,7 +94,7 @@ def tokenize_all(plan: Plan, options: TokenizeRun, staged: set[int]) -> dict:
             stopping_workers(runner, [plan.job.shard_path(s) for s in plan.slices]):
         if options.runner in ("dask", "ray"):
             checked = check_workers(options.runner, runner, plan)
-            logger.info("checked %s: they read the inputs and write to %s", checked, plan.store)
+            logger.info("checked %s: they read the inputs and write to %s", checked, plan.job.store)
         # Slices to tokenize first: in an incremental run, the new work starts at once rather than after the
         # reused slices' (quick) task runs have gone through the workers.
         futures = {runner.submit(cached_task if s.index in staged else fresh_task, {"job": plan.job, "slice_": s}): s
@@ -112,7 +116,8 @@ def tokenize_all(plan: Plan, options: TokenizeRun, staged: set[int]) -> dict:
     seconds = time.monotonic() - started
     if failures:
         raise_failures(failures, plan, options.retries)
-    tokenized = [finished_shard(plan.job, s) for s in plan.slices if s.index not in staged]
+    finished = finished_remote if plan.job.remote_root else finished_shard
+    tokenized = [finished(plan.job, s) for s in plan.slices if s.index not in staged]
     return {"runner": options.runner, "workers": workers, "tokenize_seconds": round(seconds, 3),
             "tokens_tokenized": sum(meta["tokens"] for meta in tokenized if meta)}
 
@@ -123,6 +128,9 @@ def tokenize_dataset(options: TokenizeRun) -> str:
     mark("flow")
     logger = get_run_logger()
     started = time.monotonic()
+    if options.remote_root and options.pack is not None:
+        raise BadInput(f"--pack: a cache on {options.remote_root} is packed where it is read: pull it "
+                       "(`sft-tokenize pull`), then `sft-tokenize pack` the local copy")
     plan = plan_slices(options, min_slices=options.worker_count)  # small inputs still give every worker a slice
     if plan.inputs.get("ignored_files"):
         logger.info("not data, not read: %s", ", ".join(plan.inputs["ignored_files"]))
@@ -137,17 +145,21 @@ def tokenize_dataset(options: TokenizeRun) -> str:
     built = build_cache(plan, on_the_runner, publish_cache, discarding_previous_output if options.force else None)
     plan = built.plan
     if built.outcome == "cached":
-        logger.info("cache hit, nothing to tokenize: %s", plan.cache_path)
+        logger.info("cache hit, nothing to tokenize: %s", plan.location)
     elif built.outcome == "published meanwhile":
-        logger.info("another run published the cache while this one waited: %s", plan.cache_path)
+        logger.info("another run published the cache while this one waited: %s", plan.location)
     else:
         mark("published")
-        logger.info("published %s (%d slices reused, %d tokenized)", plan.cache_path, built.reused,
+        logger.info("published %s (%d slices reused, %d tokenized)", plan.location, built.reused,
                     len(plan.slices) - built.reused)
         if options.keep_versions:
-            done = collect_garbage(options.cache_root, options.keep_versions, names={plan.name})
+            done = collect_remote_garbage(options.remote_root, options.keep_versions, names={plan.name},
+                                          storage_options=options.storage_options) if options.remote_root \
+                else collect_garbage(options.cache_root, options.keep_versions, names={plan.name})
             logger.info("removed %d older versions of %s and %d unused shards (%s bytes)",
                         len(done.removed), plan.name, done.shards_removed, f"{done.bytes_freed:,}")
+    if plan.url:  # the summary artifact and packing read a local cache: `sft-tokenize pull` makes one
+        return plan.url
     report(plan.cache_path)
     if options.pack is not None:
         report_packing(pack_cache(plan.cache_path, options.pack))

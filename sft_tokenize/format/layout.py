@@ -23,6 +23,11 @@ PACKING = ".packing"
 MIXTURES = ".mixtures"
 PREFECT_RESULTS = ".prefect-results"  # the Prefect layer's persisted task results: a slice's row count
 
+# A remote root (FORMAT.md): each process's local working directory for it, under the user's cache, is
+# <user cache>/REMOTE_BUILDS/<the URL's name>/ and holds a local root's STAGING and SHARD_STORE
+REMOTE_BUILDS = "builds"
+ETAG = "etag"  # a remote sidecar's field: the store's ETag of its shard object, read right after the upload
+
 # A published cache's files (besides its data files): what load_from_disk reads, and ours
 MANIFEST = "manifest.json"
 STATE = "state.json"

@@ -1,0 +1,77 @@
+"""Publishing to a remote cache root: a version is its metadata objects, the manifest written last in one PUT,
+naming its data files' shard objects by content key. Nothing is copied: the shards stay where the workers
+uploaded them, and a reader (or `sft-tokenize pull`) materializes the version locally (FORMAT.md, "A remote
+cache root"). A version exists when its manifest.json does, so a reader sees a whole version or none.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from sft_tokenize.build.job import Job, job_features
+from sft_tokenize.build.publish import build_manifest, image_files, refuse_empty, stamp, state_text
+from sft_tokenize.build.remote_root import root_filesystem
+from sft_tokenize.build.remote_store import finished_all
+from sft_tokenize.errors import CacheError
+from sft_tokenize.format.layout import DATASET_INFO, IMAGE_FILES, MANIFEST, STATE, data_file
+from sft_tokenize.format.manifest import MANIFEST_KEYS
+from sft_tokenize.sources.resolve import Slice
+
+
+def version_url(root_url: str, name: str, fingerprint: str) -> str:
+    return f"{root_url.rstrip('/')}/{name}-{fingerprint}"
+
+
+def remote_manifest(url: str, storage_options: dict | None = None) -> dict | None:
+    """The manifest of the version at `url`, if it exists and has a manifest's shape; None otherwise."""
+    fs, path = root_filesystem(url, storage_options)
+    try:
+        manifest = json.loads(fs.cat_file(f"{path}/{MANIFEST}"))
+    except (FileNotFoundError, ValueError):
+        return None
+    if not isinstance(manifest, dict) or any(not isinstance(manifest.get(k), t) for k, t in MANIFEST_KEYS.items()):
+        return None
+    if not all(isinstance(f, dict) and isinstance(f.get("key"), str) for f in manifest["files"]):
+        return None
+    return manifest
+
+
+def is_published_remote(url: str, storage_options: dict | None = None) -> bool:
+    """A version is published at `url`: its manifest exists and parses."""
+    return remote_manifest(url, storage_options) is not None
+
+
+def publish_remote(job: Job, slices: list[Slice], url: str, inputs: dict, name: str, timings: dict | None = None,
+                   reused: int = 0) -> str:
+    """Check every slice's shard object (one LIST), then publish the version at `url`; returns `url`."""
+    started = time.monotonic()
+    done, damaged = finished_all(job, slices)
+    for slice_ in slices:
+        if slice_.index not in done:
+            why = damaged.get(slice_.index, "no finished shard object")
+            raise CacheError(f"slice {slice_.index}: {why} in {job.store}")
+    shards = [done[s.index] for s in slices]
+    if is_published_remote(url, job.storage_options):  # another run with the same fingerprint got there first
+        return url
+    refuse_empty(slices, shards)
+    kept = [(meta, slice_) for meta, slice_ in zip(shards, slices, strict=True) if meta["rows"]]
+    files = [{"name": data_file(k, len(kept)), "key": slice_.key, "bytes": meta["bytes"], "digest": meta["digest"],
+              "rows": meta["rows"], "tokens": meta["tokens"]} for k, (meta, slice_) in enumerate(kept)]
+    read_from = image_files(shards)
+    with tempfile.TemporaryDirectory() as scratch:  # datasets writes its dataset_info.json only to a directory
+        from datasets import DatasetInfo
+
+        DatasetInfo(features=job_features(job)).write_to_directory(scratch)
+        info = (Path(scratch) / DATASET_INFO).read_bytes()
+    fs, path = root_filesystem(url, job.storage_options)
+    fs.pipe_file(f"{path}/{STATE}", state_text(job, files, read_from).encode())
+    fs.pipe_file(f"{path}/{DATASET_INFO}", info)
+    if read_from:
+        fs.pipe_file(f"{path}/{IMAGE_FILES}", json.dumps(read_from).encode())
+    manifest = build_manifest(job, slices, shards, files, inputs, name)
+    stamp(manifest, len(slices), reused, timings, started)
+    fs.pipe_file(f"{path}/{MANIFEST}", json.dumps(manifest, indent=2).encode())  # last: the version exists now
+    return url
