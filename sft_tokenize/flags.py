@@ -106,6 +106,16 @@ def positive_seconds(text: str) -> float:
     return value
 
 
+def non_negative_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not (value >= 0 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"expected zero or a positive number of seconds, got {text!r}")
+    return value
+
+
 def json_object(text: str) -> dict:
     try:
         value = json.loads(text)

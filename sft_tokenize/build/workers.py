@@ -22,7 +22,7 @@ from sft_tokenize.build.timeline import mark
 from sft_tokenize.encoding.chat_encoder import ChatEncoder
 from sft_tokenize.encoding.exact import FastEncoder, choose_encoder
 from sft_tokenize.encoding.pool import DEPTH, EncodePool
-from sft_tokenize.encoding.prepared import prepared_encoding
+from sft_tokenize.encoding.prepared import prepared_encoding, prepared_here
 from sft_tokenize.encoding.tokenizer import load_tokenizer
 from sft_tokenize.encoding.vision import VisionFamily, load_family
 
@@ -56,7 +56,14 @@ def encoder_settings(job: Job) -> dict:
 
 def _process_encoding(job: Job) -> tuple[Any, FastEncoder | None]:
     """This process's tokenizer and fast encoder for the job."""
-    return process_encoding(job.tokenizer_dir, job.chat_template, job.trust_remote_code, job.encoder, job.prepared)
+    return process_encoding(job.tokenizer_dir, job.chat_template, job.trust_remote_code, job.encoder,
+                            prepared_path(job))
+
+
+def prepared_path(job: Job) -> str:
+    """Where this process keeps the job's tokenizer prepared: with a remote root, under its own user cache (a
+    worker that shares only the bucket has no path of the flow's machine)."""
+    return str(prepared_here(job.prepared)) if job.remote_root and job.prepared else job.prepared
 
 
 def warm_encoder(job: Job) -> None:
@@ -72,7 +79,7 @@ _making_encoder = threading.Lock()
 
 def _encoder_key(job: Job) -> str:
     """What a job's encoder is made of: jobs with the same key encode alike."""
-    return json.dumps([job.tokenizer_dir, job.chat_template, job.trust_remote_code, job.encoder, job.prepared,
+    return json.dumps([job.tokenizer_dir, job.chat_template, job.trust_remote_code, job.encoder, prepared_path(job),
                        job.processor_config, encoder_settings(job)], sort_keys=True, default=str)
 
 

@@ -113,6 +113,12 @@ def prepared_dir(tokenizer_files: dict[str, str], trust_remote_code: bool) -> Pa
     return user_cache() / "tokenizers" / key
 
 
+def prepared_here(directory: str | Path) -> Path:
+    """The same prepared tokenizer (its key, the last part of `directory`) in this process's own user cache: a
+    worker that shares no disk with the process that named it keeps its own copy."""
+    return user_cache() / "tokenizers" / Path(directory).name
+
+
 def _read(directory: Path) -> tuple[TokenizerParts, dict] | None:
     try:
         meta = json.loads((directory / "prepared.json").read_text())

@@ -24,6 +24,7 @@ from sft_tokenize.flags import (
     flag_names,
     help_text,
     json_object,
+    non_negative_seconds,
     positive_int,
     shown_default,
 )
@@ -131,9 +132,14 @@ class PackCommand(PackOptions):
 class GcCommand(BaseModel):
     """`sft-tokenize gc`'s flags."""
 
-    cache_dir: Annotated[str, Flag(FLAGS, metavar="CACHE_DIR", positional=True)] = Field(description="the cache root")
+    cache_dir: Annotated[str, Flag(FLAGS, metavar="CACHE_DIR", positional=True)] = Field(
+        description="the cache root: a directory, or a URL (s3://bucket/prefix, gs://...)")
     keep: Annotated[int, Flag(FLAGS, metavar="N", parse=positive_int)] = Field(
         1, ge=1, description="versions kept per name")
+    grace: Annotated[float, Flag(FLAGS, metavar="SECONDS", parse=non_negative_seconds)] = Field(
+        3600.0, ge=0, description="a remote root's leases, unreferenced shards and incomplete uploads younger than "
+                                  "this may be a running build's: kept (a build must finish within it)")
+    storage_options: ReadStorageOptions = READ_STORAGE_OPTIONS
 
 
 class ServerStopCommand(BaseModel):

@@ -191,18 +191,26 @@ def show_rows(args: argparse.Namespace, manifest: dict) -> int:
 
 
 def gc(args: argparse.Namespace) -> int:
+    from sft_tokenize.build.remote_root import probe_root, split_url
+    from sft_tokenize.build.remote_store import collect_remote_garbage
     from sft_tokenize.build.store import collect_garbage
 
-    root = os.path.abspath(args.cache_dir)
-    if not os.path.isdir(root):
-        raise BadInput(f"{root}: no such cache directory")
-    done = collect_garbage(root, args.keep)
+    protocol, root = split_url(args.cache_dir)
+    if protocol:
+        probe_root(root, args.storage_options)  # a bad URL or credentials: one line, before anything is removed
+        done = collect_remote_garbage(root, args.keep, args.grace, args.storage_options)
+    else:
+        root = os.path.abspath(os.path.expanduser(root))
+        if not os.path.isdir(root):
+            raise BadInput(f"{root}: no such cache directory")
+        done = collect_garbage(root, args.keep)
     for name in done.removed:
-        print(f"removed {os.path.join(root, name)}")
+        print(f"removed {root}/{name}")
     for name, index in done.held.items():
-        print(f"kept {os.path.join(root, name)}: the mixture index {index} reads it")
+        print(f"kept {root}/{name}: the mixture index {index} reads it")
+    aborted = f", {done.uploads_aborted} incomplete uploads aborted" if protocol else ""
     print(f"kept {len(done.kept)} versions and {done.shards_kept} shards; removed {len(done.removed)} versions and "
-          f"{done.shards_removed} shards, {done.bytes_freed:,} bytes freed; {done.live_builds} running builds")
+          f"{done.shards_removed} shards, {done.bytes_freed:,} bytes freed{aborted}; {done.live_builds} running builds")
     return EXIT_OK
 
 

@@ -4,7 +4,8 @@ A slice is a description (file paths or URLs and a range), so a task can run on 
 what the description points at. Every worker needs: this package (`pip install 'sft-tokenize[dask]'` or
 `[ray]`, the same versions as the flow's machine), the local inputs and the tokenizer directory at the
 same paths (or inputs on object storage), the cache root on a filesystem it shares with the flow (the
-workers write the shards, the flow publishes them), and the Prefect API (`PREFECT_API_URL`). The
+workers write the shards, the flow publishes them) or in a bucket it can write to (a remote root: then no
+disk is shared, see remote_root.py), and the Prefect API (`PREFECT_API_URL`). The
 tokenizer is loaded once per worker process (`sft_tokenize.build.workers.process_encoding`), never sent with a task.
 
 A task that raises is retried by Prefect (`retries`). A worker process that dies raises nothing for
@@ -90,15 +91,53 @@ def probe(plan_dir: str, token: str, must_read: list[str], api_url: str | None) 
             probe_file.unlink()
         except OSError as error:
             problems.append(f"{host} cannot write to the shard store {store} ({error.strerror})")
-    if api_url:
-        import httpx
-
-        try:
-            httpx.get(f"{api_url.rstrip('/')}/health", timeout=10)
-        except httpx.HTTPError as error:
-            problems.append(f"{host} cannot reach the Prefect API at {api_url} ({type(error).__name__}): run "
-                            "a Prefect server the workers reach and set PREFECT_API_URL to it")
+    problems += _api_problems(host, api_url)
     return problems
+
+
+def probe_bucket(url: str, storage_options: dict, tokenizer: tuple, must_read: list[str],
+                 api_url: str | None) -> list[str]:
+    """Run on a worker, for a remote cache root: what keeps it from tokenizing this plan's slices (an empty list
+    if nothing). It must write, read back and delete an object under the root, and load the tokenizer; it shares
+    no disk with the flow."""
+    from sft_tokenize.build.remote_root import probe_root
+    from sft_tokenize.build.workers import process_encoding
+    from sft_tokenize.encoding.prepared import prepared_here
+    from sft_tokenize.errors import one_line
+
+    host = f"{socket.gethostname()} (pid {os.getpid()})"
+    problems = []
+    try:
+        probe_root(url, storage_options)
+    except BadInput as error:
+        problems.append(f"{host}: {error}")
+    if missing := [path for path in must_read if not os.path.exists(path)]:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        problems.append(f"{host} cannot find {missing[0]}{more}: the tokenizer and local inputs must be at the "
+                        "same paths on every worker (or the inputs on object storage)")
+    else:
+        tokenizer_dir, chat_template, trust_remote_code, encoder, prepared = tokenizer
+        try:  # kept by the process for its slices (process_encoding is cached)
+            process_encoding(tokenizer_dir, chat_template, trust_remote_code, encoder,
+                             str(prepared_here(prepared)) if prepared else "")
+        except Exception as error:  # noqa: BLE001 - whatever keeps it from loading, said per worker
+            problems.append(f"{host} cannot load the tokenizer {tokenizer_dir} ({type(error).__name__}: "
+                            f"{one_line(error)})")
+    problems += _api_problems(host, api_url)
+    return problems
+
+
+def _api_problems(host: str, api_url: str | None) -> list[str]:
+    if not api_url:
+        return []
+    import httpx
+
+    try:
+        httpx.get(f"{api_url.rstrip('/')}/health", timeout=10)
+    except httpx.HTTPError as error:
+        return [f"{host} cannot reach the Prefect API at {api_url} ({type(error).__name__}): run a Prefect server "
+                "the workers reach and set PREFECT_API_URL to it"]
+    return []
 
 
 def local_paths(plan: Plan) -> list[str]:
@@ -107,7 +146,7 @@ def local_paths(plan: Plan) -> list[str]:
     return [plan.job.tokenizer_dir, *sorted(inputs)]
 
 
-def _run_on_dask(runner, args: tuple) -> dict[str, list[str]]:
+def _run_on_dask(runner, args: tuple, check=probe) -> dict[str, list[str]]:
     client = runner.client
     try:
         client.wait_for_workers(1, timeout=WORKER_WAIT_SECONDS)
@@ -117,7 +156,7 @@ def _run_on_dask(runner, args: tuple) -> dict[str, list[str]]:
     # On every worker, not only the ones a task would land on; a worker that cannot even run the check
     # (this package missing there, say) is reported like the others.
     found = {}
-    for worker, result in client.run(probe, *args, on_error="return").items():
+    for worker, result in client.run(check, *args, on_error="return").items():
         if isinstance(result, BaseException):
             result = [f"worker {worker} cannot run the check ({type(result).__name__}: {result}): is "
                       "sft-tokenize installed there?"]
@@ -125,11 +164,11 @@ def _run_on_dask(runner, args: tuple) -> dict[str, list[str]]:
     return found
 
 
-def _run_on_ray(args: tuple) -> dict[str, list[str]]:
+def _run_on_ray(args: tuple, check=probe) -> dict[str, list[str]]:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    remote_probe = ray.remote(num_cpus=0)(probe)
+    remote_probe = ray.remote(num_cpus=0)(check)
     nodes = [node["NodeID"] for node in ray.nodes() if node.get("Alive")]
     refs = [remote_probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(*args)
             for node in nodes]
@@ -137,22 +176,34 @@ def _run_on_ray(args: tuple) -> dict[str, list[str]]:
 
 
 def check_workers(runner_name: str, runner, plan: Plan) -> str:
-    """Before any slice is submitted: every worker sees the flow's shard store and can write there,
-    reads the tokenizer and the local inputs, and reaches the Prefect API. Says what it checked (every
+    """Before any slice is submitted: every worker sees the flow's shard store and can write there (on a remote
+    root: writes, reads back and deletes an object in the bucket, and loads the tokenizer), reads the tokenizer
+    and the local inputs, and reaches the Prefect API. Says what it checked (every
     Dask worker, or one process on every Ray node); raises BadInput naming each problem."""
     from prefect.settings import get_current_settings
 
+    api_url = get_current_settings().api.url
+    if plan.job.remote_root:
+        job = plan.job
+        args = (job.remote_root, job.storage_options,
+                (job.tokenizer_dir, job.chat_template, job.trust_remote_code, job.encoder, job.prepared),
+                local_paths(plan), api_url)
+        found = _run_on_dask(runner, args, probe_bucket) if runner_name == "dask" else _run_on_ray(args, probe_bucket)
+        return _checked(runner_name, found, job.remote_root)
     plan.store.mkdir(parents=True, exist_ok=True)
     token = f".probe-{uuid.uuid4().hex}"
     (plan.store / token).write_bytes(b"")  # a worker that does not see it has another disk at this path
-    api_url = get_current_settings().api.url
     args = (str(plan.store), token, local_paths(plan), api_url)
     try:
         found = _run_on_dask(runner, args) if runner_name == "dask" else _run_on_ray(args)
     finally:
         (plan.store / token).unlink(missing_ok=True)
+    return _checked(runner_name, found, str(plan.store))
+
+
+def _checked(runner_name: str, found: dict[str, list[str]], store: str) -> str:
     problems = sorted({problem for worker_problems in found.values() for problem in worker_problems})
     if problems:
-        raise BadInput(f"the {runner_name} workers cannot tokenize into {plan.store}: " + "; ".join(problems))
+        raise BadInput(f"the {runner_name} workers cannot tokenize into {store}: " + "; ".join(problems))
     what = "Dask worker" if runner_name == "dask" else "Ray node"
     return f"{len(found)} {what}{'s' if len(found) != 1 else ''}"
