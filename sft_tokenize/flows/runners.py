@@ -8,12 +8,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from prefect.context import get_run_context
+from prefect.filesystems import WritableFileSystem
 from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
 from prefect.task_runners import ProcessPoolTaskRunner, TaskRunner, ThreadPoolTaskRunner
 
 from sft_tokenize.build.options import TokenizeOptions
 from sft_tokenize.encoding.memory import limit_malloc_arenas
 from sft_tokenize.encoding.pool import available_cores, tokenizer_env
+from sft_tokenize.fingerprint import fingerprint
 from sft_tokenize.flows.cluster import dask_runner, ray_runner
 from sft_tokenize.flows.console import configure_console
 from sft_tokenize.flows.interrupts import ignore_sigint
@@ -73,8 +75,18 @@ def result_storage(options: TokenizeOptions) -> dict:
     if get_current_settings().results.default_storage_block:
         return {}
     if options.remote_root:
-        from prefect.filesystems import RemoteFileSystem
-
-        return {"result_storage": RemoteFileSystem(basepath=f"{options.remote_root}/{PREFECT_RESULTS}",
-                                                   settings=options.storage_options)}
+        return {"result_storage": bucket_results(options.remote_root, options.storage_options)}
     return {"result_storage": options.cache_root / PREFECT_RESULTS}
+
+
+def bucket_results(url: str, storage_options: dict) -> WritableFileSystem:
+    """Prefect's RemoteFileSystem on URL/.prefect-results, saved as a block (Prefect wants task result storage
+    saved server-side) named by what it holds: the storage options go where the run's parameters already hold
+    them, the server's database."""
+    from prefect.filesystems import RemoteFileSystem
+
+    basepath = f"{url}/{PREFECT_RESULTS}"
+    block = RemoteFileSystem(basepath=basepath, settings=storage_options)
+    block.save(f"sft-tokenize-results-{fingerprint({'basepath': basepath, 'settings': storage_options})}",
+               overwrite=True)
+    return block

@@ -23,6 +23,8 @@ FIXTURE_MARKERS: dict[str, tuple[str, ...]] = {
     "cli_homes": ("cli",),  # homes for a module's `sft-tokenize` subprocesses
     "launch": ("cli",),  # `sft-tokenize` in the background
     "dask_cluster": ("cluster",),
+    "bucket_dask_cluster": ("cluster",),  # Dask processes that share only an S3 bucket with the flow
+    "s3_root": ("slow",),  # moto's S3 server, for a cache root on object storage
     "bench": ("cli", "server", "slow"),  # benchmarks/ scripts: CLI runs on embedded servers
     "wheel": ("slow",),  # builds the project's wheel
     "remote_example": ("slow",),  # an S3 server (moto) holding the example cache

@@ -5,7 +5,9 @@ whose index is listed in it (whitespace-separated integers) raises a RuntimeErro
 Delete the file and the next attempt succeeds. A word `exit:N` instead kills the process (`os._exit(1)`, no
 exception, no cleanup) on the first attempt at slice N only, leaving a partial temporary shard as a worker
 dying mid-shard does; the marker file `<fault file>.exited-N`, created atomically, makes it once across
-processes and machines. A word `hold:N` makes an attempt at slice N wait, as a long slice does, until the word
+processes and machines. A word `exit-upload:N` (a remote cache root) lets slice N be tokenized, then kills the
+process after the first part of its shard's multipart upload, once across processes (`<fault file>.exited-upload-N`).
+A word `hold:N` makes an attempt at slice N wait, as a long slice does, until the word
 is gone from the file or the run asks its slices to stop (then it stops as a slice does between batches).
 
 The fault sits in front of `sft_tokenize.build.shard.tokenize_slice`, which the Prefect task calls for every
@@ -55,8 +57,31 @@ def raise_injected_fault(job, slice_) -> None:
         shard_file.parent.mkdir(parents=True, exist_ok=True)
         shard_file.with_name(f"{shard_file.name}.tmp-{os.getpid()}").write_bytes(b"partial shard")
         os._exit(1)
+    if f"exit-upload:{index}" in words:
+        _die_mid_upload(job, slice_, fault_file)
     if str(index) in words:
         raise RuntimeError(f"injected fault in slice {index} ({FAULT_FILE_ENV}={fault_file})")
+
+
+def _die_mid_upload(job, slice_, fault_file: str) -> None:
+    """On a remote root, the first attempt at the slice (across processes) tokenizes it, then starts its shard's
+    multipart upload, sends one part and dies (`os._exit(1)`): what a worker killed mid-upload leaves."""
+    try:
+        os.close(os.open(f"{fault_file}.exited-upload-{slice_.index}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return
+    shard_module = sys.modules[SHARD_MODULE]
+    root_module = sys.modules["sft_tokenize.build.remote_root"]
+
+    def dying_upload(job, slice_):
+        fs, root = root_module.root_filesystem(job.remote_root, job.storage_options)
+        bucket, _, key = f"{root}/.shards/{slice_.key}.arrow".partition("/")
+        started = fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)
+        fs.call_s3("upload_part", Bucket=bucket, Key=key, UploadId=started["UploadId"], PartNumber=1,
+                   Body=job.shard_path(slice_).read_bytes())
+        os._exit(1)
+
+    shard_module.upload_shard = dying_upload  # this process dies in it: nothing to put back
 
 
 def wrap(shard_module) -> None:
