@@ -17,7 +17,7 @@ from sft_tokenize.build.remote_root import root_filesystem
 from sft_tokenize.build.remote_store import finished_all
 from sft_tokenize.errors import CacheError
 from sft_tokenize.format.layout import DATASET_INFO, IMAGE_FILES, MANIFEST, STATE, data_file
-from sft_tokenize.format.manifest import MANIFEST_KEYS
+from sft_tokenize.read.remote_cache import Remote
 from sft_tokenize.sources.resolve import Slice
 
 
@@ -25,23 +25,14 @@ def version_url(root_url: str, name: str, fingerprint: str) -> str:
     return f"{root_url.rstrip('/')}/{name}-{fingerprint}"
 
 
-def remote_manifest(url: str, storage_options: dict | None = None) -> dict | None:
-    """The manifest of the version at `url`, if it exists and has a manifest's shape; None otherwise."""
-    fs, path = root_filesystem(url, storage_options)
-    try:
-        manifest = json.loads(fs.cat_file(f"{path}/{MANIFEST}"))
-    except (FileNotFoundError, ValueError):
-        return None
-    if not isinstance(manifest, dict) or any(not isinstance(manifest.get(k), t) for k, t in MANIFEST_KEYS.items()):
-        return None
-    if not all(isinstance(f, dict) and isinstance(f.get("key"), str) for f in manifest["files"]):
-        return None
-    return manifest
-
-
 def is_published_remote(url: str, storage_options: dict | None = None) -> bool:
-    """A version is published at `url`: its manifest exists and parses."""
-    return remote_manifest(url, storage_options) is not None
+    """A version is published at `url`: its manifest exists and is one (as the read side checks it); a damaged
+    one is published over."""
+    try:
+        Remote(url, storage_options).manifest()
+    except CacheError:
+        return False
+    return True
 
 
 def publish_remote(job: Job, slices: list[Slice], url: str, inputs: dict, name: str, timings: dict | None = None,

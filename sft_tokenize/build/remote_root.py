@@ -3,7 +3,7 @@
 `--cache-dir` is an fsspec URL or a path. A path, or `file://PATH`, is a local root. Any other protocol is a
 *remote root* (FORMAT.md, "A remote cache root"): its shards, leases and versions are objects under the URL,
 and each process that tokenizes keeps a local working directory of its own for it, under this user's cache
-($SFT_TOKENIZE_HOME, see encoding/prepared.py) and named from the URL, derived where it runs: the flow's
+($SFT_TOKENIZE_HOME, see files.py) and named from the URL, derived where it runs: the flow's
 machine holds its run lock there, a worker its shard until it is uploaded.
 """
 
@@ -15,9 +15,10 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from sft_tokenize.encoding.prepared import user_cache
 from sft_tokenize.errors import BadInput, one_line
+from sft_tokenize.files import user_cache
 from sft_tokenize.format.layout import REMOTE_BUILDS, STAGING
+from sft_tokenize.read.remote_cache import is_remote, local_path
 
 # In-memory filesystems live in one process: workers would each see their own.
 UNSUPPORTED = frozenset({"memory"})
@@ -25,12 +26,9 @@ UNSUPPORTED = frozenset({"memory"})
 
 def split_url(cache_dir: str) -> tuple[str | None, str]:
     """(the protocol of a remote root, its URL without a trailing slash), or (None, the local path)."""
-    if "://" not in cache_dir:
-        return None, cache_dir
-    protocol, rest = cache_dir.split("://", 1)
-    if protocol == "file":
-        return None, rest or "/"
-    return protocol, f"{protocol}://{rest.rstrip('/')}"
+    if not is_remote(cache_dir):
+        return None, str(local_path(cache_dir))
+    return cache_dir.split("://", 1)[0], cache_dir.rstrip("/")
 
 
 def remote_url(cache_dir: str) -> str | None:
