@@ -72,8 +72,11 @@ def _die_mid_upload(job, slice_, fault_file: str) -> None:
         return
     shard_module = sys.modules[SHARD_MODULE]
     root_module = sys.modules["sft_tokenize.build.remote_root"]
+    upload, index = shard_module.upload_shard, slice_.index
 
     def dying_upload(job, slice_):
+        if slice_.index != index:  # another slice's thread, uploading meanwhile
+            return upload(job, slice_)
         fs, root = root_module.root_filesystem(job.remote_root, job.storage_options)
         bucket, _, key = f"{root}/.shards/{slice_.key}.arrow".partition("/")
         started = fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)
