@@ -101,6 +101,17 @@ def test_incremental_grows(bench):
     assert report["runs"]["grown"]["build"]["slices_reused"] >= 1
 
 
+def test_object_storage_compares_a_bucket_with_a_local_root(bench):
+    pytest.importorskip("moto.server", reason="moto[server] is in the dev extra")
+    out = bench["root"] / "object-storage"
+    script(bench, "object_storage.py", *TINY, "--units", "1", "--repeats", "1", "--out", str(out),
+           "--work", str(bench["work"]))
+    report = json.loads((out / "object_storage.json").read_text())
+    committed(report["machine"]["git"])
+    assert report["identical"] and [run["cache"][:5] for run in report["runs"]["bucket"]] == ["s3://"]
+    assert report["bucket_vs_local"] > 0 and "Target:" in (out / "object_storage.md").read_text()
+
+
 @pytest.mark.skipif(not (TEMPLATES / "modern" / "qwen3.jinja").is_file(), reason="no reference templates")
 def test_templates_compares_qwen3_with_chatml(bench):
     out = bench["root"] / "templates"
