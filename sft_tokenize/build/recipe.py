@@ -75,6 +75,9 @@ class Recipe(BaseModel):
         mixture = self.mixture_options([""] * len(self.sources))
         # What the amounts alone say of the index's size: a typo is refused now, not after every source ran.
         shared = self.source_options(0)
+        if shared.remote_root:
+            raise ValueError(f"cache_dir: {shared.remote_root}: a recipe's mixture index is built beside local caches; "
+                             "build it under a local cache_dir (a bucket takes single runs: `sft-tokenize run`)")
         root = shared.cache_root / MIXTURES
         check_index_size(least_rows(mixture, shared.max_length), mixture,
                          Path(os.path.abspath(mixture.index_dir)) if mixture.index_dir else root, at_least=True)

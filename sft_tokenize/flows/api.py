@@ -198,8 +198,9 @@ def _model_path(value: Any, what: str) -> str | None:
 
 
 def tokenize(sources: str | os.PathLike | list[str | os.PathLike], *, tokenizer: Any = None,
-             cache_dir: str | os.PathLike, **options: Any) -> Path:
-    """Tokenize `sources` into a published cache under `cache_dir`, as `sft-tokenize run` does, and return its path.
+             cache_dir: str | os.PathLike, **options: Any) -> Path | str:
+    """Tokenize `sources` into a published cache under `cache_dir`, as `sft-tokenize run` does, and return its path
+    (with `cache_dir` a bucket's URL, `s3://bucket/prefix`, the version's URL: open_cache and for_trl take it).
 
     `tokenizer` (and `processor`) is a directory, a hub model name, or a loaded transformers tokenizer (processor):
     an object is saved under the user's cache, in a directory named by its files' content, and runs as that
