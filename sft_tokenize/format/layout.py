@@ -10,6 +10,9 @@
 
     USER_CACHE/remote/<root>-<hash>/  REMOTE_COPIES: a remote cache root's local copy (read/remote_cache.py), laid out
                                       as a cache root: .shards/<key>.arrow, <name>-<fingerprint>/, .staging/
+    USER_CACHE/builds/<root>-<hash>/  REMOTE_BUILDS: a process's working directory for a remote root it builds
+                                      (build/remote_root.py): .staging/ (the flow's run lock), .shards/ (a shard
+                                      until it is uploaded)
 """
 
 from __future__ import annotations
