@@ -10,7 +10,9 @@ machine holds its run lock there, a worker its shard until it is uploaded.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import threading
 import uuid
 from pathlib import Path
 from typing import Any
@@ -44,9 +46,15 @@ def working_dir(url: str) -> Path:
     return user_cache() / REMOTE_BUILDS / f"{readable}-{hashlib.sha256(url.encode()).hexdigest()[:12]}"
 
 
+# One filesystem per protocol and options in a process: a new S3 client costs a few hundred ms of set-up, per call.
+_filesystems: dict[str, Any] = {}
+_making = threading.Lock()
+CLIENT_ENVIRONMENT = ("AWS_", "GOOGLE_", "GCS", "AZURE_", "FSSPEC_")
+
+
 def root_filesystem(url: str, storage_options: dict | None = None) -> tuple[Any, str]:
-    """The fsspec filesystem of a remote root and the root's path on it (no instance cache: a build must see
-    the objects as they are now, not a listing another call cached)."""
+    """The fsspec filesystem of a remote root and the root's path on it, made once per process for these options;
+    it caches no listing (a build must see the objects as they are now)."""
     import fsspec
 
     protocol = url.split("://", 1)[0]
@@ -58,7 +66,15 @@ def root_filesystem(url: str, storage_options: dict | None = None) -> tuple[Any,
         raise BadInput(f"cache dir {url}: unknown protocol {protocol!r}") from None
     except ImportError as error:
         raise BadInput(f"cache dir {url}: the {protocol}:// filesystem is not installed ({one_line(error)})") from None
-    fs = cls(**{"skip_instance_cache": True, **(storage_options or {})})
+    # The environment configures a client too (endpoint, keys, profile): another one gets another filesystem.
+    environment = sorted((k, v) for k, v in os.environ.items() if k.startswith(CLIENT_ENVIRONMENT))
+    key = hashlib.sha256(json.dumps([protocol, storage_options or {}, environment], sort_keys=True,
+                                    default=str).encode()).hexdigest()
+    with _making:
+        fs = _filesystems.get(key)
+        if fs is None:
+            fs = _filesystems[key] = cls(**{"skip_instance_cache": True, "use_listings_cache": False,
+                                            **(storage_options or {})})
     path = fs._strip_protocol(url).rstrip("/")
     if not path or path.startswith("/"):
         raise BadInput(f"cache dir {url}: no bucket in the URL")
