@@ -124,10 +124,11 @@ def finished_all(job: Job, slices: list[Slice]) -> tuple[dict[int, dict], dict[i
     listing = list_shards(fs, store)
     present = [s for s in slices if f"{s.key}{SIDECAR_SUFFIX}" in listing]
     texts = fs.cat([f"{store}/{s.key}{SIDECAR_SUFFIX}" for s in present], on_error="return") if present else {}
+    by_name = {path.rsplit("/", 1)[-1]: text for path, text in texts.items()}
     done: dict[int, dict] = {}
     damaged: dict[int, str] = {}
     for slice_ in present:
-        text = next((v for k, v in texts.items() if k.endswith(f"/{slice_.key}{SIDECAR_SUFFIX}")), None)
+        text = by_name.get(f"{slice_.key}{SIDECAR_SUFFIX}")
         try:
             sidecar = json.loads(text) if isinstance(text, bytes) else None
         except ValueError:
