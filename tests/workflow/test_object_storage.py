@@ -1,6 +1,6 @@
 """A cache root on object storage (a real S3 API: moto's server, support/s3.py, one per module): the build side.
 
-Runs to `s3://caches/...` on the threads runner and on a Dask cluster whose workers share nothing with the flow
+Runs to `s3://BUCKET/...` on the threads runner and on a Dask cluster whose workers share nothing with the flow
 but the bucket publish the rows a local run publishes; a grown input uploads only its new slices; a corrupted
 shard object is found before reuse; a run killed mid-upload leaves no visible shard and resumes; gc removes
 what no kept version names; a bad URL, a missing bucket and denied credentials stop the CLI at once."""
@@ -13,6 +13,7 @@ import os
 import shutil
 import signal
 import subprocess
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -36,18 +37,25 @@ from sft_tokenize.flows.tokenize_dataset import TokenizeRun
 pytest.importorskip("moto.server", reason="moto[server] is in the dev extra")
 pytest.importorskip("s3fs", reason="s3fs is in the dev extra")
 
-BUCKET = "caches"
+BUCKET = f"caches-{uuid.uuid4().hex[:8]}"  # moto's buckets outlive its server: one of this module's own
 
 
 @pytest.fixture(scope="module")
 def s3_root() -> Iterator:
-    """The module's S3 server with a bucket `caches`; this process (the flow's) reaches it through AWS_* variables."""
+    """The module's S3 server with a bucket of its own (BUCKET); this process (the flow's) reaches it through
+    AWS_* variables."""
+    from s3fs import S3FileSystem
+
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request otherwise
+    # fsspec keeps s3fs instances by their options, not by the endpoint the environment names (conftest.py's
+    # remote_example says the same): none made for another module's server may serve this one
+    S3FileSystem.clear_instance_cache()
     with s3_server() as server, pytest.MonkeyPatch.context() as env:
         for name, value in server.environment.items():
             env.setenv(name, value)
         server.filesystem().mkdir(BUCKET)
         yield server
+    S3FileSystem.clear_instance_cache()
 
 
 @pytest.fixture(scope="module")
