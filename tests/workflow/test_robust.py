@@ -407,17 +407,17 @@ class Interrupted:
 
 def test_sigint_and_sigterm_stop_the_run_and_the_same_command_resumes(tmp_path, migrated_prefect_home, start,
                                                                      long_input, long_reference):
-    """threads and processes, SIGINT and SIGTERM: the four runs side by side, each with its own PREFECT_HOME so
-    that each run's process tree holds its own embedded server."""
+    """Ctrl-C on the threads runner (its encode pool), `kill PID` on the processes runner: the two runs side by
+    side, each with its own PREFECT_HOME so that each run's process tree holds its own embedded server. (Either
+    signal takes the same path in every runner: flows/interrupts.py.)"""
     cases = []
-    for runner in ("threads", "processes"):
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            name = f"{runner}-{signum.name}"
-            home = Path(shutil.copytree(migrated_prefect_home, tmp_path / name / "home"))
-            cache_root = tmp_path / name / "cache"
-            pool = ["--encode-processes", "2"] if runner == "threads" else []  # the input is below the default's
-            args = run_args([long_input], cache_root, "--runner", runner, *pool)
-            cases.append(Interrupted(name, signum, home, cache_root, args, start(args, home, name)))
+    for runner, signum in (("threads", signal.SIGINT), ("processes", signal.SIGTERM)):
+        name = f"{runner}-{signum.name}"
+        home = Path(shutil.copytree(migrated_prefect_home, tmp_path / name / "home"))
+        cache_root = tmp_path / name / "cache"
+        pool = ["--encode-processes", "2"] if runner == "threads" else []  # the input is below the default's
+        args = run_args([long_input], cache_root, "--runner", runner, *pool)
+        cases.append(Interrupted(name, signum, home, cache_root, args, start(args, home, name)))
 
     waiting = list(cases)
     deadline = time.monotonic() + TIMEOUT
