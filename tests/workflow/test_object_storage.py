@@ -33,6 +33,7 @@ from sft_tokenize.build.plan import plan_slices
 from sft_tokenize.build.protocol import run_locally
 from sft_tokenize.flows.cli import main
 from sft_tokenize.flows.tokenize_dataset import TokenizeRun
+from sft_tokenize.read.cache import open_cache
 
 pytest.importorskip("moto.server", reason="moto[server] is in the dev extra")
 pytest.importorskip("s3fs", reason="s3fs is in the dev extra")
@@ -119,6 +120,10 @@ def test_a_threads_run_to_a_bucket_publishes_the_local_runs_rows(prefect_harness
     s3_root.clear()
     again, _ = run_flow(TokenizeRun(**EXAMPLE_SLICES, cache_dir=url, workers=2))
     assert again.result() == version and shard_puts(s3_root, "threads") == 0  # a cache hit: nothing written
+    # The read side opens what the build side printed: the same rows as the local cache, mapped from a local copy
+    opened = open_cache(version, local_dir=home / "copies")
+    assert opened.path.is_relative_to(home / "copies") and len(opened) == len(local_reference[0])
+    assert [list(opened[i]["input_ids"]) for i in range(len(opened))] == local_reference[0]["input_ids"]
 
 
 def test_a_grown_input_uploads_only_its_new_slices(s3_root, local_reference, home, tmp_path):
