@@ -96,24 +96,23 @@ def positive_int(text: str) -> int:
     return value
 
 
-def positive_seconds(text: str) -> float:
+def _seconds(text: str, zero: bool) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not (value > 0 and value != float("inf")):
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    if not ((value >= 0 if zero else value > 0) and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"expected {'zero or ' if zero else ''}a positive number of seconds, "
+                                         f"got {text!r}")
     return value
+
+
+def positive_seconds(text: str) -> float:
+    return _seconds(text, zero=False)
 
 
 def non_negative_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not (value >= 0 and value != float("inf")):
-        raise argparse.ArgumentTypeError(f"expected zero or a positive number of seconds, got {text!r}")
-    return value
+    return _seconds(text, zero=True)
 
 
 def json_object(text: str) -> dict:
