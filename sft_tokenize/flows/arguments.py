@@ -126,7 +126,9 @@ class PackCommand(PackOptions):
     """`sft-tokenize pack`'s flags: the cache, then the packing options (PackOptions)."""
 
     cache: Annotated[str, Flag(PACK, metavar="CACHE_OR_MIXTURE", positional=True)] = Field(
-        description="a published cache directory, or a mixture index")
+        description="a published cache directory, a mixture index, or a cache version's URL on object storage "
+                    "(copied to this machine first, as `pull` does to its default directory, and packed there)")
+    storage_options: ReadStorageOptions = READ_STORAGE_OPTIONS
 
 
 class GcCommand(BaseModel):

@@ -149,10 +149,12 @@ def show_lengths(args: argparse.Namespace) -> int:
 def pack(args: argparse.Namespace) -> int:
     from sft_tokenize.flows.report import packing_summary, text_table
     from sft_tokenize.read.packing_index import PackOptions, pack_cache
+    from sft_tokenize.read.remote_cache import cache_location
 
     options = PackOptions(length=args.length, data_parallel=args.data_parallel, algorithm=args.algorithm,
                           index_dir=args.index_dir)
-    index = pack_cache(args.cache, options)
+    # A cache on object storage is packed where it is read: in its local copy, beside which the index is kept
+    index = pack_cache(cache_location(args.cache, storage_options=args.storage_options), options)
     print(text_table([("built", "now" if index.built_now else "earlier: reused")]
                      + packing_summary(index.meta, index.build, index.path)))
     print(index.path)

@@ -127,6 +127,18 @@ def test_pull_makes_a_directory_load_from_disk_opens_and_inspect_reads_the_manif
     assert not any(SHARD_STORE in path for _, path in remote_example.server.requests)
 
 
+def test_pack_of_a_url_packs_its_local_copy_reaching_the_store_with_storage_options(remote_example, example_cache, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("SFT_TOKENIZE_HOME", str(tmp_path / "home"))  # where the default copy goes
+    monkeypatch.delenv("AWS_ENDPOINT_URL")  # the store is reached through --storage-options alone
+    options = json.dumps({"endpoint_url": remote_example.server.endpoint})
+    assert main(["pack", remote_example.url, "--length", "512", "--storage-options", options]) == 0
+    index = Path(capsys.readouterr().out.strip().splitlines()[-1])
+    copy = default_local_dir(split_version(remote_example.url)[0])
+    assert index.is_relative_to(copy) and (copy / example_cache.name / MANIFEST).is_file()
+    packed = open_cache(copy / example_cache.name).packed(512)
+    assert sum(len(bin_["input_ids"]) for bin_ in packed) == sum(open_cache(example_cache).lengths)
+
+
 def test_pull_says_what_failed_in_one_line(remote_example, example_cache, tmp_path, capsys, monkeypatch):
     import moto.settings
 
