@@ -127,7 +127,8 @@ def test_pull_makes_a_directory_load_from_disk_opens_and_inspect_reads_the_manif
     assert not any(SHARD_STORE in path for _, path in remote_example.server.requests)
 
 
-def test_pack_of_a_url_packs_its_local_copy_reaching_the_store_with_storage_options(remote_example, example_cache, tmp_path, capsys, monkeypatch):
+def test_pack_of_a_url_packs_its_local_copy_reaching_the_store_with_storage_options(
+        remote_example, example_cache, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("SFT_TOKENIZE_HOME", str(tmp_path / "home"))  # where the default copy goes
     monkeypatch.delenv("AWS_ENDPOINT_URL")  # the store is reached through --storage-options alone
     options = json.dumps({"endpoint_url": remote_example.server.endpoint})
