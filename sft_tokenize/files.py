@@ -47,6 +47,21 @@ def user_cache() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "sft-tokenize"
 
 
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def is_remote(location: str | Path) -> bool:
+    """Whether `location` is a URL of object storage (any fsspec URL but file://), not a local path."""
+    scheme = _SCHEME.match(str(location))
+    return bool(scheme) and scheme.group(1).lower() not in ("file", "local")
+
+
+def local_path(location: str | Path) -> str | Path:
+    """A local location as a path: `file://PATH` is PATH; anything else is returned as it is."""
+    text = str(location)
+    return text[len("file://"):] if text.lower().startswith("file://") else location
+
+
 @contextlib.contextmanager
 def locked(lock_file: Path, waiting: str | None = None, shared: bool = False, remove: bool = False) -> Iterator[None]:
     """An advisory lock (flock) across processes, exclusive or shared; says `waiting` if it has to wait.

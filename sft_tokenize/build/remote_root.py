@@ -18,9 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from sft_tokenize.errors import BadInput, one_line
-from sft_tokenize.files import user_cache
+from sft_tokenize.files import is_remote, local_path, user_cache
 from sft_tokenize.format.layout import REMOTE_BUILDS, STAGING
-from sft_tokenize.read.remote_cache import is_remote, local_path
 
 # In-memory filesystems live in one process: workers would each see their own.
 UNSUPPORTED = frozenset({"memory"})

@@ -32,7 +32,16 @@ from pathlib import Path
 from typing import Any
 
 from sft_tokenize.errors import BadInput, CacheError, Failed, first_line
-from sft_tokenize.files import atomic_path, built_directory, file_digest, locked, network_failure, user_cache
+from sft_tokenize.files import (
+    atomic_path,
+    built_directory,
+    file_digest,
+    is_remote,
+    local_path,
+    locked,
+    network_failure,
+    user_cache,
+)
 from sft_tokenize.format.layout import (
     DATASET_INFO,
     IMAGE_FILES,
@@ -48,21 +57,8 @@ from sft_tokenize.format.layout import (
 )
 from sft_tokenize.format.manifest import read_manifest
 
-_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 _KEY = re.compile(r"^[0-9A-Za-z_-]{1,128}$")  # a content key names an object: never a path
 DOWNLOADS = 8  # shard objects fetched at once
-
-
-def is_remote(location: str | Path) -> bool:
-    """Whether `location` is a URL of object storage (any fsspec URL but file://), not a local path."""
-    scheme = _SCHEME.match(str(location))
-    return bool(scheme) and scheme.group(1).lower() not in ("file", "local")
-
-
-def local_path(location: str | Path) -> str | Path:
-    """A local location as a path: `file://PATH` is PATH; anything else is returned as it is."""
-    text = str(location)
-    return text[len("file://"):] if text.lower().startswith("file://") else location
 
 
 def split_version(url: str) -> tuple[str, str]:
