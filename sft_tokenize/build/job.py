@@ -93,6 +93,9 @@ class Job(_JobPaths):
     prepared: str = ""
     # the processor's configuration as JSON text (image rows, encoding/vision.py); empty: no processor
     processor_config: str = ""
+    # the tokenizer's URL when it is on object storage: each process loads its own copy (fetch_tokenizer), since
+    # tokenizer_dir is the planning machine's
+    tokenizer_url: str = ""
     # the URL of a remote cache root (remote_root.py); empty: a local root. Then `store` is its store's URL, and
     # each process writes its shards into its own working store (local_store) before uploading them
     remote_root: str = ""

@@ -31,7 +31,7 @@ from sft_tokenize.encoding.prepared import prepared_dir
 from sft_tokenize.encoding.tokenizer import read_chat_template, read_processor_config, resolve_tokenizer
 from sft_tokenize.encoding.vision import load_family
 from sft_tokenize.errors import BadInput
-from sft_tokenize.files import write_problem
+from sft_tokenize.files import is_remote, write_problem
 from sft_tokenize.fingerprint import fingerprint, hash_directory, hash_text, tokenization_inputs
 from sft_tokenize.format import CACHE_FORMAT_VERSION
 from sft_tokenize.format.layout import SHARD_STORE, STAGING
@@ -161,7 +161,8 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable
     tokenize (its slices have no key). `dry`: write nothing under the cache root (a dry run: no staging
     directory, no writability probe, the inputs' digests not saved)."""
     root = cache_root(options, create=not dry)
-    tokenizer_dir = resolve_tokenizer(options.tokenizer, options.tokenizer_revision)
+    tokenizer_dir = resolve_tokenizer(options.tokenizer, options.tokenizer_revision,
+                                      storage_options=options.storage_options)
     processor_dir = resolve_tokenizer(options.processor, options.tokenizer_revision, "processor") \
         if options.processor else None
     processor_config = read_processor_config(processor_dir) if processor_dir else None
@@ -196,6 +197,7 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable
         store=f"{remote}/{SHARD_STORE}" if remote else str(store_dir(root)),
         tokenization=fingerprint(tokenization_inputs(inputs)),
         tokenizer_dir=str(tokenizer_dir),
+        tokenizer_url=options.tokenizer if is_remote(options.tokenizer) else "",
         chat_template=template_override,
         columns=columns,
         **job_values(options),  # the options the slices read (options.py)

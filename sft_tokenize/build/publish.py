@@ -101,7 +101,8 @@ def build_manifest(job: Job, slices: list[Slice], shards: list[dict], files: lis
         "name": name,
         "fingerprint": job.fingerprint,
         "fingerprint_inputs": inputs,
-        "tokenizer": job.tokenizer_dir,  # where it was loaded from, for `inspect --row` (not fingerprinted)
+        # where it was loaded from, for `inspect --row` (not fingerprinted)
+        "tokenizer": job.tokenizer_url or job.tokenizer_dir,
         "tokenization_fingerprint": job.tokenization,
         "layout": job.layout,
         "columns": list(job_features(job)),

@@ -23,7 +23,7 @@ from sft_tokenize.encoding.chat_encoder import ChatEncoder
 from sft_tokenize.encoding.exact import FastEncoder, choose_encoder
 from sft_tokenize.encoding.pool import DEPTH, EncodePool
 from sft_tokenize.encoding.prepared import prepared_encoding, prepared_here
-from sft_tokenize.encoding.tokenizer import load_tokenizer
+from sft_tokenize.encoding.tokenizer import fetch_tokenizer, load_tokenizer
 from sft_tokenize.encoding.vision import VisionFamily, load_family
 
 
@@ -54,9 +54,17 @@ def encoder_settings(job: Job) -> dict:
             "special_text": job.special_text, "skeletons": job.render == "skeleton"}
 
 
+def tokenizer_here(job: Job) -> str:
+    """The job's tokenizer directory in this process: its own copy of a tokenizer on object storage (a worker that
+    shares only the bucket has no path of the planning machine), else the directory the plan resolved."""
+    if job.tokenizer_url:
+        return str(fetch_tokenizer(job.tokenizer_url, job.storage_options))
+    return job.tokenizer_dir
+
+
 def _process_encoding(job: Job) -> tuple[Any, FastEncoder | None]:
     """This process's tokenizer and fast encoder for the job."""
-    return process_encoding(job.tokenizer_dir, job.chat_template, job.trust_remote_code, job.encoder,
+    return process_encoding(tokenizer_here(job), job.chat_template, job.trust_remote_code, job.encoder,
                             prepared_path(job))
 
 

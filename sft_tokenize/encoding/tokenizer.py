@@ -1,4 +1,5 @@
-"""The tokenizer a run names: found (a local directory, or its files fetched from the hub), loaded as a fast
+"""The tokenizer a run names: found (a local directory, its files fetched from the hub, or copied from object
+storage), loaded as a fast
 `transformers` tokenizer, with the user's chat-template override read from a file or taken as text.
 
 Finding and loading a tokenizer is one job, encoding with it (chat_encoder.py) another: the planner resolves the
@@ -9,6 +10,7 @@ tokenizer's directory to hash its files into the fingerprint, and a worker loads
 from __future__ import annotations
 
 import errno
+import fnmatch
 import hashlib
 import json
 import os
@@ -18,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from sft_tokenize.errors import BadInput, one_line
+from sft_tokenize.files import is_remote, user_cache
+from sft_tokenize.format.layout import TOKENIZER_COPIES
 
 # Files that make up a tokenizer; hashed into the fingerprint and fetched from the hub.
 TOKENIZER_FILE_PATTERNS = ("*.json", "*.jinja", "*.model", "*.txt", "*.tiktoken", "*.py")
@@ -25,8 +29,48 @@ TOKENIZER_FILE_PATTERNS = ("*.json", "*.jinja", "*.model", "*.txt", "*.tiktoken"
 PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
 
 
-def resolve_tokenizer(name_or_path: str, revision: str | None = None, what: str = "tokenizer") -> Path:
-    """A local directory holding the tokenizer's (or processor's) files: the path itself, or a hub snapshot."""
+def fetch_tokenizer(url: str, storage_options: dict | None = None) -> Path:
+    """A tokenizer directory on object storage (`s3://bucket/tokenizers/qwen`) copied into this user's cache, once
+    per machine and version of its files: the copy is named by the URL and the files' identities (size and ETag),
+    so an edited file gives a new copy, and a worker that shares only the bucket fetches its own."""
+    from sft_tokenize.sources.resolve import file_identity, filesystem
+
+    try:
+        fs, path = filesystem(url, storage_options)
+        files = sorted((info["name"], file_identity(fs, info["name"], info)) for info in fs.ls(path, detail=True)
+                       if info["type"] == "file" and any(fnmatch.fnmatch(info["name"].rsplit("/", 1)[-1], pattern)
+                                                        for pattern in TOKENIZER_FILE_PATTERNS))
+    except FileNotFoundError:
+        raise BadInput(f"tokenizer {url}: not found (no such bucket or directory)") from None
+    except Exception as error:  # noqa: BLE001 - a bad URL, denied credentials: one line each
+        raise BadInput(f"tokenizer {url}: cannot list its files ({type(error).__name__}: {one_line(error)})") from None
+    if not files:
+        raise BadInput(f"tokenizer {url}: no tokenizer files there (tokenizer.json, tokenizer_config.json, ...)")
+    readable = "".join(c if c.isalnum() or c in "._-" else "-" for c in url.split("://", 1)[-1])[-60:].strip("-.")
+    key = hashlib.sha256(json.dumps([url, files], default=str).encode()).hexdigest()[:16]
+    copy = user_cache() / TOKENIZER_COPIES / f"{readable}-{key}"
+    if copy.is_dir():
+        return copy
+    copy.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix=f".{copy.name}.", dir=copy.parent))
+    try:
+        for name, _ in files:
+            fs.get_file(name, str(partial / name.rsplit("/", 1)[-1]))
+        os.rename(partial, copy)  # whole or not at all; another process's equal copy may have got there first
+    except OSError as error:
+        if not copy.is_dir():
+            raise BadInput(f"tokenizer {url}: cannot copy its files ({one_line(error)})") from None
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return copy
+
+
+def resolve_tokenizer(name_or_path: str, revision: str | None = None, what: str = "tokenizer",
+                      storage_options: dict | None = None) -> Path:
+    """A local directory holding the tokenizer's (or processor's) files: the path itself, a hub snapshot, or a
+    copy of a directory on object storage."""
+    if is_remote(name_or_path):
+        return fetch_tokenizer(name_or_path, storage_options)
     path = Path(os.path.abspath(Path(name_or_path).expanduser()))
     flag = f"--{what}"
     if path.is_dir():

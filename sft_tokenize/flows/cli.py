@@ -79,11 +79,12 @@ def plan_only(args: argparse.Namespace, settings: dict) -> int:
 
 
 def inspect(args: argparse.Namespace) -> int:
+    from sft_tokenize.files import is_remote
     from sft_tokenize.flows.report import fingerprint_inputs, mixture_summary, packing_summary, summary, text_table
     from sft_tokenize.read.cache import read_manifest, verify_cache
     from sft_tokenize.read.mixture_index import check_sources, load_mixture
     from sft_tokenize.read.packing_index import list_indexes
-    from sft_tokenize.read.remote_cache import is_remote, materialize, remote_manifest
+    from sft_tokenize.read.remote_cache import materialize, remote_manifest
 
     if is_remote(args.cache):
         if not (args.lengths or args.row or args.sample or args.verify):  # the manifest says it all: no download
@@ -125,7 +126,8 @@ def inspect(args: argparse.Namespace) -> int:
 
 def pull(args: argparse.Namespace) -> int:
     """`pull URL DIR`: a remote cache version copied into the local cache root DIR; prints its local path."""
-    from sft_tokenize.read.remote_cache import is_remote, materialize
+    from sft_tokenize.files import is_remote
+    from sft_tokenize.read.remote_cache import materialize
 
     if not is_remote(args.url):
         raise BadInput(f"{args.url}: not a URL of object storage (s3://, gs://, …): a local cache is opened where "
@@ -165,7 +167,8 @@ def show_rows(args: argparse.Namespace, manifest: dict) -> int:
     """`inspect --row N` / `--sample K`: rows decoded with their trained tokens highlighted."""
     import random
 
-    from sft_tokenize.encoding.tokenizer import load_tokenizer
+    from sft_tokenize.encoding.tokenizer import fetch_tokenizer, load_tokenizer
+    from sft_tokenize.files import is_remote
     from sft_tokenize.flows.report import show_row
     from sft_tokenize.read.cache import open_cache
 
@@ -174,6 +177,8 @@ def show_rows(args: argparse.Namespace, manifest: dict) -> int:
     if bad:
         raise BadInput(f"{args.cache}: no row {bad[0]}: the cache has {len(cache):,} rows (0 to {len(cache) - 1})")
     tokenizer_dir = args.tokenizer or manifest.get("tokenizer")
+    if tokenizer_dir and is_remote(tokenizer_dir):  # built with a tokenizer on object storage: this machine's copy
+        tokenizer_dir = str(fetch_tokenizer(tokenizer_dir, args.storage_options))
     if not tokenizer_dir or not os.path.isdir(tokenizer_dir):
         raise BadInput(f"{args.cache}: the tokenizer it was built with ({tokenizer_dir or 'not recorded'}) is not "
                        "here: pass --tokenizer DIR")

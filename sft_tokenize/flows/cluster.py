@@ -103,7 +103,9 @@ def probe_bucket(url: str, storage_options: dict, tokenizer: tuple, must_read: l
     from sft_tokenize.build.remote_root import probe_root
     from sft_tokenize.build.workers import process_encoding
     from sft_tokenize.encoding.prepared import prepared_here
+    from sft_tokenize.encoding.tokenizer import fetch_tokenizer
     from sft_tokenize.errors import one_line
+    from sft_tokenize.files import is_remote
 
     host = f"{socket.gethostname()} (pid {os.getpid()})"
     problems = []
@@ -117,7 +119,9 @@ def probe_bucket(url: str, storage_options: dict, tokenizer: tuple, must_read: l
                         "same paths on every worker (or the inputs on object storage)")
     else:
         tokenizer_dir, chat_template, trust_remote_code, encoder, prepared = tokenizer
-        try:  # kept by the process for its slices (process_encoding is cached)
+        try:  # kept by the process for its slices (process_encoding is cached); a URL is copied here first
+            if is_remote(tokenizer_dir):
+                tokenizer_dir = str(fetch_tokenizer(tokenizer_dir, storage_options))
             process_encoding(tokenizer_dir, chat_template, trust_remote_code, encoder,
                              str(prepared_here(prepared)) if prepared else "")
         except Exception as error:  # noqa: BLE001 - whatever keeps it from loading, said per worker
@@ -141,9 +145,10 @@ def _api_problems(host: str, api_url: str | None) -> list[str]:
 
 
 def local_paths(plan: Plan) -> list[str]:
-    """What a worker reads from its own disk: the tokenizer directory and the local input files."""
+    """What a worker reads from its own disk: the tokenizer directory (unless it copies it from object storage)
+    and the local input files."""
     inputs = {part.url for slice_ in plan.slices for part in slice_.parts if "://" not in part.url}
-    return [plan.job.tokenizer_dir, *sorted(inputs)]
+    return [*([] if plan.job.tokenizer_url else [plan.job.tokenizer_dir]), *sorted(inputs)]
 
 
 def _run_on_dask(runner, args: tuple, check=probe) -> dict[str, list[str]]:
@@ -186,7 +191,8 @@ def check_workers(runner_name: str, runner, plan: Plan) -> str:
     if plan.job.remote_root:
         job = plan.job
         args = (job.remote_root, job.storage_options,
-                (job.tokenizer_dir, job.chat_template, job.trust_remote_code, job.encoder, job.prepared),
+                (job.tokenizer_url or job.tokenizer_dir, job.chat_template, job.trust_remote_code, job.encoder,
+                 job.prepared),
                 local_paths(plan), api_url)
         found = _run_on_dask(runner, args, probe_bucket) if runner_name == "dask" else _run_on_ray(args, probe_bucket)
         return _checked(runner_name, found, job.remote_root)

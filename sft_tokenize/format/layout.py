@@ -13,6 +13,8 @@
     USER_CACHE/builds/<root>-<hash>/  REMOTE_BUILDS: a process's working directory for a remote root it builds
                                       (build/remote_root.py): .staging/ (the flow's run lock), .shards/ (a shard
                                       until it is uploaded)
+    USER_CACHE/tokenizer-copies/<name>-<hash>/  TOKENIZER_COPIES: a tokenizer directory on object storage, copied
+                                      (encoding/tokenizer.py), one directory per URL and version of its files
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ INDEX_BUILD = "build.json"  # how the index was built: seconds, tool version
 
 # In the user's sft-tokenize home (files.user_cache): the local copies of remote cache roots, one directory each
 REMOTE_COPIES = "remote"
+TOKENIZER_COPIES = "tokenizer-copies"  # and of tokenizer directories named by a URL
 
 DELETING = ".deleting"  # `.<version>.deleting-<tag>`: a version being removed, renamed out of the way first
 BUILDING_SUFFIX, STALE_SUFFIX = ".building", ".stale"  # hidden, beside an index's directory: its new and old copy

@@ -209,7 +209,8 @@ def test_a_run_killed_mid_upload_leaves_no_visible_shard_and_the_same_command_re
     assert fs.exists(f"{version.removeprefix('s3://')}/manifest.json")
 
 
-def test_a_bad_url_a_missing_bucket_and_denied_credentials_stop_the_run_before_any_slice(s3_root, cli_home, home):
+def test_a_bad_url_a_missing_bucket_a_missing_tokenizer_and_denied_credentials_stop_the_run_at_once(
+        s3_root, cli_home, home):
     import moto.settings
 
     env = {**s3_root.environment, "SFT_TOKENIZE_HOME": str(home)}
@@ -218,6 +219,11 @@ def test_a_bad_url_a_missing_bucket_and_denied_credentials_stop_the_run_before_a
                           ("s3:///caches", "no bucket in the URL")):
         assert_rejected(cli(*run_args([EXAMPLE_DATA], url), home=cli_home, env=env),  # type: ignore[arg-type]
                         f"cache dir {url.rstrip('/')}", expected)
+    s3_root.filesystem().pipe(f"{BUCKET}/data-only/rows.jsonl", b"{}\n")
+    for tokenizer, expected in ((f"s3://missing-{BUCKET}/tokenizer", "not found (no such bucket or directory)"),
+                                (f"s3://{BUCKET}/data-only", "no tokenizer files there")):
+        args = run_args([EXAMPLE_DATA], home / "local-cache", "--tokenizer", tokenizer)  # type: ignore[arg-type]
+        assert_rejected(cli(*args, home=cli_home, env=env), f"tokenizer {tokenizer}: {expected}")
     moto.settings.INITIAL_NO_AUTH_ACTION_COUNT = 0  # from now on the server checks keys: `test` is nobody's
     try:
         denied = cli(*run_args([EXAMPLE_DATA], f"s3://{BUCKET}/denied"), home=cli_home, env=env)  # type: ignore[arg-type]
@@ -272,11 +278,17 @@ def test_a_dask_cluster_sharing_only_the_bucket_publishes_the_local_runs_rows(bu
     with distributed.Client(address, timeout=30, set_as_default=False) as client:
         client.wait_for_workers(2, timeout=90)
     url = f"s3://{BUCKET}/dask"
-    state, _ = run_flow(TokenizeRun(**EXAMPLE_SLICES, cache_dir=url, workers=2, runner="dask", dask_address=address))
+    # The tokenizer is in the bucket too: each worker copies it into its own home, and the fingerprint is the
+    # local run's (it hashes the tokenizer's files, not where they are)
+    s3_root.filesystem().put(f"{EXAMPLE_SLICES['tokenizer']}/", f"{BUCKET}/tokenizer/", recursive=True)
+    options = {**EXAMPLE_SLICES, "tokenizer": f"s3://{BUCKET}/tokenizer"}
+    state, _ = run_flow(TokenizeRun(**options, cache_dir=url, workers=2, runner="dask", dask_address=address))
     assert state.is_completed(), state.message
-    assert_same_rows(s3_root, state.result(), local_reference)
+    manifest = assert_same_rows(s3_root, state.result(), local_reference)
+    assert manifest["tokenizer"] == options["tokenizer"]
     assert local_shards(url) == []  # the flow's machine wrote none
-    for place in workers:  # each worker prepared the tokenizer in its own home, and kept no shard after uploading
+    for place in workers:  # each worker copied and prepared the tokenizer in its own home, and kept no shard
+        assert list((place / "home" / "tokenizer-copies").iterdir())
         assert list((place / "home" / "tokenizers").iterdir())
         assert list((place / "home").rglob("*.arrow")) == [] and not (place / "s3:").exists()
     assert any((place / "home" / "builds").is_dir() for place in workers)  # where they wrote before uploading
