@@ -95,7 +95,8 @@ class TokenizeOptions(BaseModel):
                                                cli_note=" (or --recipe)")] = Field(
         min_length=1, description="files, globs, directories, fsspec URLs, or hub:NAME for a Hugging Face hub dataset")
     tokenizer: Annotated[str | None, Option(INPUT, metavar="PATH_OR_NAME", fingerprint="resolved")] = Field(
-        None, description="a local tokenizer directory or a Hugging Face hub model name (default: the processor's)")
+        None, description="a local tokenizer directory, a Hugging Face hub model name, or a directory's URL on "
+                          "object storage (copied once per machine) (default: the processor's)")
     processor: Annotated[str | None, Option(INPUT, metavar="PATH_OR_NAME", fingerprint="resolved")] = Field(
         None, description="a vision-language model's processor (a directory or hub name holding its "
                           "preprocessor_config.json): rows with images are tokenized by its image rule; see "

@@ -130,7 +130,7 @@ def test_the_job_carries_the_options_as_the_slices_use_them(inputs):
                   writer_batch_rows=10, writer_batch_bytes="1MB", storage_options={"anon": False}).job
     fields = {key: value for key, value in dataclasses.asdict(job).items()
               if key not in ("staging", "store", "tokenizer_dir", "prepared", "fingerprint", "tokenization",
-                                                                                           "remote_root")}
+                             "remote_root", "tokenizer_url")}
     assert fields == {
         "chat_template": None,
         "columns": {"format": "chat", "columns": {"messages": "messages", "system": "system", "tools": "tools"}},
@@ -142,7 +142,7 @@ def test_the_job_carries_the_options_as_the_slices_use_them(inputs):
         "images": "embed", "image_root": None, "image_access": "root", "image_timeout": 30.0,
         "max_image_bytes": 50 * 10**6, "processor_config": "",
     }
-    assert Path(job.tokenizer_dir) == EXAMPLE_TOKENIZER.resolve()
+    assert Path(job.tokenizer_dir) == EXAMPLE_TOKENIZER.resolve() and job.tokenizer_url == ""
     assert Path(job.staging).name == job.fingerprint and Path(job.staging).parent.name == ".staging"
 
 
