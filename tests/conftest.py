@@ -66,7 +66,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for marker in sorted(lanes.markers_for(item.fixturenames)):
             if item.get_closest_marker(marker) is None:
                 item.add_marker(marker)
-    if config.pluginmanager.has_plugin("xdist") and config.getoption("dist", "no") == "loadgroup":
+    # A worker collects with dist "no" and loadgroup set (xdist's remote.py); the controller collects nothing
+    if getattr(config.option, "loadgroup", False):
         groups = lanes.worker_groups(items)
         for item in items:
             item.add_marker(pytest.mark.xdist_group(groups[item.nodeid.split("::")[0]]))
@@ -80,6 +81,16 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
         return (yield)
     finally:
         lanes.current = None
+
+
+@pytest.fixture(autouse=True)
+def torch_kept_out_only_for_its_test() -> Iterator[None]:
+    """`main(["run", ...])` in this process keeps torch out of it (cli.keep_torch_out: None in sys.modules); a test
+    after it, on the same worker, must not inherit that (datasets' pickling then fails to import torch)."""
+    before = sys.modules.get("torch", "absent")
+    yield
+    if before == "absent" and "torch" in sys.modules and sys.modules["torch"] is None:
+        del sys.modules["torch"]
 
 
 @pytest.fixture(scope="session")
