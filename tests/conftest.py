@@ -71,7 +71,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         groups = lanes.worker_groups(items)
         for item in items:
             item.add_marker(pytest.mark.xdist_group(groups[item.nodeid.split("::")[0]]))
-        items.sort(key=lambda item: lanes.distribution_order(item, groups))
+        rank = lanes.distribution_order(items, groups)
+        items.sort(key=lambda item: rank[groups[item.nodeid.split("::")[0]]])
 
 
 @pytest.hookimpl(wrapper=True)

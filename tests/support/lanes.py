@@ -92,9 +92,16 @@ def worker_groups(items: list[pytest.Item]) -> dict[str, str]:
     return {module: find(module) for module in {item.nodeid.split("::")[0] for item in items}}
 
 
-def distribution_order(item: pytest.Item, groups: dict[str, str]) -> int:
-    """Long groups first, so that no long group starts last: those that share a server, then modules that run
-    the CLI, clusters or slow work, then the data plane's."""
-    if groups[item.nodeid.split("::")[0]] in SHARED_SERVERS:
-        return 0
-    return 1 if markers_for(item.fixturenames) - {"trainers"} or item.get_closest_marker("slow") else 2
+def distribution_order(items: list[pytest.Item], groups: dict[str, str]) -> dict[str, int]:
+    """group → when it is handed out: long groups first, so that no long group starts last. Those that share a
+    server, then those with a test that runs the CLI, a cluster or slow work, then the data plane's. One rank per
+    group, so that sorting by it keeps each module's tests together (a module fixture is made once)."""
+    rank: dict[str, int] = {}
+    for item in items:
+        group = groups[item.nodeid.split("::")[0]]
+        if group in SHARED_SERVERS:
+            mine = 0
+        else:
+            mine = 1 if markers_for(item.fixturenames) - {"trainers"} or item.get_closest_marker("slow") else 2
+        rank[group] = min(rank.get(group, 2), mine)
+    return rank
