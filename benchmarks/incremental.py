@@ -43,7 +43,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
 from build_inputs import CorpusSpec, build, generator, tokenizer_for  # noqa: E402
-from measure import measure  # noqa: E402
+from measure import end_process, measure  # noqa: E402
 from run import ENV, PREFECT_MODES, machine, prefect_env, project_command, stop_server, warm_up_prefect  # noqa: E402
 
 TARGET = 0.05
@@ -89,12 +89,7 @@ def prefect_server(home: Path, logs: Path) -> Iterator[str]:
             time.sleep(0.5)
         yield url
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        end_process(server)
 
 
 def timed_run(name: str, data: Path, tokenizer: Path, cache: Path, workers: int, env: dict, logs: Path) -> dict:

@@ -158,6 +158,16 @@ def measure(command: list[str], env: dict[str, str] | None = None, cwd: Path | N
                     memory.peak_pss_processes)
 
 
+def end_process(process: subprocess.Popen, seconds: float = 30) -> None:
+    """Terminate a server the benchmark started, killing it if it has not ended within `seconds`."""
+    process.terminate()
+    try:
+        process.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 def git_state(root: Path) -> dict:
     """The commit of the checkout at `root` and whether its tracked files differed from it (`dirty`), with the
     differing paths; what a result file records, so that its figures can be traced to the code they measured."""

@@ -36,7 +36,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
 from build_inputs import CorpusSpec, build, tokenizer_for  # noqa: E402
-from measure import measure  # noqa: E402
+from measure import end_process, measure  # noqa: E402
 from run import ENV, machine, prefect_env, project_command, stop_server, warm_up_prefect  # noqa: E402
 
 TARGET = 0.8
@@ -67,12 +67,7 @@ def moto_server(logs: Path) -> Iterator[str]:
         urllib.request.urlopen(request, timeout=10)
         yield endpoint
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        end_process(server)
 
 
 def timed_run(name: str, data: Path, tokenizer: Path, cache: str, workers: int, env: dict, logs: Path,
