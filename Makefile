@@ -32,7 +32,7 @@ test: $(BIN)/python
 	$(BIN)/pip install -q --no-deps '$(AXOLOTL)'
 	$(BIN)/ruff check .
 	$(MAKE) docs
-	$(BIN)/python -m pytest -n 3 --dist loadgroup --junitxml=.cache/pytest-junit.xml
+	$(BIN)/python -m pytest -n 3 --dist loadgroup --no-loadscope-reorder --junitxml=.cache/pytest-junit.xml
 
 # The data plane's lane, for a change in progress: no Prefect server or harness, no cluster, no CLI subprocess, no
 # trainers, nothing slow (under 2 minutes on 2 cores). A test's lane comes from the fixtures it uses

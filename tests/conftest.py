@@ -75,6 +75,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items.sort(key=lambda item: rank[groups[item.nodeid.split("::")[0]]])
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids: list[str]) -> None:
+    """xdist groups a test by the `@group` its worker appends to the test's id; where that append has no effect
+    (pytest 9.2, pytest-xdist#1386) every test is scheduled alone, each worker starts its own servers and a
+    module's fixtures run on several workers. Stop before any test runs rather than run slow and flaky."""
+    if node.config.getoption("dist") == "loadgroup" and (ungrouped := [i for i in ids if "@" not in i]):
+        pytest.exit(f"pytest-xdist left {len(ungrouped)} tests ungrouped (first: {ungrouped[0]}) under pytest "
+                    f"{pytest.__version__}: see pytest-xdist#1386", returncode=pytest.ExitCode.USAGE_ERROR)
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     lanes.current = item  # what the lane guards (lanes.require) check
