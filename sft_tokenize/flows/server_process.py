@@ -4,9 +4,10 @@ idle time, and the record that lets a boot on a known database skip its migratio
 server_state.py's docstring for the protocol, docs/performance.md for the figures).
 
 A new PREFECT_HOME's database starts as a copy. Creating and migrating Prefect's SQLite database (about a hundred
-Alembic migrations) and registering its block types takes ~11 s on two busy cores, and every fresh PREFECT_HOME
-paid it. The first server on the machine to create one snapshots it, migrated and registered but before it has
-served anything, into this user's cache (files.py's `user_cache()`):
+Alembic migrations) and registering its block types took ~11 s on two busy cores as Prefect's boot does it (~3.5 s
+as prefect_migrations.py does it), and every fresh PREFECT_HOME paid it. The first server on the machine to create
+one snapshots it, migrated and registered but before it has served anything, into this user's cache (files.py's
+`user_cache()`):
 
     <user cache>/prefect-databases/prefect-<version>-<key>/
         prefect.db       the snapshot (SQLite's backup API: one consistent file)
@@ -131,17 +132,26 @@ def seed_database(database: Path) -> bool:
 
 
 def make_template(database: Path) -> None:
-    """Create and migrate `database` and register the block types, as Prefect's own boot would, then keep a
-    snapshot of it as this Prefect's template (best effort: without one, the next fresh home only boots slower)."""
+    """Create and migrate `database` (prefect_migrations.py) and register the block types, as Prefect's own boot
+    would, then keep a snapshot of it as this Prefect's template (best effort: without one, the next fresh home
+    only boots slower)."""
     import asyncio
     import sqlite3
 
     from prefect.server.database import provide_database_interface
     from prefect.server.models.block_registration import run_block_auto_registration
 
+    from sft_tokenize.flows.prefect_migrations import migrate_sqlite
+
     async def create() -> None:
         db = provide_database_interface()
-        await db.create_db()
+        try:
+            migrate_sqlite(database)  # Prefect's migrations, without an async round trip per statement
+        except Exception as error:  # noqa: BLE001 - Prefect's own way, from a new file, is always right
+            print(f"migrating with Prefect's own engine: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+            for path in _journals(database):
+                path.unlink(missing_ok=True)
+            await db.create_db()
         async with await db.session() as session:
             await run_block_auto_registration(session=session)
 

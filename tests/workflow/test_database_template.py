@@ -4,6 +4,7 @@ used only when made by this very Prefect, never over a database that is there.""
 from __future__ import annotations
 
 import json
+import re
 import sqlite3
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 from support.cli import environment
 
+from sft_tokenize.flows.prefect_migrations import migrate_sqlite
 from sft_tokenize.flows.server_process import (
     TEMPLATE_DATABASE,
     TEMPLATE_RECORD,
@@ -105,6 +107,7 @@ def test_the_first_fresh_home_makes_the_template_and_the_next_ones_copy_it(tmp_p
     user_cache = tmp_path / "user-cache"
     monkeypatch.setenv("SFT_TOKENIZE_HOME", str(user_cache))
     _boot(server_home, user_cache)  # the embedded servers of three fresh homes
+    assert "Prefect's own engine" not in (server_home / "embedded-server.log").read_text()  # migrated synchronously
     template = template_dir()
     record = json.loads((template / TEMPLATE_RECORD).read_text())
     assert record == {**_this_prefect(), **_database_facts(template / TEMPLATE_DATABASE)}
@@ -123,3 +126,26 @@ def test_the_first_fresh_home_makes_the_template_and_the_next_ones_copy_it(tmp_p
     _boot(tmp_path / "third", user_cache)
     assert not _marked(tmp_path / "third" / "prefect.db")
     assert _database_facts(tmp_path / "third" / "prefect.db") == {k: record[k] for k in ("revision", "block_types")}
+
+
+def _contents(database: Path) -> dict[str, object]:
+    """Every schema object and every table's rows. A table's constraints are compared as a set: Alembic's batch
+    migrations, Prefect's own included, rebuild a table with its foreign keys in an order that varies by run."""
+    with closing(sqlite3.connect(database)) as db:
+        objects = db.execute("SELECT type, name, tbl_name, sql FROM sqlite_master WHERE name NOT LIKE 'sqlite_%'")
+        contents: dict[str, object] = {}
+        for kind, name, table, sql in objects.fetchall():
+            contents[f"{kind} {name} on {table}"] = sorted(re.split(r",\s*\n", (sql or "").removesuffix("\n)")))
+            if kind == "table":
+                contents[f"rows of {name}"] = sorted(map(repr, db.execute(f'SELECT * FROM "{name}"')))
+    return contents
+
+
+@pytest.mark.slow  # migrates a new database (~3 s)
+def test_the_synchronous_migration_leaves_what_prefects_own_upgrade_leaves(tmp_path, migrated_prefect_home):
+    database = tmp_path / "prefect.db"
+    revision = migrate_sqlite(database)
+    assert revision == _database_facts(migrated_prefect_home / "prefect.db")["revision"]
+    ours, prefects = _contents(database), _contents(migrated_prefect_home / "prefect.db")
+    assert len(ours) > 100 and ours.keys() == prefects.keys()
+    assert [name for name in ours if ours[name] != prefects[name]] == []
