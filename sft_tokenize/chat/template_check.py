@@ -51,11 +51,40 @@ def check_chat_template(chat_template: str | None, tokenizer_dir: Path, override
     if not isinstance(template, str):
         return  # none: the tokenizer check says it is missing
     from jinja2 import TemplateSyntaxError
-    from transformers.utils.chat_template_utils import _compile_jinja_template
 
     try:
-        _compile_jinja_template(template)
+        _compile(template)
     except TemplateSyntaxError as error:
         line = f" (line {error.lineno} of the template)" if error.lineno else ""
         raise BadInput(f"{where}: the chat template is not valid Jinja{line}: {one_line(error.message or error)}") \
             from None
+
+
+def compiled_mark(template: str) -> Path:
+    """The empty file that says `template` compiled under these versions of transformers and jinja2."""
+    from importlib.metadata import version
+
+    from sft_tokenize.files import user_cache
+    from sft_tokenize.fingerprint import fingerprint
+    from sft_tokenize.format.layout import COMPILED_TEMPLATES
+
+    versions = {"transformers": version("transformers"), "jinja2": version("jinja2")}
+    return user_cache() / COMPILED_TEMPLATES / fingerprint({"template": template, **versions}, digits=32)
+
+
+def _compile(template: str) -> None:
+    """Compile `template` as transformers does, unless it compiled before (compiled_mark): importing transformers
+    is most of a warm run's plan, ~0.6 s. Only a success is remembered."""
+    from sft_tokenize.files import atomic_write
+
+    mark = compiled_mark(template)
+    if mark.is_file():
+        return
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    _compile_jinja_template(template)
+    try:
+        mark.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(mark, "", durable=False)
+    except OSError:  # a read-only home: the next run compiles it again
+        pass

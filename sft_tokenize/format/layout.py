@@ -15,6 +15,8 @@
                                       until it is uploaded)
     USER_CACHE/tokenizer-copies/<name>-<hash>/  TOKENIZER_COPIES: a tokenizer directory on object storage, copied
                                       (encoding/tokenizer.py), one directory per URL and version of its files
+    USER_CACHE/compiled-templates/<hash>  COMPILED_TEMPLATES: an empty file per chat template that compiled, by the
+                                      hash of its text and of transformers' and jinja2's versions
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ INDEX_BUILD = "build.json"  # how the index was built: seconds, tool version
 # In the user's sft-tokenize home (files.user_cache): the local copies of remote cache roots, one directory each
 REMOTE_COPIES = "remote"
 TOKENIZER_COPIES = "tokenizer-copies"  # and of tokenizer directories named by a URL
+COMPILED_TEMPLATES = "compiled-templates"  # an empty file per chat template that compiled (chat/template_check.py)
 
 DELETING = ".deleting"  # `.<version>.deleting-<tag>`: a version being removed, renamed out of the way first
 BUILDING_SUFFIX, STALE_SUFFIX = ".building", ".stale"  # hidden, beside an index's directory: its new and old copy
