@@ -37,11 +37,11 @@ def migrate_sqlite(database: Path) -> str:
     config = alembic_config()
     script = ScriptDirectory(ScriptDirectory.from_config(config).dir, version_locations=[db.orm.versions_dir])
     head = script.get_current_head()
+    upgrade = lambda revision, _: script._upgrade_revs(head, revision)  # noqa: E731 - as alembic.command.upgrade
     token = SQLITE_BEGIN_MODE.set("IMMEDIATE")
     try:
         with warnings.catch_warnings(), engine.connect() as connection, \
-                EnvironmentContext(config, script, fn=lambda revision, _: script._upgrade_revs(head, revision),
-                                   destination_rev=head) as context:
+                EnvironmentContext(config, script, fn=upgrade, destination_rev=head) as context:
             warnings.filterwarnings("ignore", message="Skipped unsupported reflection of expression-based index")
             # As env.py's do_run_migrations: one transaction per migration, batch mode, foreign keys off meanwhile
             context.configure(connection=connection, target_metadata=db.Base.metadata, include_schemas=True,
