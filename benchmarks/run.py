@@ -339,9 +339,9 @@ def targets(results: list[dict], mode: str = "fresh", shape: str = "long", token
     else:
         found.append(Target(name, None, "no first_slice event traced"))
     peaks = [r["runs"]["project"]["peak_pss_mib"] for r in results if "project" in r["runs"]]
-    found.append(Target("project peak PSS of the whole tree, server included, <= 1.0 GB (every size)",
+    found.append(Target("project peak PSS of the whole tree, server included, <= 1 GiB (1,024 MiB; every size)",
                         max(peaks) <= PEAK_PSS_MIB, short_of(max(peaks), PEAK_PSS_MIB, " MiB", more=False))
-                 if peaks else Target("project peak PSS <= 1.0 GB", None, "not run"))
+                 if peaks else Target("project peak PSS <= 1 GiB", None, "not run"))
     first, at = results[0]["runs"], f"{results[-1]['size']}x"
     sweep = f"{results[0]['size']}x -> {at}"
     if largest and "project" in first and len(results) > 1:
