@@ -16,7 +16,7 @@ from support.cli import assert_rejected, cli, run_args
 pytest.importorskip("fastokens")
 
 BAD_ROW = '{"messages": [{"role": "narrator", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n'
-REPEATS = 5  # the window itself is hit every time by the first test
+REPEATS = 2  # the window itself is hit every time by the first test
 
 # A process that warmed its fast encoder (as a run's planner does) and fails before encoding anything (as a run
 # whose first row is bad does), then ends. Its teardown lasts until the build thread is gone, as a run's longer
