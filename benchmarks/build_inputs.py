@@ -278,6 +278,13 @@ def qwen_tokenizer(check: bool = True) -> Path:
     return out
 
 
+def add_tokenizer_argument(parser: argparse.ArgumentParser) -> None:
+    """--tokenizer of the scripts that time runs on the 32k corpus; tokenizer_for reads it."""
+    parser.add_argument("--tokenizer", choices=("bench", "example"), default="bench",
+                        help="bench: the 32k BPE trained on the corpus's lexicon; example: the bundled "
+                             "examples/tokenizer, for a quick check (default bench)")
+
+
 def tokenizer_for(name: str, spec: CorpusSpec) -> Path:
     """The tokenizer named on a benchmark's command line: `bench`, the 32k BPE of `spec`'s lexicon (built where
     missing); `qwen`, Qwen's real one (fetched where missing); `example`, the bundled one (nothing to build)."""

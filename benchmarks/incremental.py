@@ -30,11 +30,8 @@ import contextlib
 import json
 import os
 import shutil
-import socket
-import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -42,8 +39,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from build_inputs import CorpusSpec, build, generator, tokenizer_for  # noqa: E402
-from measure import end_process, measure  # noqa: E402
+from build_inputs import CorpusSpec, add_tokenizer_argument, build, generator, tokenizer_for  # noqa: E402
+from measure import free_port, measure, serving  # noqa: E402
 from run import ENV, PREFECT_MODES, machine, prefect_env, project_command, stop_server, warm_up_prefect  # noqa: E402
 
 TARGET = 0.05
@@ -69,27 +66,14 @@ def grow(data: Path, spec: CorpusSpec, units: list[Path], growth: float, how: st
 @contextlib.contextmanager
 def prefect_server(home: Path, logs: Path) -> Iterator[str]:
     """`prefect server start` on 127.0.0.1 with its own PREFECT_HOME, until it answers; its API URL."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     home.mkdir(parents=True, exist_ok=True)
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}, **ENV, "PREFECT_HOME": str(home)}
     url = f"http://127.0.0.1:{port}/api"
-    with (logs / "prefect-server.log").open("wb") as log:
-        server = subprocess.Popen([str(Path(sys.executable).parent / "prefect"), "server", "start", "--host",
-                                   "127.0.0.1", "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            with contextlib.suppress(OSError):
-                if urllib.request.urlopen(f"{url}/health", timeout=2).status == 200:
-                    break
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"prefect server start did not answer on {url} (log: {logs / 'prefect-server.log'})")
-            time.sleep(0.5)
+    command = [str(Path(sys.executable).parent / "prefect"), "server", "start", "--host", "127.0.0.1", "--port",
+               str(port)]
+    with serving(command, f"{url}/health", logs / "prefect-server.log", timeout=180, env=env):
         yield url
-    finally:
-        end_process(server)
 
 
 def timed_run(name: str, data: Path, tokenizer: Path, cache: Path, workers: int, env: dict, logs: Path) -> dict:
@@ -110,9 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--grow", choices=["file", "append"], default="file",
                         help="add a new file (default) or append to the last one")
     parser.add_argument("--workers", type=int, default=2, help="--workers of every run (default 2)")
-    parser.add_argument("--tokenizer", choices=("bench", "example"), default="bench",
-                        help="bench: the 32k BPE trained on the corpus's lexicon; example: the bundled "
-                             "examples/tokenizer, for a quick check (default bench)")
+    add_tokenizer_argument(parser)
     parser.add_argument("--verify", action="store_true", help="also build the grown corpus from scratch and compare")
     parser.add_argument("--server", action="store_true",
                         help="run against a `prefect server start` (started first, untimed), not the embedded one")

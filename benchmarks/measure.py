@@ -16,12 +16,15 @@ a result was measured at, and whether the tree had uncommitted changes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import socket
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterable
+import urllib.request
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -166,6 +169,34 @@ def end_process(process: subprocess.Popen, seconds: float = 30) -> None:
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serving(command: list[str], url: str, log: Path, timeout: float,
+            env: dict[str, str] | None = None) -> Iterator[None]:
+    """Run the server `command` (its output to `log`) until the block ends; the block starts once `url` answers.
+    Exits naming the log if the server ends first or does not answer within `timeout` seconds."""
+    with log.open("wb") as stream:
+        server = subprocess.Popen(command, env=env, stdout=stream, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            with contextlib.suppress(OSError):  # refused, or an error status (HTTPError)
+                urllib.request.urlopen(url, timeout=2)
+                break
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"{Path(command[0]).name} did not answer on {url} (log: {log})")
+            time.sleep(0.3)
+        yield
+    finally:
+        end_process(server)
 
 
 def git_state(root: Path) -> dict:

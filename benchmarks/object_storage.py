@@ -23,10 +23,7 @@ import contextlib
 import json
 import os
 import shutil
-import socket
-import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,8 +32,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from build_inputs import CorpusSpec, build, tokenizer_for  # noqa: E402
-from measure import end_process, measure  # noqa: E402
+from build_inputs import CorpusSpec, add_tokenizer_argument, build, tokenizer_for  # noqa: E402
+from measure import free_port, measure, serving  # noqa: E402
 from run import ENV, machine, prefect_env, project_command, stop_server, warm_up_prefect  # noqa: E402
 
 TARGET = 0.8
@@ -47,27 +44,12 @@ S3_ENV = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_D
 @contextlib.contextmanager
 def moto_server(logs: Path) -> Iterator[str]:
     """moto's S3 server on a free loopback port, with the bucket made; its endpoint URL."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     endpoint = f"http://127.0.0.1:{port}"
-    with (logs / "moto-server.log").open("wb") as log:
-        server = subprocess.Popen([str(Path(sys.executable).with_name("moto_server")), "-H", "127.0.0.1", "-p",
-                                   str(port)], stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            with contextlib.suppress(OSError):
-                urllib.request.urlopen(endpoint, timeout=2)
-                break
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"moto_server did not answer on {endpoint} (log: {logs / 'moto-server.log'})")
-            time.sleep(0.3)
-        request = urllib.request.Request(f"{endpoint}/{BUCKET}", method="PUT")
-        urllib.request.urlopen(request, timeout=10)
+    command = [str(Path(sys.executable).with_name("moto_server")), "-H", "127.0.0.1", "-p", str(port)]
+    with serving(command, endpoint, logs / "moto-server.log", timeout=60):
+        urllib.request.urlopen(urllib.request.Request(f"{endpoint}/{BUCKET}", method="PUT"), timeout=10)
         yield endpoint
-    finally:
-        end_process(server)
 
 
 def timed_run(name: str, data: Path, tokenizer: Path, cache: str, workers: int, env: dict, logs: Path,
@@ -95,9 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--units", type=int, default=2, help="corpus units, ~27M tokens each at scale 1 (default 2)")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each (default 2); the best of each counts")
     parser.add_argument("--workers", type=int, default=2, help="--workers of every run (default 2)")
-    parser.add_argument("--tokenizer", choices=("bench", "example"), default="bench",
-                        help="bench: the 32k BPE trained on the corpus's lexicon; example: the bundled "
-                             "examples/tokenizer, for a quick check (default bench)")
+    add_tokenizer_argument(parser)
     parser.add_argument("--out", type=Path, default=HERE / "results", help="where the results go")
     parser.add_argument("--work", type=Path, default=HERE / "work", help="scratch space, logs and Prefect's home")
     args = parser.parse_args(argv)

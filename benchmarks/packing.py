@@ -35,7 +35,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))
 
-from build_inputs import CorpusSpec, build, tokenizer_for  # noqa: E402
+from build_inputs import CorpusSpec, add_tokenizer_argument, build, tokenizer_for  # noqa: E402
 from measure import git_state  # noqa: E402
 
 from sft_tokenize.build.options import TokenizeOptions  # noqa: E402
@@ -172,9 +172,7 @@ def main() -> None:
     parser.add_argument("--units", type=int, default=1, help="corpus units to tokenize and pack")
     parser.add_argument("--rows", type=int, default=1_000_000, help="rows for the build-time measurement")
     parser.add_argument("--seed", type=int, default=0, help="seed of the lengths drawn for the build time")
-    parser.add_argument("--tokenizer", choices=("bench", "example"), default="bench",
-                        help="bench: the 32k BPE trained on the corpus's lexicon; example: the bundled "
-                             "examples/tokenizer, for a quick check (default bench)")
+    add_tokenizer_argument(parser)
     parser.add_argument("--out", type=Path, default=HERE / "results")
     parser.add_argument("--work", type=Path, default=HERE / "work")
     args = parser.parse_args()

@@ -25,7 +25,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from build_inputs import CorpusSpec, build, tokenizer_for  # noqa: E402
+from build_inputs import CorpusSpec, add_tokenizer_argument, build, tokenizer_for  # noqa: E402
 from measure import measure  # noqa: E402
 from run import machine, project_command, warm_up_prefect  # noqa: E402
 
@@ -52,9 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--template", type=Path, default=DEFAULT_TEMPLATE, help="the template set against ChatML")
     parser.add_argument("--repeats", type=int, default=2, help="cold runs of each template (default 2)")
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--tokenizer", choices=("bench", "example"), default="bench",
-                        help="bench: the 32k BPE trained on the corpus's lexicon; example: the bundled "
-                             "examples/tokenizer, for a quick check (default bench)")
+    add_tokenizer_argument(parser)
     parser.add_argument("--out", type=Path, default=HERE / "results")
     parser.add_argument("--work", type=Path, default=HERE / "work")
     parser.add_argument("--project-args", default="", metavar="ARGS",
