@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import random
 import shlex
 import shutil
@@ -47,7 +46,7 @@ sys.path.append(str(ROOT))  # sft_tokenize without an install; after PYTHONPATH 
 
 from image_inputs import ImageCorpusSpec, build_corpus, load_processor, processor_dir  # noqa: E402
 from measure import measure  # noqa: E402
-from run import ENV, machine, mib, prefect_env  # noqa: E402
+from run import ENV, ad_hoc_environment, machine, mib, prefect_env  # noqa: E402
 
 DEFAULT_ROWS = 300
 WRITE_ROWS = 8  # rows per ArrowWriter table: SkyRL's memory stays bounded by a batch
@@ -309,8 +308,7 @@ def main(argv: list[str] | None = None) -> None:
     from images_report import markdown, targets
 
     args = parse_args(argv)
-    os.environ.update(ENV)
-    os.environ.pop("PREFECT_API_URL", None)
+    ad_hoc_environment()
     work, out = args.work.absolute(), args.out.absolute()
     shutil.rmtree(work / "runs", ignore_errors=True)
     env = prefect_env({**ENV, "PREFECT_HOME": str(work / "prefect-home")}, "fresh", work)

@@ -41,7 +41,7 @@ sys.path.insert(0, str(HERE))
 
 from build_inputs import CorpusSpec, add_tokenizer_argument, build, generator, tokenizer_for  # noqa: E402
 from measure import free_port, measure, serving  # noqa: E402
-from run import ENV, PREFECT_MODES, machine, prefect_env, project_command, stop_server, warm_up_prefect  # noqa: E402
+from run import ENV, PREFECT_MODES, machine, project_command, stop_server, warm_up_prefect, work_env  # noqa: E402
 
 TARGET = 0.05
 GROWTH_SEED = 900_000  # far from the corpus's own unit seeds, so the new conversations are new
@@ -104,12 +104,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--work", type=Path, default=HERE / "work", help="scratch space, logs and Prefect's home")
     args = parser.parse_args(argv)
 
-    os.environ.update(ENV)
-    os.environ.pop("PREFECT_API_URL", None)
     work, out = args.work.absolute(), args.out.absolute()
-    # A busy machine can take longer than Prefect's default 20 s to start the embedded server.
-    env = prefect_env({**ENV, "PREFECT_HOME": str(work / "prefect-home"),
-                       "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120"}, args.prefect, work)
+    env = work_env(work, args.prefect)
     spec = CorpusSpec(scale=args.scale)
     _, units = build(spec, args.units, tokenizer=args.tokenizer == "bench")
     tokenizer = tokenizer_for(args.tokenizer, spec)

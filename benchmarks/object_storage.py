@@ -34,7 +34,7 @@ sys.path.insert(0, str(HERE))
 
 from build_inputs import CorpusSpec, add_tokenizer_argument, build, tokenizer_for  # noqa: E402
 from measure import free_port, measure, serving  # noqa: E402
-from run import ENV, machine, prefect_env, project_command, stop_server, warm_up_prefect  # noqa: E402
+from run import machine, project_command, stop_server, warm_up_prefect, work_env  # noqa: E402
 
 TARGET = 0.8
 BUCKET = "bench"
@@ -82,11 +82,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--work", type=Path, default=HERE / "work", help="scratch space, logs and Prefect's home")
     args = parser.parse_args(argv)
 
-    os.environ.update(ENV)
-    os.environ.pop("PREFECT_API_URL", None)
     work, out = args.work.absolute(), args.out.absolute()
-    env = prefect_env({**ENV, "PREFECT_HOME": str(work / "prefect-home"),
-                       "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120"}, "warm", work)
+    env = work_env(work, "warm")
     spec = CorpusSpec(scale=args.scale)
     _, units = build(spec, args.units, tokenizer=args.tokenizer == "bench")
     tokenizer = tokenizer_for(args.tokenizer, spec)

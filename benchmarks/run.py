@@ -149,6 +149,21 @@ def read_inputs(files: list[Path]) -> None:
                 pass
 
 
+def ad_hoc_environment() -> None:
+    """This process's environment for timing the project's runs: the benchmark's settings (ENV), and ad-hoc runs on
+    the embedded server, whatever the shell's PREFECT_API_URL points at."""
+    os.environ.update(ENV)
+    os.environ.pop("PREFECT_API_URL", None)
+
+
+def work_env(work: Path, mode: str) -> dict[str, str]:
+    """ad_hoc_environment, and the runs' environment under `work` in prefect_env's `mode`, with its own PREFECT_HOME
+    and 120 s for the embedded server to start (a busy machine can take longer than Prefect's default 20 s)."""
+    ad_hoc_environment()
+    return prefect_env({**ENV, "PREFECT_HOME": str(work / "prefect-home"),
+                        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120"}, mode, work)
+
+
 def prefect_env(env: dict[str, str], mode: str, work: Path) -> dict[str, str]:
     """The runs' environment for `--prefect`: `fresh`, each run boots the embedded server and stops it as it leaves
     (`--server-idle 0`); `warm`, they find it up (the warm-up leaves it, idle for 600 s). Either way the tokenizer is
@@ -586,8 +601,7 @@ def write_results(report: dict, out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    os.environ.update(ENV)
-    os.environ.pop("PREFECT_API_URL", None)  # an ad-hoc run on the embedded server, whatever the shell points at
+    ad_hoc_environment()
     work, out = args.work.absolute(), args.out.absolute()
     env = {**ENV, "PREFECT_HOME": str(work / "prefect-home")}
     spec = CorpusSpec.of(args.shape, args.scale)

@@ -45,7 +45,7 @@ sys.path.insert(0, str(HERE))
 
 from build_inputs import EXAMPLE_TOKENIZER, CorpusSpec, build, qwen_tokenizer  # noqa: E402
 from measure import TRACE_VARIABLE, measure, read_trace  # noqa: E402
-from run import ENV, machine, server_pids  # noqa: E402
+from run import ENV, ad_hoc_environment, machine, server_pids  # noqa: E402
 
 EVENTS = ("imports", "planned", "encoding", "server", "flow", "first_slice", "published", "exit")
 MODES = ("cold", "hit", "warm")
@@ -254,8 +254,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill stops the current case's server, cleans up
-    os.environ.update(ENV)
-    os.environ.pop("PREFECT_API_URL", None)  # ad-hoc runs on the embedded server, whatever the shell points at
+    ad_hoc_environment()
     os.environ.pop(TRACE_VARIABLE, None)
     env = dict(ENV)
     project = project_command(args)
