@@ -1,4 +1,5 @@
-"""A new Prefect SQLite database, migrated by Prefect's own Alembic scripts over a synchronous connection.
+"""A new Prefect SQLite database: made from the schema this package ships when it is this Prefect's, else migrated by
+Prefect's own Alembic scripts over a synchronous connection.
 
 Prefect creates its database by running its Alembic migrations (over a hundred) through its async engine: each of
 their ~34,000 statements, most of them the table reflection that SQLite's batch migrations need, is a round trip to
@@ -7,12 +8,73 @@ options Prefect's `_migrations/env.py` gives it, over a pysqlite connection set 
 take ~2.4 s and leave the same tables, indexes and rows (tests/workflow/test_database_template.py compares them with
 Prefect's `prefect server database upgrade`). Whatever goes wrong here, the caller falls back to Prefect's own
 `create_db` on a new file.
+
+Even so, migrating is most of a user's first boot. The schema those scripts build is a function of the scripts, so
+`prefect_schema.sql` beside this module holds it, as SQLite's own dump of a database `migrate_sqlite` made, headed
+by a hash of the scripts (`migrations_key`): a new database made from it takes ~10 ms. It is used only while that
+hash is the installed Prefect's; otherwise databases are migrated as above. After a Prefect upgrade that changes its
+migrations, `python -m sft_tokenize.flows.prefect_migrations` writes it again (a test fails until then). Block types
+are not in it: they depend on the installed collections, and server_process.py registers them once the first run
+is over.
 """
 
 from __future__ import annotations
 
+import hashlib
+import re
+import sqlite3
 import warnings
+from contextlib import closing
 from pathlib import Path
+
+SCHEMA = Path(__file__).with_name("prefect_schema.sql")
+
+
+def _migrations_dir() -> Path:
+    from prefect.server.database import provide_database_interface
+
+    return Path(provide_database_interface().orm.versions_dir)
+
+
+def migrations_key() -> str:
+    """A hash of this Prefect's SQLite migration scripts and of the Alembic environment that runs them."""
+    versions = _migrations_dir()
+    digest = hashlib.sha256()
+    for path in [versions.parents[1] / "env.py", *sorted(versions.glob("*.py"))]:
+        digest.update(f"{path.name}\0{path.stat().st_size}\0".encode() + path.read_bytes())
+    return digest.hexdigest()[:32]
+
+
+def create_from_schema(database: Path) -> bool:
+    """Make the new SQLite file `database` from the shipped schema if it is this Prefect's; whether it did."""
+    try:
+        script = SCHEMA.read_text()
+    except OSError:
+        return False
+    made_for = re.search(r"^-- migrations: (\w+)$", script, re.MULTILINE)
+    if made_for is None or made_for[1] != migrations_key():
+        return False
+    with closing(sqlite3.connect(database)) as db:
+        db.executescript(script)
+    return True
+
+
+def write_schema(path: Path = SCHEMA) -> str:
+    """Write this Prefect's schema, as `migrate_sqlite` builds it, to `path`; its Alembic revision."""
+    import tempfile
+
+    import prefect
+
+    with tempfile.TemporaryDirectory() as scratch:
+        database = Path(scratch) / "prefect.db"
+        revision = migrate_sqlite(database)
+        with closing(sqlite3.connect(database)) as db:
+            dump = "\n".join(db.iterdump())
+    header = (f"-- Prefect's SQLite schema as its migrations build it: made by `python -m {__spec__.name}`,\n"
+              f"-- read by {Path(__file__).name} while the hash of the migrations below is the installed Prefect's.\n"
+              f"-- migrations: {migrations_key()}\n-- revision: {revision}\n-- prefect: {prefect.__version__}\n")
+    path.write_text(header + dump + "\n")
+    return revision
 
 
 def migrate_sqlite(database: Path) -> str:
@@ -61,3 +123,7 @@ def migrate_sqlite(database: Path) -> str:
     if revision != head:
         raise RuntimeError(f"migrated to {revision}, not this Prefect's head {head}")
     return revision
+
+
+if __name__ == "__main__":
+    print(f"{SCHEMA}: revision {write_schema()}")

@@ -3,11 +3,18 @@ flows/embedded_server.py): Prefect's app under uvicorn, a thread that ends it on
 idle time, and the record that lets a boot on a known database skip its migrations and block checks (see
 server_state.py's docstring for the protocol, docs/performance.md for the figures).
 
-A new PREFECT_HOME's database starts as a copy. Creating and migrating Prefect's SQLite database (about a hundred
-Alembic migrations) and registering its block types took ~11 s on two busy cores as Prefect's boot does it (~3.5 s
-as prefect_migrations.py does it), and every fresh PREFECT_HOME paid it. The first server on the machine to create
-one snapshots it, migrated and registered but before it has served anything, into this user's cache (files.py's
-`user_cache()`):
+A new PREFECT_HOME's database is never migrated on the clock if it can be helped. Creating and migrating Prefect's
+SQLite database (about a hundred Alembic migrations) and registering its block types took ~11 s on two busy cores
+as Prefect's boot does it (~3.5 s as prefect_migrations.py does it), and every fresh PREFECT_HOME paid it. So a new
+database is, in this order:
+
+- a copy of this Prefect's template (below), migrated and registered;
+- else made from the schema this package ships for these migrations (prefect_migrations.py, ~10 ms). Its block
+  types are registered once no run uses the server any more (before it idles or ends), so that no run waits for
+  them; the boot is recorded only then. Nothing a run does needs them on the server (a block saved by a client,
+  like the results storage of runners.py, registers its own type);
+- else migrated here, and the first server on the machine to do so snapshots it, migrated and registered but
+  before it has served anything, into this user's cache (files.py's `user_cache()`):
 
     <user cache>/prefect-databases/prefect-<version>-<key>/
         prefect.db       the snapshot (SQLite's backup API: one consistent file)
@@ -30,6 +37,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from prefect.context import refresh_global_settings_context
@@ -37,6 +45,7 @@ from prefect.settings import get_current_settings
 
 from sft_tokenize.files import atomic_path, atomic_write, is_locked, temp_path
 from sft_tokenize.flows.embedded_server import SERVER_APP, SHUTDOWN_TIMEOUT
+from sft_tokenize.flows.prefect_migrations import create_from_schema, migrate_sqlite
 from sft_tokenize.flows.server_state import recorded_server, server_paths, write_state
 
 BOOT_RECORD = "sft-tokenize-server-boot.json"
@@ -119,16 +128,37 @@ def seed_database(database: Path) -> bool:
     expected = {**_this_prefect(), **(_database_facts(template / TEMPLATE_DATABASE) or {"revision": None})}
     if recorded != expected:  # another Prefect's (or a damaged) template
         return False
+    return _new_file(database, lambda copy: shutil.copyfile(template / TEMPLATE_DATABASE, copy).exists())
+
+
+def _new_file(database: Path, make: Callable[[Path], bool]) -> bool:
+    """`make(path)` a database under a temporary name and link it into place as `database` if it made one; whether
+    it did. Never replaces a file: the link fails if a database appeared meanwhile, and that one is kept."""
     database.parent.mkdir(parents=True, exist_ok=True)
-    copy = temp_path(database)
+    made = temp_path(database)
     try:
-        shutil.copyfile(template / TEMPLATE_DATABASE, copy)
-        os.link(copy, database)  # fails if a database appeared meanwhile: that one is kept
+        if not make(made):
+            return False
+        os.link(made, database)
     except OSError:
         return False
     finally:
-        copy.unlink(missing_ok=True)
+        made.unlink(missing_ok=True)
     return True
+
+
+def _register_blocks() -> None:
+    """Register the block types of this Prefect and its collections in the configured database, as a boot does."""
+    import asyncio
+
+    from prefect.server.database import provide_database_interface
+    from prefect.server.models.block_registration import run_block_auto_registration
+
+    async def register() -> None:
+        async with await provide_database_interface().session() as session:
+            await run_block_auto_registration(session=session)
+
+    asyncio.run(register())
 
 
 def make_template(database: Path) -> None:
@@ -139,23 +169,15 @@ def make_template(database: Path) -> None:
     import sqlite3
 
     from prefect.server.database import provide_database_interface
-    from prefect.server.models.block_registration import run_block_auto_registration
 
-    from sft_tokenize.flows.prefect_migrations import migrate_sqlite
-
-    async def create() -> None:
-        db = provide_database_interface()
-        try:
-            migrate_sqlite(database)  # Prefect's migrations, without an async round trip per statement
-        except Exception as error:  # noqa: BLE001 - Prefect's own way, from a new file, is always right
-            print(f"migrating with Prefect's own engine: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
-            for path in _journals(database):
-                path.unlink(missing_ok=True)
-            await db.create_db()
-        async with await db.session() as session:
-            await run_block_auto_registration(session=session)
-
-    asyncio.run(create())
+    try:
+        migrate_sqlite(database)  # Prefect's migrations, without an async round trip per statement
+    except Exception as error:  # noqa: BLE001 - Prefect's own way, from a new file, is always right
+        print(f"migrating with Prefect's own engine: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+        for path in _journals(database):
+            path.unlink(missing_ok=True)
+        asyncio.run(provide_database_interface().create_db())
+    _register_blocks()
     template = template_dir()
     try:
         template.mkdir(parents=True, exist_ok=True)
@@ -172,17 +194,40 @@ def make_template(database: Path) -> None:
               flush=True)
 
 
-def _new_database(record: Path) -> None:
-    """A PREFECT_HOME with no database yet gets a copy of the template, or makes the template (module docstring).
-    Either way the database is then the one a full boot of this Prefect leaves: recorded as such (`record`), the
-    boot skips the migrations and the block-type check."""
+def _new_database(record: Path) -> bool:
+    """A PREFECT_HOME with no database yet gets a copy of the template, or one made from the shipped schema, or
+    makes the template (module docstring); whether its block types are still to be registered. Either way its boot
+    skips the migrations and the block-type check. A database that is then the one a full boot of this Prefect
+    leaves is recorded as such (`record`); one made from the schema is recorded once its block types are in."""
     database = _database_file()
     if database is None or any(os.path.lexists(path) for path in _journals(database)):
-        return
+        return False
     if not seed_database(database):
+        if _new_file(database, create_from_schema):
+            _skip_boot_checks()
+            return True
         make_template(database)
     if (facts := _boot_facts()) is not None:
         write_state(record, facts)
+    return False
+
+
+def _skip_boot_checks() -> None:
+    """This boot skips the migrations and the block-type check, unless the user set either."""
+    for name, value in KNOWN_DATABASE.items():
+        os.environ.setdefault(name, value)
+    refresh_global_settings_context()
+
+
+def _register_blocks_and_record(record: Path) -> None:
+    """The block types of a database made from the schema, then the record that its later boots skip both checks
+    (best effort: without it the next boot is a full one, which registers them)."""
+    try:
+        _register_blocks()
+        if (facts := _boot_facts()) is not None:
+            write_state(record, facts)
+    except Exception as error:  # noqa: BLE001 - never the end of the thread that ends the server
+        print(f"block types not registered: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
 
 
 def _boot_in_full(record: Path) -> bool:
@@ -194,9 +239,7 @@ def _boot_in_full(record: Path) -> bool:
         known = None
     if known is None or _boot_facts() != known:
         return True
-    for name, value in KNOWN_DATABASE.items():
-        os.environ.setdefault(name, value)
-    refresh_global_settings_context()
+    _skip_boot_checks()
     return False
 
 
@@ -246,12 +289,13 @@ def serve(port: int) -> None:
 
     home = Path(get_current_settings().home)
     lock_path, state_path, lease_path = server_paths(home)
+    blocks_pending = False
     try:
-        _new_database(home / BOOT_RECORD)
+        blocks_pending = _new_database(home / BOOT_RECORD)
     except Exception as error:  # noqa: BLE001 - Prefect's own boot creates whatever is missing
         print(f"database not seeded: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
     try:
-        in_full = _boot_in_full(home / BOOT_RECORD)
+        in_full = not blocks_pending and _boot_in_full(home / BOOT_RECORD)
     except Exception:  # noqa: BLE001 - whatever the record says, a full boot is correct
         in_full = True
     server = uvicorn.Server(uvicorn.Config(SERVER_APP, factory=True, host="127.0.0.1", port=port, log_level="error",
@@ -263,6 +307,7 @@ def serve(port: int) -> None:
         os._exit(0)
 
     def end_when_unused() -> None:
+        nonlocal blocks_pending
         booted = False
         while not server.should_exit:
             time.sleep(1)
@@ -279,6 +324,11 @@ def serve(port: int) -> None:
             if is_locked(lease_path):  # some run holds a lease
                 _in_use(state_path)
                 lock.close()
+                continue
+            if blocks_pending and server.started:  # outside the join lock: a run may join meanwhile
+                lock.close()
+                _register_blocks_and_record(home / BOOT_RECORD)
+                blocks_pending = False
                 continue
             if _idling(state_path):
                 lock.close()

@@ -1,5 +1,6 @@
-"""A new PREFECT_HOME's database starts as a copy of the template this Prefect made once (flows/server_process.py):
-used only when made by this very Prefect, never over a database that is there."""
+"""A new PREFECT_HOME's database starts as a copy of the template this Prefect made once, or is made from the schema
+this package ships for these migrations (flows/server_process.py, flows/prefect_migrations.py): each used only when
+made by this very Prefect, never over a database that is there."""
 
 from __future__ import annotations
 
@@ -8,14 +9,17 @@ import re
 import sqlite3
 import subprocess
 import sys
+import time
 from contextlib import closing
 from pathlib import Path
 
 import pytest
 from support.cli import environment
 
-from sft_tokenize.flows.prefect_migrations import migrate_sqlite
+from sft_tokenize.flows import prefect_migrations
+from sft_tokenize.flows.prefect_migrations import create_from_schema, migrate_sqlite, migrations_key
 from sft_tokenize.flows.server_process import (
+    BOOT_RECORD,
     TEMPLATE_DATABASE,
     TEMPLATE_RECORD,
     _database_facts,
@@ -87,27 +91,58 @@ def test_a_damaged_template_is_not_used(template, tmp_path):
 
 
 BOOT = """
+import sys
 from sft_tokenize.flows.embedded_server import EmbeddedServer
-server = EmbeddedServer(idle=0)
+server = EmbeddedServer(idle=float(sys.argv[1]))
 server.start()
 server.wait_until_ready()
 server.release()
 """
 
 
-def _boot(home: Path, user_cache: Path) -> None:
-    """The embedded server of a run on `home`, booted until it answers, then stopped."""
+def _boot(home: Path, user_cache: Path, idle: float = 0) -> None:
+    """The embedded server of a run on `home`, booted until it answers, then left: stopped, or idle for `idle` s."""
     home.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run([sys.executable, "-c", BOOT], env=environment(home, SFT_TOKENIZE_HOME=str(user_cache)),
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", BOOT, str(idle)],
+                          env=environment(home, SFT_TOKENIZE_HOME=str(user_cache)), capture_output=True, text=True,
+                          timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-def test_the_first_fresh_home_makes_the_template_and_the_next_ones_copy_it(tmp_path, monkeypatch, server_home):
+def _boot_record(home: Path, timeout: float = 60.0) -> dict:
+    """The boot record of `home`'s server, once written (a database made from the schema is recorded only after its
+    block types are registered, when no run uses the server any more)."""
+    deadline = time.monotonic() + timeout
+    while not (home / BOOT_RECORD).exists():
+        assert time.monotonic() < deadline, f"no {BOOT_RECORD} after {timeout:.0f} s"
+        time.sleep(0.2)
+    return json.loads((home / BOOT_RECORD).read_text())
+
+
+def test_a_fresh_home_is_made_from_the_schema_and_its_block_types_registered_after_the_run(tmp_path, server_home):
+    user_cache = tmp_path / "user-cache"
+    _boot(server_home, user_cache, idle=60)  # registered once idle (a server stopped at once boots in full next)
+    try:
+        record = _boot_record(server_home)
+    finally:
+        subprocess.run([str(Path(sys.executable).parent / "sft-tokenize"), "server", "stop"],
+                       env=environment(server_home), capture_output=True, timeout=120)
+    assert record == {**_this_prefect(), "database": str((server_home / "prefect.db").resolve()),
+                      **_database_facts(server_home / "prefect.db")}
+    assert record["block_types"] > 0  # registered, as a full boot leaves it
+    log = (server_home / "embedded-server.log").read_text()
+    assert "not registered" not in log and "migrating" not in log
+    assert not (user_cache / "prefect-databases").exists()  # no template: the schema serves every fresh home
+
+
+def test_the_template_is_a_migrated_registered_database_and_fresh_homes_copy_it(tmp_path, monkeypatch, server_home):
     user_cache = tmp_path / "user-cache"
     monkeypatch.setenv("SFT_TOKENIZE_HOME", str(user_cache))
-    _boot(server_home, user_cache)  # the embedded servers of three fresh homes
-    assert "Prefect's own engine" not in (server_home / "embedded-server.log").read_text()  # migrated synchronously
+    made = subprocess.run([sys.executable, "-c", "from sft_tokenize.flows import server_process as s; "
+                           "s.make_template(s._database_file())"],
+                          env=environment(server_home, SFT_TOKENIZE_HOME=str(user_cache)), capture_output=True,
+                          text=True, timeout=300)
+    assert made.returncode == 0 and "Prefect's own engine" not in made.stderr, made.stderr[-3000:]  # synchronous
     template = template_dir()
     record = json.loads((template / TEMPLATE_RECORD).read_text())
     assert record == {**_this_prefect(), **_database_facts(template / TEMPLATE_DATABASE)}
@@ -118,14 +153,14 @@ def test_the_first_fresh_home_makes_the_template_and_the_next_ones_copy_it(tmp_p
 
     _boot(tmp_path / "second", user_cache)
     assert _marked(tmp_path / "second" / "prefect.db")
-    # Recorded as a full boot's database: the next boot on it skips the migrations and the block-type check.
-    boot = json.loads((tmp_path / "second" / "sft-tokenize-server-boot.json").read_text())
+    # Recorded as a full boot's database at once: the next boot on it skips the migrations and the block-type check.
+    boot = json.loads((tmp_path / "second" / BOOT_RECORD).read_text())
     assert (boot["revision"], boot["block_types"]) == (record["revision"], record["block_types"])
 
     (template / TEMPLATE_RECORD).write_text(json.dumps({**record, "prefect": "3.0.0"}))  # as another Prefect's
     _boot(tmp_path / "third", user_cache)
-    assert not _marked(tmp_path / "third" / "prefect.db")
-    assert _database_facts(tmp_path / "third" / "prefect.db") == {k: record[k] for k in ("revision", "block_types")}
+    assert not _marked(tmp_path / "third" / "prefect.db")  # made from the schema instead
+    assert _database_facts(tmp_path / "third" / "prefect.db")["revision"] == record["revision"]
 
 
 def _contents(database: Path) -> dict[str, object]:
@@ -149,3 +184,24 @@ def test_the_synchronous_migration_leaves_what_prefects_own_upgrade_leaves(tmp_p
     ours, prefects = _contents(database), _contents(migrated_prefect_home / "prefect.db")
     assert len(ours) > 100 and ours.keys() == prefects.keys()
     assert [name for name in ours if ours[name] != prefects[name]] == []
+
+
+def test_the_shipped_schema_is_the_one_this_prefects_migrations_build(tmp_path, migrated_prefect_home):
+    header = prefect_migrations.SCHEMA.read_text()[:2000]
+    assert f"-- migrations: {migrations_key()}\n" in header, (
+        "prefect_schema.sql is not this Prefect's: fresh homes migrate (~2 s of each first boot) until "
+        "`python -m sft_tokenize.flows.prefect_migrations` writes it again")
+    database = tmp_path / "prefect.db"
+    assert create_from_schema(database)
+    ours, prefects = _contents(database), _contents(migrated_prefect_home / "prefect.db")
+    assert len(ours) > 100 and ours.keys() == prefects.keys()
+    assert [name for name in ours if ours[name] != prefects[name]] == []
+
+
+def test_a_schema_made_for_other_migrations_is_not_used(tmp_path, monkeypatch):
+    schema = tmp_path / "prefect_schema.sql"
+    schema.write_text(prefect_migrations.SCHEMA.read_text().replace(f"-- migrations: {migrations_key()}",
+                                                                   "-- migrations: 0123456789abcdef"))
+    monkeypatch.setattr(prefect_migrations, "SCHEMA", schema)
+    assert not create_from_schema(tmp_path / "prefect.db")
+    assert not (tmp_path / "prefect.db").exists()
