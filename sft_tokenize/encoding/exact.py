@@ -15,7 +15,7 @@ import json
 import logging
 import threading
 import unicodedata
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -174,6 +174,11 @@ class FastEncoder:
         self._source = native.tokenizer_json if isinstance(native, PendingNative) else source
 
     @property
+    def source(self) -> str | None:
+        """The tokenizer JSON fastokens was built from (its backend's `to_str()`), if kept."""
+        return self._source
+
+    @property
     def native(self):
         """fastokens' tokenizer; a pending one is built, or waited for, here."""
         if isinstance(self._native, PendingNative):
@@ -262,20 +267,24 @@ def _check_strings(backend) -> list[str]:
     return [*HARD_STRINGS, *mixed, " ".join(added), "".join(added)]
 
 
-def _fastokens_or_refusal(backend) -> tuple[FastEncoder | None, str]:
+def _fastokens_or_refusal(backend, text: str) -> tuple[FastEncoder | None, str]:
+    """`text`: `backend.to_str()` (~0.1 s for a 151k vocabulary: serialized once per check)."""
     try:
         import fastokens
     except ImportError:
         return None, "fastokens is not installed (pip install 'sft-tokenize[fast]')"
-    text = backend.to_str()
-    config = json.loads(text)
-    refusal = _byte_level_refusal(config)
+    # fastokens builds outside the GIL (~1 s for a 151k vocabulary) while this thread parses the same JSON.
+    with ThreadPoolExecutor(1, thread_name_prefix="fastokens-build") as build:
+        built = build.submit(fastokens.Tokenizer.from_json_str, text)
+        config = json.loads(text)
+        refusal = _byte_level_refusal(config)
+        try:
+            native = built.result()
+        except Exception as error:  # fastokens refuses what it does not implement
+            native = None
+            refusal = refusal or f"fastokens cannot load it ({type(error).__name__}: {str(error).strip()[:200]})"
     if refusal:
         return None, refusal
-    try:
-        native = fastokens.Tokenizer.from_json_str(text)
-    except Exception as error:  # fastokens refuses what it does not implement
-        return None, f"fastokens cannot load it ({type(error).__name__}: {str(error).strip()[:200]})"
     for add_special in (False, True):
         strings = _check_strings(backend)
         expected = backend.encode_batch(strings, add_special_tokens=add_special)
@@ -306,10 +315,11 @@ def check_encoder(tokenizer: Any, requested: str) -> tuple[FastEncoder | None, s
     if requested == "hf":
         return None, ""
     backend = tokenizer.backend_tokenizer
-    key = (hashlib.sha256(backend.to_str().encode()).hexdigest(), requested)
+    text = backend.to_str()
+    key = (hashlib.sha256(text.encode()).hexdigest(), requested)
     with _choosing:
         if key not in _chosen:
-            _chosen[key] = _choose(backend, requested)
+            _chosen[key] = _choose(backend, text, requested)
         return _chosen[key]
 
 
@@ -327,8 +337,8 @@ def log_refusal(requested: str, refusal: str) -> None:
     log("encoder: HF tokenizers, not fastokens: %s", refusal)
 
 
-def _choose(backend, requested: str) -> tuple[FastEncoder | None, str]:
-    encoder, refusal = _fastokens_or_refusal(backend)
+def _choose(backend, text: str, requested: str) -> tuple[FastEncoder | None, str]:
+    encoder, refusal = _fastokens_or_refusal(backend, text)
     if encoder is None:
         log_refusal(requested, refusal)
         return None, refusal

@@ -64,7 +64,8 @@ class TokenizerParts:
         if known is not None:
             return replace(known, chat_template=template, fast=checked, boundaries=boundaries or {})
         specials = tuple(t.content for t in tokenizer.added_tokens_decoder.values() if t.special)
-        return cls(tokenizer.backend_tokenizer.to_str(), template, dict(tokenizer.special_tokens_map),
+        backend_json = fast.source if fast and fast.source else tokenizer.backend_tokenizer.to_str()  # same text
+        return cls(backend_json, template, dict(tokenizer.special_tokens_map),
                    tokenizer.eos_token, tokenizer.eos_token_id, specials, checked, boundaries or {})
 
 

@@ -31,9 +31,9 @@ class Counted:
         self.directory, self.loads, self.checks = directory, 0, 0
         check = encoders._fastokens_or_refusal
 
-        def counted_check(backend):
+        def counted_check(backend, text):
             self.checks += 1
-            return check(backend)
+            return check(backend, text)
 
         monkeypatch.setattr(encoders, "_fastokens_or_refusal", counted_check)
         monkeypatch.setattr(encoders, "_chosen", {})  # no choice remembered from other tests
