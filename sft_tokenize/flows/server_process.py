@@ -1,7 +1,7 @@
 """The embedded Prefect server's own process (`python -m sft_tokenize.flows.server_process`, launched by
-flows/embedded_server.py): Prefect's app under uvicorn, a thread that ends it once no run has held a lease for its
-idle time, and the record that lets a boot on a known database skip its migrations and block checks (see
-server_state.py's docstring for the protocol, docs/performance.md for the figures).
+flows/embedded_server.py): Prefect's app under uvicorn (behind busy_retry.py), a thread that ends it once no run
+has held a lease for its idle time, and the record that lets a boot on a known database skip its migrations and
+block checks (see server_state.py's docstring for the protocol, docs/performance.md for the figures).
 
 A new PREFECT_HOME's database is never migrated on the clock if it can be helped. Creating and migrating Prefect's
 SQLite database (about a hundred Alembic migrations) and registering its block types took ~11 s on two busy cores
@@ -44,7 +44,8 @@ from prefect.context import refresh_global_settings_context
 from prefect.settings import get_current_settings
 
 from sft_tokenize.files import atomic_path, atomic_write, is_locked, temp_path
-from sft_tokenize.flows.embedded_server import SERVER_APP, SHUTDOWN_TIMEOUT
+from sft_tokenize.flows import busy_retry
+from sft_tokenize.flows.embedded_server import SHUTDOWN_TIMEOUT
 from sft_tokenize.flows.prefect_migrations import create_from_schema, migrate_sqlite
 from sft_tokenize.flows.server_state import recorded_server, server_paths, write_state
 
@@ -298,8 +299,8 @@ def serve(port: int) -> None:
         in_full = not blocks_pending and _boot_in_full(home / BOOT_RECORD)
     except Exception:  # noqa: BLE001 - whatever the record says, a full boot is correct
         in_full = True
-    server = uvicorn.Server(uvicorn.Config(SERVER_APP, factory=True, host="127.0.0.1", port=port, log_level="error",
-                                           lifespan="on"))
+    server = uvicorn.Server(uvicorn.Config(busy_retry.create_app, factory=True, host="127.0.0.1", port=port,
+                                           log_level="error", lifespan="on"))
 
     def end() -> None:
         server.should_exit = True
