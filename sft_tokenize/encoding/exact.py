@@ -274,17 +274,16 @@ def _fastokens_or_refusal(backend, text: str) -> tuple[FastEncoder | None, str]:
     except ImportError:
         return None, "fastokens is not installed (pip install 'sft-tokenize[fast]')"
     # fastokens builds outside the GIL (~1 s for a 151k vocabulary) while this thread parses the same JSON.
-    with ThreadPoolExecutor(1, thread_name_prefix="fastokens-build") as build:
-        built = build.submit(fastokens.Tokenizer.from_json_str, text)
-        config = json.loads(text)
-        refusal = _byte_level_refusal(config)
-        try:
-            native = built.result()
-        except Exception as error:  # fastokens refuses what it does not implement
-            native = None
-            refusal = refusal or f"fastokens cannot load it ({type(error).__name__}: {str(error).strip()[:200]})"
+    build = ThreadPoolExecutor(1, thread_name_prefix="fastokens-build")
+    built = build.submit(fastokens.Tokenizer.from_json_str, text)
+    build.shutdown(wait=False)  # its thread ends with the build: a refused tokenizer's is not waited for
+    refusal = _byte_level_refusal(config := json.loads(text))
     if refusal:
         return None, refusal
+    try:
+        native = built.result()
+    except Exception as error:  # fastokens refuses what it does not implement
+        return None, f"fastokens cannot load it ({type(error).__name__}: {str(error).strip()[:200]})"
     for add_special in (False, True):
         strings = _check_strings(backend)
         expected = backend.encode_batch(strings, add_special_tokens=add_special)
