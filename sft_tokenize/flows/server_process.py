@@ -35,6 +35,7 @@ import fcntl
 import json
 import os
 import shutil
+import sqlite3
 import sys
 import time
 from collections.abc import Callable
@@ -81,8 +82,6 @@ def _this_prefect() -> dict:
 def _database_facts(path: Path) -> dict | None:
     """The Alembic revision and the number of block types of the SQLite database at `path`, None if it cannot be
     read as one."""
-    import sqlite3
-
     if not path.is_file():
         return None
     try:
@@ -134,14 +133,14 @@ def seed_database(database: Path) -> bool:
 
 def _new_file(database: Path, make: Callable[[Path], bool]) -> bool:
     """`make(path)` a database under a temporary name and link it into place as `database` if it made one; whether
-    it did. Never replaces a file: the link fails if a database appeared meanwhile, and that one is kept."""
-    database.parent.mkdir(parents=True, exist_ok=True)
+    it did. Never replaces a file: the link fails if a database appeared meanwhile, and that one is kept. A
+    directory that is not there is not made: Prefect's own boot then says it cannot open the database."""
     made = temp_path(database)
     try:
         if not make(made):
             return False
         os.link(made, database)
-    except OSError:
+    except (OSError, sqlite3.Error):
         return False
     finally:
         made.unlink(missing_ok=True)
@@ -167,7 +166,6 @@ def make_template(database: Path) -> None:
     would, then keep a snapshot of it as this Prefect's template (best effort: without one, the next fresh home
     only boots slower)."""
     import asyncio
-    import sqlite3
 
     from prefect.server.database import provide_database_interface
 

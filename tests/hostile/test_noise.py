@@ -23,8 +23,7 @@ def test_a_quiet_run_of_many_slices_on_the_embedded_server_prints_only_its_progr
 
 def test_an_embedded_server_that_cannot_start_says_why_in_one_line(tmp_path, prefect_home):
     database = tmp_path / "no-such-dir" / "prefect.db"
-    # A user cache of its own: with the session's, whose database template an earlier fresh boot may have made,
-    # the server would make the directory and copy the template in, and start.
+    # Neither the shipped schema nor a template in the user cache makes a database where its directory is missing.
     result = cli(*run_args([EXAMPLE_DATA], tmp_path / "cache"), home=prefect_home,
                  env={"PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{database}",
                       "SFT_TOKENIZE_HOME": str(tmp_path / "user-cache")})

@@ -59,6 +59,8 @@ def template(tmp_path, monkeypatch, migrated_prefect_home) -> Path:
 
 def test_a_missing_database_is_a_copy_of_this_prefects_template(template, tmp_path):
     database = tmp_path / "home" / "prefect.db"
+    assert not seed_database(database)  # in a directory that is not there: Prefect's boot says it cannot open it
+    database.parent.mkdir()
     assert seed_database(database)
     assert database.read_bytes() == (template / TEMPLATE_DATABASE).read_bytes()
     assert sorted(p.name for p in database.parent.iterdir()) == ["prefect.db"]  # no temporary copy left
@@ -80,12 +82,14 @@ def test_a_template_made_by_another_prefect_is_not_used(template, tmp_path, chan
     record = json.loads((template / TEMPLATE_RECORD).read_text())
     (template / TEMPLATE_RECORD).write_text(json.dumps({**record, **change}))
     database = tmp_path / "home" / "prefect.db"
+    database.parent.mkdir()
     assert not seed_database(database)
     assert not database.exists()
 
 
 def test_a_damaged_template_is_not_used(template, tmp_path):
     (template / TEMPLATE_DATABASE).write_bytes(b"not a database")
+    (tmp_path / "home").mkdir()
     assert not seed_database(tmp_path / "home" / "prefect.db")
     assert not (tmp_path / "home" / "prefect.db").exists()
 
