@@ -15,7 +15,7 @@ import json
 import logging
 import threading
 import unicodedata
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -270,18 +270,16 @@ def _check_strings(backend) -> list[str]:
 def _fastokens_or_refusal(backend, text: str) -> tuple[FastEncoder | None, str]:
     """`text`: `backend.to_str()` (~0.1 s for a 151k vocabulary: serialized once per check)."""
     try:
-        import fastokens
+        import fastokens  # noqa: F401 - whether it is installed; PendingNative builds with it
     except ImportError:
         return None, "fastokens is not installed (pip install 'sft-tokenize[fast]')"
-    # fastokens builds outside the GIL (~1 s for a 151k vocabulary) while this thread parses the same JSON.
-    build = ThreadPoolExecutor(1, thread_name_prefix="fastokens-build")
-    built = build.submit(fastokens.Tokenizer.from_json_str, text)
-    build.shutdown(wait=False)  # its thread ends with the build: a refused tokenizer's is not waited for
+    pending = PendingNative(text)
+    pending.start()  # fastokens builds outside the GIL while this thread parses the same JSON
     refusal = _byte_level_refusal(config := json.loads(text))
     if refusal:
-        return None, refusal
+        return None, refusal  # the build ends unused in its thread
     try:
-        native = built.result()
+        native = pending.result()
     except Exception as error:  # fastokens refuses what it does not implement
         return None, f"fastokens cannot load it ({type(error).__name__}: {str(error).strip()[:200]})"
     for add_special in (False, True):
