@@ -206,8 +206,7 @@ def _new_database(record: Path) -> bool:
             _skip_boot_checks()
             return True
         make_template(database)
-    if (facts := _boot_facts()) is not None:
-        write_state(record, facts)
+    _record(record)
     return False
 
 
@@ -223,10 +222,10 @@ def _register_blocks_and_record(record: Path) -> None:
     (best effort: without it the next boot is a full one, which registers them)."""
     try:
         _register_blocks()
-        if (facts := _boot_facts()) is not None:
-            write_state(record, facts)
     except Exception as error:  # noqa: BLE001 - never the end of the thread that ends the server
         print(f"block types not registered: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+        return
+    _record(record)
 
 
 def _boot_in_full(record: Path) -> bool:
@@ -243,11 +242,15 @@ def _boot_in_full(record: Path) -> bool:
 
 
 def _record_boot(record: Path) -> None:
-    """After a full boot that migrated and registered: what the next boot checks (best effort: a boot that is not
-    recorded is only done in full again)."""
+    """After a full boot that migrated and registered: what the next boot checks."""
     settings = get_current_settings().server
-    if not (settings.database.migrate_on_start and settings.register_blocks_on_start):
-        return
+    if settings.database.migrate_on_start and settings.register_blocks_on_start:
+        _record(record)
+
+
+def _record(record: Path) -> None:
+    """The facts of this database, the one a full boot of this Prefect leaves, for the next boot to check (best
+    effort: a boot that is not recorded is only done in full again)."""
     try:
         if (facts := _boot_facts()) is not None:
             write_state(record, facts)
