@@ -22,7 +22,7 @@ from sft_tokenize.build.timeline import mark
 from sft_tokenize.encoding.chat_encoder import ChatEncoder
 from sft_tokenize.encoding.exact import FastEncoder, choose_encoder
 from sft_tokenize.encoding.pool import DEPTH, EncodePool
-from sft_tokenize.encoding.prepared import prepared_encoding, prepared_here
+from sft_tokenize.encoding.prepared import PartsTokenizer, keep_boundaries, prepared_encoding, prepared_here
 from sft_tokenize.encoding.tokenizer import fetch_tokenizer, load_tokenizer
 from sft_tokenize.encoding.vision import VisionFamily, load_family
 
@@ -75,10 +75,13 @@ def prepared_path(job: Job) -> str:
 
 
 def warm_encoder(job: Job) -> None:
-    """This process is about to encode the job's slices itself: start building its fast encoder now."""
-    fast = _process_encoding(job)[1]
+    """This process is about to encode the job's slices itself: start building its fast encoder now, and HF's
+    Rust tokenizer, against which each slice's first rows are checked."""
+    tokenizer, fast = _process_encoding(job)
     if fast is not None:
         fast.warm()
+        if isinstance(tokenizer, PartsTokenizer):
+            tokenizer.build_backend_soon()
 
 
 _encoders: dict[str, ChatEncoder] = {}
@@ -109,7 +112,9 @@ def encoder_for(job: Job) -> ChatEncoder:
                 _encoders.pop(next(iter(_encoders)))
             tokenizer, fast = _process_encoding(job)
             vision = vision_family(job)
-            _encoders[key] = ChatEncoder(tokenizer, fast=fast, vision=vision, **encoder_settings(job))
+            encoder = _encoders[key] = ChatEncoder(tokenizer, fast=fast, vision=vision, **encoder_settings(job))
+            if encoder.template is not None:
+                keep_boundaries(tokenizer, encoder.template.learned_boundaries)
         return _encoders[key]
 
 

@@ -12,6 +12,9 @@ root ($SFT_TOKENIZE_HOME, else $XDG_CACHE_HOME/sft-tokenize, else ~/.cache/sft-t
         byte_lengths.npy  each id's length in UTF-8 bytes, when the fast encoder was accepted
         prepared.json     written last (its presence means the rest is complete): the special tokens, the chat
                           template, the fast encoder's verdict (accepted with its NFC flag, or why it was refused)
+        boundaries.json   optional, added to by later runs: the token boundaries of chat templates' own text
+                          (template.py), by text, so that no later process builds HF's Rust tokenizer (~0.4 s for
+                          151k tokens) only to learn them again
 
 `<key>` hashes the SHA-256 of every file of the tokenizer directory (as the fingerprint does) with the
 versions of transformers, tokenizers and fastokens and `PREPARED_VERSION`: an edited tokenizer file or an
@@ -79,8 +82,9 @@ class PartsTokenizer:
     """The attributes `ChatEncoder`, `ChatTemplate` and `choose_encoder` read of a transformers tokenizer. HF's
     Rust tokenizer is built at its first use: a process whose rows the fast encoder places may never need it."""
 
-    def __init__(self, parts: TokenizerParts):
+    def __init__(self, parts: TokenizerParts, directory: Path | None = None):
         self.parts = parts
+        self.directory = directory  # the prepared entry it was read from or written to (keep_boundaries)
         self.known_boundaries = parts.boundaries
         self._backend = None
         self._building = threading.Lock()  # the slices' threads share it
@@ -88,6 +92,12 @@ class PartsTokenizer:
         self.special_tokens_map = parts.special_tokens_map
         self.eos_token, self.eos_token_id = parts.eos_token, parts.eos_token_id
         self.added_tokens_decoder = {k: _AddedToken(content) for k, content in enumerate(parts.special_tokens)}
+
+    def build_backend_soon(self) -> None:
+        """Build HF's Rust tokenizer in a thread, for a process about to check its fast encoder against it. Not a
+        daemon: the interpreter's exit waits for it rather than ending it inside Rust."""
+        if self._backend is None:
+            threading.Thread(target=lambda: self.backend_tokenizer, name="hf-tokenizer-build").start()
 
     @property
     def backend_tokenizer(self):
@@ -127,10 +137,35 @@ def _read(directory: Path) -> tuple[TokenizerParts, dict] | None:
         lengths = np.load(directory / "byte_lengths.npy") if meta["encoder"].get("accepted") else None
         parts = TokenizerParts(backend_json, meta["chat_template"], meta["special_tokens_map"], meta["eos_token"],
                                meta["eos_token_id"], tuple(meta["special_tokens"]),
-                               (lengths, meta["encoder"]["nfc"]) if lengths is not None else None)
+                               (lengths, meta["encoder"]["nfc"]) if lengths is not None else None,
+                               _read_boundaries(directory))
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return parts, meta["encoder"]
+
+
+def _read_boundaries(directory: Path) -> dict:
+    try:
+        found = json.loads((directory / "boundaries.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def keep_boundaries(tokenizer: Any, learned: dict[str, list[int]]) -> None:
+    """Add the token boundaries a chat template learned (`learned`, by text) to the prepared entry `tokenizer`
+    came from, for later processes. Two processes adding at once may drop one's texts: those are learned again."""
+    directory = getattr(tokenizer, "directory", None)
+    known = getattr(tokenizer, "known_boundaries", None)
+    new = {text: ends for text, ends in learned.items() if known is not None and text not in known}
+    if directory is None or not new:
+        return
+    known.update(new)
+    try:
+        atomic_write(directory / "boundaries.json", json.dumps({**_read_boundaries(directory), **new}),
+                     durable=False)
+    except OSError as error:  # an unwritable home: a later process learns them again
+        logger.info("template boundaries not kept in %s: %s", directory, error.strerror)
 
 
 def _write(directory: Path, parts: TokenizerParts, verdict: dict) -> None:
@@ -157,7 +192,7 @@ def prepared_encoding(directory: Path, load, requested: str) -> tuple[Any, FastE
     found = _read(directory)
     if found is not None and (requested == "hf" or "accepted" in found[1]):
         parts, verdict = found
-        tokenizer = PartsTokenizer(parts)
+        tokenizer = PartsTokenizer(parts, directory)
         if requested == "hf":
             return tokenizer, None
         if not verdict["accepted"]:
@@ -173,6 +208,6 @@ def prepared_encoding(directory: Path, load, requested: str) -> tuple[Any, FastE
     _write(directory, parts, verdict)
     # From here on this process holds what a later one reads from the entry, not transformers' tokenizer (its
     # Python vocabulary and classes): only the Rust tokenizer it already built is kept.
-    prepared = PartsTokenizer(parts)
+    prepared = PartsTokenizer(parts, directory)
     prepared._backend = tokenizer.backend_tokenizer
     return prepared, fast

@@ -14,7 +14,7 @@ from support.paths import EXAMPLE_TOKENIZER
 
 from sft_tokenize.encoding import exact as encoders
 from sft_tokenize.encoding.chat_encoder import ChatEncoder
-from sft_tokenize.encoding.prepared import PartsTokenizer, prepared_dir, prepared_encoding
+from sft_tokenize.encoding.prepared import PartsTokenizer, keep_boundaries, prepared_dir, prepared_encoding
 from sft_tokenize.encoding.tokenizer import load_tokenizer
 from sft_tokenize.fingerprint import hash_directory
 from sft_tokenize.sources.conversations import ColumnMap, to_example
@@ -73,6 +73,21 @@ def test_a_prepared_tokenizer_skips_the_load_and_the_check_and_encodes_the_same_
     want = encoded(first, first_fast, rows)
     assert encoded(again, again_fast, rows) == want
     assert want[3] == (16 if requested != "hf" else 0)  # a slice's first rows are still checked against HF's
+
+
+def test_a_templates_boundaries_kept_in_the_entry_spare_a_later_process_hfs_tokenizer(tmp_path, monkeypatch):
+    directory = entry(tmp_path, EXAMPLE_TOKENIZER)
+    load = Counted(EXAMPLE_TOKENIZER, monkeypatch)
+    first, first_fast = prepared_encoding(directory, load, "auto")
+    learned = ChatEncoder(first, fast=first_fast).template.learned_boundaries
+    keep_boundaries(first, learned)
+    assert learned and json.loads((directory / "boundaries.json").read_text()) == learned
+    encoders._chosen.clear()
+    again, again_fast = prepared_encoding(directory, load, "auto")
+    assert ChatEncoder(again, fast=again_fast).template.learned_boundaries == learned
+    assert again._backend is None  # learned from the entry, not from HF's tokenizer built again
+    rows = example_rows()[:40]
+    assert encoded(again, again_fast, rows) == encoded(first, first_fast, rows)
 
 
 def test_an_entry_made_for_hf_is_checked_when_the_fast_encoder_is_asked_for(tmp_path, monkeypatch):
