@@ -34,6 +34,7 @@ lines printed say which targets pass.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -45,6 +46,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+
+import psutil
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -127,16 +130,33 @@ def project_env(env: dict[str, str], mode: str, work: Path, scratch: Path) -> di
     return {**env, "SFT_TOKENIZE_SERVER_IDLE": "0", **{k: str(v) for k, v in homes.items()}}
 
 
+RESIDENT = "sft_tokenize.flows.resident import serve"  # the resident process's command line
+
+
 def server_pids(env: dict[str, str]):
-    """The embedded server recorded in the run's PREFECT_HOME, as a callable for measure(): a warm run's server
-    is not the run's child, yet its memory is the run's cost."""
-    state = Path(env["PREFECT_HOME"]) / "sft-tokenize-server.json"
+    """The embedded server recorded in the run's PREFECT_HOME and the resident process beside it (whose child runs
+    a warm run: sft_tokenize/flows/resident.py), as a callable for measure(): neither is the run's child, yet
+    their memory is the run's cost."""
+    home = env["PREFECT_HOME"]
+    state = Path(home) / "sft-tokenize-server.json"
+
+    residents: list[int] = []
+    calls = 0
 
     def pids() -> list[int]:
-        try:
-            return [int(json.loads(state.read_text())["pid"])]
-        except (OSError, ValueError, KeyError, TypeError):
-            return []
+        nonlocal calls
+        found = []
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            found.append(int(json.loads(state.read_text())["pid"]))
+        if calls % 20 == 0:  # a scan of every process, once a second at measure()'s rate, not at every sample
+            residents[:] = []
+            for process in psutil.process_iter(["cmdline"]):
+                with contextlib.suppress(psutil.Error):
+                    if RESIDENT in " ".join(process.info["cmdline"] or []) and \
+                            process.environ().get("PREFECT_HOME") == home:
+                        residents.append(process.pid)
+        calls += 1
+        return found + residents
 
     return pids
 

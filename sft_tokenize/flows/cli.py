@@ -44,6 +44,15 @@ def keep_torch_out() -> None:
     sys.modules.setdefault("torch", None)
 
 
+def process_environment() -> None:
+    """Before transformers and prefect are imported (here, or in the resident process: flows/resident.py)."""
+    # No "PyTorch was not found" advisory, no telemetry noise.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    # An unusable PREFECT_HOME is reported in one line (flows/api.py), not as Prefect's import warning.
+    warnings.filterwarnings("ignore", message="Failed to create the Prefect home directory")
+
+
 def run(args: argparse.Namespace) -> int:
     from sft_tokenize.flows.api import run_recipe, run_tokenize
     from sft_tokenize.flows.interrupts import raise_on_sigterm
@@ -305,11 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         except SystemExit as exit_:  # --help, or bad usage (exit 2)
             sys.stdout.flush()
             return int(exit_.code or 0)
-        # Before transformers and prefect are imported: no "PyTorch was not found" advisory, no telemetry noise.
-        os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-        os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-        # An unusable PREFECT_HOME is reported in one line (flows/api.py), not as Prefect's import warning.
-        warnings.filterwarnings("ignore", message="Failed to create the Prefect home directory")
+        process_environment()
         if args.command == "run":  # inherited by process-pool workers, which print their own logs
             os.environ[CONSOLE_ENV] = "quiet" if args.quiet else "verbose" if args.verbose else "plain"
             os.environ[SERVER_IDLE_ENV] = str(args.server_idle)  # read by flows.embedded_server.EmbeddedServer

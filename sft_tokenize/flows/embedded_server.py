@@ -438,6 +438,14 @@ def server_status() -> list[tuple[str, str]]:
             ("runs using it", str(runs)), ("idle time", left), *where]
 
 
+def idle_server() -> dict | None:
+    """The embedded server this process's run used (its Prefect points at it), if it is still up: its pid and
+    start."""
+    settings = get_current_settings()
+    state = recorded_server(server_paths(Path(settings.home))[1])
+    return {"pid": state["pid"], "started": state["started"]} if state and state["url"] == settings.api.url else None
+
+
 def stop_server(force: bool = False) -> str:
     """`sft-tokenize server stop`: stop this PREFECT_HOME's embedded server and wait until its process is gone.
     Refused (ServerInUse) while runs use it, unless `force` (those runs then fail)."""

@@ -36,7 +36,8 @@ def test_the_wheel_installs_one_top_level_package_and_its_console_script(wheel):
                      "sft_tokenize/read/cache.py"):
         assert expected in names
     (entry_points,) = [name for name in names if name.endswith(".dist-info/entry_points.txt")]
-    assert "sft-tokenize = sft_tokenize.flows.cli:console_main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+    script = "sft-tokenize = sft_tokenize.flows.resident:console_main"
+    assert script in zipfile.ZipFile(wheel).read(entry_points).decode()
 
 
 def test_the_installed_copy_runs_the_quickstart_outside_the_checkout(wheel, tmp_path, prefect_home):
