@@ -14,7 +14,7 @@ import time
 TRACE_ENV = "SFT_TOKENIZE_TRACE"
 
 
-def _process_start() -> float:
+def process_start() -> float:
     """This process's start on the CLOCK_BOOTTIME scale (seconds since boot), as /proc/uptime counts."""
     try:
         with open("/proc/self/stat") as stat:
@@ -24,7 +24,14 @@ def _process_start() -> float:
         return time.clock_gettime(time.CLOCK_BOOTTIME)
 
 
-_STARTED = _process_start() if os.environ.get(TRACE_ENV) else 0.0
+_STARTED = process_start() if os.environ.get(TRACE_ENV) else 0.0
+
+
+def count_from(started: float) -> None:
+    """Count this process's events from `started` (process_start's scale): a resident's child runs a command
+    that started before it (flows/resident.py)."""
+    global _STARTED
+    _STARTED = started
 
 
 def mark(event: str) -> None:

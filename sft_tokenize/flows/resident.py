@@ -108,9 +108,9 @@ def run_in_resident(argv: list[str]) -> int | None:
         sock.connect(_address(resident_key(os.environ, sys.path)))
         sock.settimeout(READY_TIMEOUT)
         _receive(sock)  # the resident is ready: its imports are done
-        from sft_tokenize.build.timeline import TRACE_ENV, _process_start
+        from sft_tokenize.build.timeline import TRACE_ENV, process_start
 
-        started = _process_start() if os.environ.get(TRACE_ENV) else 0.0
+        started = process_start() if os.environ.get(TRACE_ENV) else 0.0
         _send(sock, {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ), "umask": _umask(),
                      "started": started}, [0, 1, 2])
         child = _receive(sock)[0]["pid"]
@@ -155,21 +155,20 @@ def start_resident(server: dict) -> None:
     one is up already: it ends with that server."""
     if _in_child or _command_env is None or not enabled():
         return
-    key = resident_key(_command_env, sys.path)
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    # Bound here, before this command exits: the next one connects at once, and waits while the resident imports.
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        probe.connect(_address(key))
-        return  # one is up (or importing)
-    except OSError:
-        pass
-    finally:
-        probe.close()
+        listener.bind(_address(resident_key(_command_env, sys.path)))
+        listener.listen(16)
+    except OSError:  # one is up (or importing)
+        listener.close()
+        return
     code = ("import json, sys; sys.path[:] = json.loads(sys.argv[1]); "
             "from sft_tokenize.flows.resident import serve; serve(*json.loads(sys.argv[2]))")
-    with contextlib.suppress(OSError):
-        subprocess.Popen([sys.executable, "-c", code, json.dumps(sys.path), json.dumps([key, server])],
+    with listener, contextlib.suppress(OSError):
+        subprocess.Popen([sys.executable, "-c", code, json.dumps(sys.path), json.dumps([listener.fileno(), server])],
                          env=_command_env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL, start_new_session=True)
+                         stderr=subprocess.DEVNULL, start_new_session=True, pass_fds=[listener.fileno()])
 
 
 def console_main() -> None:
@@ -209,17 +208,13 @@ def _preload() -> None:
                 raise
 
 
-def serve(key: str, server: dict) -> None:
-    """The resident process: bind this environment's address (a command that connects meanwhile waits), import,
-    then fork a child per command until the server `server` (its state record) is gone and no child runs."""
+def serve(listening: int, server: dict) -> None:
+    """The resident process, on the socket `listening` that its command bound (a command that connects meanwhile
+    waits): import, then fork a child per command until the server `server` (its state record) is gone and no
+    child runs."""
     from sft_tokenize.flows.server_state import is_running
 
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        listener.bind(_address(key))
-    except OSError:  # another resident of this key
-        return
-    listener.listen(16)
+    listener = socket.socket(fileno=listening)
     _preload()
     # A fork copies only the thread that calls it: a lock another Python thread held would stay held in the child.
     # (Native pools started by the imports, OpenBLAS's and jemalloc's, have fork handlers of their own.)
@@ -264,8 +259,8 @@ def _accept(listener: socket.socket, selector: selectors.BaseSelector, children:
         conn.close()
         return
     pid = os.fork()
-    if pid == 0:
-        for resource in own:
+    if pid == 0:  # the child keeps only its command's connection and descriptors
+        for resource in (*own, selector, *children.values()):
             os.close(resource) if isinstance(resource, int) else resource.close()
         _run_child(conn, request, fds)
     for fd in fds:
@@ -318,10 +313,10 @@ def _run_child(conn: socket.socket, request: dict, fds: list[int]) -> NoReturn:
         os.environ.clear()
         os.environ.update(request["env"])
         sys.argv = list(request["argv"])
-        from sft_tokenize.build import timeline
+        from sft_tokenize.build.timeline import count_from
         from sft_tokenize.flows.cli import console_main
 
-        timeline._STARTED = request["started"]
+        count_from(request["started"])
         console_main()
     except SystemExit as exit_:
         code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
