@@ -22,8 +22,8 @@ that subprocess's whole process tree (see measure.py):
 
 Cold (`--prefect fresh`, the default) is a user's first run: each project run gets a fresh, empty PREFECT_HOME
 and SFT_TOKENIZE_HOME, and nothing is prepared before any clock starts. `--prefect warm` lets the project's runs
-find the embedded server up, its database migrated and the tokenizer prepared (one untimed run per variant
-first); the peers have no such state. Either way every pipeline's input files are read once, untimed, just
+find the embedded server up, its database migrated, the tokenizer prepared and the resident process ready (one
+untimed run per variant first; sft_tokenize/flows/resident.py); the peers have no such state. Either way every pipeline's input files are read once, untimed, just
 before it runs, so that each finds them in the page cache.
 
 Every output is checked against the others with an exact checksum of input_ids and loss_mask (the ceiling
@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-import psutil
+from sft_tokenize.flows.resident import residents
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -130,17 +130,13 @@ def project_env(env: dict[str, str], mode: str, work: Path, scratch: Path) -> di
     return {**env, "SFT_TOKENIZE_SERVER_IDLE": "0", **{k: str(v) for k, v in homes.items()}}
 
 
-RESIDENT = "sft_tokenize.flows.resident import serve"  # the resident process's command line
-
-
 def server_pids(env: dict[str, str]):
-    """The embedded server recorded in the run's PREFECT_HOME and the resident process beside it (whose child runs
-    a warm run: sft_tokenize/flows/resident.py), as a callable for measure(): neither is the run's child, yet
-    their memory is the run's cost."""
+    """The embedded server recorded in the run's PREFECT_HOME and the resident process beside it (which runs a warm
+    run: sft_tokenize/flows/resident.py), as a callable for measure(): neither is the run's child, yet their memory
+    is the run's cost."""
     home = env["PREFECT_HOME"]
     state = Path(home) / "sft-tokenize-server.json"
-
-    residents: list[int] = []
+    resident: list[int] = []
     calls = 0
 
     def pids() -> list[int]:
@@ -148,17 +144,23 @@ def server_pids(env: dict[str, str]):
         found = []
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
             found.append(int(json.loads(state.read_text())["pid"]))
-        if calls % 20 == 0:  # a scan of every process, once a second at measure()'s rate, not at every sample
-            residents[:] = []
-            for process in psutil.process_iter(["cmdline"]):
-                with contextlib.suppress(psutil.Error):
-                    if RESIDENT in " ".join(process.info["cmdline"] or []) and \
-                            process.environ().get("PREFECT_HOME") == home:
-                        residents.append(process.pid)
+        if calls % 20 == 0:  # a scan of /proc once a second at measure()'s rate, not at every sample
+            resident[:] = [pid for pid, _ in residents(home)]
         calls += 1
-        return found + residents
+        return found + resident
 
     return pids
+
+
+def wait_for_resident(env: dict[str, str], timeout: float = 120) -> None:
+    """Once a run has left the server warm: wait until the resident process it started beside it is ready (its
+    imports done), as it is for a user's next run a few seconds later. Nothing to wait for with a CLI that starts
+    none (SFT_TOKENIZE_RESIDENT=0, --server-idle 0, another checkout)."""
+    deadline = time.monotonic() + timeout
+    while (found := residents(env["PREFECT_HOME"])) and not any(ready for _, ready in found):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the resident process of {env['PREFECT_HOME']} was not ready after {timeout:.0f} s")
+        time.sleep(0.1)
 
 
 def read_inputs(files: list[Path]) -> None:
@@ -203,6 +205,7 @@ def warm_up_prefect(env: dict[str, str], work: Path, tokenizer: Path | None = No
                               work / "warm-up", 1, list(extra))
     measure(command, env=env, cwd=ROOT, log=work / "logs" / "prefect-warm-up.log")
     shutil.rmtree(work / "warm-up", ignore_errors=True)
+    wait_for_resident(env)
 
 
 def stop_server(env: dict[str, str]) -> None:

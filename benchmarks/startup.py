@@ -12,8 +12,9 @@ short-turn corpus at 1/8 of a unit, 4,000 conversations, ~3.5M Qwen tokens), one
            prepared (the run creates Prefect's database and prepares the tokenizer on the clock)
     hit    the same command again: a cache hit
     warm   a fresh cache on the same homes (the database made, the tokenizer prepared), with the embedded server
-           already up: an untimed run on the example data with `--server-idle 60` leaves it running, and the
-           timed run passes `--server-idle 60` too;
+           already up: an untimed run on the example data with `--server-idle 60` leaves it running (and the
+           resident process beside it: the script waits until it is ready, as it is a few seconds after a run),
+           and the timed run passes `--server-idle 60` too;
            `sft-tokenize server stop` ends it afterwards. A CLI without `--server-idle` gets the same run
            without it (no server is left running: the row says so)
 
@@ -45,7 +46,7 @@ sys.path.insert(0, str(HERE))
 
 from build_inputs import EXAMPLE_TOKENIZER, CorpusSpec, build, qwen_tokenizer  # noqa: E402
 from measure import TRACE_VARIABLE, measure, read_trace  # noqa: E402
-from run import ENV, ad_hoc_environment, machine, server_pids  # noqa: E402
+from run import ENV, ad_hoc_environment, machine, server_pids, wait_for_resident  # noqa: E402
 
 EVENTS = ("imports", "planned", "encoding", "server", "flow", "first_slice", "published", "exit")
 MODES = ("cold", "hit", "warm")
@@ -138,6 +139,7 @@ def one_repeat(repeat: int, tokenizer: tuple[str, Path], data: tuple[str, Path],
             if idle:  # leave the server up, untimed
                 measure(command(scratch / "cache-prime", ROOT / "examples" / "data", idle), env=run_env, cwd=scratch,
                         log=logs / f"{stem}-prime.log")
+                wait_for_resident(run_env)
             warm = timed_run(command(scratch / "cache-warm", extra=idle), run_env, scratch,
                              scratch / "trace-warm.jsonl", logs / f"{stem}-warm.log")
             manifest = json.loads((Path(warm["cache"]) / "manifest.json").read_text())

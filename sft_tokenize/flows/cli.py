@@ -327,10 +327,11 @@ def main(argv: list[str] | None = None) -> int:
         return exit_for(error, args)
 
 
-def console_main() -> None:
+def console_main(ended: Callable[[int], None] | None = None) -> None:
     """The `sft-tokenize` command. A run that published its cache ends at once: Prefect's logs and events sent,
     the embedded server left (atexit), and no interpreter teardown after that (joining Prefect's service threads
-    and freeing every module took ~0.4 s of every run)."""
+    and freeing every module took ~0.4 s of every run). `ended`, if given, hears the exit code then (a resident
+    process tells the command it runs: flows/resident.py)."""
     code = main()
     if code == EXIT_OK and "prefect" in sys.modules:
         from prefect.events.worker import EventsWorker
@@ -341,6 +342,8 @@ def console_main() -> None:
         atexit._run_exitfuncs()
         sys.stdout.flush()
         sys.stderr.flush()
+        if ended is not None:
+            ended(code)
         os._exit(code)
     sys.exit(code)
 

@@ -2,17 +2,18 @@
 
 Importing Prefect, datasets and transformers takes ~2.5 s of one core, every run, before any row is read: with a
 warm server that is most of a small run. A run that leaves the embedded server up (`--server-idle` above 0) also
-starts a resident process beside it, with the same environment. The resident imports what a run imports, then
-waits; the next `sft-tokenize run` of this user with that environment and these installed files hands it its
-arguments, working directory, environment and its stdin, stdout and stderr (the descriptors themselves, over a
-Unix socket), and the resident forks a child that runs the command as this process would have. The command waits,
-passes Ctrl-C and SIGTERM on to the child, and exits with the child's exit code. Nothing else differs: the child
-reads the same files, joins the same server, writes the same cache and prints the same lines.
+starts, as it exits, a resident process beside it with its environment. The resident imports what a run imports,
+then waits for one command: the next `sft-tokenize run` of this user with that environment and these installed
+files hands it its arguments, working directory, environment and its stdin, stdout and stderr (the descriptors
+themselves, over a Unix socket), and the resident runs the command as that process would have, then exits. The
+command waits, passes Ctrl-C, SIGTERM and SIGHUP on to it, and exits with its exit code; the resident reads the
+same files, joins the same server, writes the same cache and prints the same lines. Each run that leaves the
+server up starts the next resident as it exits, so a resident serves one run and holds nothing of another.
 
-When it is not used: no resident for this environment (the command runs in its own process, as before), one still
-importing (the command waits for it, which is never longer than importing itself), SFT_TOKENIZE_RESIDENT=0, or not
-Linux. The resident ends with the server it was started beside (`sft-tokenize server stop` ends both), after the
-children it forked. It forks only while it runs a single thread, and serves only its own user (SO_PEERCRED).
+When it is not used: no resident ready for this environment (none, one still importing, or one serving another
+run: the command runs in its own process, as before, at once), SFT_TOKENIZE_RESIDENT=0, or not Linux. An unused
+resident ends with the server it was started beside (`sft-tokenize server stop` ends both). It serves only its
+own user (SO_PEERCRED on an abstract socket).
 
 This module is the `sft-tokenize` entry point (console_main): it imports nothing beyond the standard library
 until it knows where the command runs.
@@ -25,7 +26,6 @@ import contextlib
 import hashlib
 import json
 import os
-import selectors
 import signal
 import socket
 import struct
@@ -37,9 +37,9 @@ from pathlib import Path
 from typing import NoReturn
 
 RESIDENT_ENV = "SFT_TOKENIZE_RESIDENT"  # 0: never use or start a resident process
-_in_child = False  # this process is a resident's child: it runs a command, it starts no resident
 _command_env: dict[str, str] | None = None  # the command's environment as it started (a run changes its own)
-READY_TIMEOUT = 60.0  # how long a command waits for a resident that is still importing
+SERVE = "from sft_tokenize.flows.resident import serve; serve"  # in a resident's command line
+READY_TIMEOUT = 10.0  # a resident listens only once its imports are done: it answers at once
 # Read by the command at run time only (the child gets the command's own environment), so they may differ
 # between the resident and the command it serves.
 RUNTIME_VARIABLES = frozenset({"SFT_TOKENIZE_CONSOLE", "SFT_TOKENIZE_SERVER_IDLE", "SFT_TOKENIZE_TRACE",
@@ -101,24 +101,24 @@ def _receive(sock: socket.socket, fds: int = 0) -> tuple[dict, list[int]]:
 # The command's side.
 
 def run_in_resident(argv: list[str]) -> int | None:
-    """Run the command `argv` in a resident process and return its exit code; None if no resident can run it
-    (the caller runs it itself). Ctrl-C, SIGTERM and SIGHUP sent to this process are passed on to the child."""
+    """Run the command `argv` in a resident process and return its exit code; None if no resident is ready for it
+    (the caller runs it itself). Ctrl-C, SIGTERM and SIGHUP sent to this process are passed on to the resident."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        sock.connect(_address(resident_key(os.environ, sys.path)))
+        sock.connect(_address(resident_key(os.environ, sys.path)))  # refused at once unless one is listening
         sock.settimeout(READY_TIMEOUT)
-        _receive(sock)  # the resident is ready: its imports are done
+        resident = _receive(sock)[0]["pid"]
         from sft_tokenize.build.timeline import TRACE_ENV, process_start
 
         started = process_start() if os.environ.get(TRACE_ENV) else 0.0
         _send(sock, {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ), "umask": _umask(),
                      "started": started}, [0, 1, 2])
-        child = _receive(sock)[0]["pid"]
+        _receive(sock)  # taken: from here on the command is the resident's
     except (OSError, EOFError, ValueError, KeyError):
         sock.close()
         return None
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, lambda signum, frame: _pass_on(child, signum))
+        signal.signal(signum, lambda signum, frame: _pass_on(resident, signum))
     sock.settimeout(None)
     try:
         return int(_receive(sock)[0]["exit"])
@@ -126,6 +126,25 @@ def run_in_resident(argv: list[str]) -> int | None:
         print("sft-tokenize: error: the resident process ended before the run did; run the same command again "
               f"(or with {RESIDENT_ENV}=0)", file=sys.stderr)
         return 1
+
+
+def residents(home: str) -> list[tuple[int, bool]]:
+    """The resident processes started beside the embedded server of PREFECT_HOME `home`, each with whether it is
+    ready (listening), from /proc: for tests and benchmarks, which wait for one and count its memory."""
+    listening = set()
+    with contextlib.suppress(OSError), open("/proc/net/unix") as table:
+        for fields in map(str.split, list(table)[1:]):
+            if len(fields) >= 8 and fields[7].startswith("@sft-tokenize-resident-") and int(fields[3], 16) & 0x10000:
+                listening.add(f"socket:[{fields[6]}]")
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            if SERVE.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes() or \
+                    f"PREFECT_HOME={home}".encode() not in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                continue
+            sockets = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+            found.append((int(pid), bool(sockets & listening)))
+    return found
 
 
 def _umask() -> int:
@@ -153,18 +172,16 @@ def _start_beside_server() -> None:
 def start_resident(server: dict) -> None:
     """Start this environment's resident process beside the embedded server `server` (its state record), unless
     one is up already: it ends with that server."""
-    if _in_child or _command_env is None or not enabled():
+    if _command_env is None or not enabled():
         return
-    # Bound here, before this command exits: the next one connects at once, and waits while the resident imports.
+    # Bound here, so that no second resident of this environment starts; it listens once its imports are done.
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         listener.bind(_address(resident_key(_command_env, sys.path)))
-        listener.listen(16)
-    except OSError:  # one is up (or importing)
+    except OSError:  # one is up (or importing, or serving a run)
         listener.close()
         return
-    code = ("import json, sys; sys.path[:] = json.loads(sys.argv[1]); "
-            "from sft_tokenize.flows.resident import serve; serve(*json.loads(sys.argv[2]))")
+    code = f"import json, sys; sys.path[:] = json.loads(sys.argv[1]); {SERVE}(*json.loads(sys.argv[2]))"
     with listener, contextlib.suppress(OSError):
         subprocess.Popen([sys.executable, "-c", code, json.dumps(sys.path), json.dumps([listener.fileno(), server])],
                          env=_command_env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -208,95 +225,49 @@ def _preload() -> None:
                 raise
 
 
-def serve(listening: int, server: dict) -> None:
-    """The resident process, on the socket `listening` that its command bound (a command that connects meanwhile
-    waits): import, then fork a child per command until the server `server` (its state record) is gone and no
-    child runs."""
+def serve(bound: int, server: dict) -> None:
+    """The resident process, on the socket `bound` that its command bound: import, listen, and run the first
+    command that hands itself over (then exit); or exit once the server `server` (its state record) is gone."""
     from sft_tokenize.flows.server_state import is_running
 
-    listener = socket.socket(fileno=listening)
+    listener = socket.socket(fileno=bound)
     _preload()
-    # A fork copies only the thread that calls it: a lock another Python thread held would stay held in the child.
-    # (Native pools started by the imports, OpenBLAS's and jemalloc's, have fork handlers of their own.)
-    if threading.active_count() != 1:
-        return
-    import gc
-
-    gc.freeze()  # what the imports made stays shared with the children, not copied by their collections
-    wake_read, wake_write = os.pipe()
-    os.set_blocking(wake_write, False)
-    signal.set_wakeup_fd(wake_write)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
-    selector = selectors.DefaultSelector()
-    selector.register(listener, selectors.EVENT_READ, "accept")
-    selector.register(wake_read, selectors.EVENT_READ, "reap")
-    children: dict[int, socket.socket] = {}
-    while children or is_running(server["pid"], server["started"]):
-        for event, _ in selector.select(timeout=1.0):
-            if event.data == "accept":
-                _accept(listener, selector, children, (listener, wake_read, wake_write))
-            elif event.data == "reap":
-                while os.read(wake_read, 512) == 512:
-                    pass
-            else:  # a command's connection: it closed (killed) while its child runs
-                selector.unregister(event.fileobj)
-                _pass_on(event.data, signal.SIGTERM)
-        _reap(children, selector)
+    listener.listen(8)
+    listener.settimeout(1.0)
+    while True:
+        try:
+            conn, _ = listener.accept()
+        except TimeoutError:
+            if not is_running(server["pid"], server["started"]):
+                return
+            continue
+        taken = _take(conn)
+        if taken is not None:
+            listener.close()  # one command: the address is free for the resident its exit starts
+            _run_command(conn, *taken)
+        conn.close()
 
 
-def _accept(listener: socket.socket, selector: selectors.BaseSelector, children: dict[int, socket.socket],
-            own: tuple) -> None:
-    conn, _ = listener.accept()
+def _take(conn: socket.socket) -> tuple[dict, list[int]] | None:
+    """A command's request and descriptors, if the peer is this user and hands one over (`server status` only
+    asks whether this process is ready)."""
     uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
     if uid != os.getuid():
-        conn.close()
-        return
+        return None
     try:
-        conn.settimeout(10)
-        _send(conn, {"ready": True})
+        conn.settimeout(READY_TIMEOUT)
+        _send(conn, {"pid": os.getpid()})
         request, fds = _receive(conn, 3)
-    except (OSError, EOFError, ValueError):  # the command gave up waiting
-        conn.close()
-        return
-    pid = os.fork()
-    if pid == 0:  # the child keeps only its command's connection and descriptors
-        for resource in (*own, selector, *children.values()):
-            os.close(resource) if isinstance(resource, int) else resource.close()
-        _run_child(conn, request, fds)
-    for fd in fds:
-        os.close(fd)
-    try:
-        _send(conn, {"pid": pid})
-    except OSError:
-        _pass_on(pid, signal.SIGTERM)
-    children[pid] = conn
-    selector.register(conn, selectors.EVENT_READ, pid)
+        _send(conn, {"taken": True})
+    except (OSError, EOFError, ValueError):
+        return None
+    return request, fds
 
 
-def _reap(children: dict[int, socket.socket], selector: selectors.BaseSelector) -> None:
-    while children:
-        pid, status = os.waitpid(-1, os.WNOHANG)
-        if pid == 0:
-            return
-        conn = children.pop(pid, None)
-        if conn is None:
-            continue
-        code = os.waitstatus_to_exitcode(status)
-        with contextlib.suppress(OSError):
-            _send(conn, {"exit": code if code >= 0 else 128 - code})
-        with contextlib.suppress(KeyError, ValueError):  # unregistered when the command closed it
-            selector.unregister(conn)
-        conn.close()
+def _run_command(conn: socket.socket, request: dict, fds: list[int]) -> NoReturn:
+    """Become the command (its descriptors, directory, environment, arguments), run it, and tell it how it ended."""
+    global _command_env
 
-
-def _run_child(conn: socket.socket, request: dict, fds: list[int]) -> NoReturn:
-    """In the forked child: become the command (its descriptors, directory, environment, arguments) and run it."""
-    global _in_child
-    _in_child = True
-    signal.set_wakeup_fd(-1)
-    for signum in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, signal.SIG_DFL if signum != signal.SIGINT else signal.default_int_handler)
-    conn.close()
     for target, fd in zip((0, 1, 2), fds, strict=True):
         os.dup2(fd, target)
         os.close(fd)
@@ -306,6 +277,20 @@ def _run_child(conn: socket.socket, request: dict, fds: list[int]) -> NoReturn:
                       buffering=1 if os.isatty(1) else -1)
     sys.stderr = open(2, "w", encoding=sys.stderr.encoding, errors="backslashreplace", closefd=False,  # noqa: SIM115
                       buffering=1)
+    conn.settimeout(None)
+
+    reported = threading.Event()
+
+    def report(code: int) -> None:
+        reported.set()  # the command exits on reading it: its connection closing is no longer news
+        with contextlib.suppress(OSError):
+            _send(conn, {"exit": code})
+
+    def watch() -> None:  # the command was killed (SIGKILL: it passed nothing on): stop as SIGTERM stops a run
+        with contextlib.suppress(OSError):
+            if not conn.recv(1) and not reported.is_set():
+                os.kill(os.getpid(), signal.SIGTERM)
+
     code = 1
     try:
         os.chdir(request["cwd"])
@@ -313,21 +298,23 @@ def _run_child(conn: socket.socket, request: dict, fds: list[int]) -> NoReturn:
         os.environ.clear()
         os.environ.update(request["env"])
         sys.argv = list(request["argv"])
+        _command_env = dict(request["env"])
         from sft_tokenize.build.timeline import count_from
         from sft_tokenize.flows.cli import console_main
 
         count_from(request["started"])
-        console_main()
+        threading.Thread(target=watch, name="resident-command", daemon=True).start()
+        atexit.register(_start_beside_server)  # the next run's resident, as the command's own process would
+        console_main(ended=report)  # a run that published its cache ends there
     except SystemExit as exit_:
         code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
     except BaseException:  # noqa: BLE001 - a bug: its traceback, as the command's own process would print it
         import traceback
 
         traceback.print_exc()
-    finally:
-        atexit._run_exitfuncs()
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(OSError, ValueError):
-                stream.flush()
-        os._exit(code)
-
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    report(code)
+    os._exit(code)
