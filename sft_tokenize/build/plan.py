@@ -223,6 +223,7 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable
     # runner's slices reuse what this process loaded and checked).
     tokenizer, fast = process_encoding(job.tokenizer_dir, template_override, options.trust_remote_code,
                                        options.encoder, job.prepared)
+    mark("encoding")  # here rather than in process_encoding: a resident process may have it ready (cached)
     total = sum(f.size for f in files)
     if fast is not None and total < POOL_MIN_BYTES:
         fast.warm()  # an input this small is encoded by this process: fastokens builds while the checks run

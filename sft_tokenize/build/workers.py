@@ -12,19 +12,20 @@ import json
 import threading
 from collections.abc import Iterator
 from concurrent.futures import Future
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 from sft_tokenize.build.job import Job
-from sft_tokenize.build.timeline import mark
 from sft_tokenize.encoding.chat_encoder import ChatEncoder
 from sft_tokenize.encoding.exact import FastEncoder, choose_encoder
 from sft_tokenize.encoding.pool import DEPTH, EncodePool
 from sft_tokenize.encoding.prepared import PartsTokenizer, keep_boundaries, prepared_encoding, prepared_here
 from sft_tokenize.encoding.tokenizer import fetch_tokenizer, load_tokenizer
 from sft_tokenize.encoding.vision import VisionFamily, load_family
+
+_made: list[tuple] = []  # process_encoding's arguments, as this process first asked for each
 
 
 @lru_cache(maxsize=4)
@@ -33,6 +34,9 @@ def process_encoding(tokenizer_dir: str, chat_template: str | None, trust_remote
     """One tokenizer and fast encoder per process, shared by its threads (encoding does not mutate them), and by
     the plan that checked them when the slices run in the planning process (the threads runner). With a
     `prepared` directory (prepared.py) they come from there, made once per tokenizer content."""
+    _made.append((tokenizer_dir, chat_template, trust_remote_code, encoder, prepared))
+    del _made[:-4]
+
     def load():
         return load_tokenizer(tokenizer_dir, None, trust_remote_code)
 
@@ -41,10 +45,27 @@ def process_encoding(tokenizer_dir: str, chat_template: str | None, trust_remote
     else:
         tokenizer = load()
         fast = choose_encoder(tokenizer, encoder)
-    mark("encoding")
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     return tokenizer, fast
+
+
+def encodings_made() -> list[tuple]:
+    """The arguments of this process's last four process_encoding calls: what a resident process prepares for
+    the next run (flows/resident.py)."""
+    return list(_made)
+
+
+def prepare_encodings(made: list[tuple]) -> None:
+    """process_encoding of each of `made`, with HF's Rust tokenizer and fastokens' tables built: the next run in
+    this process finds its encoder ready (for a 151k vocabulary, ~0.4 s holding the GIL and ~1 s of a core). A run
+    whose encode pool encodes releases the tables (EncodePool)."""
+    for arguments in made:
+        with suppress(Exception):  # a tokenizer gone or changed: the run prepares its own
+            tokenizer, fast = process_encoding(*arguments)
+            tokenizer.backend_tokenizer  # noqa: B018 - built here
+            if fast is not None:
+                fast.native  # noqa: B018
 
 
 def encoder_settings(job: Job) -> dict:

@@ -162,16 +162,18 @@ def _start_beside_server() -> None:
     """At the exit of a run made in its own process: if it left the embedded server up, start the resident."""
     if "prefect" not in sys.modules:  # a cache hit, or a run that ended before it needed a server
         return
+    from sft_tokenize.build.workers import encodings_made
     from sft_tokenize.flows.embedded_server import idle_server
 
     with contextlib.suppress(Exception):  # best effort: the next run simply runs in its own process
         if server := idle_server():
-            start_resident(server)
+            start_resident(server, encodings_made())
 
 
-def start_resident(server: dict) -> None:
+def start_resident(server: dict, encodings: list[tuple] = ()) -> None:
     """Start this environment's resident process beside the embedded server `server` (its state record), unless
-    one is up already: it ends with that server."""
+    one is up already: it ends with that server. It prepares the tokenizers of `encodings` (the arguments of
+    workers.process_encoding) for the next run."""
     if _command_env is None or not enabled():
         return
     # Bound here, so that no second resident of this environment starts; it listens once its imports are done.
@@ -182,8 +184,9 @@ def start_resident(server: dict) -> None:
         listener.close()
         return
     code = f"import json, sys; sys.path[:] = json.loads(sys.argv[1]); {SERVE}(*json.loads(sys.argv[2]))"
+    arguments = json.dumps([listener.fileno(), server, list(encodings)])
     with listener, contextlib.suppress(OSError):
-        subprocess.Popen([sys.executable, "-c", code, json.dumps(sys.path), json.dumps([listener.fileno(), server])],
+        subprocess.Popen([sys.executable, "-c", code, json.dumps(sys.path), arguments],
                          env=_command_env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL, start_new_session=True, pass_fds=[listener.fileno()])
 
@@ -225,20 +228,28 @@ def _preload() -> None:
                 raise
 
 
-def serve(bound: int, server: dict) -> None:
-    """The resident process, on the socket `bound` that its command bound: import, listen, and run the first
-    command that hands itself over (then exit); or exit once the server `server` (its state record) is gone."""
+def serve(bound: int, server: dict, encodings: list[list]) -> None:
+    """The resident process, on the socket `bound` that its command bound: import, prepare the tokenizers of
+    `encodings` (the last run's, most likely the next one's), listen, and run the first command that hands itself
+    over (then exit); or exit once the server `server` (its state record) is gone."""
+    from sft_tokenize.build.timeline import TRACE_ENV
+
+    os.environ.pop(TRACE_ENV, None)  # the run that started it traced itself; the next command brings its own
+    key = resident_key(os.environ, sys.path)
+    _preload()
+    from sft_tokenize.build.workers import prepare_encodings
     from sft_tokenize.flows.server_state import is_running
 
+    prepare_encodings([tuple(arguments) for arguments in encodings])
     listener = socket.socket(fileno=bound)
-    _preload()
     listener.listen(8)
     listener.settimeout(1.0)
     while True:
         try:
             conn, _ = listener.accept()
         except TimeoutError:
-            if not is_running(server["pid"], server["started"]):
+            # Its server gone, or its code edited or a package installed: it can serve no command.
+            if not is_running(server["pid"], server["started"]) or resident_key(os.environ, sys.path) != key:
                 return
             continue
         taken = _take(conn)

@@ -165,3 +165,20 @@ def test_the_process_that_prepares_keeps_what_a_later_one_reads_not_transformers
     encoders._chosen.clear()
     assert encoded(tokenizer, fast, example_rows()[:40]) == encoded(*prepared_encoding(directory, load, "auto"),
                                                                     example_rows()[:40])
+
+
+def test_what_a_resident_prepares_is_the_last_runs_encoding_with_both_tokenizers_built(tmp_path):
+    from sft_tokenize.build.workers import encodings_made, prepare_encodings, process_encoding
+
+    arguments = (str(EXAMPLE_TOKENIZER), None, False, "auto", str(entry(tmp_path, EXAMPLE_TOKENIZER)))
+    process_encoding.cache_clear()
+    try:
+        process_encoding(*arguments)  # a run: it prepares the entry
+        assert encodings_made()[-1] == arguments
+        process_encoding.cache_clear()  # the resident process the run starts
+        prepare_encodings([arguments])
+        tokenizer, fast = process_encoding(*arguments)  # its command
+        assert process_encoding.cache_info().hits == 1
+        assert tokenizer._backend is not None and not isinstance(fast._native, encoders.PendingNative)
+    finally:
+        process_encoding.cache_clear()
