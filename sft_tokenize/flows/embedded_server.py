@@ -439,11 +439,13 @@ def server_status() -> list[tuple[str, str]]:
 
 
 def idle_server() -> dict | None:
-    """The embedded server this process's run used (its Prefect points at it), if it is still up: its pid and
-    start."""
+    """The embedded server of this PREFECT_HOME, if it is up and this process's runs use it (its Prefect points
+    at it, or at no server): its pid and start."""
     settings = get_current_settings()
     state = recorded_server(server_paths(Path(settings.home))[1])
-    return {"pid": state["pid"], "started": state["started"]} if state and state["url"] == settings.api.url else None
+    if state is None or settings.api.url not in (None, state["url"]):
+        return None
+    return {"pid": state["pid"], "started": state["started"]}
 
 
 def stop_server(force: bool = False) -> str:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import hashlib
+import itertools
 import json
 import os
 import signal
@@ -208,7 +209,7 @@ def console_main() -> None:
 # The resident's side.
 
 def _preload() -> None:
-    """What a run imports, so that its child does not: the run's own modules, Prefect's engines and what they
+    """What a run imports, so that its command does not: the run's own modules, Prefect's engines and what they
     import on first use, datasets' writer, transformers' template compiler and the tokenizer libraries."""
     import importlib
 
@@ -231,32 +232,52 @@ def _preload() -> None:
 def serve(bound: int, server: dict, encodings: list[list]) -> None:
     """The resident process, on the socket `bound` that its command bound: import, prepare the tokenizers of
     `encodings` (the last run's, most likely the next one's), listen, and run the first command that hands itself
-    over (then exit); or exit once the server `server` (its state record) is gone."""
+    over (then exit). Until one does, it exits as soon as it could serve none: the server `server` (its state
+    record) gone, its code edited or a package installed."""
     from sft_tokenize.build.timeline import TRACE_ENV
 
     os.environ.pop(TRACE_ENV, None)  # the run that started it traced itself; the next command brings its own
     key = resident_key(os.environ, sys.path)
-    _preload()
-    from sft_tokenize.build.workers import prepare_encodings
-    from sft_tokenize.flows.server_state import is_running
+    taken = threading.Event()
 
-    prepare_encodings([tuple(arguments) for arguments in encodings])
+    def watch() -> None:
+        from sft_tokenize.flows.server_state import is_running
+
+        for check in itertools.count(1):
+            if taken.wait(0.25):
+                return
+            if not is_running(server["pid"], server["started"]) or \
+                    check % 8 == 0 and resident_key(os.environ, sys.path) != key:
+                os._exit(0)  # nothing to clean up: an abstract socket goes with its process
+
+    threading.Thread(target=watch, name="resident-watch", daemon=True).start()
+    # Below the priority of the command that ran before it (a cache hit at once after a run would otherwise share
+    # the cores with it); its own command runs in the main thread, at the process's priority.
+    prepared = []
+    preparing = threading.Thread(target=lambda: prepared.append(_prepare(encodings)), name="resident-prepare")
+    preparing.start()
+    preparing.join()
+    if not prepared:  # its imports failed: a command in its own process says why
+        return
     listener = socket.socket(fileno=bound)
     listener.listen(8)
-    listener.settimeout(1.0)
     while True:
-        try:
-            conn, _ = listener.accept()
-        except TimeoutError:
-            # Its server gone, or its code edited or a package installed: it can serve no command.
-            if not is_running(server["pid"], server["started"]) or resident_key(os.environ, sys.path) != key:
-                return
-            continue
-        taken = _take(conn)
-        if taken is not None:
+        conn, _ = listener.accept()
+        request = _take(conn)
+        if request is not None:
+            taken.set()
             listener.close()  # one command: the address is free for the resident its exit starts
-            _run_command(conn, *taken)
+            _run_command(conn, *request)
         conn.close()
+
+
+def _prepare(encodings: list[list]) -> None:
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)  # this thread's (Linux)
+    _preload()
+    from sft_tokenize.build.workers import prepare_encodings
+
+    prepare_encodings([tuple(arguments) for arguments in encodings])
 
 
 def _take(conn: socket.socket) -> tuple[dict, list[int]] | None:
