@@ -50,10 +50,14 @@ def process_encoding(tokenizer_dir: str, chat_template: str | None, trust_remote
     return tokenizer, fast
 
 
-def encodings_made() -> list[tuple]:
-    """The arguments of this process's last four process_encoding calls: what a resident process prepares for
-    the next run (flows/resident.py)."""
-    return list(_made)
+def encodings_made(forget: bool = False) -> list[tuple]:
+    """The arguments of this process's last four process_encoding calls that made an encoding: what a resident
+    process prepares for the next run (flows/resident.py). `forget`: and start the list again (a resident that
+    begins a command, so that the next one prepares what that command used, not what this one prepared)."""
+    made = list(_made)
+    if forget:
+        _made.clear()
+    return made
 
 
 def prepare_encodings(made: list[tuple]) -> None:

@@ -39,6 +39,7 @@ from typing import NoReturn
 
 RESIDENT_ENV = "SFT_TOKENIZE_RESIDENT"  # 0: never use or start a resident process
 _command_env: dict[str, str] | None = None  # the command's environment as it started (a run changes its own)
+_prepared: list[tuple] = []  # in a resident: the encodings it prepared for its command (workers.process_encoding)
 SERVE = "from sft_tokenize.flows.resident import serve; serve"  # in a resident's command line
 READY_TIMEOUT = 10.0  # a resident listens only once its imports are done: it answers at once
 # Read by the command at run time only (the child gets the command's own environment), so they may differ
@@ -167,8 +168,8 @@ def _start_beside_server() -> None:
     from sft_tokenize.flows.embedded_server import idle_server
 
     with contextlib.suppress(Exception):  # best effort: the next run simply runs in its own process
-        if server := idle_server():
-            start_resident(server, encodings_made())
+        if server := idle_server():  # the command's tokenizers, or (a cache hit) those this resident prepared
+            start_resident(server, encodings_made() or _prepared)
 
 
 def start_resident(server: dict, encodings: list[tuple] = ()) -> None:
@@ -331,6 +332,9 @@ def _run_command(conn: socket.socket, request: dict, fds: list[int]) -> NoReturn
         os.environ.update(request["env"])
         sys.argv = list(request["argv"])
         _command_env = dict(request["env"])
+        from sft_tokenize.build.workers import encodings_made
+
+        _prepared[:] = encodings_made(forget=True)
         from sft_tokenize.build.timeline import count_from
         from sft_tokenize.flows.cli import console_main
 

@@ -174,7 +174,7 @@ def test_what_a_resident_prepares_is_the_last_runs_encoding_with_both_tokenizers
     process_encoding.cache_clear()
     try:
         process_encoding(*arguments)  # a run: it prepares the entry
-        assert encodings_made()[-1] == arguments
+        assert encodings_made(forget=True)[-1] == arguments and encodings_made() == []
         process_encoding.cache_clear()  # the resident process the run starts
         prepare_encodings([arguments])
         tokenizer, fast = process_encoding(*arguments)  # its command
