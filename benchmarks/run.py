@@ -23,8 +23,8 @@ that subprocess's whole process tree (see measure.py):
 Cold (`--prefect fresh`, the default) is a user's first run: each project run gets a fresh, empty PREFECT_HOME
 and SFT_TOKENIZE_HOME, and nothing is prepared before any clock starts. `--prefect warm` lets the project's runs
 find the embedded server up, its database migrated, the tokenizer prepared and the resident process ready (one
-untimed run per variant first; sft_tokenize/flows/resident.py); the peers have no such state. Either way every pipeline's input files are read once, untimed, just
-before it runs, so that each finds them in the page cache.
+untimed run per variant first; sft_tokenize/flows/resident.py); the peers have no such state. Either way every
+pipeline's input files are read once, untimed, just before it runs, so that each finds them in the page cache.
 
 Every output is checked against the others with an exact checksum of input_ids and loss_mask (the ceiling
 has no mask: its input_ids only). Results go to --out: results.json, results.md and chart.png; the last
