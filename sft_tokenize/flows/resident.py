@@ -42,8 +42,8 @@ _command_env: dict[str, str] | None = None  # the command's environment as it st
 _prepared: list[tuple] = []  # in a resident: the encodings it prepared for its command (workers.process_encoding)
 SERVE = "from sft_tokenize.flows.resident import serve; serve"  # in a resident's command line
 READY_TIMEOUT = 10.0  # a resident listens only once its imports are done: it answers at once
-# Read by the command at run time only (the child gets the command's own environment), so they may differ
-# between the resident and the command it serves.
+# Read at run time only (the resident takes on the command's own environment), so they may differ between the
+# resident and the command it serves.
 RUNTIME_VARIABLES = frozenset({"SFT_TOKENIZE_CONSOLE", "SFT_TOKENIZE_SERVER_IDLE", "SFT_TOKENIZE_TRACE",
                                "TRANSFORMERS_NO_ADVISORY_WARNINGS", "PREFECT_SERVER_ANALYTICS_ENABLED",
                                "PWD", "OLDPWD", "_", "SHLVL", "COLUMNS", "LINES"})
@@ -88,16 +88,21 @@ def _send(sock: socket.socket, message: dict, fds: list[int] = ()) -> None:
 def _receive(sock: socket.socket, fds: int = 0) -> tuple[dict, list[int]]:
     """One message (and up to `fds` descriptors sent with it); EOFError if the other side closed first."""
     head, received, _, _ = socket.recv_fds(sock, 4, fds)
-    if len(head) < 4:
+    head += _exactly(sock, 4 - len(head)) if head else b""
+    if not head:
         raise EOFError
     (size,) = struct.unpack("!I", head)
+    return json.loads(_exactly(sock, size)), received
+
+
+def _exactly(sock: socket.socket, size: int) -> bytes:
     data = b""
     while len(data) < size:
         chunk = sock.recv(size - len(data))
         if not chunk:
             raise EOFError
         data += chunk
-    return json.loads(data), received
+    return data
 
 
 # The command's side.
@@ -198,7 +203,11 @@ def console_main() -> None:
     global _command_env
     _command_env = dict(os.environ)
     if len(sys.argv) > 1 and sys.argv[1] == "run" and enabled():
-        code = run_in_resident(sys.argv)
+        try:
+            code = run_in_resident(sys.argv)
+        except KeyboardInterrupt:  # Ctrl-C before a resident took the command: nothing ran
+            print("sft-tokenize: error: interrupted (SIGINT)", file=sys.stderr)
+            code = 130
         if code is not None:
             sys.exit(code)
         atexit.register(_start_beside_server)  # run after the server is left (atexit runs the last-registered first)
