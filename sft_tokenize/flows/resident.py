@@ -160,9 +160,9 @@ def _umask() -> int:
     return mask
 
 
-def _pass_on(child: int, signum: int) -> None:
+def _pass_on(pid: int, signum: int) -> None:
     with contextlib.suppress(ProcessLookupError):
-        os.kill(child, signum)
+        os.kill(pid, signum)
 
 
 def _start_beside_server() -> None:
