@@ -136,8 +136,9 @@ def run_in_resident(argv: list[str]) -> int | None:
 
 
 def residents(home: str) -> list[tuple[int, bool]]:
-    """The resident processes started beside the embedded server of PREFECT_HOME `home`, each with whether it is
-    ready (listening), from /proc: for tests and benchmarks, which wait for one and count its memory."""
+    """The resident processes whose environment sets PREFECT_HOME to `home`, each with whether it is ready
+    (listening), from /proc: for tests and benchmarks (which set PREFECT_HOME), to wait for one and count its
+    memory."""
     listening = set()
     with contextlib.suppress(OSError), open("/proc/net/unix") as table:
         for fields in map(str.split, list(table)[1:]):
