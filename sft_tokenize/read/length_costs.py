@@ -6,8 +6,8 @@ truncated row with no trained token left is dropped, as the build drops it), the
 **trained** tokens lost, and the bins and fill of the packing index `pack --length L` would build (its
 packing algorithm, on the same lengths).
 
-Lengths come from the Arrow list offsets; trained tokens from one pass over `loss_mask` (or `labels`), a
-chunk of rows at a time, which records for every row how many of its trained tokens lie within each
+Lengths come from the Arrow list offsets; trained tokens from one pass over `loss_mask` (or `labels`), about a
+million values at a time, which records for every row how many of its trained tokens lie within each
 candidate length. Memory is rows × candidates counters, never the tokens.
 """
 
@@ -25,7 +25,7 @@ from sft_tokenize.read.bin_packing import ALGORITHMS
 from sft_tokenize.read.layouts import IGNORE_INDEX
 
 SMALLEST_CANDIDATE = 512
-CHUNK_ROWS = 1 << 14  # rows per pass over the mask: a few MB of flat values at typical lengths
+CHUNK_TOKENS = 1 << 20  # mask values per pass: 8 MB of running counts, reused, whatever the rows' lengths
 
 
 @dataclass(frozen=True)
@@ -57,10 +57,23 @@ def candidate_lengths(longest: int, extra: Iterable[int] = ()) -> list[int]:
     return sorted(out | {int(n) for n in extra})
 
 
-def _trained_flags(column: pa.ChunkedArray | pa.Array, name: str) -> np.ndarray:
-    values = column.values if isinstance(column, pa.ListArray) else pc.list_flatten(column)
+def _trained_flags(values: pa.Array, name: str) -> np.ndarray:
     flat = values.to_numpy(zero_copy_only=False)
     return flat != IGNORE_INDEX if name == "labels" else flat.astype(bool, copy=False)
+
+
+def _list_chunks(column: pa.ChunkedArray, tokens: int):
+    """(offsets from 0, flat values) of runs of rows of about `tokens` values: the column's own record batches
+    (no copy), a large one cut by rows."""
+    for chunk in column.chunks:
+        offsets = chunk.offsets.to_numpy()
+        start = 0
+        while start < len(chunk):
+            # the last row boundary within `tokens` values from here (at least one row)
+            end = max(start + 1, int(np.searchsorted(offsets, offsets[start] + tokens, side="right")) - 1)
+            cut = offsets[start:end + 1]
+            yield cut - cut[0], chunk.values.slice(int(cut[0]), int(cut[-1] - cut[0]))
+            start = end
 
 
 def row_tokens(table: pa.Table, lengths: Sequence[int] = ()) -> RowTokens:
@@ -69,25 +82,24 @@ def row_tokens(table: pa.Table, lengths: Sequence[int] = ()) -> RowTokens:
     name = "loss_mask" if "loss_mask" in table.column_names else "labels"
     if name not in table.column_names:
         raise ValueError(f"the cache has neither a loss_mask nor a labels column ({', '.join(table.column_names)})")
-    column = table.column(name)
     rows = table.num_rows
     row_lengths = np.empty(rows, dtype=np.int64)
     trained = np.empty(rows, dtype=np.int64)
     within = {int(n): np.empty(rows, dtype=np.int64) for n in lengths}
-    for start in range(0, rows, CHUNK_ROWS):
-        chunk = column.slice(start, CHUNK_ROWS).combine_chunks()
-        count = len(chunk)
-        offsets = chunk.offsets.to_numpy()
-        offsets = offsets - offsets[0]
-        sizes = np.diff(offsets)
-        flags = _trained_flags(chunk, name)
-        running = np.zeros(len(flags) + 1, dtype=np.int64)
-        np.cumsum(flags, out=running[1:])
-        first = offsets[:-1]
-        row_lengths[start:start + count] = sizes
-        trained[start:start + count] = running[offsets[1:]] - running[first]
+    running = np.zeros(1, dtype=np.int64)  # trained tokens before each position of a run; reused: no page faults
+    row = 0
+    for offsets, values in _list_chunks(table.column(name), CHUNK_TOKENS):
+        count, size = len(offsets) - 1, int(offsets[-1])
+        if len(running) <= size:
+            running = np.zeros(size + 1, dtype=np.int64)
+        np.cumsum(_trained_flags(values, name), out=running[1:size + 1])
+        first, sizes = offsets[:-1], np.diff(offsets)
+        done = slice(row, row + count)
+        row_lengths[done] = sizes
+        trained[done] = running[offsets[1:]] - running[first]
         for n, out in within.items():
-            out[start:start + count] = running[first + np.minimum(sizes, n)] - running[first]
+            out[done] = running[first + np.minimum(sizes, n)] - running[first]
+        row += count
     return RowTokens(row_lengths, trained, within)
 
 

@@ -9,6 +9,7 @@ from support.paths import EXAMPLE_DATA, EXAMPLE_TOKENIZER
 
 from sft_tokenize.build.options import TokenizeOptions
 from sft_tokenize.build.protocol import run_locally
+from sft_tokenize.read import length_costs as length_costs_module
 from sft_tokenize.read.cache import open_cache
 from sft_tokenize.read.length_costs import candidate_lengths, length_costs, log_histogram
 from sft_tokenize.read.packing_index import PackOptions, pack_cache
@@ -45,7 +46,11 @@ def direct_count(rows, length: int, truncation: str = "truncate") -> dict[str, i
 
 
 @pytest.mark.parametrize("truncation", ["truncate", "drop"])
-def test_the_table_equals_a_direct_count(cache, truncation):
+@pytest.mark.parametrize("run_tokens", [length_costs_module.CHUNK_TOKENS, 100])
+def test_the_table_equals_a_direct_count(cache, truncation, run_tokens, monkeypatch):
+    """Whole record batches a pass, and runs of about 100 mask values: batches cut between rows, rows longer
+    than a run alone in theirs."""
+    monkeypatch.setattr(length_costs_module, "CHUNK_TOKENS", run_tokens)
     report = length_costs(cache.table, at=AT, truncation=truncation, pack=False)
     assert [c["length"] for c in report["candidates"]] == [*AT, 512]  # the longest row (478) fits in 512
     for candidate in report["candidates"]:
@@ -53,6 +58,15 @@ def test_the_table_equals_a_direct_count(cache, truncation):
         assert {k: candidate[k] for k in expected} == expected, candidate["length"]
     assert report["candidates"][0]["trained_tokens_lost"] > 0  # the example has trained tokens past 48
     assert report["candidates"][-1]["tokens_lost"] == 0
+
+
+def test_a_slice_of_the_table_counts_its_own_rows(cache, monkeypatch):
+    """A table that starts inside a record batch (a slice's list offsets do not start at 0)."""
+    monkeypatch.setattr(length_costs_module, "CHUNK_TOKENS", 100)
+    whole = length_costs_module.row_tokens(cache.table, [128])
+    part = length_costs_module.row_tokens(cache.table.slice(7, 150), [128])
+    assert np.array_equal(part.lengths, whole.lengths[7:157]) and np.array_equal(part.trained, whole.trained[7:157])
+    assert np.array_equal(part.within[128], whole.within[128][7:157])
 
 
 def test_some_row_is_truncated_away_at_a_short_length(cache):
