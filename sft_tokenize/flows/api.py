@@ -12,9 +12,12 @@ and the tokenize_dataset flow builds the cache.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +25,40 @@ from sft_tokenize.build.timeline import mark
 from sft_tokenize.errors import BadInput, Failed, first_line
 from sft_tokenize.files import write_problem
 from sft_tokenize.flows.run_options import RUN_OPTIONS  # tokenize()'s options beyond TokenizeOptions
+
+# What a run imports after its plan: its flow's modules, Prefect's engines and what they import on first use, datasets'
+# writer, transformers' template compiler and the tokenizer libraries (fastokens is an optional extra).
+RUN_MODULES = ("sft_tokenize.flows.tokenize_dataset", "sft_tokenize.flows.embedded_server",
+               "sft_tokenize.flows.interrupts", "sft_tokenize.build.workers", "sft_tokenize.build.shard",
+               "sft_tokenize.build.shard_writer", "sft_tokenize.build.publish", "datasets.arrow_writer",
+               "prefect.flow_engine", "prefect.task_engine", "fastapi.encoders", "transformers",
+               "transformers.utils.chat_template_utils", "tokenizers", "fastokens")
+
+
+def import_run_modules() -> None:
+    for name in RUN_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            if not name.startswith("fastokens"):
+                raise
+
+
+@contextmanager
+def _importing_run_modules() -> Iterator[None]:
+    """While the body waits (a first run, for its server's boot), this process imports what its flow and slices will
+    (~1 s of a core on a first run: datasets alone ~0.5 s, which the first slice would wait for). Joined when the
+    body ends, so that no two threads ever import at once; an import that fails fails again where it is needed."""
+    def run() -> None:
+        with suppress(Exception):
+            import_run_modules()
+
+    thread = threading.Thread(target=run, name="run-imports", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        thread.join()
 
 
 class RunFailed(Failed):
@@ -120,7 +157,8 @@ def run_tokenize(settings: dict[str, Any], progress: Callable[[Any], Any] | None
         # encoder while the flow starts. The flow takes it if it wants as many processes; else it is closed below.
         start_early(plan.job, options.encode_process_count(sum(s.nbytes for s in plan.slices)))
         if server:
-            server.use()
+            with _importing_run_modules():
+                server.use()
         mark("server")
         if progress is None:
             return _location(tokenize_dataset(options))

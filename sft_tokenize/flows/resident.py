@@ -220,24 +220,13 @@ def console_main() -> None:
 # The resident's side.
 
 def _preload() -> None:
-    """What a run imports, so that its command does not: the run's own modules, Prefect's engines and what they
-    import on first use, datasets' writer, transformers' template compiler and the tokenizer libraries."""
-    import importlib
-
+    """What a run imports, so that its command does not (api.RUN_MODULES)."""
+    from sft_tokenize.flows.api import import_run_modules
     from sft_tokenize.flows.cli import keep_torch_out, process_environment
 
     process_environment()
     keep_torch_out()
-    for name in ("sft_tokenize.flows.api", "sft_tokenize.flows.tokenize_dataset", "sft_tokenize.flows.embedded_server",
-                 "sft_tokenize.flows.interrupts", "sft_tokenize.build.workers", "sft_tokenize.build.shard",
-                 "sft_tokenize.build.shard_writer", "sft_tokenize.build.publish", "datasets.arrow_writer",
-                 "prefect.flow_engine", "prefect.task_engine", "fastapi.encoders", "transformers",
-                 "transformers.utils.chat_template_utils", "tokenizers", "fastokens"):
-        try:
-            importlib.import_module(name)
-        except ImportError:
-            if not name.startswith("fastokens"):  # an optional extra
-                raise
+    import_run_modules()
 
 
 def serve(bound: int, server: dict, encodings: list[list]) -> None:

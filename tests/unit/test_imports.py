@@ -190,3 +190,19 @@ def test_each_allowed_back_edge_is_still_an_import():
     """An allowance outlives its reason unnoticed: each must name an import that exists."""
     graph = import_graph()
     assert [edge for edge in BACK_EDGES if edge[1] not in graph.get(edge[0], ())] == []
+
+
+def test_the_modules_a_run_imports_ahead_are_real_modules():
+    """A first run imports api.RUN_MODULES while its server boots, and a resident process before its command,
+    both ignoring failures: a misspelt or moved name would only make runs slower, so it is caught here."""
+    from sft_tokenize.flows.api import RUN_MODULES
+
+    installed = [name for name in RUN_MODULES if name != "fastokens" or _installed("fastokens")]
+    assert set(installed) <= loaded_after_importing(installed)
+    assert any(name.startswith("datasets") for name in installed)  # the one the first slice would wait for
+
+
+def _installed(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
