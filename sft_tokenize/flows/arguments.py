@@ -29,12 +29,11 @@ from sft_tokenize.flags import (
     shown_default,
 )
 from sft_tokenize.flows.run_options import RUN_OPTIONS, TokenizeRun
+from sft_tokenize.flows.server_state import DEFAULT_SERVER_IDLE, SERVER_IDLE_ENV
 from sft_tokenize.read.packing_index import PACK, PackOptions
 
 PROG = "sft-tokenize"
 EXIT_BAD_INPUT = 2
-SERVER_IDLE_ENV = "SFT_TOKENIZE_SERVER_IDLE"  # the default of --server-idle (the test suite sets 0)
-DEFAULT_SERVER_IDLE = 300
 SECTIONS = (INPUT, MASKS, OUTPUT, SLICES, VERSIONS)  # of `sft-tokenize run --help`, in this order
 FLAGS = "flags"  # the one group of a command whose flags have no sections
 

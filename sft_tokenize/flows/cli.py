@@ -27,8 +27,9 @@ from collections.abc import Callable
 
 from sft_tokenize.build.timeline import mark
 from sft_tokenize.errors import BadInput, CacheError, Failed, first_line
-from sft_tokenize.flows.arguments import EXIT_BAD_INPUT, PROG, SERVER_IDLE_ENV, build_parser, options_from, run_settings
+from sft_tokenize.flows.arguments import EXIT_BAD_INPUT, PROG, build_parser, options_from, run_settings
 from sft_tokenize.flows.console import CONSOLE_ENV, ProgressBar, progress_console
+from sft_tokenize.flows.server_state import SERVER_IDLE_ENV
 from sft_tokenize.format.layout import SHARD_STORE, is_mixture
 
 EXIT_OK, EXIT_FAILED = 0, 1

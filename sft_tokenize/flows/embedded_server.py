@@ -69,6 +69,8 @@ from prefect.settings import (
 from sft_tokenize.errors import Failed, first_line
 from sft_tokenize.files import is_locked, locked
 from sft_tokenize.flows.server_state import (
+    DEFAULT_SERVER_IDLE,
+    SERVER_IDLE_ENV,
     count_leases,
     is_running,
     recorded_server,
@@ -186,8 +188,6 @@ class EmbeddedServer:
         """`idle`: seconds the server stays up once this run leaves it last (default SFT_TOKENIZE_SERVER_IDLE, the
         CLI's --server-idle, or 300)."""
         if idle is None:
-            from sft_tokenize.flows.arguments import DEFAULT_SERVER_IDLE, SERVER_IDLE_ENV
-
             try:
                 idle = float(os.environ.get(SERVER_IDLE_ENV) or DEFAULT_SERVER_IDLE)
             except ValueError:

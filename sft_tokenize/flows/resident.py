@@ -15,8 +15,8 @@ run: the command runs in its own process, as before, at once), SFT_TOKENIZE_RESI
 resident ends with the server it was started beside (`sft-tokenize server stop` ends both). It serves only its
 own user (SO_PEERCRED on an abstract socket).
 
-This module is the `sft-tokenize` entry point (console_main): it imports nothing beyond the standard library
-until it knows where the command runs.
+This module is the `sft-tokenize` entry point (console_main): until it knows where the command runs it imports
+only the standard library and three small modules of this package, where the variables it reads are declared.
 """
 
 from __future__ import annotations
@@ -37,6 +37,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import NoReturn
 
+from sft_tokenize.build.timeline import TRACE_ENV
+from sft_tokenize.flows.console import CONSOLE_ENV
+from sft_tokenize.flows.server_state import SERVER_IDLE_ENV
+
 RESIDENT_ENV = "SFT_TOKENIZE_RESIDENT"  # 0: never use or start a resident process
 _command_env: dict[str, str] | None = None  # the command's environment as it started (a run changes its own)
 _prepared: list[tuple] = []  # in a resident: the encodings it prepared for its command (workers.process_encoding)
@@ -44,7 +48,7 @@ SERVE = "from sft_tokenize.flows.resident import serve; serve"  # in a resident'
 READY_TIMEOUT = 10.0  # a resident listens only once its imports are done: it answers at once
 # Read at run time only (the resident takes on the command's own environment), so they may differ between the
 # resident and the command it serves.
-RUNTIME_VARIABLES = frozenset({"SFT_TOKENIZE_CONSOLE", "SFT_TOKENIZE_SERVER_IDLE", "SFT_TOKENIZE_TRACE",
+RUNTIME_VARIABLES = frozenset({CONSOLE_ENV, SERVER_IDLE_ENV, TRACE_ENV,
                                "TRANSFORMERS_NO_ADVISORY_WARNINGS", "PREFECT_SERVER_ANALYTICS_ENABLED",
                                "PWD", "OLDPWD", "_", "SHLVL", "COLUMNS", "LINES"})
 

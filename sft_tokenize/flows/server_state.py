@@ -29,6 +29,9 @@ from pathlib import Path
 
 from sft_tokenize.files import atomic_write
 
+SERVER_IDLE_ENV = "SFT_TOKENIZE_SERVER_IDLE"  # the default of --server-idle (the test suite sets 0)
+DEFAULT_SERVER_IDLE = 300  # seconds a server stays up once its last run has left
+
 
 def server_paths(home: Path) -> tuple[Path, Path, Path]:
     """The lock, the state file and the lease file of a PREFECT_HOME's shared server."""
