@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from sft_tokenize.flows.resident import residents
+from sft_tokenize.flows.resident_processes import residents
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent

@@ -16,7 +16,8 @@ resident ends with the server it was started beside (`sft-tokenize server stop` 
 own user (SO_PEERCRED on an abstract socket).
 
 This module is the `sft-tokenize` entry point (console_main): until it knows where the command runs it imports
-only the standard library and three small modules of this package, where the variables it reads are declared.
+only the standard library and a few small modules of this package (where the variables it reads are declared,
+and resident_processes.py).
 """
 
 from __future__ import annotations
@@ -39,12 +40,12 @@ from typing import NoReturn
 
 from sft_tokenize.build.timeline import TRACE_ENV
 from sft_tokenize.flows.console import CONSOLE_ENV
+from sft_tokenize.flows.resident_processes import SERVE, SOCKET_PREFIX
 from sft_tokenize.flows.server_state import SERVER_IDLE_ENV
 
 RESIDENT_ENV = "SFT_TOKENIZE_RESIDENT"  # 0: never use or start a resident process
 _command_env: dict[str, str] | None = None  # the command's environment as it started (a run changes its own)
 _prepared: list[tuple] = []  # in a resident: the encodings it prepared for its command (workers.process_encoding)
-SERVE = "from sft_tokenize.flows.resident import serve; serve"  # in a resident's command line
 READY_TIMEOUT = 10.0  # a resident listens only once its imports are done: it answers at once
 # Read at run time only (the resident takes on the command's own environment), so they may differ between the
 # resident and the command it serves.
@@ -81,7 +82,7 @@ def resident_key(environ: Mapping[str, str], paths: list[str]) -> str:
 
 def _address(key: str) -> str:
     # An abstract socket (Linux): no file to clean up after a killed resident; SO_PEERCRED keeps other users out.
-    return f"\0sft-tokenize-resident-{os.getuid()}-{key}"
+    return f"\0{SOCKET_PREFIX}{os.getuid()}-{key}"
 
 
 def _send(sock: socket.socket, message: dict, fds: list[int] = ()) -> None:
@@ -137,26 +138,6 @@ def run_in_resident(argv: list[str]) -> int | None:
         print("sft-tokenize: error: the resident process ended before the run did; run the same command again "
               f"(or with {RESIDENT_ENV}=0)", file=sys.stderr)
         return 1
-
-
-def residents(home: str) -> list[tuple[int, bool]]:
-    """The resident processes whose environment sets PREFECT_HOME to `home`, each with whether it is ready
-    (listening), from /proc: for tests and benchmarks (which set PREFECT_HOME), to wait for one and count its
-    memory."""
-    listening = set()
-    with contextlib.suppress(OSError), open("/proc/net/unix") as table:
-        for fields in map(str.split, list(table)[1:]):
-            if len(fields) >= 8 and fields[7].startswith("@sft-tokenize-resident-") and int(fields[3], 16) & 0x10000:
-                listening.add(f"socket:[{fields[6]}]")
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        with contextlib.suppress(OSError):
-            if SERVE.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes() or \
-                    f"PREFECT_HOME={home}".encode() not in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
-                continue
-            sockets = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
-            found.append((int(pid), bool(sockets & listening)))
-    return found
 
 
 def _umask() -> int:

@@ -18,7 +18,7 @@ from support.data import example_rows, write_jsonl
 from support.paths import BIN, EXAMPLE_DATA
 from support.servers import running
 
-from sft_tokenize.flows.resident import residents
+from sft_tokenize.flows.resident_processes import _home_of, residents
 
 pytestmark = pytest.mark.skipif(os.uname().sysname != "Linux", reason="the resident process is Linux's")
 
@@ -92,6 +92,8 @@ def test_runs_after_a_warm_one_run_in_a_resident_alike_and_it_ends_with_the_serv
         assert second_cache.parent == tmp_path / "second" and second_cache.name == first_cache.name
         assert contents(second_cache) == contents(first_cache)
         assert ready_resident(prefect_home) != resident
+        status = cli("server", "status", home=prefect_home)
+        assert f"resident process: pid {ready_resident(prefect_home)} (ready)\n" in status.stdout, status.stdout
 
         # Bad input: its one line on the command's stderr and exit 2.
         resident = ready_resident(prefect_home)
@@ -141,5 +143,13 @@ def test_sft_tokenize_resident_0_keeps_every_run_in_its_own_process(tmp_path, pr
             assert code == 0, err
             assert ran_in(trace) == {run.pid}
         assert residents(str(prefect_home)) == []
+        assert "resident process: none\n" in cli("server", "status", home=prefect_home).stdout
     finally:
         cli("server", "stop", "--force", home=prefect_home)
+
+
+def test_a_residents_home_is_its_prefect_home_or_the_default_one():
+    """residents(home) matches a resident by the PREFECT_HOME its environment gives Prefect, ~/.prefect if unset."""
+    assert _home_of(b"HOME=/u\0PREFECT_HOME=/data/ph\0") == "/data/ph"
+    assert _home_of(b"HOME=/u\0LANG=C\0") == "/u/.prefect"
+    assert _home_of(b"LANG=C\0") is None
