@@ -13,7 +13,7 @@ candidate length. Memory is rows × candidates counters, never the tokens.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -62,7 +62,7 @@ def _trained_flags(values: pa.Array, name: str) -> np.ndarray:
     return flat != IGNORE_INDEX if name == "labels" else flat.astype(bool, copy=False)
 
 
-def _list_chunks(column: pa.ChunkedArray, tokens: int):
+def _list_chunks(column: pa.ChunkedArray, tokens: int) -> Iterator[tuple[np.ndarray, pa.Array]]:
     """(offsets from 0, flat values) of runs of rows of about `tokens` values: the column's own record batches
     (no copy), a large one cut by rows."""
     for chunk in column.chunks:
