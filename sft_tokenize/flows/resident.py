@@ -38,10 +38,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import NoReturn
 
-from sft_tokenize.build.timeline import TRACE_ENV
+from sft_tokenize.build.timeline import TRACE_ENV, count_from, process_start
 from sft_tokenize.flows.console import CONSOLE_ENV
 from sft_tokenize.flows.resident_processes import SERVE, SOCKET_PREFIX
-from sft_tokenize.flows.server_state import SERVER_IDLE_ENV
+from sft_tokenize.flows.server_state import SERVER_IDLE_ENV, is_running
 
 RESIDENT_ENV = "SFT_TOKENIZE_RESIDENT"  # 0: never use or start a resident process
 _command_env: dict[str, str] | None = None  # the command's environment as it started (a run changes its own)
@@ -120,8 +120,6 @@ def run_in_resident(argv: list[str]) -> int | None:
         sock.connect(_address(resident_key(os.environ, sys.path)))  # refused at once unless one is listening
         sock.settimeout(READY_TIMEOUT)
         resident = _receive(sock)[0]["pid"]
-        from sft_tokenize.build.timeline import TRACE_ENV, process_start
-
         started = process_start() if os.environ.get(TRACE_ENV) else 0.0
         _send(sock, {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ), "umask": _umask(),
                      "started": started}, [0, 1, 2])
@@ -219,15 +217,11 @@ def serve(bound: int, server: dict, encodings: list[list]) -> None:
     `encodings` (the last run's, most likely the next one's), listen, and run the first command that hands itself
     over (then exit). Until one does, it exits as soon as it could serve none: the server `server` (its state
     record) gone, its code edited or a package installed."""
-    from sft_tokenize.build.timeline import TRACE_ENV
-
     os.environ.pop(TRACE_ENV, None)  # the run that started it traced itself; the next command brings its own
     key = resident_key(os.environ, sys.path)
     taken = threading.Event()
 
     def watch() -> None:
-        from sft_tokenize.flows.server_state import is_running
-
         for check in itertools.count(1):
             if taken.wait(0.25):
                 return
@@ -266,8 +260,8 @@ def _prepare(encodings: list[list]) -> None:
 
 
 def _take(conn: socket.socket) -> tuple[dict, list[int]] | None:
-    """A command's request and descriptors, if the peer is this user and hands one over (`server status` only
-    asks whether this process is ready)."""
+    """A command's request and descriptors, if the peer is this user and hands one over (a peer that closes
+    first, or sends something else, hands none)."""
     uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
     if uid != os.getuid():
         return None
@@ -319,7 +313,6 @@ def _run_command(conn: socket.socket, request: dict, fds: list[int]) -> NoReturn
         from sft_tokenize.build.workers import encodings_made
 
         _prepared[:] = encodings_made(forget=True)
-        from sft_tokenize.build.timeline import count_from
         from sft_tokenize.flows.cli import console_main
 
         count_from(request["started"])
