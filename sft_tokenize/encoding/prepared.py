@@ -155,10 +155,12 @@ def _read_boundaries(directory: Path) -> dict:
 def keep_boundaries(tokenizer: Any, learned: dict[str, list[int]]) -> None:
     """Add the token boundaries a chat template learned (`learned`, by text) to the prepared entry `tokenizer`
     came from, for later processes. Two processes adding at once may drop one's texts: those are learned again."""
-    directory = getattr(tokenizer, "directory", None)
+    directory = getattr(tokenizer, "directory", None)  # a PartsTokenizer's; none on transformers' tokenizers
     known = getattr(tokenizer, "known_boundaries", None)
-    new = {text: ends for text, ends in learned.items() if known is not None and text not in known}
-    if directory is None or not new:
+    if directory is None or known is None:
+        return
+    new = {text: ends for text, ends in learned.items() if text not in known}
+    if not new:
         return
     known.update(new)
     try:
