@@ -21,8 +21,9 @@ and are checked here, in the slice's thread, by this process's encoder.
 Batches go out on one queue that every encoding process reads, and come back on another that a thread here
 reads. A process that dies (killed, out of memory) breaks the pool, as it breaks a ProcessPoolExecutor: the
 process that forked it stops the others and exits, and every batch in flight fails with BrokenProcessPool; their
-slices fail and are retried, and the next batch submitted starts a new set of processes. An encoding process
-whose parent is gone ends too (Linux's parent-death signal).
+slices fail and are retried, and the next batch submitted starts a new set of processes. The pool also ends when
+the process that started it ends, however it ends (killed outright too): the forking process watches a pipe only
+that process holds open, and an encoding process whose parent is gone ends (Linux's parent-death signal).
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ def _end_with_parent() -> None:
 
 def _serve(tasks, results) -> None:
     """An encoding process: run the calls on `tasks` until None comes, putting (id, ok, value) on `results`."""
-    _end_with_parent()  # the forking process, which ends with the forkserver, which ends with the run
+    _end_with_parent()  # the forking process, which ends with the process that started the pool
     while (task := tasks.get()) is not None:
         ident, function, args = task
         try:
@@ -117,10 +118,12 @@ def _serve(tasks, results) -> None:
             results.put((ident, False, RuntimeError(f"{type(error).__name__}: {error} (sending a {sent})")))
 
 
-def _fork_processes(initargs: tuple, processes: int, tasks, results) -> None:
+def _fork_processes(initargs: tuple, processes: int, tasks, results, started_by) -> None:
     """The forking process: build the encoder, fork `processes` encoding processes, and watch them. One that dies
-    breaks the pool: the others are killed and this process exits with 1 (the run sees it); 0 once all ended."""
-    _end_with_parent()
+    breaks the pool: the others are killed and this process exits with 1 (the run sees it); 0 once all ended.
+    `started_by`: the read end of a pipe that only the process that started the pool writes to; its end (that
+    process gone, however it ended) ends the pool the same way. The forkserver is no parent to watch: it lives
+    as long as any process it started, these included."""
     _start(*initargs)
     gc.freeze()  # the encoder's objects stay where they are: a collection in a child would copy their pages
     context = multiprocessing.get_context("fork")
@@ -137,7 +140,9 @@ def _fork_processes(initargs: tuple, processes: int, tasks, results) -> None:
     signal.signal(signal.SIGTERM, stop)
     running = list(children)
     while running:
-        for sentinel in wait([child.sentinel for child in running]):
+        for sentinel in wait([started_by, *(child.sentinel for child in running)]):
+            if sentinel is started_by:
+                stop()
             child = next(c for c in running if c.sentinel == sentinel)
             child.join()
             running.remove(child)
@@ -175,9 +180,12 @@ class _Processes:
         self.lock = threading.Lock()
         self.broken = False
         self.ids = itertools.count()
-        self.forking = context.Process(target=_fork_processes, args=(initargs, processes, self.tasks, self.results),
+        started_by, self.alive = context.Pipe(duplex=False)  # never written: closed when this process ends
+        self.forking = context.Process(target=_fork_processes,
+                                       args=(initargs, processes, self.tasks, self.results, started_by),
                                        name="sft-tokenize-encode-pool")  # not daemonic: it has children
         self.forking.start()
+        started_by.close()
         # Only the processes hold these ends now: once they are all gone, a read here sees the end of the stream
         # and a write a broken pipe, rather than waiting for ever.
         self.results._writer.close()
@@ -242,6 +250,7 @@ class _Processes:
         self.reader.join()
         self.tasks.close()
         self.results.close()
+        self.alive.close()
 
 
 class EncodePool:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections import Counter
 from concurrent.futures.process import BrokenProcessPool
@@ -212,3 +214,38 @@ def test_a_pool_started_early_is_the_one_the_run_takes(tmp_path):
         assert workers.slice_encoding(plan.job)[0] is not unused
     workers.close_early()
     assert not workers._early and not unused._current.forking.is_alive()  # its processes ended with it
+
+
+STARTS_A_POOL = """
+import json, sys, time
+from sft_tokenize.build import workers
+from sft_tokenize.build.options import TokenizeOptions
+from sft_tokenize.build.plan import plan_slices
+plan = plan_slices(TokenizeOptions(sources=[sys.argv[1]], tokenizer=sys.argv[2], cache_dir=sys.argv[3]))
+workers.start_early(plan.job, 2)
+pool = next(iter(workers._early.values()))
+while len(pool.pids()) < 2:
+    time.sleep(0.05)
+print(json.dumps([pool._current.forking.pid, *pool.pids()]), flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_pool_ends_with_the_process_that_started_it_even_killed(tmp_path):
+    """A run killed outright (SIGKILL: no close, no atexit) leaves no encoding process behind, nor the forkserver
+    that started them: a resident's pool, or a run's, goes with its process."""
+    source = write_jsonl(tmp_path / "rows.jsonl", example_rows()[:8])
+    starter = subprocess.Popen([sys.executable, "-c", STARTS_A_POOL, str(source), str(EXAMPLE_TOKENIZER),
+                                str(tmp_path / "cache")], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = json.loads(starter.stdout.readline())
+        forkserver = psutil.Process(pids[0]).ppid()
+        assert len(pids) == 3 and all(psutil.pid_exists(pid) for pid in [forkserver, *pids])
+    finally:
+        starter.kill()
+        starter.wait()
+    deadline = time.monotonic() + 30
+    while alive := [pid for pid in [forkserver, *pids] if psutil.pid_exists(pid)
+                    and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]:
+        assert time.monotonic() < deadline, f"still running after their starter was killed: {alive}"
+        time.sleep(0.05)
