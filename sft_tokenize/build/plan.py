@@ -23,7 +23,7 @@ from sft_tokenize.build.remote_publish import is_published_remote, version_url
 from sft_tokenize.build.remote_root import probe_root
 from sft_tokenize.build.store import store_dir
 from sft_tokenize.build.timeline import mark
-from sft_tokenize.build.workers import process_encoding
+from sft_tokenize.build.workers import process_encoding, ready_processes
 from sft_tokenize.chat.template_check import check_chat_template
 from sft_tokenize.encoding.chat_encoder import ChatEncoder
 from sft_tokenize.encoding.pool import POOL_MIN_BYTES
@@ -225,7 +225,7 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable
                                        options.encoder, job.prepared)
     mark("encoding")  # here rather than in process_encoding: a resident process may have it ready (cached)
     total = sum(f.size for f in files)
-    if fast is not None and total < POOL_MIN_BYTES:
+    if fast is not None and total < POOL_MIN_BYTES and not ready_processes(job):
         fast.warm()  # an input this small is encoded by this process: fastokens builds while the checks run
     check_chat_template(options.chat_template, tokenizer_dir, template_override, needed=columns.format != "text")
     _check_tokenizer(tokenizer, columns, options)

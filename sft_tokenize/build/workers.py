@@ -13,11 +13,13 @@ import threading
 from collections.abc import Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager, suppress
+from dataclasses import replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 from sft_tokenize.build.job import Job
+from sft_tokenize.build.timeline import mark
 from sft_tokenize.encoding.chat_encoder import ChatEncoder
 from sft_tokenize.encoding.exact import FastEncoder, choose_encoder
 from sft_tokenize.encoding.pool import DEPTH, EncodePool
@@ -60,16 +62,20 @@ def encodings_made(forget: bool = False) -> list[tuple]:
     return made
 
 
-def prepare_encodings(made: list[tuple]) -> None:
+def prepare_encodings(made: list[tuple], pooled: list[tuple[Job, int]] = ()) -> None:
     """process_encoding of each of `made`, with HF's Rust tokenizer and fastokens' tables built: the next run in
-    this process finds its encoder ready (for a 151k vocabulary, ~0.4 s holding the GIL and ~1 s of a core). A run
-    whose encode pool encodes releases the tables (EncodePool)."""
+    this process finds its encoder ready (for a 151k vocabulary, ~0.4 s holding the GIL and ~1 s of a core). The
+    encoders of `pooled`'s jobs are made too, without the tables: a pool of theirs encodes (start_early)."""
+    pooled_encodings = {_encoding_arguments(job) for job, _ in pooled}
     for arguments in made:
         with suppress(Exception):  # a tokenizer gone or changed: the run prepares its own
             tokenizer, fast = process_encoding(*arguments)
             tokenizer.backend_tokenizer  # noqa: B018 - built here
-            if fast is not None:
+            if fast is not None and tuple(arguments) not in pooled_encodings:
                 fast.native  # noqa: B018
+    for job, _ in pooled:
+        with suppress(Exception):
+            encoder_for(job)
 
 
 def encoder_settings(job: Job) -> dict:
@@ -87,10 +93,14 @@ def tokenizer_here(job: Job) -> str:
     return job.tokenizer_dir
 
 
+def _encoding_arguments(job: Job) -> tuple:
+    """process_encoding's arguments for the job in this process."""
+    return tokenizer_here(job), job.chat_template, job.trust_remote_code, job.encoder, prepared_path(job)
+
+
 def _process_encoding(job: Job) -> tuple[Any, FastEncoder | None]:
     """This process's tokenizer and fast encoder for the job."""
-    return process_encoding(tokenizer_here(job), job.chat_template, job.trust_remote_code, job.encoder,
-                            prepared_path(job))
+    return process_encoding(*_encoding_arguments(job))
 
 
 def prepared_path(job: Job) -> str:
@@ -147,12 +157,15 @@ _pools: list[tuple[Job, EncodePool]] = []  # the encode pools of this process's 
 
 
 _early: dict[tuple[str, int], EncodePool] = {}  # pools started before their run needs them (start_early)
+_next_pool: list[tuple[Job, int]] | None = None  # the job of this process's last run, the pool its next would take
 
 
 def _new_pool(job: Job, processes: int) -> EncodePool:
     encoder = encoder_for(job)
     vision = encoder.images.vision if encoder.images is not None else None  # made here: picklable, no tokenizer
-    return EncodePool(encoder, {**encoder_settings(job), "vision": vision}, processes)
+    pool = EncodePool(encoder, {**encoder_settings(job), "vision": vision}, processes)
+    pool.ready.add_done_callback(lambda ready: ready.exception() or mark("pool_ready"))
+    return pool
 
 
 def start_early(job: Job, processes: int) -> None:
@@ -160,8 +173,32 @@ def start_early(job: Job, processes: int) -> None:
     large vocabulary) while the run joins its server and submits its slices. `encoding_processes` takes it;
     `close_early` ends one no run took."""
     key = (_encoder_key(job), processes)
+    for other in [k for k in _early if k != key]:  # a resident's pool for another job: its memory, given back
+        _early.pop(other).close(now=True)
     if processes and key not in _early:
         _early[key] = _new_pool(job, processes)
+
+
+def ready_processes(job: Job) -> int:
+    """The number of processes of a pool started early for `job` (a resident's, for the job of the run before),
+    or 0: a run of that job encodes with it whatever its size, since its start is paid already."""
+    key = _encoder_key(job)
+    return next((processes for (k, processes) in _early if k == key), 0)
+
+
+def keep_pool_ready(job: Job, processes: int) -> None:
+    """Say that a next run of `job` would take a pool of `processes` processes, whatever its size: a resident
+    process started after this run starts that pool while it waits (flows/resident.py)."""
+    global _next_pool
+    _next_pool = [(job, processes)] if processes else []
+
+
+def next_pools() -> list[tuple[Job, int]] | None:
+    """keep_pool_ready's job and count, if its tokenizer is a local one, the job without its storage options (they
+    may hold credentials, and a pool reads no storage); None if no run here said."""
+    if _next_pool is None:
+        return None
+    return [(replace(job, storage_options={}), processes) for job, processes in _next_pool if not job.tokenizer_url]
 
 
 def close_early() -> None:

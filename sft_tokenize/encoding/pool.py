@@ -192,8 +192,7 @@ class _Processes:
         self.tasks._reader.close()
         self.reader = threading.Thread(target=self._read, name="encode-pool-results", daemon=True)
         self.reader.start()
-        for _ in range(processes):
-            self.call(_ready)
+        self.ready = [self.call(_ready) for _ in range(processes)][0]
 
     def call(self, function: Callable, *args: Any) -> Future:
         with self.lock:
@@ -270,6 +269,7 @@ class EncodePool:
             trim_malloc()  # the tables' pages go back to the system: glibc would keep most of them (~160 MB)
         self._lock = threading.Lock()
         self._current = _Processes(self._initargs, processes)
+        self.ready: Future = self._current.ready  # done once the first encoding process takes calls
 
     def call(self, function: Callable, *args: Any) -> Future:
         """`function(*args)` in one of the processes (a picklable function of a module they import)."""

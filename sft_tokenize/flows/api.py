@@ -106,7 +106,7 @@ def run_tokenize(settings: dict[str, Any], progress: Callable[[Any], Any] | None
     """
     from sft_tokenize.build.options import TokenizeOptions
     from sft_tokenize.build.plan import check_writable, plan_slices
-    from sft_tokenize.build.workers import close_early, start_early
+    from sft_tokenize.build.workers import close_early, ready_processes, start_early
     from sft_tokenize.flows.cluster import require_extra
 
     # The data plane's options alone, before Prefect is even imported: a bad value, bad input and a cache hit
@@ -155,7 +155,8 @@ def run_tokenize(settings: dict[str, Any], progress: Callable[[Any], Any] | None
     try:
         # The threads runner's encode pool, if the input may need one, starts now: its processes build their
         # encoder while the flow starts. The flow takes it if it wants as many processes; else it is closed below.
-        start_early(plan.job, options.encode_process_count(sum(s.nbytes for s in plan.slices)))
+        start_early(plan.job, options.encode_process_count(sum(s.nbytes for s in plan.slices),
+                                                           ready_processes(plan.job)))
         if server:
             with _importing_run_modules():
                 server.use()

@@ -45,6 +45,8 @@ def summary(manifest: dict[str, Any], cache_path: str | Path) -> list[tuple[str,
         seconds = timings["tokenize_seconds"]
         tokenized = timings.get("tokens_tokenized", manifest["tokens"])
         workers = f"{timings.get('workers', '?')} {timings.get('runner', 'workers')}"
+        if timings.get("encode_processes"):
+            workers += f", {timings['encode_processes']} encode processes"
         rows.append(("throughput", f"{tokenized / seconds:,.0f} tokens/s ({_count(tokenized)} tokens in "
                                    f"{seconds:.1f} s on {workers})"))
     build = manifest.get("build")

@@ -3,7 +3,8 @@
 Importing Prefect, datasets and transformers takes ~2.5 s of one core, every run, before any row is read: with a
 warm server that is most of a small run. A run that leaves the embedded server up (`--server-idle` above 0) also
 starts, as it exits, a resident process beside it with its environment. The resident imports what a run imports,
-then waits for one command: the next `sft-tokenize run` of this user with that environment and these installed
+prepares the last run's tokenizer and starts the encode pool its job would use (workers.start_early), then
+waits for one command: the next `sft-tokenize run` of this user with that environment and these installed
 files hands it its arguments, working directory, environment and its stdin, stdout and stderr (the descriptors
 themselves, over a Unix socket), and the resident runs the command as that process would have, then exits. The
 command waits, passes Ctrl-C, SIGTERM and SIGHUP on to it, and exits with its exit code; the resident reads the
@@ -23,11 +24,13 @@ and resident_processes.py).
 from __future__ import annotations
 
 import atexit
+import base64
 import contextlib
 import hashlib
 import itertools
 import json
 import os
+import pickle
 import signal
 import socket
 import struct
@@ -46,6 +49,7 @@ from sft_tokenize.flows.server_state import SERVER_IDLE_ENV, is_running
 RESIDENT_ENV = "SFT_TOKENIZE_RESIDENT"  # 0: never use or start a resident process
 _command_env: dict[str, str] | None = None  # the command's environment as it started (a run changes its own)
 _prepared: list[tuple] = []  # in a resident: the encodings it prepared for its command (workers.process_encoding)
+_pooled: list[tuple] = []  # in a resident: the jobs whose encode pools it started, with their process counts
 READY_TIMEOUT = 10.0  # a resident listens only once its imports are done: it answers at once
 # Read at run time only (the resident takes on the command's own environment), so they may differ between the
 # resident and the command it serves.
@@ -153,18 +157,19 @@ def _start_beside_server() -> None:
     """At the exit of a run made in its own process: if it left the embedded server up, start the resident."""
     if "prefect" not in sys.modules:  # a cache hit, or a run that ended before it needed a server
         return
-    from sft_tokenize.build.workers import encodings_made
+    from sft_tokenize.build.workers import encodings_made, next_pools
     from sft_tokenize.flows.embedded_server import idle_server
 
     with contextlib.suppress(Exception):  # best effort: the next run simply runs in its own process
-        if server := idle_server():  # the command's tokenizers, or (a cache hit) those this resident prepared
-            start_resident(server, encodings_made() or _prepared)
+        if server := idle_server():  # the command's tokenizers and pool, or (a cache hit) this resident's
+            pools = next_pools()
+            start_resident(server, encodings_made() or _prepared, _pooled if pools is None else pools)
 
 
-def start_resident(server: dict, encodings: list[tuple] = ()) -> None:
+def start_resident(server: dict, encodings: list[tuple] = (), pools: list[tuple] = ()) -> None:
     """Start this environment's resident process beside the embedded server `server` (its state record), unless
     one is up already: it ends with that server. It prepares the tokenizers of `encodings` (the arguments of
-    workers.process_encoding) for the next run."""
+    workers.process_encoding) for the next run, and starts the encode pools of `pools` (workers.next_pools)."""
     if _command_env is None or not enabled():
         return
     # Bound here, so that no second resident of this environment starts; it listens once its imports are done.
@@ -175,7 +180,9 @@ def start_resident(server: dict, encodings: list[tuple] = ()) -> None:
         listener.close()
         return
     code = f"import json, sys; sys.path[:] = json.loads(sys.argv[1]); {SERVE}(*json.loads(sys.argv[2]))"
-    arguments = json.dumps([listener.fileno(), server, list(encodings)])
+    # A job is a dataclass of plain values (pickled as Prefect passes it to a task), sent as this process's own.
+    jobs = [[base64.b64encode(pickle.dumps(job)).decode(), processes] for job, processes in pools]
+    arguments = json.dumps([listener.fileno(), server, list(encodings), jobs])
     with listener, contextlib.suppress(OSError):
         subprocess.Popen([sys.executable, "-c", code, json.dumps(sys.path), arguments],
                          env=_command_env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -212,11 +219,12 @@ def _preload() -> None:
     import_run_modules()
 
 
-def serve(bound: int, server: dict, encodings: list[list]) -> None:
+def serve(bound: int, server: dict, encodings: list[list], pools: list[list] = ()) -> None:
     """The resident process, on the socket `bound` that its command bound: import, prepare the tokenizers of
-    `encodings` (the last run's, most likely the next one's), listen, and run the first command that hands itself
-    over (then exit). Until one does, it exits as soon as it could serve none: the server `server` (its state
-    record) gone, its code edited or a package installed."""
+    `encodings` (the last run's, most likely the next one's), start the encode pools of `pools` (the last run's,
+    if it had one: the next run of that job encodes with it, whatever its size), listen, and run the first
+    command that hands itself over (then exit). Until one does, it exits as soon as it could serve none: the
+    server `server` (its state record) gone, its code edited or a package installed."""
     os.environ.pop(TRACE_ENV, None)  # the run that started it traced itself; the next command brings its own
     key = resident_key(os.environ, sys.path)
     taken = threading.Event()
@@ -232,12 +240,24 @@ def serve(bound: int, server: dict, encodings: list[list]) -> None:
     threading.Thread(target=watch, name="resident-watch", daemon=True).start()
     # Below the priority of the command that ran before it (a cache hit at once after a run would otherwise share
     # the cores with it); its own command runs in the main thread, at the process's priority.
+    try:
+        pooled = [(pickle.loads(base64.b64decode(job)), processes) for job, processes in pools]
+    except Exception:  # noqa: BLE001 - a job this code cannot read: the next run starts its own pool
+        pooled = []
     prepared = []
-    preparing = threading.Thread(target=lambda: prepared.append(_prepare(encodings)), name="resident-prepare")
+    preparing = threading.Thread(target=lambda: prepared.append(_prepare(encodings, pooled)),
+                                 name="resident-prepare")
     preparing.start()
     preparing.join()
     if not prepared:  # its imports failed: a command in its own process says why
         return
+    from sft_tokenize.build.workers import start_early
+
+    # From this thread, at the process's priority: the pool's processes would inherit the preparing thread's.
+    for job, processes in pooled:
+        with contextlib.suppress(Exception):  # a tokenizer gone or changed: the run starts its own pool
+            start_early(job, processes)
+    _pooled[:] = pooled
     listener = socket.socket(fileno=bound)
     listener.listen(8)
     while True:
@@ -250,13 +270,13 @@ def serve(bound: int, server: dict, encodings: list[list]) -> None:
         conn.close()
 
 
-def _prepare(encodings: list[list]) -> None:
+def _prepare(encodings: list[list], pooled: list[tuple]) -> None:
     with contextlib.suppress(OSError):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)  # this thread's (Linux)
     _preload()
     from sft_tokenize.build.workers import prepare_encodings
 
-    prepare_encodings([tuple(arguments) for arguments in encodings])
+    prepare_encodings([tuple(arguments) for arguments in encodings], pooled)
 
 
 def _take(conn: socket.socket) -> tuple[dict, list[int]] | None:

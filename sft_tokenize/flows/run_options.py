@@ -37,7 +37,8 @@ class TokenizeRun(TokenizeOptions):
     encode_processes: Annotated[int | None, Flag(SLICES, metavar="N", parse=int)] = Field(
         None, ge=0, description="runner threads: processes that render, mask and encode the slices' batches "
                                 f"(default: one per core when the slices to tokenize hold {POOL_MIN_BYTES // 10**6} MB "
-                                "or more, else 0: the slices' threads encode)")
+                                "or more or a resident process has a pool ready for the job, else 0: the slices' "
+                                "threads encode)")
     retries: Annotated[int, Flag(SLICES, metavar="N", parse=int)] = Field(
         RETRIES, ge=0, description="retries of a failed slice, with exponential backoff")
     force: Annotated[bool, Flag(VERSIONS)] = Field(
@@ -59,12 +60,20 @@ class TokenizeRun(TokenizeOptions):
     def worker_count(self) -> int:
         return self.workers or available_cores()
 
-    def encode_process_count(self, fresh_bytes: int) -> int:
+    def encode_process_count(self, fresh_bytes: int, ready: int = 0) -> int:
+        """`ready`: the processes of a pool already started for the run's job (workers.ready_processes)."""
         if self.runner != "threads":
             return 0  # the other runners' workers are processes already
         if self.encode_processes is not None:
             return self.encode_processes
-        return available_cores() if fresh_bytes >= POOL_MIN_BYTES else 0
+        return available_cores() if fresh_bytes >= POOL_MIN_BYTES else ready
+
+    @property
+    def ready_pool_count(self) -> int:
+        """The processes of the encode pool a resident keeps ready for the next run like this one (0: none)."""
+        if self.runner != "threads":
+            return 0
+        return available_cores() if self.encode_processes is None else self.encode_processes
 
     @property
     def cluster_address(self) -> str | None:

@@ -21,7 +21,7 @@ from sft_tokenize.build.remote_store import collect_remote_garbage, finished_rem
 from sft_tokenize.build.shard_check import finished_shard
 from sft_tokenize.build.store import collect_garbage, discard_shards, remove_cache
 from sft_tokenize.build.timeline import mark
-from sft_tokenize.build.workers import encoding_processes, warm_encoder
+from sft_tokenize.build.workers import encoding_processes, keep_pool_ready, ready_processes, warm_encoder
 from sft_tokenize.errors import BadInput, first_line
 from sft_tokenize.flows.artifacts import report, report_packing
 from sft_tokenize.flows.cluster import check_workers
@@ -77,9 +77,11 @@ def tokenize_all(plan: Plan, options: TokenizeRun, staged: set[int]) -> dict:
     total = len(plan.slices)
     workers = max(1, min(options.worker_count, total))
     # Threads share one GIL: their batches are rendered, masked and encoded by a process per core instead.
-    processes = options.encode_process_count(sum(s.nbytes for s in plan.slices if s.index not in staged))
+    processes = options.encode_process_count(sum(s.nbytes for s in plan.slices if s.index not in staged),
+                                             ready_processes(plan.job))
     if options.runner == "threads" and not processes:
         warm_encoder(plan.job)  # this process encodes: its fast encoder builds while the slices are submitted
+    keep_pool_ready(plan.job, options.ready_pool_count)
     cached_task = tokenize_slice.with_options(retries=options.retries, **result_storage(options))
     # A slice without a finished shard on disk runs even if Prefect remembers a result for its key.
     fresh_task = cached_task.with_options(refresh_cache=True)
@@ -118,7 +120,8 @@ def tokenize_all(plan: Plan, options: TokenizeRun, staged: set[int]) -> dict:
         raise_failures(failures, plan, options.retries)
     finished = finished_remote if plan.job.remote_root else finished_shard
     tokenized = [finished(plan.job, s) for s in plan.slices if s.index not in staged]
-    return {"runner": options.runner, "workers": workers, "tokenize_seconds": round(seconds, 3),
+    return {"runner": options.runner, "workers": workers, "encode_processes": processes,
+            "tokenize_seconds": round(seconds, 3),
             "tokens_tokenized": sum(meta["tokens"] for meta in tokenized if meta)}
 
 

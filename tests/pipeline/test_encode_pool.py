@@ -11,6 +11,7 @@ import sys
 import time
 from collections import Counter
 from concurrent.futures.process import BrokenProcessPool
+from dataclasses import replace
 from pathlib import Path
 
 import psutil
@@ -216,6 +217,34 @@ def test_a_pool_started_early_is_the_one_the_run_takes(tmp_path):
     assert not workers._early and not unused._current.forking.is_alive()  # its processes ended with it
 
 
+def test_a_ready_pool_is_its_jobs_only_and_a_resident_is_told_it_without_credentials(tmp_path, monkeypatch):
+    """ready_processes finds a pool started early for the job's encoder and not for another's; starting one for
+    another job closes it (a resident's pool would otherwise hold its memory through a run that cannot use it).
+    next_pools gives a resident the last run's job without its storage options, and none for a remote tokenizer."""
+    source = write_jsonl(tmp_path / "rows.jsonl", example_rows()[:8])
+    options = TokenizeOptions(sources=[str(source)], tokenizer=str(EXAMPLE_TOKENIZER), cache_dir=str(tmp_path / "c"))
+    job = plan_slices(options).job
+    other = plan_slices(options.model_copy(update={"max_length": 64})).job
+    assert workers.ready_processes(job) == 0
+    workers.start_early(job, 1)
+    first = workers._early[next(iter(workers._early))]
+    assert (workers.ready_processes(job), workers.ready_processes(other)) == (1, 0)
+    workers.start_early(other, 1)
+    assert (workers.ready_processes(job), workers.ready_processes(other)) == (0, 1)
+    first._current.forking.join(30)
+    assert not first._current.forking.is_alive()
+    workers.close_early()
+
+    monkeypatch.setattr(workers, "_next_pool", None)
+    assert workers.next_pools() is None  # no run here said: a resident passes on the pool it was given
+    workers.keep_pool_ready(replace(job, storage_options={"key": "secret"}), 2)
+    assert workers.next_pools() == [(job, 2)]
+    workers.keep_pool_ready(replace(job, tokenizer_url="s3://bucket/tokenizer"), 2)
+    assert workers.next_pools() == []
+    workers.keep_pool_ready(job, 0)
+    assert workers.next_pools() == []
+
+
 STARTS_A_POOL = """
 import json, sys, time
 from sft_tokenize.build import workers
@@ -224,8 +253,7 @@ from sft_tokenize.build.plan import plan_slices
 plan = plan_slices(TokenizeOptions(sources=[sys.argv[1]], tokenizer=sys.argv[2], cache_dir=sys.argv[3]))
 workers.start_early(plan.job, 2)
 pool = next(iter(workers._early.values()))
-while len(pool.pids()) < 2:
-    time.sleep(0.05)
+pool.ready.result(timeout=120)
 print(json.dumps([pool._current.forking.pid, *pool.pids()]), flush=True)
 time.sleep(600)
 """

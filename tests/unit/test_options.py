@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import re
 from pathlib import Path
 from typing import get_args, get_origin
@@ -277,3 +278,18 @@ def test_the_command_line_page_shows_the_declared_flags():
     page = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
     assert page.count("<!-- flags: ") == len(SECTIONS) + len(COMMANDS) - 1
     assert with_flag_tables(page) == page, "docs/cli.md's flag tables are stale: run `make cli-docs`"
+
+
+def test_a_ready_pool_encodes_a_run_of_any_size_unless_the_run_says_otherwise():
+    """A pool started for the run's job (a resident's) is taken by a small run of the threads runner; an explicit
+    --encode-processes and the other runners (their workers are processes) decide as before."""
+    run = TokenizeRun(sources=["x.jsonl"], tokenizer="t", cache_dir="c")
+    small, large = 10**6, 10**9
+    cores = len(os.sched_getaffinity(0))
+    assert (run.encode_process_count(small), run.encode_process_count(small, ready=2)) == (0, 2)
+    assert run.encode_process_count(large, ready=1) == cores
+    assert run.ready_pool_count == cores
+    explicit = run.model_copy(update={"encode_processes": 0})
+    assert (explicit.encode_process_count(small, ready=2), explicit.ready_pool_count) == (0, 0)
+    dask = run.model_copy(update={"runner": "dask"})
+    assert (dask.encode_process_count(large, ready=2), dask.ready_pool_count) == (0, 0)

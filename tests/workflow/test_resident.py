@@ -91,6 +91,11 @@ def test_runs_after_a_warm_one_run_in_a_resident_alike_and_it_ends_with_the_serv
         first_cache, second_cache = Path(out.splitlines()[-1]), Path(out2.splitlines()[-1])
         assert second_cache.parent == tmp_path / "second" and second_cache.name == first_cache.name
         assert contents(second_cache) == contents(first_cache)
+        # The resident kept an encode pool ready for the job of the run before: this small run's batches were
+        # encoded by its processes (the first run's, in its own process, by the slices' threads).
+        pools = [json.loads((cache / "manifest.json").read_text())["timings"]["encode_processes"]
+                 for cache in (first_cache, second_cache)]
+        assert pools == [0, len(os.sched_getaffinity(0))]
         assert ready_resident(prefect_home) != resident
         status = cli("server", "status", home=prefect_home)
         assert f"resident process: pid {ready_resident(prefect_home)} (ready)\n" in status.stdout, status.stdout
