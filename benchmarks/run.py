@@ -22,8 +22,9 @@ that subprocess's whole process tree (see measure.py):
 
 Cold (`--prefect fresh`, the default) is a user's first run: each project run gets a fresh, empty PREFECT_HOME
 and SFT_TOKENIZE_HOME, and nothing is prepared before any clock starts. `--prefect warm` lets the project's runs
-find the embedded server up, its database migrated, the tokenizer prepared and the resident process ready (one
-untimed run per variant first; sft_tokenize/flows/resident.py); the peers have no such state. Either way every
+find the embedded server up, its database migrated, the tokenizer prepared and the resident process ready with
+the encode pool of the job (one untimed run per variant first; sft_tokenize/flows/resident.py); the peers have
+no such state. Either way every
 pipeline's input files are read once, untimed, just before it runs, so that each finds them in the page cache.
 
 Every output is checked against the others with an exact checksum of input_ids and loss_mask (the ceiling
@@ -65,8 +66,8 @@ LABELS = {"ceiling": "ceiling (render + encode, 1 process)", "hf": "HF datasets 
           "project-hf": "sft-tokenize --encoder hf", "limits": "fastest exact encoder alone, pre-rendered",
           "stages": "project's data plane, 1 process, 1 thread"}
 MODE_LABELS = {"fresh": "cold: a fresh PREFECT_HOME and SFT_TOKENIZE_HOME per project run, nothing prepared",
-               "warm": "warm: the project's server up, its database migrated and the tokenizer prepared before the "
-                       "clock (the peers have no such state)"}
+               "warm": "warm: the project's server up, its database migrated, the tokenizer prepared and the "
+                       "resident's encode pool ready before the clock (the peers have no such state)"}
 VERDICTS = {True: "PASS", False: "MISS", None: "n/a"}
 ENV = {
     "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
