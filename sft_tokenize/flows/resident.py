@@ -240,13 +240,8 @@ def serve(bound: int, server: dict, encodings: list[list], pools: list[list] = (
     threading.Thread(target=watch, name="resident-watch", daemon=True).start()
     # Below the priority of the command that ran before it (a cache hit at once after a run would otherwise share
     # the cores with it); its own command runs in the main thread, at the process's priority.
-    try:
-        pooled = [(pickle.loads(base64.b64decode(job)), processes) for job, processes in pools]
-    except Exception:  # noqa: BLE001 - a job this code cannot read: the next run starts its own pool
-        pooled = []
     prepared = []
-    preparing = threading.Thread(target=lambda: prepared.append(_prepare(encodings, pooled)),
-                                 name="resident-prepare")
+    preparing = threading.Thread(target=lambda: prepared.append(_prepare(encodings, pools)), name="resident-prepare")
     preparing.start()
     preparing.join()
     if not prepared:  # its imports failed: a command in its own process says why
@@ -254,6 +249,7 @@ def serve(bound: int, server: dict, encodings: list[list], pools: list[list] = (
     from sft_tokenize.build.workers import start_early
 
     # From this thread, at the process's priority: the pool's processes would inherit the preparing thread's.
+    pooled = prepared[0]
     for job, processes in pooled:
         with contextlib.suppress(Exception):  # a tokenizer gone or changed: the run starts its own pool
             start_early(job, processes)
@@ -270,13 +266,20 @@ def serve(bound: int, server: dict, encodings: list[list], pools: list[list] = (
         conn.close()
 
 
-def _prepare(encodings: list[list], pooled: list[tuple]) -> None:
+def _prepare(encodings: list[list], pools: list[list]) -> list[tuple]:
+    """Import, and prepare the tokenizers of `encodings` and the encoders of `pools` (jobs as start_resident sent
+    them); return the pools' jobs, with their process counts."""
     with contextlib.suppress(OSError):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)  # this thread's (Linux)
     _preload()
     from sft_tokenize.build.workers import prepare_encodings
 
+    try:
+        pooled = [(pickle.loads(base64.b64decode(job)), processes) for job, processes in pools]
+    except Exception:  # noqa: BLE001 - a job this code cannot read: the next run starts its own pool
+        pooled = []
     prepare_encodings([tuple(arguments) for arguments in encodings], pooled)
+    return pooled
 
 
 def _take(conn: socket.socket) -> tuple[dict, list[int]] | None:
