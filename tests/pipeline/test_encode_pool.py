@@ -253,7 +253,9 @@ from sft_tokenize.build.plan import plan_slices
 plan = plan_slices(TokenizeOptions(sources=[sys.argv[1]], tokenizer=sys.argv[2], cache_dir=sys.argv[3]))
 workers.start_early(plan.job, 2)
 pool = next(iter(workers._early.values()))
-pool.ready.result(timeout=120)
+deadline = time.monotonic() + 120
+while len(pool.pids()) < 2 and time.monotonic() < deadline:  # both forked
+    time.sleep(0.05)
 print(json.dumps([pool._current.forking.pid, *pool.pids()]), flush=True)
 time.sleep(600)
 """
