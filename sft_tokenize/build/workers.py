@@ -164,7 +164,12 @@ def _new_pool(job: Job, processes: int) -> EncodePool:
     encoder = encoder_for(job)
     vision = encoder.images.vision if encoder.images is not None else None  # made here: picklable, no tokenizer
     pool = EncodePool(encoder, {**encoder_settings(job), "vision": vision}, processes)
-    pool.ready.add_done_callback(lambda ready: ready.exception() or mark("pool_ready"))
+
+    def traced(ready: Future) -> None:
+        if ready.exception() is None:
+            mark("pool_ready")
+
+    pool.ready.add_done_callback(traced)
     return pool
 
 

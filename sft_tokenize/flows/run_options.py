@@ -70,10 +70,9 @@ class TokenizeRun(TokenizeOptions):
 
     @property
     def ready_pool_count(self) -> int:
-        """The processes of the encode pool a resident keeps ready for the next run like this one (0: none)."""
-        if self.runner != "threads":
-            return 0
-        return available_cores() if self.encode_processes is None else self.encode_processes
+        """The processes of the encode pool a resident keeps ready for the next run like this one (0: none): those
+        a run large enough for a pool would take."""
+        return self.encode_process_count(POOL_MIN_BYTES)
 
     @property
     def cluster_address(self) -> str | None:
