@@ -23,16 +23,20 @@ reads. A process that dies (killed, out of memory) breaks the pool, as it breaks
 process that forked it stops the others and exits, and every batch in flight fails with BrokenProcessPool; their
 slices fail and are retried, and the next batch submitted starts a new set of processes. The pool also ends when
 the process that started it ends, however it ends (killed outright too): the forking process watches a pipe only
-that process holds open, and an encoding process whose parent is gone ends (Linux's parent-death signal).
+that process holds open, and an encoding process whose parent is gone ends (Linux's parent-death signal). At that
+process's exit, a pool no run closed (a resident's, its command a cache hit) is terminated first: multiprocessing's
+own exit function would otherwise wait for ever on the forking process.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import gc
 import itertools
 import multiprocessing
+import multiprocessing.util
 import os
 import signal
 import threading
@@ -192,6 +196,7 @@ class _Processes:
         self.tasks._reader.close()
         self.reader = threading.Thread(target=self._read, name="encode-pool-results", daemon=True)
         self.reader.start()
+        _open.add(self)
         self.ready = [self.call(_ready) for _ in range(processes)][0]
 
     def call(self, function: Callable, *args: Any) -> Future:
@@ -237,6 +242,7 @@ class _Processes:
             return []
 
     def close(self, now: bool) -> None:
+        _open.discard(self)
         if now:
             self.forking.terminate()  # it kills its encoding processes
         else:
@@ -250,6 +256,15 @@ class _Processes:
         self.tasks.close()
         self.results.close()
         self.alive.close()
+
+
+_open: set[_Processes] = set()  # the sets of processes started here and not closed yet
+
+
+@atexit.register  # after multiprocessing.util's (imported above), so it runs before it: last registered, first run
+def _close_open() -> None:
+    for processes in list(_open):
+        processes.close(now=True)
 
 
 class EncodePool:

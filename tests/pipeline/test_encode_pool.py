@@ -257,20 +257,25 @@ deadline = time.monotonic() + 120
 while len(pool.pids()) < 2 and time.monotonic() < deadline:  # both forked
     time.sleep(0.05)
 print(json.dumps([pool._current.forking.pid, *pool.pids()]), flush=True)
-time.sleep(600)
+if sys.argv[4] == "killed":
+    time.sleep(600)
 """
 
 
-def test_a_pool_ends_with_the_process_that_started_it_even_killed(tmp_path):
-    """A run killed outright (SIGKILL: no close, no atexit) leaves no encoding process behind, nor the forkserver
-    that started them: a resident's pool, or a run's, goes with its process."""
+@pytest.mark.parametrize("end", ["killed", "exits"])
+def test_a_pool_ends_with_the_process_that_started_it_even_killed(tmp_path, end):
+    """A process that started a pool and never closed it leaves no encoding process behind, nor the forkserver
+    that started them, whether it is killed outright (SIGKILL: no close, no atexit) or exits (a resident whose
+    command was a cache hit: it must not wait for ever on the pool at exit)."""
     source = write_jsonl(tmp_path / "rows.jsonl", example_rows()[:8])
     starter = subprocess.Popen([sys.executable, "-c", STARTS_A_POOL, str(source), str(EXAMPLE_TOKENIZER),
-                                str(tmp_path / "cache")], stdout=subprocess.PIPE, text=True)
+                                str(tmp_path / "cache"), end], stdout=subprocess.PIPE, text=True)
     try:
         pids = json.loads(starter.stdout.readline())
         forkserver = psutil.Process(pids[0]).ppid()
         assert len(pids) == 3 and all(psutil.pid_exists(pid) for pid in [forkserver, *pids])
+        if end == "exits":
+            assert starter.wait(timeout=30) == 0
     finally:
         starter.kill()
         starter.wait()

@@ -32,8 +32,8 @@ def start(args: list[str], home: Path, trace: Path, **extra: str) -> subprocess.
                             env=environment(home, SFT_TOKENIZE_TRACE=str(trace), **extra))
 
 
-def finished(process: subprocess.Popen) -> tuple[int, str, str]:
-    out, err = process.communicate(timeout=TIMEOUT)
+def finished(process: subprocess.Popen, timeout: float = TIMEOUT) -> tuple[int, str, str]:
+    out, err = process.communicate(timeout=timeout)
     return process.returncode, out, err
 
 
@@ -99,6 +99,14 @@ def test_runs_after_a_warm_one_run_in_a_resident_alike_and_it_ends_with_the_serv
         assert ready_resident(prefect_home) != resident
         status = cli("server", "status", home=prefect_home)
         assert f"resident process: pid {ready_resident(prefect_home)} (ready)\n" in status.stdout, status.stdout
+
+        # The same command again, a cache hit: the resident's ready pool, which no run took, does not hold up
+        # its exit.
+        resident = ready_resident(prefect_home)
+        hit = start(run_args([EXAMPLE_DATA], tmp_path / "second", "-q", *IDLE), prefect_home, trace)
+        code, out_hit, err_hit = finished(hit, timeout=60)  # a hit takes a second
+        assert (code, out_hit.splitlines()[-1]) == (0, str(second_cache)), err_hit
+        assert ran_in(trace) == {resident}
 
         # Bad input: its one line on the command's stderr and exit 2.
         resident = ready_resident(prefect_home)
