@@ -72,7 +72,7 @@ def prepare_encodings(made: list[tuple], pooled: list[tuple[Job, int]] = ()) -> 
             tokenizer, fast = process_encoding(*arguments)
             tokenizer.backend_tokenizer  # noqa: B018 - built here
             if fast is not None and tuple(arguments) not in pooled_encodings:
-                fast.native  # noqa: B018
+                fast.verdict()  # its tables built (and, for a tokenizer seen for the first time, checked)
     for job, _ in pooled:
         with suppress(Exception):
             encoder_for(job)
@@ -117,6 +117,15 @@ def warm_encoder(job: Job) -> None:
         fast.warm()
         if isinstance(tokenizer, PartsTokenizer):
             tokenizer.build_backend_soon()
+
+
+def settle_encoder(job: Job) -> None:
+    """Run the job's fast encoder check here if it is still to run (a tokenizer seen for the first time): the
+    workers of the processes, dask and ray runners then read its verdict in the prepared entry instead of each
+    preparing the tokenizer again."""
+    _, fast = _process_encoding(job)
+    if fast is not None:
+        fast.verdict()
 
 
 _encoders: dict[str, ChatEncoder] = {}

@@ -368,7 +368,7 @@ class ChatEncoder:
         for add_special in (False, True):  # rendered chats carry their own special tokens; text rows do not
             chosen = [k for k, (_, rendered, literal) in enumerate(rows)
                       if not literal and (rendered.token_rule == "text") == add_special]
-            if chosen and self.fast is not None:
+            if chosen and self.fast is not None and not self.fast.verdict():  # refused by its check: HF's
                 placement = self.fast.encode_flat([rows[k][1].text for k in chosen], add_special_tokens=add_special)
                 verify = min(max(verify_rows - verified, 0), len(chosen))
                 checked = ([rows[k][1] for k in chosen[:verify]], [placement.row(j) for j in range(verify)],

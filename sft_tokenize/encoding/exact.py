@@ -4,8 +4,9 @@
 ids only. For byte-level BPE each id stands for a fixed run of UTF-8 bytes, so prefix sums of those lengths
 place every token in the text, which is all the loss mask needs. A tokenizer is accepted only if its pieces
 make that exact (byte-level pre-tokenizer and decoder, no offset trimming, no normalizer but NFC) and
-fastokens gives HF's ids on a set of hard strings; a row whose byte lengths do not add up to its text is
-encoded by HF. HF stays the reference: callers also compare each slice's first rows against it.
+fastokens gives HF's ids and positions on a set of hard strings (HF's answers are `CheckCases`: the process
+that builds fastokens' tables checks them, an encode pool's too); a row whose byte lengths do not add up to its
+text is encoded by HF. HF stays the reference: callers also compare each slice's first rows against it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import json
 import logging
 import threading
 import unicodedata
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -168,10 +170,43 @@ class FastEncoder:
 
     name = "fastokens"
 
-    def __init__(self, native, byte_lengths: np.ndarray, nfc: bool, source: str | None = None):
-        """`source`: the tokenizer JSON `native` was built from, if it may be released (`release`)."""
+    def __init__(self, native, byte_lengths: np.ndarray, nfc: bool, source: str | None = None,
+                 cases: CheckCases | None = None):
+        """`source`: the tokenizer JSON `native` was built from, if it may be released (`release`). `cases`: HF's
+        answers it must give back before it encodes (a tokenizer seen for the first time): checked once its
+        tables are built, wherever they are built (`verdict`, or an encode pool's processes and `settle`)."""
         self._native, self.byte_lengths, self.nfc = native, byte_lengths, nfc
         self._source = native.tokenizer_json if isinstance(native, PendingNative) else source
+        self.cases = cases  # None once checked
+        self.refused = ""  # why the check refused it: it then places no row, and HF encodes them all
+        self.on_verdict: Callable[[str], None] | None = None  # told the check's verdict (prepared.py keeps it)
+        self._checking, self._settling = threading.Lock(), threading.Lock()
+
+    def verdict(self, say: bool = True) -> str:
+        """The check's verdict, running it here (its tables built) if it is still to run: "" or the refusal.
+        `say`: log it (an encode pool's process leaves that to the run's, which `settle`s it)."""
+        if self.cases is not None:
+            with self._checking:
+                if self.cases is not None:
+                    try:
+                        refusal = self.cases.refusal(self.native, self._place)
+                    except Exception as error:  # noqa: BLE001 - fastokens refuses what it does not implement
+                        refusal = f"fastokens cannot load it ({type(error).__name__}: {str(error).strip()[:200]})"
+                    self.settle(refusal, say)
+        return self.refused
+
+    def settle(self, refusal: str, say: bool = True) -> None:
+        """The check's verdict, run here or by the encode pool's processes: "" accepted, else the refusal."""
+        with self._settling:
+            if self.cases is None:
+                return  # settled already
+            strings, self.cases, self.refused = len(self.cases.strings), None, refusal
+        if refusal and say:
+            logger.warning("encoder: HF tokenizers, not fastokens: %s", refusal)
+        elif say:
+            logger.info("encoder: fastokens (its ids equal tokenizers' on %d check strings)", strings)
+        if self.on_verdict is not None:
+            self.on_verdict(refusal)
 
     @property
     def source(self) -> str | None:
@@ -202,8 +237,14 @@ class FastEncoder:
 
     def encode_flat(self, texts: list[str], add_special_tokens: bool) -> FlatPlacement:
         """Every row's ids end to end and each token's first character, for the whole batch at once (numpy over
-        the batch, no per-row work where the batch is ASCII)."""
-        flat, bounds = self.native.encode_batch_flat(texts, add_special_tokens=add_special_tokens)
+        the batch, no per-row work where the batch is ASCII). A refused encoder places none of them."""
+        if self.verdict():
+            none = np.zeros(len(texts) + 1, dtype=np.int64)
+            return FlatPlacement(np.zeros(0, np.int32), none, none[:0], none[:0], np.zeros(len(texts), dtype=bool))
+        return self._place(self.native, texts, add_special_tokens)
+
+    def _place(self, native, texts: list[str], add_special_tokens: bool) -> FlatPlacement:
+        flat, bounds = native.encode_batch_flat(texts, add_special_tokens=add_special_tokens)
         ids = np.frombuffer(flat, dtype=np.uint32)
         bounds = np.frombuffer(bounds, dtype=np.uint64).astype(np.int64)
         known = ids < len(self.byte_lengths)
@@ -254,11 +295,12 @@ class FlatPlacement:
         return IdsEncoding(self.ids[a:b].tolist(), self.starts[a:b], self.ends[a:b])
 
 
-def rebuilt_encoder(tokenizer_json: str, byte_lengths: np.ndarray, nfc: bool) -> FastEncoder:
+def rebuilt_encoder(tokenizer_json: str, byte_lengths: np.ndarray, nfc: bool,
+                    cases: CheckCases | None = None) -> FastEncoder:
     """The FastEncoder that another process of this install (or an earlier run, prepared.py) chose and checked for
     this tokenizer JSON (the same JSON, the same fastokens): rebuilt without checking it again, its tables built
-    when it is `warm`ed or first used."""
-    return FastEncoder(PendingNative(tokenizer_json), byte_lengths, nfc)
+    when it is `warm`ed or first used. With `cases`, the check that process left to this one."""
+    return FastEncoder(PendingNative(tokenizer_json), byte_lengths, nfc, cases=cases)
 
 
 def _check_strings(backend) -> list[str]:
@@ -267,36 +309,54 @@ def _check_strings(backend) -> list[str]:
     return [*HARD_STRINGS, *mixed, " ".join(added), "".join(added)]
 
 
-def _fastokens_or_refusal(backend, text: str) -> tuple[FastEncoder | None, str]:
-    """`text`: `backend.to_str()` (~0.1 s for a 151k vocabulary: serialized once per check)."""
+@dataclass(frozen=True)
+class CheckCases:
+    """HF `tokenizers`' answers on the check strings: the ids (without and with special tokens) and the token
+    positions (without) that fastokens and the byte lengths must give back. Plain data: an encode pool's
+    processes run the check where they build fastokens' tables, so that a first run builds them once."""
+
+    strings: tuple[str, ...]
+    ids: tuple[tuple[list[int], ...], tuple[list[int], ...]]
+    offsets: tuple[list[tuple[int, int]], ...]
+
+    @classmethod
+    def of(cls, backend) -> CheckCases:
+        strings = _check_strings(backend)
+        plain, special = (backend.encode_batch(strings, add_special_tokens=add) for add in (False, True))
+        return cls(tuple(strings), (tuple(list(e.ids) for e in plain), tuple(list(e.ids) for e in special)),
+                   tuple([tuple(o) for o in e.offsets] for e in plain))
+
+    def refusal(self, native, place: Callable[..., FlatPlacement]) -> str:
+        """Why fastokens' tokenizer `native` (placing tokens with `place`) may not encode, or ""."""
+        strings = list(self.strings)
+        for add_special in (False, True):
+            got = native.encode_batch(strings, add_special_tokens=add_special)
+            for string, want, have in zip(strings, self.ids[add_special], got, strict=True):
+                if want != list(have.ids):
+                    return f"fastokens gives other ids than tokenizers for {string[:40]!r}"
+        for string, want in zip(strings, self.offsets, strict=True):
+            placed = place(native, [string], False).row(0)
+            if placed is not None and placed.offsets != want:
+                return f"token positions from byte lengths differ from tokenizers' offsets for {string[:40]!r}"
+        return ""
+
+
+def _fastokens_candidate(backend, text: str, build: bool = False) -> tuple[FastEncoder | None, str]:
+    """fastokens for this tokenizer before its check (FastEncoder.verdict), or None and why its pieces refuse
+    it. `text`: `backend.to_str()` (~0.1 s for a 151k vocabulary: serialized once per check); `build`: start
+    building its tables now."""
     try:
         import fastokens  # noqa: F401 - whether it is installed; PendingNative builds with it
     except ImportError:
         return None, "fastokens is not installed (pip install 'sft-tokenize[fast]')"
     pending = PendingNative(text)
-    pending.start()  # fastokens builds outside the GIL while this thread parses the same JSON
+    if build:
+        pending.start()  # fastokens builds outside the GIL while this thread parses the same JSON
     refusal = _byte_level_refusal(config := json.loads(text))
     if refusal:
-        return None, refusal  # the build ends unused in its thread
-    try:
-        native = pending.result()
-    except Exception as error:  # fastokens refuses what it does not implement
-        return None, f"fastokens cannot load it ({type(error).__name__}: {str(error).strip()[:200]})"
-    for add_special in (False, True):
-        strings = _check_strings(backend)
-        expected = backend.encode_batch(strings, add_special_tokens=add_special)
-        got = native.encode_batch(strings, add_special_tokens=add_special)
-        for string, want, have in zip(strings, expected, got, strict=True):
-            if list(want.ids) != list(have.ids):
-                return None, f"fastokens gives other ids than tokenizers for {string[:40]!r}"
+        return None, refusal  # a build ends unused in its thread
     nfc = [p.get("type") for p in _pieces(config.get("normalizer"))] == ["NFC"]
-    encoder = FastEncoder(native, _token_byte_lengths(backend, config), nfc, source=text)
-    for string in _check_strings(backend):
-        placed = encoder.encode([string], add_special_tokens=False)[0]
-        want = backend.encode(string, add_special_tokens=False)
-        if placed is not None and placed.offsets != [tuple(o) for o in want.offsets]:
-            return None, f"token positions from byte lengths differ from tokenizers' offsets for {string[:40]!r}"
-    return encoder, ""
+    return FastEncoder(pending, _token_byte_lengths(backend, config), nfc, cases=CheckCases.of(backend)), ""
 
 
 _chosen: dict[tuple[str, str], tuple[FastEncoder | None, str]] = {}
@@ -335,9 +395,23 @@ def log_refusal(requested: str, refusal: str) -> None:
 
 
 def _choose(backend, text: str, requested: str) -> tuple[FastEncoder | None, str]:
-    encoder, refusal = _fastokens_or_refusal(backend, text)
+    encoder, refusal = _fastokens_candidate(backend, text, build=True)
     if encoder is None:
         log_refusal(requested, refusal)
         return None, refusal
-    logger.info("encoder: fastokens (its ids equal tokenizers' on %d check strings)", len(_check_strings(backend)))
-    return encoder, ""
+    refusal = encoder.verdict()  # checked here, the verdict logged
+    return (None, refusal) if refusal else (encoder, "")
+
+
+def fast_candidate(tokenizer: Any, requested: str) -> tuple[FastEncoder | None, str]:
+    """check_encoder's choice with the check left to the process that builds fastokens' tables (FastEncoder.verdict,
+    or an encode pool's processes, which build them anyway): None and the refusal only if its pieces refuse it."""
+    if requested not in ENCODERS:
+        raise BadInput(f"--encoder must be one of {', '.join(ENCODERS)}, not {requested!r}")
+    if requested == "hf":
+        return None, ""
+    backend = tokenizer.backend_tokenizer
+    encoder, refusal = _fastokens_candidate(backend, backend.to_str())
+    if encoder is None:
+        log_refusal(requested, refusal)
+    return encoder, refusal

@@ -9,14 +9,15 @@ come back pickled; nothing is shared. The other runners already give each worker
 
 The processes import neither transformers' tokenizer classes nor torch. One clean process (started by the
 forkserver, so it carries none of this process's imports or threads) is given the tokenizer as its parts
-(`prepared.TokenizerParts`: the Rust tokenizer's JSON, the chat template, the special tokens, the token
-boundaries the template learned: all that encoding reads of it) and the fast encoder this process chose and
-checked, builds the `ChatEncoder` and fastokens' tables (~170 MB for a 151k vocabulary) once, and only then forks
-the encoding processes: they share those pages, which nothing writes, instead of each building its own copy. It
-starts no thread before it forks (fastokens builds its tables without one, and its own threads start at the
-first encode, in the processes). HF's tokenizer (~25 MB a process for a 151k vocabulary) is built there only for a
-row the fast encoder cannot place: each slice's first rows, which are checked against HF's, come back unchecked
-and are checked here, in the slice's thread, by this process's encoder.
+(`prepared.TokenizerParts`: the Rust tokenizer's JSON, the chat template, the special tokens, the token boundaries
+the template learned: all that encoding reads of it) and the fast encoder this process chose and checked (or, for a
+tokenizer seen for the first time, HF's answers to check it against: the pool's first call returns the verdict, and
+a refused encoder leaves every row to HF), builds the `ChatEncoder` and fastokens' tables (~170 MB for a 151k
+vocabulary) once, and only then forks the encoding processes: they share those pages, which nothing writes, instead
+of each building its own copy. It starts no thread before it forks (fastokens builds its tables without one, and its
+own threads start at the first encode, in the processes). HF's tokenizer (~25 MB a process for a 151k vocabulary) is
+built there only for a row the fast encoder cannot place: each slice's first rows, which are checked against HF's,
+come back unchecked and are checked here, in the slice's thread, by this process's encoder.
 
 Batches go out on one queue that every encoding process reads, and come back on another that a thread here
 reads. A process that dies (killed, out of memory) breaks the pool, as it breaks a ProcessPoolExecutor: the
@@ -71,20 +72,24 @@ def tokenizer_env(tokenizer_threads: int) -> dict[str, str]:
 
 
 _encoder: ChatEncoder | None = None  # in a pool process: the run's encoder
+_verdict: str | None = None  # in a pool process: the fast encoder's check, if the pool ran it ("" accepted)
 
 
 def _start(parts: TokenizerParts, settings: dict, tokenizer_threads: int) -> None:
-    """In the process that forks the encoding processes: the encoder they share, fastokens' tables built."""
-    global _encoder
+    """In the process that forks the encoding processes: the encoder they share, fastokens' tables built (and,
+    for a tokenizer seen for the first time, checked against HF's answers: `_ready` returns the verdict)."""
+    global _encoder, _verdict
     os.environ.update(tokenizer_env(tokenizer_threads))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the group; the run closes the pool
     limit_malloc_arenas()
-    fast = rebuilt_encoder(parts.backend_json, *parts.fast) if parts.fast else None
+    fast = rebuilt_encoder(parts.backend_json, *parts.fast, cases=parts.check) if parts.fast else None
     if fast is not None:
         fast.warm()  # its tables build while the encoder below is made
     _encoder = ChatEncoder(PartsTokenizer(parts), fast=fast, **settings)
     if fast is not None:
-        fast.native  # noqa: B018 - built here, before the fork, once for every process
+        _verdict = fast.verdict(say=False) if parts.check is not None else None  # refused: HF encodes every row
+        if not fast.refused:
+            fast.native  # noqa: B018 - built here, before the fork, once for every process
         for thread in threading.enumerate():  # the build's thread has ended (it sets the result, then returns)
             if thread.name == "fastokens-build":
                 thread.join()
@@ -154,8 +159,10 @@ def _fork_processes(initargs: tuple, processes: int, tasks, results, started_by)
                 stop()
 
 
-def _ready() -> None:
-    """Called once per process at the start, so that they start while the run submits its slices."""
+def _ready() -> str | None:
+    """Called once per process at the start, so that they start while the run submits its slices; the verdict of
+    the fast encoder's check if the pool ran it."""
+    return _verdict
 
 
 class _Checked:
@@ -267,6 +274,11 @@ def _close_open() -> None:
         processes.close(now=True)
 
 
+def _settle(fast, ready: Future) -> None:
+    if ready.exception() is None and ready.result() is not None:
+        fast.settle(ready.result())
+
+
 class EncodePool:
     """`processes` processes that encode batches with the ChatEncoder of `settings` (its keyword arguments)."""
 
@@ -285,6 +297,8 @@ class EncodePool:
         self._lock = threading.Lock()
         self._current = _Processes(self._initargs, processes)
         self.ready: Future = self._current.ready  # done once the first encoding process takes calls
+        if self._initargs[0].check is not None:  # the processes check the fast encoder: their verdict is its own
+            self.ready.add_done_callback(lambda ready: _settle(encoder.fast, ready))
 
     def call(self, function: Callable, *args: Any) -> Future:
         """`function(*args)` in one of the processes (a picklable function of a module they import)."""

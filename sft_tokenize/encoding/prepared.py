@@ -10,11 +10,16 @@ root ($SFT_TOKENIZE_HOME, else $XDG_CACHE_HOME/sft-tokenize, else ~/.cache/sft-t
     <that directory>/tokenizers/<key>/
         backend.json      the Rust tokenizer as transformers built it (`backend_tokenizer.to_str()`)
         byte_lengths.npy  each id's length in UTF-8 bytes, when the fast encoder was accepted
-        prepared.json     written last (its presence means the rest is complete): the special tokens, the chat
-                          template, the fast encoder's verdict (accepted with its NFC flag, or why it was refused)
+        prepared.json     written last (its presence means the rest is complete), once the fast encoder's check
+                          has run: the special tokens, the chat template, its verdict (accepted with its NFC
+                          flag, or why it was refused)
         boundaries.json   optional, added to by later runs: the token boundaries of chat templates' own text
                           (template.py), by text, so that no later process builds HF's Rust tokenizer (~0.4 s for
                           151k tokens) only to learn them again
+
+The check runs where fastokens' tables are first built: in this process as it first encodes, or, on a run
+whose encode pool encodes, in the pool's processes, which report the verdict (a first run builds the tables
+once; encoding/pool.py).
 
 `<key>` hashes the SHA-256 of every file of the tokenizer directory (as the fingerprint does) with the
 versions of transformers, tokenizers and fastokens and `PREPARED_VERSION`: an edited tokenizer file or an
@@ -37,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from sft_tokenize.encoding.exact import FastEncoder, check_encoder, log_refusal, rebuilt_encoder
+from sft_tokenize.encoding.exact import CheckCases, FastEncoder, fast_candidate, log_refusal, rebuilt_encoder
 from sft_tokenize.files import atomic_path, atomic_write, user_cache
 from sft_tokenize.fingerprint import fingerprint
 
@@ -56,20 +61,23 @@ class TokenizerParts:
     eos_token: str | None
     eos_token_id: int | None
     special_tokens: tuple[str, ...]  # the contents of its added tokens marked special
-    fast: tuple[np.ndarray, bool] | None  # the checked fast encoder's byte lengths and NFC flag, or HF's
+    fast: tuple[np.ndarray, bool] | None  # the fast encoder's byte lengths and NFC flag, or HF's
     boundaries: dict = field(default_factory=dict)  # token boundaries of template text, by text (template.py)
+    check: CheckCases | None = None  # the fast encoder's check, if it is still to run (FastEncoder.cases)
 
     @classmethod
     def of(cls, tokenizer: Any, fast: FastEncoder | None, boundaries: dict | None = None) -> TokenizerParts:
         template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
+        fast = fast if fast is not None and not fast.refused else None  # refused by its check: HF's
         checked = (fast.byte_lengths, fast.nfc) if fast else None
+        check = fast.cases if fast else None
         known = getattr(tokenizer, "parts", None)  # a PartsTokenizer: its JSON is at hand, not serialized again
         if known is not None:
-            return replace(known, chat_template=template, fast=checked, boundaries=boundaries or {})
+            return replace(known, chat_template=template, fast=checked, boundaries=boundaries or {}, check=check)
         specials = tuple(t.content for t in tokenizer.added_tokens_decoder.values() if t.special)
         backend_json = fast.source if fast and fast.source else tokenizer.backend_tokenizer.to_str()  # same text
         return cls(backend_json, template, dict(tokenizer.special_tokens_map),
-                   tokenizer.eos_token, tokenizer.eos_token_id, specials, checked, boundaries or {})
+                   tokenizer.eos_token, tokenizer.eos_token_id, specials, checked, boundaries or {}, check)
 
 
 @dataclass(frozen=True)
@@ -189,8 +197,8 @@ def _write(directory: Path, parts: TokenizerParts, verdict: dict) -> None:
 
 def prepared_encoding(directory: Path, load, requested: str) -> tuple[Any, FastEncoder | None]:
     """The tokenizer and the fast encoder (or None for HF's) kept in `directory`, or, the first time, `load()`'s
-    tokenizer and the encoder checked against it, then kept there. Requested "hf", the check is left for a
-    run that asks for the fast encoder."""
+    tokenizer and the encoder to check against it (FastEncoder.verdict), kept there with the verdict. Requested
+    "hf", the check is left for a run that asks for the fast encoder."""
     found = _read(directory)
     if found is not None and (requested == "hf" or "accepted" in found[1]):
         parts, verdict = found
@@ -203,11 +211,18 @@ def prepared_encoding(directory: Path, load, requested: str) -> tuple[Any, FastE
         logger.info("encoder: fastokens (checked when this tokenizer was first prepared)")
         return tokenizer, rebuilt_encoder(parts.backend_json, *parts.fast)
     tokenizer = load()
-    fast, refusal = check_encoder(tokenizer, requested)
-    verdict = {} if requested == "hf" else {"accepted": True, "nfc": fast.nfc} if fast else \
-        {"accepted": False, "refusal": refusal}
+    # Checked where its tables are built: by this process once it encodes, or by an encode pool's processes
+    # (which build them anyway: a first run builds them once). The entry is written with the verdict.
+    fast, refusal = fast_candidate(tokenizer, requested)
     parts = TokenizerParts.of(tokenizer, fast)
-    _write(directory, parts, verdict)
+    if fast is None:
+        _write(directory, parts, {} if requested == "hf" else {"accepted": False, "refusal": refusal})
+    else:
+        def keep(refused: str) -> None:
+            verdict = {"accepted": False, "refusal": refused} if refused else {"accepted": True, "nfc": fast.nfc}
+            _write(directory, replace(parts, fast=None) if refused else parts, verdict)
+
+        fast.on_verdict = keep
     # From here on this process holds what a later one reads from the entry, not transformers' tokenizer (its
     # Python vocabulary and classes): only the Rust tokenizer it already built is kept.
     prepared = PartsTokenizer(parts, directory)

@@ -21,7 +21,13 @@ from sft_tokenize.build.remote_store import collect_remote_garbage, finished_rem
 from sft_tokenize.build.shard_check import finished_shard
 from sft_tokenize.build.store import collect_garbage, discard_shards, remove_cache
 from sft_tokenize.build.timeline import mark
-from sft_tokenize.build.workers import encoding_processes, keep_pool_ready, ready_processes, warm_encoder
+from sft_tokenize.build.workers import (
+    encoding_processes,
+    keep_pool_ready,
+    ready_processes,
+    settle_encoder,
+    warm_encoder,
+)
 from sft_tokenize.errors import BadInput, first_line
 from sft_tokenize.flows.artifacts import report, report_packing
 from sft_tokenize.flows.cluster import check_workers
@@ -81,6 +87,8 @@ def tokenize_all(plan: Plan, options: TokenizeRun, staged: set[int]) -> dict:
                                              ready_processes(plan.job))
     if options.runner == "threads" and not processes:
         warm_encoder(plan.job)  # this process encodes: its fast encoder builds while the slices are submitted
+    elif options.runner != "threads":
+        settle_encoder(plan.job)
     keep_pool_ready(plan.job, options.ready_pool_count)
     cached_task = tokenize_slice.with_options(retries=options.retries, **result_storage(options))
     # A slice without a finished shard on disk runs even if Prefect remembers a result for its key.

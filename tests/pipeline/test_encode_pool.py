@@ -175,6 +175,73 @@ def test_the_planner_keeps_no_fastokens_tables_while_its_pool_encodes(tmp_path):
     assert again.input_ids.tolist() == want.input_ids.tolist() and again.rows_verified == want.rows_verified
 
 
+def _first_preparation(tmp_path, monkeypatch):
+    """A tokenizer this machine has never prepared: its fast encoder's check is still to run."""
+    from sft_tokenize.encoding.chat_encoder import ChatEncoder
+    from sft_tokenize.encoding.prepared import prepared_dir, prepared_encoding
+    from sft_tokenize.encoding.tokenizer import load_tokenizer
+    from sft_tokenize.fingerprint import hash_directory
+
+    monkeypatch.setenv("SFT_TOKENIZE_HOME", str(tmp_path / "home"))
+    directory = prepared_dir(hash_directory(EXAMPLE_TOKENIZER), False)
+    tokenizer, fast = prepared_encoding(directory, lambda: load_tokenizer(EXAMPLE_TOKENIZER), "auto")
+    assert fast.cases is not None and not (directory / "prepared.json").exists()
+    examples = [to_example(row, ColumnMap("chat", {"messages": "messages"})) for row in example_rows()[:30]]
+    return directory, ChatEncoder(tokenizer, fast=fast), examples, ChatEncoder(tokenizer).encode_batch(examples)
+
+
+def _settled(directory: Path) -> dict:
+    """The verdict the prepared entry keeps, once written (by a callback of the pool's ready future)."""
+    deadline = time.monotonic() + 60
+    while not (directory / "prepared.json").exists():
+        assert time.monotonic() < deadline, "the pool's verdict never reached the prepared entry"
+        time.sleep(0.01)
+    return json.loads((directory / "prepared.json").read_text())["encoder"]
+
+
+def test_a_first_runs_pool_checks_the_fast_encoder_and_the_planner_builds_no_tables(tmp_path, monkeypatch):
+    """On a first run the tables are built once, by the pool that encodes, where the check against HF's answers
+    runs; its verdict is the one the prepared entry keeps."""
+    from sft_tokenize.encoding.exact import PendingNative
+
+    directory, encoder, examples, want = _first_preparation(tmp_path, monkeypatch)
+    pool = EncodePool(encoder, {}, 1)
+    try:
+        assert pool.ready.result(timeout=120) == ""  # the pool ran the check: accepted
+        assert _settled(directory) == {"accepted": True, "nfc": False}
+        assert encoder.fast.cases is None and encoder.fast.refused == ""
+        got = pool.submit(examples, 16).result()
+        assert (got.input_ids.tobytes(), got.loss_mask.tobytes()) == (want.input_ids.tobytes(),
+                                                                       want.loss_mask.tobytes())
+        assert got.rows_verified == 16
+        native = encoder.fast._native
+        assert isinstance(native, PendingNative) and native._built is None  # never built in this process
+    finally:
+        pool.close()
+
+
+def test_a_fast_encoder_wrong_on_purpose_is_refused_by_its_pools_check_and_hf_encodes(tmp_path, monkeypatch):
+    """HF's answers altered for one check string stand in for a fastokens that gets it wrong: the pool refuses
+    it, encodes every row with HF, and the entry keeps the refusal."""
+    directory, encoder, examples, want = _first_preparation(tmp_path, monkeypatch)
+    cases = encoder.fast.cases
+    plain = list(cases.ids[0])
+    plain[5] = [*plain[5], 0]
+    encoder.fast.cases = replace(cases, ids=(tuple(plain), cases.ids[1]))
+    pool = EncodePool(encoder, {}, 1)
+    try:
+        refusal = pool.ready.result(timeout=120)
+        assert refusal == f"fastokens gives other ids than tokenizers for {cases.strings[5]!r}"
+        assert _settled(directory) == {"accepted": False, "refusal": refusal}
+        assert encoder.fast.refused == refusal
+        got = pool.submit(examples, 16).result()
+        assert (got.input_ids.tobytes(), got.loss_mask.tobytes()) == (want.input_ids.tobytes(),
+                                                                       want.loss_mask.tobytes())
+        assert got.rows_verified == 0  # HF encoded every row: nothing of fastokens' to check
+    finally:
+        pool.close()
+
+
 def _memory() -> tuple[int, int]:
     """In a pool process: its unique and resident bytes."""
     import psutil

@@ -29,13 +29,13 @@ class Counted:
 
     def __init__(self, directory, monkeypatch):
         self.directory, self.loads, self.checks = directory, 0, 0
-        check = encoders._fastokens_or_refusal
+        check = encoders._fastokens_candidate
 
-        def counted_check(backend, text):
+        def counted_check(backend, text, build=False):
             self.checks += 1
-            return check(backend, text)
+            return check(backend, text, build)
 
-        monkeypatch.setattr(encoders, "_fastokens_or_refusal", counted_check)
+        monkeypatch.setattr(encoders, "_fastokens_candidate", counted_check)
         monkeypatch.setattr(encoders, "_chosen", {})  # no choice remembered from other tests
 
     def __call__(self):
@@ -64,6 +64,10 @@ def test_a_prepared_tokenizer_skips_the_load_and_the_check_and_encodes_the_same_
     load = Counted(EXAMPLE_TOKENIZER, monkeypatch)
     first, first_fast = prepared_encoding(directory, load, requested)
     assert (load.loads, load.checks) == (1, requested != "hf")
+    # The fast encoder is checked where its tables are built (here, as it first encodes): the entry is written
+    # with the verdict.
+    assert (directory / "prepared.json").is_file() == (requested == "hf")
+    assert first_fast is None or first_fast.verdict() == ""
     assert (directory / "prepared.json").is_file() and (directory / "backend.json").is_file()
     encoders._chosen.clear()
     again, again_fast = prepared_encoding(directory, load, requested)
@@ -79,6 +83,7 @@ def test_a_templates_boundaries_kept_in_the_entry_spare_a_later_process_hfs_toke
     directory = entry(tmp_path, EXAMPLE_TOKENIZER)
     load = Counted(EXAMPLE_TOKENIZER, monkeypatch)
     first, first_fast = prepared_encoding(directory, load, "auto")
+    assert first_fast.verdict() == ""
     learned = ChatEncoder(first, fast=first_fast).template.learned_boundaries
     keep_boundaries(first, learned)
     assert learned and json.loads((directory / "boundaries.json").read_text()) == learned
@@ -95,7 +100,7 @@ def test_an_entry_made_for_hf_is_checked_when_the_fast_encoder_is_asked_for(tmp_
     load = Counted(EXAMPLE_TOKENIZER, monkeypatch)
     prepared_encoding(directory, load, "hf")
     _, fast = prepared_encoding(directory, load, "auto")
-    assert fast is not None and (load.loads, load.checks) == (2, 1)
+    assert fast is not None and (load.loads, load.checks) == (2, 1) and fast.verdict() == ""
     assert json.loads((directory / "prepared.json").read_text())["encoder"] == {"accepted": True, "nfc": fast.nfc}
 
 
@@ -110,6 +115,27 @@ def test_a_refusal_is_kept_and_said_again_without_checking(tmp_path, monkeypatch
         tokenizer, fast = prepared_encoding(directory, load, "auto")
     assert fast is None and (load.loads, load.checks) == (1, 1)
     assert "not fastokens: its pre-tokenizer (Metaspace) is not byte-level" in caplog.text
+
+
+def test_a_fast_encoder_wrong_on_purpose_is_refused_where_it_is_built_and_the_entry_keeps_it(tmp_path, monkeypatch):
+    """HF's answers altered for one check string stand in for a fastokens that gets it wrong: the process that
+    builds its tables refuses it as it first encodes, HF encodes every row, and no later process uses it."""
+    from dataclasses import replace
+
+    directory = entry(tmp_path, EXAMPLE_TOKENIZER)
+    load = Counted(EXAMPLE_TOKENIZER, monkeypatch)
+    tokenizer, fast = prepared_encoding(directory, load, "auto")
+    special = list(fast.cases.ids[1])
+    special[0] = [*special[0], 7]
+    fast.cases = replace(fast.cases, ids=(fast.cases.ids[0], tuple(special)))
+    rows = example_rows()[:40]
+    got = encoded(tokenizer, fast, rows)
+    assert fast.refused == "fastokens gives other ids than tokenizers for ''"  # HARD_STRINGS[0], with specials
+    assert got == encoded(tokenizer, None, rows)  # HF's bytes, nothing of fastokens' to check
+    assert json.loads((directory / "prepared.json").read_text())["encoder"] == {"accepted": False,
+                                                                                 "refusal": fast.refused}
+    encoders._chosen.clear()
+    assert prepared_encoding(directory, load, "auto")[1] is None and load.loads == 1
 
 
 def test_an_edited_tokenizer_file_or_a_library_version_names_another_entry(tmp_path, monkeypatch):
@@ -150,8 +176,8 @@ def test_a_template_override_applies_to_both_loads_and_the_entry_keeps_the_token
     own = (EXAMPLE_TOKENIZER / "chat_template.jinja").read_text()
     for _ in range(2):  # prepared, then read from the entry
         process_encoding.cache_clear()
-        tokenizer, _ = process_encoding(str(EXAMPLE_TOKENIZER), override, False, "auto", str(directory))
-        assert tokenizer.chat_template == override
+        tokenizer, fast = process_encoding(str(EXAMPLE_TOKENIZER), override, False, "auto", str(directory))
+        assert tokenizer.chat_template == override and fast.verdict() == ""  # checked: the entry is written
     assert isinstance(tokenizer, PartsTokenizer)
     assert json.loads((directory / "prepared.json").read_text())["chat_template"].strip() == own.strip()
 
