@@ -71,8 +71,8 @@ def prepare_encodings(made: list[tuple], pooled: list[tuple[Job, int]] = ()) -> 
         with suppress(Exception):  # a tokenizer gone or changed: the run prepares its own
             tokenizer, fast = process_encoding(*arguments)
             tokenizer.backend_tokenizer  # noqa: B018 - built here
-            if fast is not None and tuple(arguments) not in pooled_encodings:
-                fast.verdict()  # its tables built (and, for a tokenizer seen for the first time, checked)
+            if fast is not None and tuple(arguments) not in pooled_encodings and not fast.verdict():
+                fast.native  # noqa: B018 - built here (and checked first, for a tokenizer seen for the first time)
     for job, _ in pooled:
         with suppress(Exception):
             encoder_for(job)

@@ -199,7 +199,8 @@ def test_what_a_resident_prepares_is_the_last_runs_encoding_with_both_tokenizers
     arguments = (str(EXAMPLE_TOKENIZER), None, False, "auto", str(entry(tmp_path, EXAMPLE_TOKENIZER)))
     process_encoding.cache_clear()
     try:
-        process_encoding(*arguments)  # a run: it prepares the entry
+        _, fast = process_encoding(*arguments)  # a run: it prepares the entry, written once its encoder is checked
+        assert fast.verdict() == ""  # as the run's first encode checks it
         assert encodings_made(forget=True)[-1] == arguments and encodings_made() == []
         process_encoding.cache_clear()  # the resident process the run starts
         prepare_encodings([arguments])
