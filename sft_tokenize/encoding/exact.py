@@ -170,13 +170,13 @@ class FastEncoder:
 
     name = "fastokens"
 
-    def __init__(self, native, byte_lengths: np.ndarray, nfc: bool, source: str | None = None,
-                 cases: CheckCases | None = None):
-        """`source`: the tokenizer JSON `native` was built from, if it may be released (`release`). `cases`: HF's
-        answers it must give back before it encodes (a tokenizer seen for the first time): checked once its
-        tables are built, wherever they are built (`verdict`, or an encode pool's processes and `settle`)."""
+    def __init__(self, native, byte_lengths: np.ndarray, nfc: bool, cases: CheckCases | None = None):
+        """`native`: fastokens' tokenizer, or one not built yet (whose JSON lets `release` drop the tables).
+        `cases`: HF's answers it must give back before it encodes (a tokenizer seen for the first time): checked
+        once its tables are built, wherever they are built (`verdict`, or an encode pool's processes and
+        `settle`)."""
         self._native, self.byte_lengths, self.nfc = native, byte_lengths, nfc
-        self._source = native.tokenizer_json if isinstance(native, PendingNative) else source
+        self._source = native.tokenizer_json if isinstance(native, PendingNative) else None
         self.cases = cases  # None once checked
         self.refused = ""  # why the check refused it: it then places no row, and HF encodes them all
         self.on_verdict: Callable[[str], None] | None = None  # told the check's verdict (prepared.py keeps it)
