@@ -97,12 +97,14 @@ def _location(cache: str) -> Path | str:
     return cache if "://" in cache else Path(cache)
 
 
-def run_tokenize(settings: dict[str, Any], progress: Callable[[Any], Any] | None = None) -> Path | str:
+def run_tokenize(settings: dict[str, Any], progress: Callable[[Any], Any] | None = None,
+                 cli_process: bool = False) -> Path | str:
     """Build (or find) the cache that `settings` (the flow's TokenizeRun fields) describe; return its path.
 
     `progress`, if given, is a context manager factory whose value takes the flow's progress updates (the
-    CLI's bar). Raises BadInput for bad options or input, RunFailed when the flow fails, KeyboardInterrupt
-    (flows.interrupts.Terminated for SIGTERM) when the run is stopped.
+    CLI's bar). `cli_process`: this is the CLI's own process, which an embedded server may be forked from
+    (EmbeddedServer's `fork`). Raises BadInput for bad options or input, RunFailed when the flow fails,
+    KeyboardInterrupt (flows.interrupts.Terminated for SIGTERM) when the run is stopped.
     """
     from sft_tokenize.build.options import TokenizeOptions
     from sft_tokenize.build.plan import check_writable, plan_slices
@@ -121,7 +123,7 @@ def run_tokenize(settings: dict[str, Any], progress: Callable[[Any], Any] | None
         if EmbeddedServer.needed():
             if problem := prefect_home_problem():
                 raise BadInput(problem)
-            server = EmbeddedServer()
+            server = EmbeddedServer(fork=cli_process)
             server.start()
 
     # Checked before the flow starts: bad input fails at once, and a cache hit needs no flow. When there is
@@ -142,7 +144,7 @@ def run_tokenize(settings: dict[str, Any], progress: Callable[[Any], Any] | None
 
     options = _checked(TokenizeRun, settings)
     if server is None and EmbeddedServer.needed():  # --force of a published cache: the plan did no work
-        server = EmbeddedServer()
+        server = EmbeddedServer(fork=cli_process)
     if server is None:
         try:
             check_api_reachable(str(get_current_settings().api.url))
@@ -262,7 +264,8 @@ def tokenize(sources: str | os.PathLike | list[str | os.PathLike], *, tokenizer:
 
 
 def run_recipe(recipe_file: str | os.PathLike, run_settings: dict[str, Any] | None = None,
-               overrides: dict[str, Any] | None = None, progress: Callable[[Any], Any] | None = None) -> Path:
+               overrides: dict[str, Any] | None = None, progress: Callable[[Any], Any] | None = None,
+               cli_process: bool = False) -> Path:
     """Build every source's cache of a recipe (each an ordinary run, so a cached source costs a plan), then the
     mixture index over them; return the index's path.
 
@@ -275,7 +278,8 @@ def run_recipe(recipe_file: str | os.PathLike, run_settings: dict[str, Any] | No
     recipe = load_recipe(recipe_file, overrides)
     recipe.check_sources(os.fspath(recipe_file))
     runs = recipe.runs()
-    caches = [run_tokenize({**options.model_dump(), **(run_settings or {})}, progress) for options in runs]
+    caches = [run_tokenize({**options.model_dump(), **(run_settings or {})}, progress, cli_process)
+              for options in runs]
     return mix_caches(recipe.mixture_options([str(path) for path in caches])).path
 
 

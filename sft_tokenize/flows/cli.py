@@ -69,9 +69,9 @@ def run(args: argparse.Namespace) -> int:
     bar = lambda: ProgressBar(progress_console())  # noqa: E731
     if args.recipe:
         overrides = {key: settings[key] for key in ("tokenizer", "cache_dir") if settings[key]}
-        cache_path = run_recipe(args.recipe, run_settings(settings), overrides, progress=bar)
+        cache_path = run_recipe(args.recipe, run_settings(settings), overrides, progress=bar, cli_process=True)
     else:
-        cache_path = run_tokenize(settings, progress=bar)
+        cache_path = run_tokenize(settings, progress=bar, cli_process=True)
     print(cache_path)
     return EXIT_OK
 

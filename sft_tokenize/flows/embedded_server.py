@@ -8,8 +8,9 @@ busy machine then time out one after another.
 
 Instead, the CLI launches Prefect's own server app (`prefect.server.api.server:create_app` under uvicorn,
 ephemeral mode, no UI; `python -m sft_tokenize.flows.server_process` adds only the idle end) once per
-PREFECT_HOME and lets every run on that home use it. This module launches it, joins it, waits for it and
-leaves it; flows/server_state.py holds the files that record it and the runs using it (lock, state, lease).
+PREFECT_HOME and lets every run on that home use it. The CLI's process forks it rather than start a new
+interpreter, which would import Prefect again (flows/server_fork.py). This module launches it, joins it, waits for
+it and leaves it; flows/server_state.py holds the files that record it and the runs using it (lock, state, lease).
 
 A warm server: once its last run has left, the server stays up for an idle time (`run --server-idle SECONDS`,
 default 300, or SFT_TOKENIZE_SERVER_IDLE), so that run, inspect, edit, run pays the boot once; a run that joins
@@ -69,9 +70,12 @@ from prefect.settings import (
 from sft_tokenize.errors import Failed, first_line
 from sft_tokenize.files import is_locked, locked
 from sft_tokenize.flows.resident_processes import residents
+from sft_tokenize.flows.server_fork import ForkedServer, single_threaded
 from sft_tokenize.flows.server_state import (
     DEFAULT_SERVER_IDLE,
+    SERVER_APP,
     SERVER_IDLE_ENV,
+    SHUTDOWN_TIMEOUT,
     count_leases,
     is_running,
     recorded_server,
@@ -82,11 +86,9 @@ from sft_tokenize.flows.server_state import (
     write_state,
 )
 
-SERVER_APP = "prefect.server.api.server:create_app"
 # Prefect's default (20 s) is too short for a boot beside a training job, a pip install or other runs.
 STARTUP_TIMEOUT = 180.0
 API_CHECK_TIMEOUT = 10.0
-SHUTDOWN_TIMEOUT = 30.0  # a server that ends itself is killed by itself after this
 # Services that an ad-hoc run does not use. The first does run in an ephemeral server (0.2 s of its boot); the
 # perpetual ones do not (Prefect 3.9) and are disabled should a later Prefect run them there.
 SERVER_CUTS = {f"PREFECT_SERVER_SERVICES_{name}_ENABLED": "false" for name in (
@@ -185,22 +187,25 @@ def check_api_reachable(url: str, timeout: float = API_CHECK_TIMEOUT) -> None:
 class EmbeddedServer:
     """The shared Prefect API on 127.0.0.1 of every ad-hoc run on this PREFECT_HOME."""
 
-    def __init__(self, idle: float | None = None) -> None:
+    def __init__(self, idle: float | None = None, fork: bool = False) -> None:
         """`idle`: seconds the server stays up once this run leaves it last (default SFT_TOKENIZE_SERVER_IDLE, the
-        CLI's --server-idle, or 300)."""
+        CLI's --server-idle, or 300). `fork`: this process is the CLI's, small and ours, and a server it launches
+        may be forked from it while it runs one thread (not a caller's process: the server would keep a copy of
+        whatever it holds)."""
         if idle is None:
             try:
                 idle = float(os.environ.get(SERVER_IDLE_ENV) or DEFAULT_SERVER_IDLE)
             except ValueError:
                 idle = DEFAULT_SERVER_IDLE
         self.idle = idle
+        self.fork = fork
         home = get_current_settings().home
         self.home = Path(home)
         self.lock_path, self.state_path, self.lease_path = server_paths(home)
         self.log_path = Path(home) / "embedded-server.log"
         self.pid, self.started = 0, None
         self.url: str | None = None
-        self.process: subprocess.Popen | None = None  # set when this run launched the server
+        self.process: subprocess.Popen | ForkedServer | None = None  # set when this run launched the server
         self.answered = False  # this run has seen it answer
         self._lease: contextlib.ExitStack | None = None  # this run's shared flock on the lease file, while it uses
         self._settings = None
@@ -224,11 +229,13 @@ class EmbeddedServer:
         port = _free_port()
         env = {**SERVER_CUTS, **os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1",
                "PREFECT__SERVER_FINAL": "1", **get_current_settings().to_environment_variables(exclude_unset=True)}
+        command = [sys.executable, "-m", "sft_tokenize.flows.server_process", SERVER_APP, "--port", str(port)]
         with self._open_log(port) as log:  # the child keeps its own copy of the descriptor
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "sft_tokenize.flows.server_process", SERVER_APP, "--port", str(port)],
-                env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            )
+            if self.fork and single_threaded():
+                self.process = ForkedServer(command, env, log.fileno())
+            else:
+                self.process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                                stderr=subprocess.STDOUT, start_new_session=True)
         return {"pid": self.process.pid, "started": start_time(self.process.pid), "port": port,
                 "url": f"http://127.0.0.1:{port}/api"}
 

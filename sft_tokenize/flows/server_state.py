@@ -31,6 +31,8 @@ from sft_tokenize.files import atomic_write
 
 SERVER_IDLE_ENV = "SFT_TOKENIZE_SERVER_IDLE"  # the default of --server-idle (the test suite sets 0)
 DEFAULT_SERVER_IDLE = 300  # seconds a server stays up once its last run has left
+SERVER_APP = "prefect.server.api.server:create_app"  # what the server's process serves, under uvicorn
+SHUTDOWN_TIMEOUT = 30.0  # a server that ends itself is killed by itself after this
 
 
 def server_paths(home: Path) -> tuple[Path, Path, Path]:
