@@ -176,6 +176,7 @@ class FastEncoder:
         once its tables are built, wherever they are built (`verdict`, or an encode pool's processes and
         `settle`)."""
         self._native, self.byte_lengths, self.nfc = native, byte_lengths, nfc
+        self._lengths = np.append(byte_lengths, -1)  # the last for every id past the table
         self._source = native.tokenizer_json if isinstance(native, PendingNative) else None
         self.cases = cases  # None once checked
         self.refused = ""  # why the check refused it: it then places no row, and HF encodes them all
@@ -247,34 +248,47 @@ class FastEncoder:
         flat, bounds = native.encode_batch_flat(texts, add_special_tokens=add_special_tokens)
         ids = np.frombuffer(flat, dtype=np.uint32)
         bounds = np.frombuffer(bounds, dtype=np.uint64).astype(np.int64)
-        known = ids < len(self.byte_lengths)
-        lengths = np.where(known, self.byte_lengths[np.where(known, ids, 0)], -1)
+        lengths = self._lengths[np.minimum(ids, len(self._lengths) - 1)]  # an id past the table: -1, unknown
         counts = np.diff(bounds)
-        ascii_ = all(map(str.isascii, texts))  # O(1) a text in CPython (no copy of the batch); the usual case
+        ascii_ = all(map(str.isascii, texts))  # O(1) a text in CPython (no copy of the batch)
         chars = np.fromiter(map(len, texts), dtype=np.int64, count=len(texts))
-        row_bytes = chars if ascii_ else np.fromiter((len(t.encode("utf-8")) for t in texts), dtype=np.int64,
-                                                     count=len(texts))
-        covered = np.concatenate([[0], np.cumsum(lengths)])
-        unknown = np.concatenate([[0], np.cumsum(lengths <= 0)])
+        encoded = None if ascii_ else [t.encode("utf-8") for t in texts]
+        row_bytes = chars if ascii_ else np.fromiter(map(len, encoded), dtype=np.int64, count=len(texts))
+        covered = _running(lengths)
         placed = covered[bounds[1:]] - covered[bounds[:-1]] == row_bytes  # the tokens cover the text byte for byte
-        placed &= unknown[bounds[1:]] == unknown[bounds[:-1]]
+        if (unknown := lengths <= 0).any():  # and none of them is of unknown length
+            unknown_before = _running(unknown)
+            placed &= unknown_before[bounds[1:]] == unknown_before[bounds[:-1]]
         if self.nfc and not ascii_:  # the tokens cover the normalized text, not this one
             placed &= np.fromiter((unicodedata.is_normalized("NFC", t) for t in texts), dtype=bool, count=len(texts))
         row_of = np.repeat(np.arange(len(texts)), counts)
         byte_starts = covered[:-1] - covered[bounds[:-1]][row_of]  # each token's first byte in its row
+        token_placed = np.repeat(placed, counts)
         if ascii_:
             starts, ends = byte_starts, byte_starts + lengths
-        else:  # characters of each byte, over the batch's texts end to end
-            data = np.frombuffer("".join(texts).encode("utf-8"), dtype=np.uint8)
-            char_of_byte = np.cumsum((data & 0xC0) != 0x80, dtype=np.int64) - 1
-            row_byte = np.concatenate([[0], np.cumsum(row_bytes)])[:-1][row_of]
-            row_char = np.concatenate([[0], np.cumsum(chars)])[:-1][row_of]
-            ok = np.repeat(placed, counts)  # an unplaced row's tokens may point past its text
-            first = np.where(ok, byte_starts + row_byte, 0)
-            last = np.where(ok, byte_starts + lengths - 1 + row_byte, 0)
-            starts, ends = char_of_byte[first] - row_char, char_of_byte[last] + 1 - row_char
-        starts[~np.repeat(placed, counts)] = 0  # unplaced rows' tokens: never read
+        else:  # a token's characters are its bytes less its UTF-8 continuation bytes (0x80-0xBF), which are few
+            data = np.frombuffer(b"".join(encoded), dtype=np.int8)  # the batch's texts end to end
+            continuation = np.flatnonzero(data < -64)
+            row_start = _running(row_bytes)
+            continuation = continuation[placed[np.searchsorted(row_start, continuation, side="right") - 1]]
+            first = np.where(token_placed, byte_starts, 0) + row_start[:-1][row_of]  # in the batch: sorted
+            token = np.searchsorted(first, continuation, side="right") - 1  # the token each byte is in
+            characters = _running(lengths - np.bincount(token, minlength=len(ids)))
+            row_characters = characters[bounds[:-1]][row_of]
+            ends = characters[1:] - row_characters
+            starts = np.subtract(characters[:-1], row_characters, out=row_characters)
+            # A token that starts inside a character (byte-level BPE splits some) starts at that character.
+            starts[token[first[token] == continuation]] -= 1
+        starts[~token_placed] = 0  # unplaced rows' tokens: never read
         return FlatPlacement(ids.astype(np.int32), bounds, starts, ends, placed)
+
+
+def _running(values: np.ndarray) -> np.ndarray:
+    """0, then the running total after each value (int64): without a concatenated copy."""
+    totals = np.empty(len(values) + 1, dtype=np.int64)
+    totals[0] = 0
+    np.cumsum(values, out=totals[1:])
+    return totals
 
 
 @dataclass(frozen=True)
