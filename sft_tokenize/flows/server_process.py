@@ -1,8 +1,8 @@
 """The embedded Prefect server's own process (`python -m sft_tokenize.flows.server_process`, launched by
 flows/embedded_server.py, or the CLI's process forked to be it, flows/server_fork.py): Prefect's app under uvicorn
 (behind busy_retry.py), a thread that ends it once no run has held a lease for its idle time, and the record that
-lets a boot on a known database skip its migrations and block checks
-(see server_state.py's docstring for the protocol, docs/performance.md for the figures).
+lets a boot on a known database skip its migrations and block checks (see server_state.py's docstring for the
+protocol, docs/performance.md for the figures).
 
 A new PREFECT_HOME's database is never migrated on the clock if it can be helped. Creating and migrating Prefect's
 SQLite database (about a hundred Alembic migrations) and registering its block types took ~11 s on two busy cores

@@ -210,14 +210,14 @@ def test_a_warm_server_serves_the_next_run_until_server_stop_stops_it(tmp_path, 
     pid = state["pid"]
     try:
         assert running(pid) and state["idle"] == 120
-        # The CLI forked it (server_process.serve_forked): its environment is the one the run's process began with,
+        # The CLI forked it (server_fork.serve_forked): its environment is the one the run's process began with,
         # not the server's own, yet its command line is the server's and it holds none of the run's files.
         server = psutil.Process(pid)
         assert "PREFECT__SERVER_FINAL" not in server.environ()
         assert f"-m sft_tokenize.flows.server_process prefect.server.api.server:create_app --port {state['port']}" in \
             " ".join(server.cmdline())
         assert {Path(file.path).name for file in server.open_files()}.isdisjoint({
-            "sft-tokenize-server.lock", "sft-tokenize-server.lease", "chat.jsonl", *os.listdir(EXAMPLE_DATA)})
+            "sft-tokenize-server.lock", "sft-tokenize-server.lease", *os.listdir(EXAMPLE_DATA)})
         facts = server_facts(prefect_home)
         assert (facts["embedded server"], facts["pid"], facts["url"], facts["runs using it"]) == \
             ("running", str(pid), state["url"], "0")
