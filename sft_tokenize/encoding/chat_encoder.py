@@ -16,7 +16,14 @@ import numpy as np
 from sft_tokenize.chat.skeleton import SkeletonMismatch
 from sft_tokenize.chat.template import ChatTemplate, special_pattern
 from sft_tokenize.chat.turns import Rendered, TurnFinder
-from sft_tokenize.encoding.exact import VERIFY_ROWS, EncoderMismatch, FastEncoder, FlatPlacement, IdsEncoding
+from sft_tokenize.encoding.exact import (
+    VERIFY_ROWS,
+    EncoderMismatch,
+    FastEncoder,
+    FlatPlacement,
+    IdsEncoding,
+    running_totals,
+)
 from sft_tokenize.encoding.image_runs import ImageRuns
 from sft_tokenize.encoding.vision import VisionFamily
 from sft_tokenize.errors import BadInput, BadRow
@@ -74,7 +81,7 @@ def _kept(placement: FlatPlacement) -> FlatPlacement:
     """The placed rows of a placement only."""
     counts = np.diff(placement.bounds)
     tokens = np.repeat(placement.placed, counts)
-    bounds = np.concatenate([[0], np.cumsum(counts[placement.placed])])
+    bounds = running_totals(counts[placement.placed])
     return FlatPlacement(placement.ids[tokens], bounds, placement.starts[tokens], placement.ends[tokens],
                          np.ones(int(placement.placed.sum()), dtype=bool))
 
@@ -288,7 +295,7 @@ class ChatEncoder:
         """The loss mask of the flat placement's rows: each trained character span becomes the tokens from the
         first starting at or after its start to the first starting at or after its end, for all rows at once."""
         texts = np.fromiter((len(rows[k][1].text) for k in chosen), dtype=np.int64, count=len(chosen))
-        base = np.concatenate([[0], np.cumsum(texts)])  # each row's first character, rows end to end
+        base = running_totals(texts)  # each row's first character, rows end to end
         counts = np.diff(placed.bounds)
         starts = placed.starts + np.repeat(base[:-1], counts)  # ascending across the batch
         row_of, edges = [], []
@@ -338,7 +345,7 @@ class ChatEncoder:
         """Truncate or drop rows over max_length, drop rows left with no trained token."""
         lengths = np.diff(starts)
         keep = lengths if self.max_length is None else np.minimum(lengths, self.max_length)
-        trained_before = np.concatenate([[0], np.cumsum(loss_mask, dtype=np.int64)])
+        trained_before = running_totals(loss_mask)
         trained = trained_before[starts[:-1] + keep] - trained_before[starts[:-1]]
         kept_offsets = [0]
         selection = np.zeros(len(input_ids), dtype=bool)

@@ -254,10 +254,10 @@ class FastEncoder:
         chars = np.fromiter(map(len, texts), dtype=np.int64, count=len(texts))
         encoded = None if ascii_ else [t.encode("utf-8") for t in texts]
         row_bytes = chars if ascii_ else np.fromiter(map(len, encoded), dtype=np.int64, count=len(texts))
-        covered = _running(lengths)
+        covered = running_totals(lengths)
         placed = covered[bounds[1:]] - covered[bounds[:-1]] == row_bytes  # the tokens cover the text byte for byte
         if (unknown := lengths <= 0).any():  # and none of them is of unknown length
-            unknown_before = _running(unknown)
+            unknown_before = running_totals(unknown)
             placed &= unknown_before[bounds[1:]] == unknown_before[bounds[:-1]]
         if self.nfc and not ascii_:  # the tokens cover the normalized text, not this one
             placed &= np.fromiter((unicodedata.is_normalized("NFC", t) for t in texts), dtype=bool, count=len(texts))
@@ -269,11 +269,11 @@ class FastEncoder:
         else:  # a token's characters are its bytes less its UTF-8 continuation bytes (0x80-0xBF), which are few
             data = np.frombuffer(b"".join(encoded), dtype=np.int8)  # the batch's texts end to end
             continuation = np.flatnonzero(data < -64)
-            row_start = _running(row_bytes)
+            row_start = running_totals(row_bytes)
             continuation = continuation[placed[np.searchsorted(row_start, continuation, side="right") - 1]]
             first = np.where(token_placed, byte_starts, 0) + row_start[:-1][row_of]  # in the batch: sorted
             token = np.searchsorted(first, continuation, side="right") - 1  # the token each byte is in
-            characters = _running(lengths - np.bincount(token, minlength=len(ids)))
+            characters = running_totals(lengths - np.bincount(token, minlength=len(ids)))
             row_characters = characters[bounds[:-1]][row_of]
             ends = characters[1:] - row_characters
             starts = np.subtract(characters[:-1], row_characters, out=row_characters)
@@ -283,7 +283,7 @@ class FastEncoder:
         return FlatPlacement(ids.astype(np.int32), bounds, starts, ends, placed)
 
 
-def _running(values: np.ndarray) -> np.ndarray:
+def running_totals(values: np.ndarray) -> np.ndarray:
     """0, then the running total after each value (int64): without a concatenated copy."""
     totals = np.empty(len(values) + 1, dtype=np.int64)
     totals[0] = 0
