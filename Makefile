@@ -4,6 +4,10 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 EXAMPLE_CACHE ?= .cache/example
+# setuptools ends every editable install with a notice that a folder named like the package in the working directory
+# would shadow it. Here that folder is the package itself (the top flows/ and tasks/ hold only entrypoints), so the
+# notice is silenced, for pip's build backend only and by its message.
+EDITABLE := PYTHONWARNINGS='ignore:Editable installation' $(BIN)/pip install -q -e
 
 .PHONY: example test test-fast lint docs cli-docs
 
@@ -13,7 +17,7 @@ $(BIN)/python:
 
 # Install, then tokenize the bundled example on Prefect's embedded server; prints the cache path last.
 example: $(BIN)/python
-	$(BIN)/pip install -q -e .
+	$(EDITABLE) .
 	$(BIN)/sft-tokenize run examples/data --tokenizer examples/tokenizer --cache-dir $(EXAMPLE_CACHE)
 
 # Install with the dev, trainers and fast extras, then run the whole suite on three workers (docs/architecture.md,
@@ -28,7 +32,7 @@ TORCH_INDEX ?=
 AXOLOTL ?= axolotl==0.19.0
 test: $(BIN)/python
 	$(BIN)/pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) '$(TORCH)'
-	$(BIN)/pip install -q -e '.[dev,trainers,fast]'
+	$(EDITABLE) '.[dev,trainers,fast]'
 	$(BIN)/pip install -q --no-deps '$(AXOLOTL)'
 	$(BIN)/ruff check .
 	$(MAKE) docs
@@ -38,7 +42,7 @@ test: $(BIN)/python
 # trainers, nothing slow (under 2 minutes on 2 cores). A test's lane comes from the fixtures it uses
 # (tests/support/lanes.py). `make test` still runs everything.
 test-fast: $(BIN)/python
-	$(BIN)/pip install -q -e '.[dev,fast]'
+	$(EDITABLE) '.[dev,fast]'
 	$(BIN)/python -m pytest --fast
 
 lint: $(BIN)/python

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -21,12 +22,12 @@ import pytest
 from support import faults, lanes
 from support.caches import EXAMPLE_SLICES
 from support.families import (
-    TEMPLATES,
     build_family_tokenizer,
     build_large_vocab_tokenizer,
     build_metaspace_tokenizer,
     build_modern_tokenizer,
 )
+from support.reference_templates import HOW_TO_GET, SKIP_PREFIX
 from support.remote_caches import RemoteCache, publish_remote
 from support.runs import Background
 from support.servers import prefect_server
@@ -73,6 +74,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group(groups[item.nodeid.split("::")[0]]))
         rank = lanes.distribution_order(items, groups)
         items.sort(key=lambda item: rank[groups[item.nodeid.split("::")[0]]])
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    """One line for the tests skipped for want of a reference chat template, naming the templates and how to get
+    them (support/reference_templates.py)."""
+    skipped: Counter[str] = Counter()
+    for report in terminalreporter.stats.get("skipped", []):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        if SKIP_PREFIX in reason:
+            skipped[reason.split(SKIP_PREFIX, 1)[1].split(":", 1)[0].strip()] += 1
+    if skipped:
+        terminalreporter.write_line(
+            f"{sum(skipped.values())} tests skipped for want of {len(skipped)} reference chat templates "
+            f"({', '.join(sorted(skipped))}): {HOW_TO_GET}", yellow=True, bold=True)
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -196,8 +211,6 @@ def vision_family(request, tmp_path_factory):
 @pytest.fixture(scope="session")
 def family_tokenizer(tmp_path_factory):
     """family name → directory of a tokenizer with that family's template (built once per session)."""
-    if not TEMPLATES.is_dir():
-        pytest.fail(f"chat templates not found at {TEMPLATES} (set SFT_CHAT_TEMPLATES)")
     return _built_once(tmp_path_factory, build_family_tokenizer)
 
 
@@ -223,8 +236,6 @@ def prefect_harness(tmp_path_factory):
 @pytest.fixture(scope="session")
 def modern_tokenizer(tmp_path_factory):
     """family name → directory of a tokenizer with that family's current template (built once per session)."""
-    if not (TEMPLATES / "modern").is_dir():
-        pytest.fail(f"chat templates not found at {TEMPLATES / 'modern'} (set SFT_CHAT_TEMPLATES)")
     return _built_once(tmp_path_factory, build_modern_tokenizer)
 
 

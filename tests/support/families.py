@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from support.paths import EXAMPLE_DATA, EXAMPLE_TOKENIZER, TEMPLATES
+from support.paths import EXAMPLE_DATA, EXAMPLE_TOKENIZER
+from support.reference_templates import template as reference_template
 
 # For each template family: its special tokens and the tokens its template reads.
 FAMILIES: dict[str, dict] = {
@@ -28,7 +29,7 @@ FAMILIES: dict[str, dict] = {
 def read_template(family: str) -> str:
     """A template as its source repository says to load it: the indentation and line breaks that lay it
     out for reading are removed (its string literals spell newlines as \\n, so they are kept)."""
-    return (TEMPLATES / f"{family}.jinja").read_text().replace("    ", "").replace("\n", "")
+    return reference_template(family).replace("    ", "").replace("\n", "")
 
 
 def build_family_tokenizer(family: str, out_dir: Path) -> Path:
@@ -46,7 +47,7 @@ def build_family_tokenizer(family: str, out_dir: Path) -> Path:
     return out_dir
 
 
-# -- current templates (shared/chat_templates/modern/, byte for byte as published) --------------------------
+# -- current templates (modern/ in support/reference_templates.json, byte for byte as published) -------------------
 # For each: its special tokens, its ordinary added tokens, BOS/EOS (SOURCES.md beside the templates), and the
 # tokens that end an assistant turn, which the tests' own definition of a trained turn uses.
 _QWEN = {"special": ["<|im_start|>", "<|im_end|>", "<|endoftext|>"],
@@ -117,14 +118,14 @@ def build_modern_tokenizer(family: str, out_dir: Path, template: str | None = No
     for key in ("bos_token", "eos_token"):
         if key in spec:
             setattr(tokenizer, key, spec[key])
-    tokenizer.chat_template = template or (TEMPLATES / "modern" / f"{family}.jinja").read_text()
+    tokenizer.chat_template = template or reference_template(f"modern/{family}")
     tokenizer.save_pretrained(str(out_dir))
     return out_dir
 
 
 def qwen3_with_generation_blocks() -> str:
     """Qwen3's template with each assistant turn's own output inside {% generation %} (its header outside)."""
-    source = (TEMPLATES / "modern" / "qwen3.jinja").read_text()
+    source = reference_template("modern/qwen3")
     branch = "{%- if loop.index0 > ns.last_query_index %}"
     turn_end = "        {{- '<|im_end|>\\n' }}\n    {%- elif message.role == \"tool\" %}"
     assert source.count(branch) == 1 and source.count(turn_end) == 1

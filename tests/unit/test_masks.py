@@ -149,9 +149,9 @@ def test_random_conversations_keep_the_invariants(tokenizers, family):
 def test_generation_prompt_that_differs_from_the_history(family_tokenizer, tmp_path):
     """The ChatML file as laid out for reading: its generation prompt ends in an extra newline that the
     history does not have. The trained text starts where the turn leaves the prompt (their common prefix)."""
-    from support.paths import TEMPLATES
+    from support.reference_templates import template
 
-    tokenizer = load_tokenizer(family_tokenizer("chatml"), chat_template=(TEMPLATES / "chatml.jinja").read_text())
+    tokenizer = load_tokenizer(family_tokenizer("chatml"), chat_template=template("chatml"))
     prompt = tokenizer.apply_chat_template(CONVERSATIONS[0][:1], tokenize=False, add_generation_prompt=True)
     turn = tokenizer.apply_chat_template(CONVERSATIONS[0], tokenize=False)
     assert not turn.startswith(prompt)

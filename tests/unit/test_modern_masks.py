@@ -1,4 +1,4 @@
-"""Masks on current chat templates (shared/chat_templates/modern/): reasoning, tool calls, history rewriting.
+"""Masks on current chat templates (the modern/ reference templates): reasoning, tool calls, history rewriting.
 
 Every template gets the same conversations as data arrives in JSONL (through `to_example`): a system
 message with three assistant turns, reasoning in a field and inline, tool calls with object and string

@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from support.paths import BIN, EXAMPLE_DATA, EXAMPLE_TOKENIZER, ROOT, TEMPLATES
+from support.paths import BIN, EXAMPLE_DATA, EXAMPLE_TOKENIZER, ROOT
+from support.reference_templates import template
 
 BENCH = ROOT / "benchmarks"
 TINY = ["--scale", "0.002", "--tokenizer", "example"]  # 22 long or 64 short conversations a unit
@@ -115,11 +116,12 @@ def test_object_storage_compares_a_bucket_with_a_local_root(bench):
     assert report["bucket_vs_local"] > 0 and "Target:" in (out / "object_storage.md").read_text()
 
 
-@pytest.mark.skipif(not (TEMPLATES / "modern" / "qwen3.jinja").is_file(), reason="no reference templates")
 def test_templates_compares_qwen3_with_chatml(bench):
+    qwen3 = bench["root"] / "qwen3.jinja"
+    qwen3.write_text(template("modern/qwen3"), encoding="utf-8")
     out = bench["root"] / "templates"
     script(bench, "templates.py", *TINY, "--repeats", "1", "--out", str(out), "--work", str(bench["work"]),
-           "--template", str(TEMPLATES / "modern" / "qwen3.jinja"), SFT_TOKENIZE_SERVER_IDLE="60")
+           "--template", str(qwen3), SFT_TOKENIZE_SERVER_IDLE="60")
     report = json.loads((out / "templates.json").read_text())
     committed(report["machine"]["git"])
     assert set(report["runs"]) == {"chatml", "qwen3"} and report["throughput_ratio"] > 0

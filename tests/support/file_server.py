@@ -1,0 +1,45 @@
+"""A real HTTP server on 127.0.0.1, in a thread of the test process, that serves fixed files by path and counts the
+requests it gets: a stand-in for the Hugging Face hub (`HF_ENDPOINT`) or any other plain file host."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+@dataclass
+class FileServer:
+    endpoint: str
+    files: dict[str, bytes]  # URL path ("/owner/repo/resolve/rev/file") → body
+    requests: Counter = field(default_factory=Counter)  # URL path → GETs
+
+
+@contextmanager
+def file_server(files: dict[str, bytes]) -> Iterator[FileServer]:
+    served: FileServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            served.requests[self.path] += 1
+            body = served.files.get(self.path)
+            self.send_response(200 if body is not None else 404)
+            self.send_header("Content-Length", str(len(body or b"")))
+            self.end_headers()
+            self.wfile.write(body or b"")
+
+        def log_message(self, *args) -> None:  # quiet: pytest shows what a test asserts
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    served = FileServer(f"http://127.0.0.1:{server.server_address[1]}", files)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield served
+    finally:
+        server.shutdown()
+        server.server_close()
