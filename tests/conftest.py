@@ -27,11 +27,14 @@ from support.families import (
     build_metaspace_tokenizer,
     build_modern_tokenizer,
 )
-from support.reference_templates import HOW_TO_GET, SKIP_PREFIX
+from support.reference_templates import HOW_TO_GET, SKIP_PREFIX, USERS_OFFLINE
 from support.remote_caches import RemoteCache, publish_remote
 from support.runs import Background
 from support.servers import prefect_server
 
+# The project's own hub access is offline in every test and every process a test starts; whether the reference
+# templates may be downloaded is the user's HF_HUB_OFFLINE, kept first (workers inherit both).
+os.environ.setdefault(USERS_OFFLINE, os.environ.get("HF_HUB_OFFLINE", ""))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # The CLI's runs stop their embedded server as they leave (`--server-idle 0`): none outlives its test, nor the suite.

@@ -32,6 +32,9 @@ GITHUB_RAW = "https://raw.githubusercontent.com"
 TIMEOUT_S = 10.0
 # The words every skip for a missing template starts with: the session's summary (tests/conftest.py) counts them.
 SKIP_PREFIX = "reference template unavailable:"
+# The user's HF_HUB_OFFLINE as the suite was started with it (tests/conftest.py keeps it here before it makes the
+# project's own hub access offline for every test).
+USERS_OFFLINE = "SFT_TESTS_USERS_HF_HUB_OFFLINE"
 HOW_TO_GET = ("set SFT_CHAT_TEMPLATES to a folder of them, install the `trainers` extra (trl ships ten), or allow "
               "downloads from the Hugging Face hub (HF_ENDPOINT) and GitHub; README, Quickstart")
 
@@ -61,7 +64,7 @@ class Resolver:
     @classmethod
     def from_environment(cls) -> Resolver:
         folders = [Path(os.environ["SFT_CHAT_TEMPLATES"])] if os.environ.get("SFT_CHAT_TEMPLATES") else []
-        offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
+        offline = os.environ.get(USERS_OFFLINE, os.environ.get("HF_HUB_OFFLINE", "")).lower() in ("1", "true", "yes")
         return cls(folders=[*folders, ROOT.parent / "shared" / "chat_templates"], downloads=not offline,
                    hub=os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/"),
                    github=os.environ.get("SFT_GITHUB_RAW", GITHUB_RAW).rstrip("/"))
@@ -103,7 +106,9 @@ class Resolver:
         if self.packages and (package := entry.get("package")):
             sources.append((f"package {package['name']}", lambda: _packaged(package["name"], package["path"])))
         sources.append((str(self.cache / f"{name}.jinja"), _file(self.cache / f"{name}.jinja")))
-        if self.downloads and (download := entry.get("download")):
+        if (download := entry.get("download")) and not self.downloads:
+            sources.append(("download", _off))
+        elif download:
             url = (f"{self.hub}/{download['hub']}/resolve/{download['revision']}/{download['path']}"
                    if "hub" in download else
                    f"{self.github}/{download['github']}/{download['revision']}/{download['path']}")
@@ -130,6 +135,10 @@ class Resolver:
         partial = path.with_name(f".{path.name}.{os.getpid()}")
         partial.write_bytes(data)
         partial.replace(path)
+
+
+def _off() -> bytes:
+    raise OSError("off (HF_HUB_OFFLINE=1)")
 
 
 def _file(path: Path) -> Callable[[], bytes | None]:

@@ -15,7 +15,15 @@ from pathlib import Path
 import pytest
 from support.file_server import file_server
 from support.paths import ROOT
-from support.reference_templates import SKIP_PREFIX, Resolver, Unavailable, manifest, mirror, resolver
+from support.reference_templates import (
+    SKIP_PREFIX,
+    USERS_OFFLINE,
+    Resolver,
+    Unavailable,
+    manifest,
+    mirror,
+    resolver,
+)
 
 ENTRIES = manifest()
 
@@ -50,13 +58,19 @@ def test_a_folder_gives_the_template_and_one_changed_byte_is_refused(tmp_path):
         refused.template("demo/t")
 
 
-def test_the_folders_come_first_then_shared_beside_the_clone(monkeypatch, tmp_path):
+def test_the_folders_come_first_then_shared_beside_the_clone_and_the_users_offline_word_holds(monkeypatch, tmp_path):
     monkeypatch.setenv("SFT_CHAT_TEMPLATES", str(tmp_path))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9/")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # as tests/conftest.py sets it for the project's code
+    monkeypatch.setenv(USERS_OFFLINE, "")  # the user's own: downloads allowed
     made = Resolver.from_environment()
     assert made.folders == [tmp_path, ROOT.parent / "shared" / "chat_templates"]
-    assert not made.downloads and made.hub == "http://127.0.0.1:9"
+    assert made.downloads and made.hub == "http://127.0.0.1:9"
+    monkeypatch.setenv(USERS_OFFLINE, "1")
+    offline = Resolver.from_environment()
+    offline.entries = {"demo/t": _pinned(tmp_path)[0]["demo/t"]}
+    with pytest.raises(Unavailable, match=r"download: off \(HF_HUB_OFFLINE=1\)"):
+        offline.template("demo/t")
 
 
 def test_an_installed_package_gives_the_template(tmp_path, monkeypatch):
@@ -129,6 +143,7 @@ def test_a_clone_without_shared_collects_every_test_and_skips_with_one_summary_l
             shutil.copy2(ROOT / name, clone / name)
     env = {key: value for key, value in os.environ.items() if key not in ("SFT_CHAT_TEMPLATES", "PYTEST_XDIST_WORKER")}
     env.update(HF_HUB_OFFLINE="1", PYTHONPATH="")
+    env.pop(USERS_OFFLINE, None)
 
     def pytest_in_clone(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args],
