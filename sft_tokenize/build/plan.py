@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -204,6 +205,7 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable
         prepared=str(prepared_dir(tokenizer_files, options.trust_remote_code)),
         processor_config=json.dumps(processor_config, sort_keys=True) if processor_config else "",
         remote_root=remote or "",
+        run=uuid.uuid4().hex,
     )
     mark("planned")
     if remote:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import bisect
 import threading
 from collections.abc import Callable, Iterable, Mapping, MappingView, Set
+from datetime import datetime
 from typing import Any
 
 from sft_tokenize.chat.markers import MARKS, holds_marks
@@ -47,6 +48,18 @@ def _diverge(*_: Any, **__: Any):
 POISON = ("poison",)  # a trace entry: the render read a field in a way another row's fields cannot replay
 
 
+_PLAIN_ARGUMENTS = (str, int, bool, type(None))  # the argument types a replay compares exactly (no subclass)
+
+
+def replayable(value: Any) -> bool:
+    """Whether an argument of a recorded fact or step means on another row what it meant here: a str, int, bool or
+    None of exactly that type (a `Markup` or a float is not), or a tuple of them."""
+    kind = type(value)
+    if kind is tuple:
+        return all(type(item) in _PLAIN_ARGUMENTS for item in value)
+    return kind in _PLAIN_ARGUMENTS
+
+
 def _observe(twin: Twin, op: str, args: tuple, result: Any) -> Any:
     """Record, in a traced render, that the template learned `result` from `op(twin's value, *args)`."""
     trace = getattr(_state, "trace", None)
@@ -58,6 +71,9 @@ def _observe(twin: Twin, op: str, args: tuple, result: Any) -> Any:
                     trace.append(POISON)
                     return result
                 arg = (FIELD_REF, arg.origin)
+            elif not replayable(arg):
+                trace.append(POISON)
+                return result
             refs.append(arg)
         trace.append(POISON if twin.origin is None else (twin.origin, op, tuple(refs), result))
     return result
@@ -67,6 +83,38 @@ def _poison() -> None:
     trace = getattr(_state, "trace", None)
     if trace is not None:
         trace.append(POISON)
+
+
+poison = _poison  # a read the trace cannot replay (the environment's, e.g. a field used as a key)
+
+# What `strftime_now` reads: the time now. Replaceable (tests set a clock that crosses midnight).
+clock: Callable[[], datetime] = datetime.now
+
+
+def strftime_now(format: Any) -> str:
+    """transformers' `strftime_now` global, reading `clock`. In a traced render, the text it gave is a fact (a
+    skeleton holds it as constant text, so a later row whose clock gives other text is rendered in full)."""
+    if type(format) is Twin:
+        _poison()
+        format = format.plain
+    text = clock().strftime(format)
+    trace = getattr(_state, "trace", None)
+    if trace is not None:
+        trace.append((None, "strftime_now", (format,), text) if type(format) is str else POISON)
+    return text
+
+
+def outside(function: Callable) -> Callable:
+    """A global or filter whose result depends on something outside the row (randomness): calling it in a traced
+    render poisons the trace."""
+    def called(*args, **kwargs):
+        _poison()
+        return function(*args, **kwargs)
+
+    for attribute in ("jinja_pass_arg",):
+        if hasattr(function, attribute):
+            setattr(called, attribute, getattr(function, attribute))
+    return called
 
 
 FIELD_REF = object()  # tags a traced argument that is another field's value: (FIELD_REF, origin)
@@ -88,7 +136,11 @@ def _derived(marked: str, plain: str, origin: tuple | None = None) -> str | Twin
 
 
 def _then(twin: Twin, *step: Any) -> tuple | None:
-    """The origin of a value made from `twin` by one more operation."""
+    """The origin of a value made from `twin` by one more operation (None, and the trace poisoned, where the
+    operation's arguments would not replay)."""
+    if not all(replayable(arg) for arg in step[1:]):
+        _poison()
+        return None
     return None if twin.origin is None else (twin.origin[0], (*twin.origin[1], step))
 
 
@@ -153,13 +205,19 @@ class Twin:
     def __add__(self, other: Any) -> Twin:
         if type(other) is Twin:
             return Twin(self.marked + other.marked)
-        if isinstance(other, str):
+        if type(other) is str:
             return Twin(self.marked + _unmarked(other), None, _then(self, "add", other))
+        if isinstance(other, str):  # a Markup: escapes the field's text, which no slot of a skeleton does
+            _poison()
+            return _derived(self.marked + _unmarked(other), self.plain + other)
         return NotImplemented
 
     def __radd__(self, other: Any) -> Twin:
-        if isinstance(other, str):
+        if type(other) is str:
             return Twin(_unmarked(other) + self.marked, None, _then(self, "radd", other))
+        if isinstance(other, str):
+            _poison()
+            return _derived(_unmarked(other) + self.marked, other + self.plain)
         return NotImplemented
 
     def strip(self, chars: str | None = None) -> Twin:

@@ -21,6 +21,8 @@ rendered in full and must agree, or the run stops (`SkeletonMismatch`).
 
 from __future__ import annotations
 
+import os
+import random
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,6 +32,7 @@ from typing import Any
 
 import orjson
 
+from sft_tokenize.chat import pairs
 from sft_tokenize.chat.markers import MARK_BASE, MARK_LIMIT, MARK_SPLIT, NO_REASONING_KEYS, holds_marks
 from sft_tokenize.chat.pairs import FIELD_REF, POISON, trimmed
 from sft_tokenize.sources.conversations import REASONING_FIELDS
@@ -72,21 +75,53 @@ class Shape:
     cores: list[str]  # each value without its surrounding whitespace: what its slot holds
 
 
-def _frozen(value: Any) -> Any:
-    """A value that is not a field, as a key part; raises _Miss for one that could hold marker characters."""
+_SCALARS = (type(None), bool, int)
+
+
+def _exact(value: Any, depth: int = 32) -> Any:
+    """A value as a key part that tells apart every value a template can: types exactly (1, 1.0 and true), floats
+    by their repr (NaN, -0.0, inf), mappings with their keys in order; raises _Miss for a type it does not know
+    or text that could hold marker characters."""
     kind = type(value)
     if kind is str:
         if holds_marks(value):
             raise _Miss
         return value
-    if value is None or kind is bool or kind is int or kind is float:
+    if kind in _SCALARS:
         return (kind, value)
+    if kind is float:
+        return (float, repr(value))
+    if not depth:
+        raise _Miss
+    if kind is dict:
+        return (dict, tuple((_exact(k, depth - 1), _exact(v, depth - 1)) for k, v in value.items()))
+    if kind is list or kind is tuple:
+        return (kind, tuple(_exact(v, depth - 1) for v in value))
+    raise _Miss
+
+
+def _frozen(value: Any) -> Any:
+    """A value that is not a field, as a key part (see `_exact`). Containers are dumped by orjson, which writes
+    every finite float exactly (-0.0, 1.0) and refuses subclasses of JSON types here; where it wrote a null,
+    which may have been NaN or an infinity, the walk of `_exact` keys them instead."""
+    kind = type(value)
+    if kind is str:
+        if holds_marks(value):
+            raise _Miss
+        return value
+    if kind in _SCALARS:
+        return (kind, value)
+    if kind is float:
+        return (float, repr(value))
     try:
-        dumped = orjson.dumps(value)
+        dumped = orjson.dumps(value, option=orjson.OPT_PASSTHROUGH_SUBCLASS | orjson.OPT_PASSTHROUGH_DATETIME
+                              | orjson.OPT_PASSTHROUGH_DATACLASS)
     except TypeError:
         raise _Miss from None
     if b"\xf3" in dumped:  # the UTF-8 lead byte of the markers' plane
         raise _Miss
+    if b"null" in dumped:  # orjson writes NaN and the infinities as null too: the walk tells them apart
+        return _exact(value)
     return (kind, dumped)
 
 
@@ -212,6 +247,10 @@ def _is_ref(arg: Any) -> bool:
     return type(arg) is tuple and len(arg) == 2 and arg[0] is FIELD_REF
 
 
+def _strftime(format: str) -> str:
+    return pairs.clock().strftime(format)
+
+
 def _piece(pieces: list[str], index: int, count: int) -> str:
     if len(pieces) != count:
         raise _Miss
@@ -232,7 +271,8 @@ _EXPRESSIONS = {  # each fact (pairs._observe) as an expression of the replayed 
 def _compiled(facts: tuple[tuple, ...]) -> Callable[[list[str]], bool]:
     """One function that checks every fact on a row's field texts: a skeleton is tried on most rows, so its
     facts are Python expressions, not a loop over them."""
-    constants: dict[str, Any] = {"_Miss": _Miss, "_piece": _piece, "_trimmed": trimmed, "_agree": agree}
+    constants: dict[str, Any] = {"_Miss": _Miss, "_piece": _piece, "_trimmed": trimmed, "_agree": agree,
+                                 "_strftime": _strftime}
 
     def constant(value: Any) -> str:
         name = f"_c{len(constants)}"
@@ -262,6 +302,11 @@ def _compiled(facts: tuple[tuple, ...]) -> Callable[[list[str]], bool]:
 
     checks = []
     for origin, fact, args, result in facts:
+        if origin is None:  # a fact about the world, not a field: the clock
+            if fact != "strftime_now":
+                raise ValueError(f"no replay for {fact!r}")
+            checks.append(f"        if _strftime({constant(args[0])}) != {constant(result)}:\n            return False")
+            continue
         value = value_of(origin)
         a = [value_of(arg[1]) if _is_ref(arg) else constant(arg) for arg in args]
         expression = _EXPRESSIONS[fact].format(v=value, a0=a[0] if a else "", a1=a[1] if len(a) > 1 else "",
@@ -349,15 +394,29 @@ def learn(shape: Shape, marked_kinds: list[str], marked_text: str, trace: list,
 
 
 class Skeletons:
-    """One template's learned skeletons, by shape; shared by the threads of a process."""
+    """One template's learned skeletons, by shape; shared by the threads of a process.
 
-    def __init__(self, name: str):
+    A filled row is checked against a full render the first time its skeleton is used, and otherwise with
+    probability 1/SAMPLE_EVERY, drawn from a generator seeded per run (`reset`). A mismatch `drop`s every
+    skeleton for good: the rest of the run renders in full."""
+
+    def __init__(self, name: str, seed: int | None = None):
         self.name = name
-        self._by_key: dict[tuple, list[Skeleton]] = {}
-        self._count = 0
-        self._uses: dict[int, int] = {}
-        self._lock = threading.Lock()
-        self.filled = 0
+        self.dropped = False
+        self.reset(seed)
+
+    def reset(self, seed: int | None = None) -> None:
+        """Forget what was learned (a new run), and sample checks from `seed` (None: from the OS)."""
+        with getattr(self, "_lock", threading.Lock()):
+            self._by_key: dict[tuple, list[Skeleton]] = {}
+            self._count = 0
+            self._uses: dict[int, int] = {}
+            self._lock = threading.Lock()
+            self._random = random.Random(seed if seed is not None else int.from_bytes(os.urandom(8), "little"))
+            self.filled = 0
+            self.checked = 0
+            self.mismatches = 0
+            self.dropped = False
 
     def find(self, shape: Shape) -> tuple[Skeleton, bool] | None:
         """A skeleton whose facts the row gives, and whether this row must be checked against a full render."""
@@ -367,15 +426,27 @@ class Skeletons:
                     uses = self._uses.get(id(skeleton), 0)
                     self._uses[id(skeleton)] = uses + 1
                     self.filled += 1
-                return skeleton, uses == 0 or self.filled % SAMPLE_EVERY == 0
+                    check = uses == 0 or self._random.random() * SAMPLE_EVERY < 1
+                    self.checked += check
+                return skeleton, check
         return None
 
     def keep(self, shape: Shape, skeleton: Skeleton) -> None:
         with self._lock:
+            if self.dropped:
+                return
             known = self._by_key.setdefault(shape.key, [])
             if self._count < MAX_SKELETONS and len(known) < MAX_PER_SHAPE:
                 known.append(skeleton)
                 self._count += 1
+
+    def drop(self) -> None:
+        """A fill differed from the full render: no skeleton of this template is used or learned again."""
+        with self._lock:
+            self.dropped = True
+            self.mismatches += 1
+            self._by_key = {}
+            self._count = MAX_SKELETONS
 
     def learning(self) -> bool:
         return self._count < MAX_SKELETONS

@@ -35,7 +35,7 @@ from typing import Literal
 
 from sft_tokenize.chat.markers import MARK_BASE, MARK_SPLIT, mark
 from sft_tokenize.chat.pairs import Twin, swapped
-from sft_tokenize.chat.skeleton import Shape, SkeletonMismatch, Skeletons, agree, learn, shape_of
+from sft_tokenize.chat.skeleton import Shape, Skeleton, SkeletonMismatch, Skeletons, agree, learn, shape_of
 from sft_tokenize.chat.template import ChatTemplate
 from sft_tokenize.errors import BadRow
 from sft_tokenize.sources.conversations import Conversation
@@ -57,6 +57,8 @@ class Rendered:
     exact: bool = False  # found by the exact path
     expanded: bool = False  # an extra row made by --reasoning-turns expand
     fields: tuple[tuple[int, int, int], ...] = ()  # (message, start, end) of each marked field in `text`
+    filled: bool = False  # made from a skeleton (skeleton.py)
+    checked: bool = False  # and compared with its full render
 
 
 class TurnFinder:
@@ -101,12 +103,20 @@ class TurnFinder:
         conv = self.template.prepare(conv)
         if self.template.has_generation_blocks:
             return [self._generation_spans(conv, targets)]
+        # The skeletons are a cache in front of the turn locator: a known shape is filled, any other row located
+        # (and learned from, where that is exact).
         shape = None
-        if self.skeletons is not None and not fields and not conv.image_grids:
+        skeletons = self.skeletons
+        if skeletons is not None and not skeletons.dropped and not fields and not conv.image_grids:
             shape = shape_of(conv.messages, conv.tools, self.template.markable, (tuple(targets), conv.completion_start))
-            filled = self._filled(conv, targets, shape) if shape is not None else None
-            if filled is not None:
-                return [filled]
+            found = skeletons.find(shape) if shape is not None else None
+            if found is not None:
+                return [self._filled(conv, targets, shape, *found)]
+        return self._located(conv, targets, shape)
+
+    def _located(self, conv: Conversation, targets: list[int], shape: Shape | None = None) -> list[Rendered]:
+        """The rows of a prepared conversation as `--render full` finds them (see `find`), learning a skeleton
+        from the render where `shape` is given and that is exact."""
         located = self._by_markers(conv, targets, shape)
         if located is None:
             return [self._by_prefixes(conv, targets)]
@@ -136,21 +146,20 @@ class TurnFinder:
         located = self._by_markers(conv, []) if with_fields else None
         return Rendered(text, [(0, len(text))], fields=located[0].fields if located else ())
 
-    def _filled(self, conv: Conversation, targets: list[int], shape: Shape) -> Rendered | None:
-        """The row from a skeleton of its shape, checked against a full render where the guard rail says so."""
-        found = self.skeletons.find(shape)
-        if found is None:
-            return None
-        skeleton, check = found
+    def _filled(self, conv: Conversation, targets: list[int], shape: Shape, skeleton: Skeleton,
+                check: bool) -> Rendered:
+        """The row from a skeleton of its shape; with `check`, compared with what `--render full` makes of it.
+        A difference drops the template's skeletons and raises (the caller renders its rows again in full)."""
         text, regions = skeleton.fill(shape.cores)
-        row = Rendered(text, regions, skeleton.append_eos)
+        row = Rendered(text, regions, skeleton.append_eos, filled=True, checked=check)
         if check:
-            full = self._by_markers(conv, targets)
-            if full is None or (full[0].text, full[0].regions, full[0].append_eos) != (text, regions, row.append_eos):
+            full = self._located(conv, targets)
+            if len(full) != 1 or (full[0].text, full[0].regions, full[0].append_eos, full[0].token_rule) != (
+                    text, regions, row.append_eos, row.token_rule):
+                self.skeletons.drop()
                 raise SkeletonMismatch(
                     f"the chat template of {self.skeletons.name or 'the tokenizer'} renders a row "
-                    f"({text[:60]!r}...) otherwise than its learned skeleton: report the row; --render full "
-                    "renders every row in full")
+                    f"({text[:60]!r}...) otherwise than its learned skeleton")
         return row
 
     # -- the two-render path ---------------------------------------------------------------------------------
@@ -184,12 +193,15 @@ class TurnFinder:
         opened: dict[int, int] = {}
         closed: dict[int, int] = {}
         fields_marked = len(marked.owners)
-        for position, found in zip(accumulate(map(len, pieces[0:-1:2])), pieces[1::2], strict=True):
+        positions = list(accumulate(map(len, pieces[0:-1:2])))  # of every marker, in the plain text
+        twice = False  # a field renders more than once
+        for position, found in zip(positions, pieces[1::2], strict=True):
             code = ord(found) - MARK_BASE
             fid = code >> 1
             if fid >= fields_marked:
                 return None  # the data itself holds marker characters
             if not code & 1:
+                twice = twice or fid in opened
                 opened.setdefault(fid, position)
             elif fid not in closed and position >= opened.get(fid, -1):
                 closed[fid] = position
@@ -206,6 +218,7 @@ class TurnFinder:
         anchors = _Anchors(fields)
         stripped, regions, append_eos = [], [], False
         reach: list[tuple[int, str]] | None = [] if trace is not None else None  # headers read into a field
+        searched: list[tuple[int, int]] = []  # the stretches of text searched for a header or an end of turn
         for i in targets:
             kinds = rendered.get(i, set())
             self._check_rendered(conv.messages[i], i, owned.get(i, set()), kinds)
@@ -216,7 +229,9 @@ class TurnFinder:
                 gap_start, previous = anchors.before(first, i)
                 header = self._header_end(text, gap_start, first, conv, previous, reach)
                 start = first if header is None else gap_start + header
-                end, eos = self._turn_end(text, last, anchors.after(last, i, len(text)))
+                bound = anchors.after(last, i, len(text))
+                searched += [(gap_start, first), (last, bound)]
+                end, eos = self._turn_end(text, last, bound)
                 regions.append((start, max(end, start)))
                 append_eos = append_eos or eos
                 continue
@@ -226,6 +241,7 @@ class TurnFinder:
             gap_start = anchors.extent(previous)[1] if previous is not None else 0
             bound = anchors.after(gap_start, -1 if previous is None else previous, len(text))
             header = self._header_end(text, gap_start, bound, conv, previous, reach)
+            searched.append((gap_start, bound))
             if header is None:
                 continue  # the template does not render this message: nothing of it to train
             start = gap_start + header
@@ -237,7 +253,7 @@ class TurnFinder:
             if completion_start(conv) != targets[0]:
                 return None  # the completion opens with a non-assistant message: prefix rendering decides
             regions = [(regions[0][0], regions[-1][1])]
-        if trace is not None and plain_text is None and not stripped:
+        if trace is not None and plain_text is None and not stripped and not twice and not _inside(positions, searched):
             starts = {position: fid for fid, position in opened.items()}
             for position, rest in reach:  # the turn's start depends on how the field there begins: a fact too
                 if position not in starts or list(opened.values()).count(position) > 1:
@@ -376,6 +392,15 @@ class _Anchors:
         while k < len(self.positions) and self.owners[k] == message:
             k += 1
         return self.positions[k] if k < len(self.positions) else default
+
+
+def _inside(positions: list[int], stretches: list[tuple[int, int]]) -> bool:
+    """Whether a marker lies strictly inside one of the stretches (sorted `positions`): a field's text there."""
+    for start, end in stretches:
+        k = bisect.bisect_right(positions, start)
+        if k < len(positions) and positions[k] < end:
+            return True
+    return False
 
 
 def _agreeing_length(prefix: str, text: str, at: int) -> int:

@@ -131,7 +131,7 @@ def test_the_job_carries_the_options_as_the_slices_use_them(inputs):
                   writer_batch_rows=10, writer_batch_bytes="1MB", storage_options={"anon": False}).job
     fields = {key: value for key, value in dataclasses.asdict(job).items()
               if key not in ("staging", "store", "tokenizer_dir", "prepared", "fingerprint", "tokenization",
-                             "remote_root", "tokenizer_url")}
+                             "remote_root", "tokenizer_url", "run")}
     assert fields == {
         "chat_template": None,
         "columns": {"format": "chat", "columns": {"messages": "messages", "system": "system", "tools": "tools"}},
