@@ -185,6 +185,9 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable
         # Its configuration (the resize rule, the image tokens) decides every image row's tokens.
         **({"processor_files": hash_directory(processor_dir)} if processor_dir else {}),
         **hashed_values(options),  # the options that change the rows by their value (options.py)
+        # Skeleton-built rows are meant to be the full render's: a cache built with every row rendered is
+        # another cache (so --render full next to a default run rebuilds), and the default keeps its fingerprints.
+        **({"render": "full"} if options.render == "full" else {}),
     }
     digest = fingerprint(inputs)
     inputs["ignored_files"] = ignored  # recorded, not hashed: they are never read

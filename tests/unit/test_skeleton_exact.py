@@ -338,3 +338,53 @@ def test_a_mismatch_after_rows_were_filled_renders_the_slice_again(modern_tokeni
     assert len(want) == len(got) == 16
     for k in range(16):
         assert all(np.array_equal(want[k][name], got[k][name]) for name in ("input_ids", "loss_mask"))
+
+
+# -- the render mode is fingerprinted; any cache can be checked ------------------------------------------------
+
+def _unchecked(find):
+    def unchecked(self, shape):
+        found = find(self, shape)
+        return None if found is None else (found[0], False)
+
+    return unchecked
+
+
+def test_verify_names_the_rows_a_wrong_skeleton_filled(modern_tokenizer, tmp_path, monkeypatch, capsys):
+    """A cache built by skeletons made wrong and never checked: `verify` tokenizes it again in full and exits 2
+    naming the first differing row's file and line; a cache built right verifies."""
+    from sft_tokenize.build.options import TokenizeOptions
+    from sft_tokenize.build.protocol import run_locally
+    from sft_tokenize.build.verify import verify_cache
+    from sft_tokenize.flows import cli
+
+    data = write_jsonl(tmp_path / "data.jsonl", _thinking_rows())
+    tokenizer = str(modern_tokenizer("qwen3"))
+    right = run_locally(TokenizeOptions(sources=[str(data)], tokenizer=tokenizer, cache_dir=str(tmp_path / "ok")))
+    assert cli.main(["verify", str(right), "--all"]) == 0
+    assert "rows checked: 4 " in capsys.readouterr().out
+    with monkeypatch.context() as broken:
+        _ignoring_facts(broken)
+        broken.setattr(Skeletons, "find", _unchecked(Skeletons.find))
+        wrong = run_locally(TokenizeOptions(sources=[str(data)], tokenizer=tokenizer, cache_dir=str(tmp_path / "no")))
+    result = verify_cache(wrong, sample=None)
+    assert [(row, where) for row, where, _ in result.differences] == [(1, f"{data}:2")]
+    assert cli.main(["verify", str(wrong), "--sample", "4"]) == 2
+    assert f"row 1 ({data}:2): input_ids differs" in capsys.readouterr().err
+
+
+def test_render_full_is_another_cache(modern_tokenizer, tmp_path):
+    """--render full next to a skeleton-built cache builds its own (every row rendered) rather than returning it."""
+    from sft_tokenize.build.options import TokenizeOptions
+    from sft_tokenize.build.protocol import run_locally
+
+    data = write_jsonl(tmp_path / "data.jsonl", [plain_pair(f"q {k}", f"a {k}") for k in range(4)])
+    options = {"sources": [str(data)], "tokenizer": str(modern_tokenizer("qwen2.5")),
+               "cache_dir": str(tmp_path / "root")}
+    default = run_locally(TokenizeOptions(**options))
+    full = run_locally(TokenizeOptions(**options, render="full"))
+    assert default != full
+    manifests = [json.loads((path / "manifest.json").read_text()) for path in (default, full)]
+    assert [m["render"] for m in manifests] == ["skeleton", "full"]
+    assert [m["masks"]["rows_filled"] for m in manifests] == [3, 0]
+    assert manifests[1]["build"]["slices_tokenized"] == 1
