@@ -253,7 +253,8 @@ class TurnFinder:
             if completion_start(conv) != targets[0]:
                 return None  # the completion opens with a non-assistant message: prefix rendering decides
             regions = [(regions[0][0], regions[-1][1])]
-        if trace is not None and plain_text is None and not stripped and not twice and not _inside(positions, searched):
+        if (trace is not None and plain_text is None and not stripped
+                and finds_in_constants(twice, positions, searched)):
             starts = {position: fid for fid, position in opened.items()}
             for position, rest in reach:  # the turn's start depends on how the field there begins: a fact too
                 if position not in starts or list(opened.values()).count(position) > 1:
@@ -394,13 +395,16 @@ class _Anchors:
         return self.positions[k] if k < len(self.positions) else default
 
 
-def _inside(positions: list[int], stretches: list[tuple[int, int]]) -> bool:
-    """Whether a marker lies strictly inside one of the stretches (sorted `positions`): a field's text there."""
+def finds_in_constants(twice: bool, positions: list[int], stretches: list[tuple[int, int]]) -> bool:
+    """Whether turn finding read constant text only (a skeleton's premise): no field rendered `twice`, and no
+    marker (at sorted `positions`) strictly inside a stretch searched for a header or an end of turn."""
+    if twice:
+        return False
     for start, end in stretches:
         k = bisect.bisect_right(positions, start)
         if k < len(positions) and positions[k] < end:
-            return True
-    return False
+            return False
+    return True
 
 
 def _agreeing_length(prefix: str, text: str, at: int) -> int:

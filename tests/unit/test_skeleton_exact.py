@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from support.data import COLUMNS, TOOL, call, write_jsonl
 
-from sft_tokenize.chat import pairs, skeleton
+from sft_tokenize.chat import pairs, skeleton, turns
 from sft_tokenize.chat.skeleton import Skeletons, shape_of
 from sft_tokenize.encoding.chat_encoder import ChatEncoder
 from sft_tokenize.encoding.tokenizer import load_tokenizer
@@ -388,3 +388,67 @@ def test_render_full_is_another_cache(modern_tokenizer, tmp_path):
     assert [m["render"] for m in manifests] == ["skeleton", "full"]
     assert [m["masks"]["rows_filled"] for m in manifests] == [3, 0]
     assert manifests[1]["build"]["slices_tokenized"] == 1
+
+
+# -- mutation check: each premise's enforcement, disabled, lets a wrong fill through ---------------------------
+
+def _old_frozen(value):
+    """The key part before NaN and the infinities were told from null: orjson's dump."""
+    import orjson
+
+    kind = type(value)
+    if kind is str or value is None or kind is bool or kind is int or kind is float:
+        return (kind, value)
+    return (kind, orjson.dumps(value))
+
+
+GAP = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' %}[{{ messages[0].content }}]"
+       "{% endif %}{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+       "{% endif %}")
+MUTATIONS = {
+    # premise: (what disables its enforcement, the template, the rows)
+    "the clock is a fact": (lambda m: m.setattr(pairs, "strftime_now", lambda f: pairs.clock().strftime(f)),
+                            DATED, "midnight"),
+    "reads replay or poison": (lambda m: (m.setattr(pairs, "_poison", lambda: None),
+                                          m.setattr(pairs, "poison", lambda: None)),
+                               CHAT.replace("{{ BODY }}", "{% set ns = namespace(a='AAA') %}[{{ ns[m.content] }}]"
+                                                          "{{ m.content }}"), ["x", "y", "a"]),
+    "keys are exact": (lambda m: m.setattr(skeleton, "_frozen", _old_frozen), None, "nan"),
+    "turns are found in constant text": (
+        lambda m: m.setattr(turns, "finds_in_constants", lambda *_: True), GAP,
+        ["hi", "yo", "say <|im_start|>assistant\nX"]),
+}
+
+
+def _differs(modern_tokenizer, modern_tokenizers, source, rows) -> bool:
+    """Whether rows filled with the guard off differ from their full render."""
+    if rows == "nan":
+        tokenizer, examples = modern_tokenizers("qwen2.5"), examples_of(
+            [_tool_row(a) for a in ('{"d": null}', '{"d": null}', '{"d": NaN}')])
+    else:
+        tokenizer = with_template(modern_tokenizer, source)
+        texts = rows if rows != "midnight" else ["a", "b", "c"]
+        examples = examples_of([plain_pair(text, f"reply {k}") for k, text in enumerate(texts)])
+    full, filled = ChatEncoder(tokenizer, skeletons=False, special_text="keep"), ChatEncoder(tokenizer,
+                                                                                             special_text="keep")
+    if rows == "midnight":
+        _Clock.now = datetime(2026, 12, 6, 23, 59, 59)
+        filled.encode_batch(examples)
+        _Clock.now = datetime(2026, 12, 7, 0, 0, 1)
+    want, got = full.encode_batch(examples), filled.encode_batch(examples)
+    return not (np.array_equal(want.input_ids, got.input_ids) and np.array_equal(want.loss_mask, got.loss_mask))
+
+
+@pytest.mark.parametrize("premise", sorted(MUTATIONS))
+def test_each_premise_enforced_has_teeth(modern_tokenizer, modern_tokenizers, premise, monkeypatch):
+    """With its enforcement, the premise's case fills exactly; with it disabled (and the guard off), the same
+    case fills a row otherwise than its full render."""
+    import transformers.utils.chat_template_utils as hf
+
+    disable, source, rows = MUTATIONS[premise]
+    monkeypatch.setattr(pairs, "clock", _Clock.read)
+    monkeypatch.setattr(hf, "datetime", type("FakeDatetime", (), {"now": staticmethod(_Clock.read)}))
+    monkeypatch.setattr(Skeletons, "find", _unchecked(Skeletons.find))
+    assert not _differs(modern_tokenizer, modern_tokenizers, source, rows)
+    disable(monkeypatch)
+    assert _differs(modern_tokenizer, modern_tokenizers, source, rows)
