@@ -17,8 +17,10 @@ not tell them apart.
 A render can also be traced (`render_twins(..., trace=[])`): every fact the template learned about a field's
 text (its truth, length, comparisons, `in`, what a strip removed, how many pieces a split gave) is recorded with
 the field and the operations that led to the value it asked about (a Twin's `origin`). Another row whose fields
-give the same facts takes the same branches, which `skeleton.py` relies on. A fact that cannot be replayed on
-another row (a hash, a piece of text that left the Twins) poisons the trace.
+give the same facts takes the same branches, which `skeleton.py` relies on. What is recorded is an allow-list:
+the facts and steps `facts.py` replays, with arguments it replays exactly. Any other read (a hash, a field used
+as a key, text joined to a `Markup`, a global or filter that reads outside the row, a piece of text that left the
+Twins) poisons the trace: that render is not learned.
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ from __future__ import annotations
 import bisect
 import threading
 from collections.abc import Callable, Iterable, Mapping, MappingView, Set
-from datetime import datetime
 from typing import Any
 
+from sft_tokenize.chat import facts
+from sft_tokenize.chat.facts import FIELD_REF, replayable, trimmed
 from sft_tokenize.chat.markers import MARKS, holds_marks
 
 
@@ -48,22 +51,13 @@ def _diverge(*_: Any, **__: Any):
 POISON = ("poison",)  # a trace entry: the render read a field in a way another row's fields cannot replay
 
 
-_PLAIN_ARGUMENTS = (str, int, bool, type(None))  # the argument types a replay compares exactly (no subclass)
-
-
-def replayable(value: Any) -> bool:
-    """Whether an argument of a recorded fact or step means on another row what it meant here: a str, int, bool or
-    None of exactly that type (a `Markup` or a float is not), or a tuple of them."""
-    kind = type(value)
-    if kind is tuple:
-        return all(type(item) in _PLAIN_ARGUMENTS for item in value)
-    return kind in _PLAIN_ARGUMENTS
-
-
 def _observe(twin: Twin, op: str, args: tuple, result: Any) -> Any:
     """Record, in a traced render, that the template learned `result` from `op(twin's value, *args)`."""
     trace = getattr(_state, "trace", None)
     if trace is not None:
+        if op not in facts.FACTS:  # no replay: nothing another row could be checked against
+            trace.append(POISON)
+            return result
         refs = []
         for arg in args:
             if type(arg) is Twin:
@@ -87,17 +81,13 @@ def _poison() -> None:
 
 poison = _poison  # a read the trace cannot replay (the environment's, e.g. a field used as a key)
 
-# What `strftime_now` reads: the time now. Replaceable (tests set a clock that crosses midnight).
-clock: Callable[[], datetime] = datetime.now
-
-
 def strftime_now(format: Any) -> str:
     """transformers' `strftime_now` global, reading `clock`. In a traced render, the text it gave is a fact (a
     skeleton holds it as constant text, so a later row whose clock gives other text is rendered in full)."""
     if type(format) is Twin:
         _poison()
         format = format.plain
-    text = clock().strftime(format)
+    text = facts.clock().strftime(format)
     trace = getattr(_state, "trace", None)
     if trace is not None:
         trace.append((None, "strftime_now", (format,), text) if type(format) is str else POISON)
@@ -115,9 +105,6 @@ def outside(function: Callable) -> Callable:
         if hasattr(function, attribute):
             setattr(called, attribute, getattr(function, attribute))
     return called
-
-
-FIELD_REF = object()  # tags a traced argument that is another field's value: (FIELD_REF, origin)
 
 
 def _plain(value: Any) -> Any:
@@ -138,7 +125,7 @@ def _derived(marked: str, plain: str, origin: tuple | None = None) -> str | Twin
 def _then(twin: Twin, *step: Any) -> tuple | None:
     """The origin of a value made from `twin` by one more operation (None, and the trace poisoned, where the
     operation's arguments would not replay)."""
-    if not all(replayable(arg) for arg in step[1:]):
+    if step[0] not in facts.STEPS or not all(replayable(arg) for arg in step[1:]):
         _poison()
         return None
     return None if twin.origin is None else (twin.origin[0], (*twin.origin[1], step))
@@ -297,13 +284,6 @@ def _unmarked(text: str) -> str:
     if holds_marks(text):
         _diverge()
     return text
-
-
-def trimmed(text: str, method: str, chars: str | None) -> tuple[int, int]:
-    """How many characters `text.<method>(chars)` removes at its start and at its end."""
-    left = len(text) - len(text.lstrip(chars)) if method != "rstrip" else 0
-    right = len(text) - len(text.rstrip(chars)) if method != "lstrip" else 0
-    return (left, right) if left < len(text) else (left, 0)
 
 
 def twin_attribute(twin: Twin, attribute: str, undefined: Callable[..., Any]) -> Any:

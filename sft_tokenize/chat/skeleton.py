@@ -27,14 +27,13 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import accumulate
-from os.path import commonprefix
 from typing import Any
 
 import orjson
 
-from sft_tokenize.chat import pairs
+from sft_tokenize.chat import facts
 from sft_tokenize.chat.markers import MARK_BASE, MARK_LIMIT, MARK_SPLIT, NO_REASONING_KEYS, holds_marks
-from sft_tokenize.chat.pairs import FIELD_REF, POISON, trimmed
+from sft_tokenize.chat.pairs import POISON
 from sft_tokenize.sources.conversations import REASONING_FIELDS
 
 SAMPLE_EVERY = 64  # one filled row in this many is rendered in full too, and compared
@@ -231,93 +230,6 @@ def _simple_shape(messages: list[dict], extra: tuple) -> Shape | None | bool:
     return Shape(("simple", tuple(roles), tuple(tags), empty, extra), values, ["content"] * len(values), empty, cores)
 
 
-# -- replaying a trace ---------------------------------------------------------------------------------------
-
-def agree(rest: str, value: str) -> int:
-    """How many characters of `rest` (a header's text past the constant text) the field's text begins with, or
-    -1 where all of the field's text agrees (the text after it, another row's, would decide)."""
-    core = value.strip()
-    n = len(commonprefix([rest, core]))
-    return n if n < len(core) or n == len(rest) else -1
-
-
-
-
-def _is_ref(arg: Any) -> bool:
-    return type(arg) is tuple and len(arg) == 2 and arg[0] is FIELD_REF
-
-
-def _strftime(format: str) -> str:
-    return pairs.clock().strftime(format)
-
-
-def _piece(pieces: list[str], index: int, count: int) -> str:
-    if len(pieces) != count:
-        raise _Miss
-    return pieces[index]
-
-
-_EXPRESSIONS = {  # each fact (pairs._observe) as an expression of the replayed value v and its arguments
-    "bool": "bool({v})", "len": "len({v})", "eq": "({v} == {a0})", "ne": "({v} != {a0})", "lt": "({v} < {a0})",
-    "le": "({v} <= {a0})", "gt": "({v} > {a0})", "ge": "({v} >= {a0})", "contains": "({a0} in {v})",
-    "startswith": "{v}.startswith({args})", "endswith": "{v}.endswith({args})",
-    "strip": "_trimmed({v}, 'strip', {a0})", "lstrip": "_trimmed({v}, 'lstrip', {a0})",
-    "rstrip": "_trimmed({v}, 'rstrip', {a0})", "split": "len({v}.split({a0}, {a1}))",
-    "rsplit": "len({v}.rsplit({a0}, {a1}))", "count": "({v}.count({a0}) if {a0} else -1)",
-    "slice": "slice({a0}, {a1}).indices(len({v}))[:2]", "agree": "_agree({a0}, {v})",
-}
-
-
-def _compiled(facts: tuple[tuple, ...]) -> Callable[[list[str]], bool]:
-    """One function that checks every fact on a row's field texts: a skeleton is tried on most rows, so its
-    facts are Python expressions, not a loop over them."""
-    constants: dict[str, Any] = {"_Miss": _Miss, "_piece": _piece, "_trimmed": trimmed, "_agree": agree,
-                                 "_strftime": _strftime}
-
-    def constant(value: Any) -> str:
-        name = f"_c{len(constants)}"
-        constants[name] = value
-        return name
-
-    def value_of(origin: tuple) -> str:
-        fid, steps = origin
-        text = f"v[{fid}]"
-        for step in steps:
-            name, args = step[0], [constant(a) for a in step[1:]]
-            if name == "add":
-                text = f"({text} + {args[0]})"
-            elif name == "radd":
-                text = f"({args[0]} + {text})"
-            elif name in ("strip", "lstrip", "rstrip"):
-                text = f"{text}.{name}({args[0]})"
-            elif name in ("split", "rsplit"):
-                text = f"_piece({text}.{name}({args[0]}, {args[1]}), {step[3]}, {step[4]})"
-            elif name == "replace":
-                text = f"{text}.replace({args[0]}, {args[1]}, {args[2]})"
-            elif name == "slice":
-                text = f"{text}[{args[0]}:{args[1]}]"
-            else:
-                raise ValueError(f"no replay for {name!r}")
-        return text
-
-    checks = []
-    for origin, fact, args, result in facts:
-        if origin is None:  # a fact about the world, not a field: the clock
-            if fact != "strftime_now":
-                raise ValueError(f"no replay for {fact!r}")
-            checks.append(f"        if _strftime({constant(args[0])}) != {constant(result)}:\n            return False")
-            continue
-        value = value_of(origin)
-        a = [value_of(arg[1]) if _is_ref(arg) else constant(arg) for arg in args]
-        expression = _EXPRESSIONS[fact].format(v=value, a0=a[0] if a else "", a1=a[1] if len(a) > 1 else "",
-                                               args=", ".join(a))
-        checks.append(f"        if {expression} != {constant(result)}:\n            return False")
-    body = "".join(check + "\n" for check in checks)
-    source = f"def holds(v):\n    try:\n{body}        return True\n    except _Miss:\n        return False\n"
-    exec(compile(source, "<skeleton facts>", "exec"), constants)  # it names only v and registered constants
-    return constants["holds"]
-
-
 @dataclass(frozen=True)
 class Skeleton:
     """Constant text around field slots, the facts a row must give, and the trained spans as offsets."""
@@ -330,7 +242,7 @@ class Skeleton:
     holds: Callable[[list[str]], bool] = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "holds", _compiled(self.facts))
+        object.__setattr__(self, "holds", facts.compiled(self.facts))
 
     def fill(self, cores: list[str]) -> tuple[str, list[tuple[int, int]]]:
         """The row's text from its fields' cores, and its trained spans."""
@@ -383,13 +295,13 @@ def learn(shape: Shape, marked_kinds: list[str], marked_text: str, trace: list,
         if a is None or b is None:
             return None
         mapped.append((*a, *b))
-    facts: dict[tuple, Any] = {}
+    recorded: dict[tuple, Any] = {}
     for origin, fact, args, result in trace:
         try:
-            facts.setdefault((origin, fact, args), result)
+            recorded.setdefault((origin, fact, args), result)
         except TypeError:  # an unhashable argument (a list compared with a field): not kept as a fact
             return None
-    return Skeleton(tuple(constants), tuple(slots), tuple((*key, result) for key, result in facts.items()),
+    return Skeleton(tuple(constants), tuple(slots), tuple((*key, result) for key, result in recorded.items()),
                     tuple(mapped), append_eos)
 
 

@@ -33,9 +33,10 @@ from dataclasses import dataclass, replace
 from itertools import accumulate
 from typing import Literal
 
+from sft_tokenize.chat.facts import agree
 from sft_tokenize.chat.markers import MARK_BASE, MARK_SPLIT, mark
 from sft_tokenize.chat.pairs import Twin, swapped
-from sft_tokenize.chat.skeleton import Shape, Skeleton, SkeletonMismatch, Skeletons, agree, learn, shape_of
+from sft_tokenize.chat.skeleton import Shape, Skeleton, SkeletonMismatch, Skeletons, learn, shape_of
 from sft_tokenize.chat.template import ChatTemplate
 from sft_tokenize.errors import BadRow
 from sft_tokenize.sources.conversations import Conversation

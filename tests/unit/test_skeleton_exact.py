@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from support.data import COLUMNS, TOOL, call, write_jsonl
 
-from sft_tokenize.chat import pairs, skeleton, turns
+from sft_tokenize.chat import facts, pairs, skeleton, turns
 from sft_tokenize.chat.skeleton import Skeletons, shape_of
 from sft_tokenize.encoding.chat_encoder import ChatEncoder
 from sft_tokenize.encoding.tokenizer import load_tokenizer
@@ -92,7 +92,7 @@ DATED = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'user
 
 class _Clock:
     """A clock the test sets: transformers' strftime_now (the plain render's, before the clock was injectable)
-    and pairs.clock read it."""
+    and facts.clock read it."""
 
     now = datetime(2026, 12, 6, 23, 59, 59)
 
@@ -111,7 +111,7 @@ def test_a_run_across_midnight_writes_each_rows_own_date(modern_tokenizer, monke
     import transformers.utils.chat_template_utils as hf
 
     unsampled(monkeypatch)
-    monkeypatch.setattr(pairs, "clock", _Clock.read, raising=False)
+    monkeypatch.setattr(facts, "clock", _Clock.read)
     monkeypatch.setattr(hf, "datetime", type("FakeDatetime", (), {"now": staticmethod(_Clock.read)}))
     tokenizer = with_template(modern_tokenizer, DATED)
     examples = examples_of([plain_pair(f"question {k}", f"answer {k}") for k in range(4)])
@@ -197,10 +197,9 @@ def test_every_recorded_operation_replays(modern_tokenizer, operation, monkeypat
 
 
 def test_the_operations_above_are_every_one_the_tracer_records():
-    """The replays (skeleton._EXPRESSIONS, the steps of skeleton._compiled) are the vocabulary the test above
+    """The replays (facts.FACTS, facts.STEPS, facts.WORLD) are the vocabulary the test above
     covers: an operation added to the tracer without a replay, or without a test here, fails."""
-    steps = {"add", "radd", "strip", "lstrip", "rstrip", "split", "rsplit", "replace", "slice"}
-    assert set(skeleton._EXPRESSIONS) | {"strftime_now"} | steps == set(OPERATIONS)
+    assert set(facts.FACTS) | facts.WORLD | facts.STEPS == set(OPERATIONS)
 
 
 @pytest.mark.parametrize(("name", "body", "texts"), [
@@ -228,7 +227,7 @@ def test_reads_the_trace_cannot_replay_are_not_learned(modern_tokenizer, name, b
 # -- a fill caught differing is never published ----------------------------------------------------------------
 
 def _ignoring_facts(monkeypatch) -> None:
-    monkeypatch.setattr(skeleton, "_compiled", lambda facts: lambda values: True)
+    monkeypatch.setattr(facts, "compiled", lambda recorded: lambda values: True)
 
 
 def _thinking_rows() -> list[dict]:
@@ -407,7 +406,7 @@ GAP = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assist
        "{% endif %}")
 MUTATIONS = {
     # premise: (what disables its enforcement, the template, the rows)
-    "the clock is a fact": (lambda m: m.setattr(pairs, "strftime_now", lambda f: pairs.clock().strftime(f)),
+    "the clock is a fact": (lambda m: m.setattr(pairs, "strftime_now", lambda f: facts.clock().strftime(f)),
                             DATED, "midnight"),
     "reads replay or poison": (lambda m: (m.setattr(pairs, "_poison", lambda: None),
                                           m.setattr(pairs, "poison", lambda: None)),
@@ -446,7 +445,7 @@ def test_each_premise_enforced_has_teeth(modern_tokenizer, modern_tokenizers, pr
     import transformers.utils.chat_template_utils as hf
 
     disable, source, rows = MUTATIONS[premise]
-    monkeypatch.setattr(pairs, "clock", _Clock.read)
+    monkeypatch.setattr(facts, "clock", _Clock.read)
     monkeypatch.setattr(hf, "datetime", type("FakeDatetime", (), {"now": staticmethod(_Clock.read)}))
     monkeypatch.setattr(Skeletons, "find", _unchecked(Skeletons.find))
     assert not _differs(modern_tokenizer, modern_tokenizers, source, rows)

@@ -12,7 +12,7 @@ import pytest
 from support.data import COLUMNS, CONVERSATIONS, ROWS
 from support.families import FAMILIES, MODERN_FAMILIES
 
-from sft_tokenize.chat import skeleton
+from sft_tokenize.chat import facts, skeleton
 from sft_tokenize.encoding.chat_encoder import ChatEncoder
 from sft_tokenize.encoding.tokenizer import load_tokenizer
 from sft_tokenize.sources.conversations import to_example
@@ -108,7 +108,7 @@ def test_most_templates_fill_in(tokenizers):
 
 def _ignoring_facts(monkeypatch) -> None:
     """Skeletons that no longer check what the template learned about each field."""
-    monkeypatch.setattr(skeleton, "_compiled", lambda facts: lambda values: True)
+    monkeypatch.setattr(facts, "compiled", lambda recorded: lambda values: True)
 
 
 def test_a_skeleton_made_wrong_is_caught_by_the_guard_rail(tokenizers, monkeypatch):
