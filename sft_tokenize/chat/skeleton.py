@@ -32,9 +32,8 @@ from typing import Any
 import orjson
 
 from sft_tokenize.chat import facts
-from sft_tokenize.chat.markers import MARK_BASE, MARK_LIMIT, MARK_SPLIT, NO_REASONING_KEYS, holds_marks
+from sft_tokenize.chat.markers import MARK_BASE, MARK_LIMIT, MARK_SPLIT, holds_marks, with_fields
 from sft_tokenize.chat.pairs import POISON
-from sft_tokenize.sources.conversations import REASONING_FIELDS
 
 SAMPLE_EVERY = 64  # one filled row in this many is rendered in full too, and compared
 MAX_PER_SHAPE = 8  # skeletons kept for one shape (rows whose fields take other branches)
@@ -124,6 +123,33 @@ def _frozen(value: Any) -> Any:
     return (kind, dumped)
 
 
+class _Slot:
+    """Where a field is, in a message copied for its key (shape_of), with its tag: what of the field the key holds
+    (0, or its surrounding whitespace)."""
+
+    __slots__ = ("tag",)
+
+    def __init__(self, tag: Any):
+        self.tag = tag
+
+
+def _part(name: str, value: Any) -> tuple:
+    return (name, "slot", value.tag) if type(value) is _Slot else (name, _frozen(value))
+
+
+def _message_key(tagged: dict, calls: bool) -> tuple:
+    """A message copied with its fields as `_Slot`s (`with_fields`), as a key part; `calls`: its tool calls were
+    walked (each call's id and its function's name and arguments are slots)."""
+    parts = []
+    for name, value in tagged.items():
+        if name == "tool_calls" and calls:
+            parts.append((name, tuple(tuple((key, tuple(_part(k, v) for k, v in item.items())) if key == "function"
+                                            else _part(key, item) for key, item in call.items()) for call in value)))
+        else:
+            parts.append(_part(name, value))
+    return tuple(parts)
+
+
 def _blank(role: Any, content: Any) -> bool:
     """turns._blank_reply, on a message's role and content."""
     return role == "assistant" and type(content) is str and (not content or content.isspace())
@@ -163,40 +189,14 @@ def shape_of(messages: list[dict], tools: Any, kinds: frozenset[str], extra: tup
         for message in messages:
             if type(message) is not dict:
                 return None
-            reasoning_keys = (message.get("role") == "assistant" and not NO_REASONING_KEYS.issuperset(message))
-            reasoning = None
-            if reasoning_keys:
-                reasoning = next((message[k] for k in REASONING_FIELDS if isinstance(message.get(k), str)), None)
-            parts: list[Any] = []
-            for name, value in message.items():
-                if name == "content":
-                    parts.append(field(value, "content"))
-                elif name in REASONING_FIELDS and reasoning is not None:
-                    parts.append(name)  # all of them carry the one reasoning field
-                elif name == "tool_calls" and value:
-                    parts.append(_frozen(None))  # placeholder: the calls come after the reasoning, as mark numbers them
-                else:
-                    parts.append((name, _frozen(value)))
-            if reasoning is not None:
-                parts.append(field(reasoning, "reasoning"))
-            if message.get("tool_calls"):
-                calls = message["tool_calls"]
-                if type(calls) is not list:
-                    return None
-                for call in calls:
-                    if type(call) is not dict:
-                        return None
-                    function = call.get("function") or {}
-                    if type(function) is not dict:
-                        return None
-                    parts.append((tuple(call), tuple(function),
-                                  field(call["id"], "tool_id") if "id" in call else None,
-                                  field(function.get("name"), "tool_name"),
-                                  field(function.get("arguments"), "tool_arguments"),
-                                  tuple((k, _frozen(v)) for k, v in call.items() if k not in ("id", "function")),
-                                  tuple((k, _frozen(v)) for k, v in function.items()
-                                        if k not in ("name", "arguments"))))
-            key.append((tuple(message), tuple(parts)))
+            calls = message.get("tool_calls") or []
+            if type(calls) is not list or not all(type(c) is dict and type(c.get("function")) is dict for c in calls):
+                return None
+            # The names of its keys, its calls' and their functions' (a field's value or its absence is a
+            # template's to tell apart), then every value with each field as its slot's tag (`field`).
+            layout = (tuple(message), tuple((tuple(call), tuple(call["function"])) for call in calls))
+            tagged = with_fields(message, lambda text, kind: _Slot(field(text, kind)))
+            key.append((layout, _message_key(tagged, bool(calls))))
     except _Miss:
         return None
     if MARK_BASE + 2 * len(values) > MARK_LIMIT:

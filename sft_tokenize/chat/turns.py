@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import bisect
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from itertools import accumulate
 from typing import Literal
 
@@ -118,10 +118,13 @@ class TurnFinder:
     def _located(self, conv: Conversation, targets: list[int], shape: Shape | None = None) -> list[Rendered]:
         """The rows of a prepared conversation as `--render full` finds them (see `find`), learning a skeleton
         from the render where `shape` is given and that is exact."""
-        located = self._by_markers(conv, targets, shape)
+        evidence = _Evidence() if shape is not None and self.skeletons.learning() else None
+        located = self._by_markers(conv, targets, evidence)
         if located is None:
             return [self._by_prefixes(conv, targets)]
         main, stripped = located
+        if evidence is not None and not stripped:
+            self._learn(shape, evidence, main)
         if self.reasoning_turns != "expand" or not stripped:
             return [main]
         rows, expanded = [], set()
@@ -163,12 +166,29 @@ class TurnFinder:
                     f"({text[:60]!r}...) otherwise than its learned skeleton")
         return row
 
+    def _learn(self, shape: Shape, evidence: _Evidence, row: Rendered) -> None:
+        """Keep a skeleton of the row's render, where its premises hold (skeleton.py): one render of Twins with
+        nothing poisoned, turn finding that read constant text only, and how each header that reached into a
+        field agrees with it recorded as a fact."""
+        if evidence.marked_text is None or not finds_in_constants(evidence.twice, evidence.positions,
+                                                                  evidence.searched):
+            return
+        starts = {position: fid for fid, position in evidence.opened.items()}
+        trace = evidence.trace
+        for position, rest in evidence.reach:  # the turn's start depends on how the field there begins: a fact
+            if position not in starts or list(evidence.opened.values()).count(position) > 1:
+                return
+            trace.append(((starts[position], ()), "agree", (rest,), agree(rest, shape.values[starts[position]])))
+        skeleton = learn(shape, evidence.kinds, evidence.marked_text, trace, row.regions, row.append_eos)
+        if skeleton is not None:
+            self.skeletons.keep(shape, skeleton)
+
     # -- the two-render path ---------------------------------------------------------------------------------
 
     def _by_markers(self, conv: Conversation, targets: list[int],
-                    shape: Shape | None = None) -> tuple[Rendered, list[int]] | None:
+                    evidence: _Evidence | None = None) -> tuple[Rendered, list[int]] | None:
         """(the row, targets whose reasoning the template dropped), or None when marking changes the render.
-        With the row's `shape`, a skeleton is learned from the render where one is exact."""
+        `evidence`: receives what learning a skeleton from this render needs (see `_learn`)."""
         template = self.template
         if any(type(message.get("content")) is list for message in conv.messages):
             # Content parts (an image row's messages) are not marked, so a turn of them has no anchor and the
@@ -179,7 +199,7 @@ class TurnFinder:
         if marked is None or not marked.owners:
             template.render(conv.messages, conv.tools)  # the template's own error, if it has one, is the row's
             return None
-        trace = [] if shape is not None and self.skeletons.learning() else None
+        trace = evidence.trace if evidence is not None else None
         marked_text = template.render_marked(marked, conv.tools, trace)
         plain_text = None
         if marked_text is None:  # the template reads a field in a way Twins cannot follow: render twice
@@ -218,8 +238,8 @@ class TurnFinder:
             rendered.setdefault(marked.owners[fid], set()).add(marked.kinds[fid])
         anchors = _Anchors(fields)
         stripped, regions, append_eos = [], [], False
-        reach: list[tuple[int, str]] | None = [] if trace is not None else None  # headers read into a field
-        searched: list[tuple[int, int]] = []  # the stretches of text searched for a header or an end of turn
+        reach = evidence.reach if evidence is not None else None  # headers read into a field
+        searched: list[tuple[int, int]] = evidence.searched if evidence is not None else []
         for i in targets:
             kinds = rendered.get(i, set())
             self._check_rendered(conv.messages[i], i, owned.get(i, set()), kinds)
@@ -254,16 +274,9 @@ class TurnFinder:
             if completion_start(conv) != targets[0]:
                 return None  # the completion opens with a non-assistant message: prefix rendering decides
             regions = [(regions[0][0], regions[-1][1])]
-        if (trace is not None and plain_text is None and not stripped
-                and finds_in_constants(twice, positions, searched)):
-            starts = {position: fid for fid, position in opened.items()}
-            for position, rest in reach:  # the turn's start depends on how the field there begins: a fact too
-                if position not in starts or list(opened.values()).count(position) > 1:
-                    return Rendered(text, regions, append_eos, fields=tuple(fields)), stripped
-                trace.append(((starts[position], ()), "agree", (rest,), agree(rest, shape.values[starts[position]])))
-            skeleton = learn(shape, marked.kinds, marked_text, trace, regions, append_eos)
-            if skeleton is not None:
-                self.skeletons.keep(shape, skeleton)
+        if evidence is not None and plain_text is None:  # one render of Twins: what a skeleton can be learned from
+            evidence.marked_text, evidence.kinds, evidence.opened = marked_text, marked.kinds, opened
+            evidence.twice, evidence.positions = twice, positions
         return Rendered(text, regions, append_eos, fields=tuple(fields)), stripped
 
     @staticmethod
@@ -359,6 +372,20 @@ class TurnFinder:
         elif self.train_on == "last_assistant":
             spans = spans[-1:]
         return Rendered(text, [tuple(s) for s in spans], token_rule="overlap")
+
+
+@dataclass
+class _Evidence:
+    """What a render of Twins tells about learning a skeleton from it, gathered while its turns are located."""
+
+    trace: list = field(default_factory=list)  # what the template learned about the fields (pairs.py)
+    reach: list[tuple[int, str]] = field(default_factory=list)  # (field start, header text read into it)
+    searched: list[tuple[int, int]] = field(default_factory=list)  # stretches searched for headers and ends
+    marked_text: str | None = None  # set when the row was located from one render of Twins
+    kinds: list[str] = field(default_factory=list)
+    opened: dict[int, int] = field(default_factory=dict)  # field id -> where its first rendering opens
+    twice: bool = False  # a field renders more than once
+    positions: list[int] = field(default_factory=list)  # of every marker
 
 
 class _Anchors:
