@@ -451,3 +451,15 @@ def test_each_premise_enforced_has_teeth(modern_tokenizer, modern_tokenizers, pr
     assert not _differs(modern_tokenizer, modern_tokenizers, source, rows)
     disable(monkeypatch)
     assert _differs(modern_tokenizer, modern_tokenizers, source, rows)
+
+
+def test_the_guard_compares_with_what_render_full_does(modern_tokenizer):
+    """A split on a separator that begins with whitespace reaches across the marker after a field's leading
+    newline: the marked render gives up on that row, and --render full locates it by prefix renders. Its fill is
+    right, and the guard (which compares with what --render full does) does not call it a mismatch."""
+    tokenizer = with_template(modern_tokenizer, CHAT.replace(
+        "{{ BODY }}", "{% if m.content.split('\\na') | length > 1 %}[multi]{% endif %}{{ m.content }}"))
+    rows = [plain_pair("\nc\nab", "x"), plain_pair("\nab", "x")]  # the second: the first fill, checked
+    want, got, encoder = full_and_filled(tokenizer, examples_of(rows))
+    assert_same(want, got)
+    assert (got.rows_filled, got.rows_checked, got.skeleton_mismatches) == (1, 1, 0)
