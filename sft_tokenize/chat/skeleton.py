@@ -9,14 +9,19 @@ strip removed, whether a field is empty). A later row of that shape whose fields
 same branches, so its text is the constants with its fields in the slots and its trained spans are the same
 offsets: no Jinja, no marker search.
 
-A shape is learned only where that is exact by construction: every field reaches the output whole (the text
-between its markers is the field's text), the trace holds only facts that can be checked on another row, and
-no trained span starts or ends inside a field. Anything else (a row whose fields hold marker characters, a
-template that JSON-escapes a field, hashes it or cuts pieces out of it) keeps taking the full render. The key
-holds every value that is not a field as it is, and each field's surrounding whitespace.
+A shape is learned only where that is exact by construction (docs/masks.md, "Skeletons"), each premise
+enforced by refusing to learn:
+(a) the render is a function of the key and the recorded facts: a global or filter outside the environment's
+    allow-list poisons the trace, and the clock's text is a fact (environment.py, pairs.strftime_now);
+(b) every read and transform of a field is a recorded fact with a replay (facts.py), or poisons the trace;
+(c) equal keys mean equal values outside the fields: `_frozen` keys each by type and exact value;
+(d) turn finding reads constant text only (turns.finds_in_constants), every field reaches the output whole
+    (the text between its markers is the field's text), and no trained span starts or ends inside a field.
 
-The guard rail: the first row filled from each skeleton, and one row in `SAMPLE_EVERY` after that, are also
-rendered in full and must agree, or the run stops (`SkeletonMismatch`).
+The guard rail: the first row filled from each skeleton, and each later fill with probability 1/`SAMPLE_EVERY`
+(a generator seeded per run), are also located as `--render full` locates them and must agree. A difference
+raises `SkeletonMismatch` after `Skeletons.drop`: the encoder renders the batch again in full
+(ChatEncoder.encode_batch), and a slice with rows filled before is tokenized again (build/shard.py).
 """
 
 from __future__ import annotations
