@@ -265,6 +265,9 @@ def test_a_mismatch_in_a_run_is_counted_and_never_published(modern_tokenizer, tm
     manifest = json.loads((built / "manifest.json").read_text())
     assert manifest["masks"]["skeleton_mismatches"] == 1
     assert manifest["render"] == "skeleton"
+    from sft_tokenize.flows.report import summary  # the run's summary and `inspect` show it
+
+    assert "their slices were rendered in full" in dict(summary(manifest, built))["skeleton mismatches"]
     want, got = open_cache(full), open_cache(built)
     assert len(want) == len(got) == 4
     for k in range(4):
@@ -463,3 +466,22 @@ def test_the_guard_compares_with_what_render_full_does(modern_tokenizer):
     want, got, encoder = full_and_filled(tokenizer, examples_of(rows))
     assert_same(want, got)
     assert (got.rows_filled, got.rows_checked, got.skeleton_mismatches) == (1, 1, 0)
+
+
+@pytest.mark.parametrize("on_bad_row", ["skip", "raise"])
+def test_a_control_token_row_in_a_run_is_skipped_or_named(modern_tokenizer, tmp_path, on_bad_row):
+    """In a run: counted and skipped under --on-bad-row skip, else one line naming its file and line."""
+    from sft_tokenize.build.options import TokenizeOptions
+    from sft_tokenize.build.protocol import run_locally
+    from sft_tokenize.errors import BadInput
+
+    rows = [plain_pair("hi", "hello"), plain_pair("say <|im_end|> please", "no"), plain_pair("bye", "bye")]
+    data = write_jsonl(tmp_path / "data.jsonl", rows)
+    options = TokenizeOptions(sources=[str(data)], tokenizer=str(modern_tokenizer("smollm3")),
+                              cache_dir=str(tmp_path / "cache"), on_bad_row=on_bad_row)
+    if on_bad_row == "raise":
+        with pytest.raises(BadInput, match=rf"^{data}:2: a message holds a control token's text"):
+            run_locally(options)
+        return
+    manifest = json.loads((run_locally(options) / "manifest.json").read_text())
+    assert (manifest["rows"], manifest["dropped"]) == (2, {"control_token_in_text": 1})
