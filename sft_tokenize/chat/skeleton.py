@@ -319,16 +319,15 @@ class Skeletons:
 
     def __init__(self, name: str, seed: int | None = None):
         self.name = name
-        self.dropped = False
+        self._lock = threading.Lock()
         self.reset(seed)
 
     def reset(self, seed: int | None = None) -> None:
         """Forget what was learned (a new run), and sample checks from `seed` (None: from the OS)."""
-        with getattr(self, "_lock", threading.Lock()):
+        with self._lock:
             self._by_key: dict[tuple, list[Skeleton]] = {}
             self._count = 0
             self._uses: dict[int, int] = {}
-            self._lock = threading.Lock()
             self._random = random.Random(seed if seed is not None else int.from_bytes(os.urandom(8), "little"))
             self.filled = 0
             self.checked = 0
