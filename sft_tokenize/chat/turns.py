@@ -29,10 +29,11 @@ from __future__ import annotations
 
 import bisect
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from itertools import accumulate
 from typing import Literal
 
+from sft_tokenize.chat.anchors import Anchors, Evidence, finds_in_constants
 from sft_tokenize.chat.facts import agree
 from sft_tokenize.chat.markers import MARK_BASE, MARK_SPLIT, mark
 from sft_tokenize.chat.pairs import Twin, swapped
@@ -118,7 +119,7 @@ class TurnFinder:
     def _located(self, conv: Conversation, targets: list[int], shape: Shape | None = None) -> list[Rendered]:
         """The rows of a prepared conversation as `--render full` finds them (see `find`), learning a skeleton
         from the render where `shape` is given and that is exact."""
-        evidence = _Evidence() if shape is not None and self.skeletons.learning() else None
+        evidence = Evidence() if shape is not None and self.skeletons.learning() else None
         located = self._by_markers(conv, targets, evidence)
         if located is None:
             return [self._by_prefixes(conv, targets)]
@@ -166,7 +167,7 @@ class TurnFinder:
                     f"({text[:60]!r}...) otherwise than its learned skeleton")
         return row
 
-    def _learn(self, shape: Shape, evidence: _Evidence, row: Rendered) -> None:
+    def _learn(self, shape: Shape, evidence: Evidence, row: Rendered) -> None:
         """Keep a skeleton of the row's render, where its premises hold (skeleton.py): one render of Twins with
         nothing poisoned, turn finding that read constant text only, and how each header that reached into a
         field agrees with it recorded as a fact."""
@@ -186,7 +187,7 @@ class TurnFinder:
     # -- the two-render path ---------------------------------------------------------------------------------
 
     def _by_markers(self, conv: Conversation, targets: list[int],
-                    evidence: _Evidence | None = None) -> tuple[Rendered, list[int]] | None:
+                    evidence: Evidence | None = None) -> tuple[Rendered, list[int]] | None:
         """(the row, targets whose reasoning the template dropped), or None when marking changes the render.
         `evidence`: receives what learning a skeleton from this render needs (see `_learn`)."""
         template = self.template
@@ -236,7 +237,7 @@ class TurnFinder:
         rendered: dict[int, set[str]] = {}
         for fid in opened.keys() | closed.keys():
             rendered.setdefault(marked.owners[fid], set()).add(marked.kinds[fid])
-        anchors = _Anchors(fields)
+        anchors = Anchors(fields)
         stripped, regions, append_eos = [], [], False
         reach = evidence.reach if evidence is not None else None  # headers read into a field
         searched: list[tuple[int, int]] = evidence.searched if evidence is not None else []
@@ -372,67 +373,6 @@ class TurnFinder:
         elif self.train_on == "last_assistant":
             spans = spans[-1:]
         return Rendered(text, [tuple(s) for s in spans], token_rule="overlap")
-
-
-@dataclass
-class _Evidence:
-    """What a render of Twins tells about learning a skeleton from it, gathered while its turns are located."""
-
-    trace: list = field(default_factory=list)  # what the template learned about the fields (pairs.py)
-    reach: list[tuple[int, str]] = field(default_factory=list)  # (field start, header text read into it)
-    searched: list[tuple[int, int]] = field(default_factory=list)  # stretches searched for headers and ends
-    marked_text: str | None = None  # set when the row was located from one render of Twins
-    kinds: list[str] = field(default_factory=list)
-    opened: dict[int, int] = field(default_factory=dict)  # field id -> where its first rendering opens
-    twice: bool = False  # a field renders more than once
-    positions: list[int] = field(default_factory=list)  # of every marker
-
-
-class _Anchors:
-    """The rendered fields' start and end positions in the text, sorted, with the message each belongs to."""
-
-    def __init__(self, fields: list[tuple[int, int, int]]):
-        points = sorted((position, owner) for owner, start, end in fields for position in (start, end))
-        self.positions = [position for position, _ in points]
-        self.owners = [owner for _, owner in points]
-        self.extents: dict[int, tuple[int, int]] = {}
-        for owner, start, end in fields:
-            low, high = self.extents.get(owner, (start, end))
-            self.extents[owner] = (min(low, start), max(high, end))
-
-    def has(self, message: int) -> bool:
-        """Whether any field of the message renders."""
-        return message in self.extents
-
-    def extent(self, message: int) -> tuple[int, int]:
-        """(first, last) position of the message's fields."""
-        return self.extents[message]
-
-    def before(self, position: int, message: int) -> tuple[int, int | None]:
-        """(position, message) of the last anchor of another message at or before `position`, or (0, None)."""
-        k = bisect.bisect_right(self.positions, position) - 1
-        while k >= 0 and self.owners[k] == message:
-            k -= 1
-        return (self.positions[k], self.owners[k]) if k >= 0 else (0, None)
-
-    def after(self, position: int, message: int, default: int) -> int:
-        """The first anchor of another message at or after `position`, or `default`."""
-        k = bisect.bisect_left(self.positions, position)
-        while k < len(self.positions) and self.owners[k] == message:
-            k += 1
-        return self.positions[k] if k < len(self.positions) else default
-
-
-def finds_in_constants(twice: bool, positions: list[int], stretches: list[tuple[int, int]]) -> bool:
-    """Whether turn finding read constant text only (a skeleton's premise): no field rendered `twice`, and no
-    marker (at sorted `positions`) strictly inside a stretch searched for a header or an end of turn."""
-    if twice:
-        return False
-    for start, end in stretches:
-        k = bisect.bisect_right(positions, start)
-        if k < len(positions) and positions[k] < end:
-            return False
-    return True
 
 
 def _agreeing_length(prefix: str, text: str, at: int) -> int:
