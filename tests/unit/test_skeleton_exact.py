@@ -373,6 +373,9 @@ def test_verify_names_the_rows_a_wrong_skeleton_filled(modern_tokenizer, tmp_pat
     assert [(row, where) for row, where, _ in result.differences] == [(1, f"{data}:2")]
     assert cli.main(["verify", str(wrong), "--sample", "4"]) == 2
     assert f"row 1 ({data}:2): input_ids differs" in capsys.readouterr().err
+    write_jsonl(data, _thinking_rows()[::-1])  # the source changed since: its rows cannot be compared
+    assert cli.main(["verify", str(right), "--all"]) == 2
+    assert "its inputs changed since it was built (sources)" in capsys.readouterr().err
 
 
 def test_render_full_is_another_cache(modern_tokenizer, tmp_path):
