@@ -233,7 +233,7 @@ class ChatEncoder:
                 outcomes.append(example)
                 origins.append(index)
                 continue
-            literal = False
+            literal, control = False, None
             if self.special_text != "keep":
                 control = self._control_text(example)
                 if control and self.special_text == "error":
@@ -253,9 +253,11 @@ class ChatEncoder:
                 outcomes.append(None)
                 if isinstance(result, Rendered) and literal and not result.fields and result.token_rule != "text":
                     # Its control-token text cannot be told from the template's: the row's own outcome.
-                    result = BadRow("control_token_in_text", "a message holds a control token's text and this chat "
-                                                             "template's turns could not be located field by field; "
-                                                             "use --special-text keep or error")
+                    where, token = control
+                    result = BadRow("control_token_in_text", f"{where} holds the control token {token!r} as text, "
+                                                             "and this chat template's turns cannot be located field "
+                                                             "by field to encode it as plain text: use --special-text "
+                                                             "keep or error")
                 if isinstance(result, Rendered):
                     rows.append((len(outcomes) - 1, result, literal))
                     counts["rows_exact"] += result.exact

@@ -483,7 +483,8 @@ def test_a_control_token_row_in_a_run_is_skipped_or_named(modern_tokenizer, tmp_
     options = TokenizeOptions(sources=[str(data)], tokenizer=str(modern_tokenizer("smollm3")),
                               cache_dir=str(tmp_path / "cache"), on_bad_row=on_bad_row)
     if on_bad_row == "raise":
-        with pytest.raises(BadInput, match=rf"^{data}:2: a message holds a control token's text"):
+        named = rf"^{data}:2: messages\[0\]\.content holds the control token '<\|im_end\|>' as text"
+        with pytest.raises(BadInput, match=named):
             run_locally(options)
         return
     manifest = json.loads((run_locally(options) / "manifest.json").read_text())
