@@ -8,7 +8,8 @@ The benchmark tokenizer (build_inputs.py, ChatML template) is copied with anothe
 Qwen3's from the reference templates beside the project (../shared/chat_templates/modern/qwen3.jinja), and
 the control tokens that template writes added. Each template's `sft-tokenize run` is run cold, in turn
 (ChatML, other, ChatML, other, ...), so both see the same machine; the report gives each one's median wall
-time and throughput, their ratio, and how many rows took the exact path. Results: --out/templates.json.
+time and throughput, their ratio, how many rows took the exact path and the share filled from skeletons. Results:
+--out/templates.json.
 """
 
 from __future__ import annotations
@@ -79,11 +80,15 @@ def main(argv: list[str] | None = None) -> None:
             manifest = json.loads((Path(measured.stdout.strip().splitlines()[-1]) / "manifest.json").read_text())
             run = {"seconds": round(measured.seconds, 2), "tokens": manifest["tokens"],
                    "trained_tokens": manifest["trained_tokens"], "rows": manifest["rows"],
-                   "rows_exact": manifest["masks"]["rows_exact"], "peak_anon_mib": round(measured.peak_anon_mib)}
+                   "rows_exact": manifest["masks"]["rows_exact"],
+                   # rows filled from a skeleton rather than rendered (docs/masks.md, "Skeletons")
+                   "rows_filled": manifest["masks"].get("rows_filled", 0),
+                   "peak_anon_mib": round(measured.peak_anon_mib)}
             runs[name].append(run)
             rate = run["tokens"] / run["seconds"]
             print(f"{name:>8} run {repeat + 1}: {run['seconds']:.1f} s, {rate:,.0f} tokens/s, "
-                  f"{run['rows_exact']} rows on the exact path", flush=True)
+                  f"{run['rows_exact']} rows on the exact path, {run['rows_filled'] / max(run['rows'], 1):.0%} "
+                  "filled from skeletons", flush=True)
             shutil.rmtree(cache_dir, ignore_errors=True)
     summary = {}
     for name, measured_runs in runs.items():

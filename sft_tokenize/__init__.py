@@ -47,15 +47,17 @@ _API = {
     "work_view": "sft_tokenize.read.trainers",
     "materialize": "sft_tokenize.read.remote_cache",
     "ImageCollator": "sft_tokenize.read.image_collator",
+    "verify_cache": "sft_tokenize.build.verify",
     "BadInput": "sft_tokenize.errors",
     "CacheError": "sft_tokenize.errors",
 }
 __all__ = ["BadInput", "CacheError", "ImageCollator", "MixtureOptions", "MixtureSource", "PackOptions", "PackedSampler",
            "PackedSequences", "TokenizedCache", "for_axolotl", "for_trl", "materialize", "mix_caches",
            "mixture_dataset", "open_cache", "open_mixture", "pack_cache", "packed_sequences", "read_manifest",
-           "tokenize", "work_view"]
+           "tokenize", "verify_cache", "work_view"]
 
 if TYPE_CHECKING:
+    from sft_tokenize.build.verify import verify_cache
     from sft_tokenize.errors import BadInput, CacheError
     from sft_tokenize.flows.api import tokenize
     from sft_tokenize.format.manifest import read_manifest

@@ -99,6 +99,8 @@ class Job(_JobPaths):
     # the URL of a remote cache root (remote_root.py); empty: a local root. Then `store` is its store's URL, and
     # each process writes its shards into its own working store (local_store) before uploading them
     remote_root: str = ""
+    # this run's own id: what a process learned while encoding (chat/skeleton.py) is never carried into another run
+    run: str = ""
 
 
 def features(extra_columns: tuple[str, ...] = (), layout: str = "skyrl", images: bool = False):

@@ -179,8 +179,9 @@ class TokenizeOptions(BaseModel):
     render: Annotated[Render, Option(OUTPUT, job=True)] = Field(
         "skeleton", description="how rows reach the chat template: skeleton (a row whose shape was rendered before "
                                 "is filled in where that is exact, with samples checked against a full render; see "
-                                "docs/masks.md), full (every row rendered); the cache's bytes are the same, so it is "
-                                "not in the fingerprint")
+                                "docs/masks.md), full (every row rendered). The bytes are meant to be the same, but "
+                                "full is fingerprinted apart: a --render full run never returns a skeleton-built cache "
+                                "(sft-tokenize verify re-checks one)")
     # A skip run may hold fewer rows than a raise run would refuse to publish: never the same cache.
     on_bad_row: Annotated[OnBadRow, Option(INPUT, fingerprint="value", job=True)] = Field(
         "raise", description="raise: stop at the first malformed row; skip: skip it and count it")

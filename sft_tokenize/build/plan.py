@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -184,6 +185,9 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable
         # Its configuration (the resize rule, the image tokens) decides every image row's tokens.
         **({"processor_files": hash_directory(processor_dir)} if processor_dir else {}),
         **hashed_values(options),  # the options that change the rows by their value (options.py)
+        # Skeleton-built rows are meant to be the full render's: a cache built with every row rendered is
+        # another cache (so --render full next to a default run rebuilds), and the default keeps its fingerprints.
+        **({"render": "full"} if options.render == "full" else {}),
     }
     digest = fingerprint(inputs)
     inputs["ignored_files"] = ignored  # recorded, not hashed: they are never read
@@ -204,6 +208,7 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable
         prepared=str(prepared_dir(tokenizer_files, options.trust_remote_code)),
         processor_config=json.dumps(processor_config, sort_keys=True) if processor_config else "",
         remote_root=remote or "",
+        run=uuid.uuid4().hex,
     )
     mark("planned")
     if remote:

@@ -74,7 +74,8 @@ def length_summary(histogram: Counter) -> dict[str, float]:
 
 
 # Per-shard counts about how masks were made, summed into the manifest's "masks".
-MASK_COUNTS = ("rows_all_trained", "rows_exact", "rows_expanded", "rows_special_text")
+MASK_COUNTS = ("rows_all_trained", "rows_exact", "rows_expanded", "rows_special_text", "rows_filled", "rows_checked",
+               "skeleton_mismatches")
 
 
 def describe_drops(dropped: dict[str, int]) -> str:
@@ -110,7 +111,8 @@ def build_manifest(job: Job, slices: list[Slice], shards: list[dict], files: lis
         "tokens": sum(s["tokens"] for s in shards),
         "trained_tokens": sum(s["trained_tokens"] for s in shards),
         "dropped": dict(sorted(dropped.items())),
-        "masks": {key: sum(s[key] for s in shards) for key in MASK_COUNTS},
+        "masks": {key: sum(s.get(key, 0) for s in shards) for key in MASK_COUNTS},
+        "render": job.render,
         "lengths": length_summary(lengths),
         **({"images": image_record(job, slices, shards)} if job.processor_config else {}),
         "files": files,

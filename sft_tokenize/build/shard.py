@@ -15,6 +15,7 @@ import logging
 import time
 from collections import deque
 from concurrent.futures import Future
+from dataclasses import replace
 from typing import Any
 
 from sft_tokenize.build.image_rows import ImageRows, held_bytes, pixel_bytes
@@ -26,8 +27,7 @@ from sft_tokenize.build.shard_stats import ShardStats
 from sft_tokenize.build.shard_writer import ShardWriter
 from sft_tokenize.build.stopping import Stopped, raise_if_stopping
 from sft_tokenize.build.timeline import mark
-from sft_tokenize.build.workers import encoder_for, slice_encoding
-from sft_tokenize.chat.skeleton import SkeletonMismatch
+from sft_tokenize.build.workers import encoder_for, rendering, skeletons_dropped, slice_encoding
 from sft_tokenize.encoding.exact import VERIFY_ROWS
 from sft_tokenize.errors import BadInput, BadRow, OutOfSpace
 from sft_tokenize.files import atomic_path, atomic_write
@@ -47,8 +47,28 @@ def _image_rows(job: Job) -> ImageRows | None:
                      pixels="pixel_values" in job.extra_columns, timeout=job.image_timeout)
 
 
+class _RenderAgain(Exception):
+    """A skeleton's fill differed from its full render: the slice is tokenized again, rendering every row."""
+
+    def __init__(self, mismatches: int):
+        super().__init__(mismatches)
+        self.mismatches = mismatches
+
+
 def _stream_rows(job: Job, slice_: Slice, stream) -> ShardStats:
-    """Read, tokenize and write the slice's rows batch by batch, in order; bad rows raise or are counted."""
+    """Read, tokenize and write the slice's rows batch by batch, in order; bad rows raise or are counted. A fill
+    that differs from its full render is never written: the slice starts again with every row rendered in full."""
+    try:
+        return _stream_rows_as(rendering(job), slice_, stream)
+    except _RenderAgain as again:
+        stream.seek(0)
+        stream.truncate()
+        stats = _stream_rows_as(replace(job, render="full"), slice_, stream)
+        stats.skeleton_mismatches += again.mismatches
+        return stats
+
+
+def _stream_rows_as(job: Job, slice_: Slice, stream) -> ShardStats:
     encoding, depth = slice_encoding(job)
     stats = ShardStats(trains_every_token=job.train_on == "all")
     image_rows = _image_rows(job)
@@ -66,10 +86,12 @@ def _stream_rows(job: Job, slice_: Slice, stream) -> ShardStats:
     def write_oldest() -> None:
         nonlocal verified
         encoded, positions, locate, stored = in_flight.popleft()
-        try:
-            batch = encoded.result()
-        except SkeletonMismatch as mismatch:
-            raise SkeletonMismatch(f"{locate(positions[mismatch.row])}: {mismatch}") from None
+        batch = encoded.result()
+        if batch.skeletons_dropped and job.render == "skeleton":
+            skeletons_dropped(job)
+            if stats.rows_filled or batch.rows_filled:
+                # Rows this slice filled before may have come from the skeleton that failed: all of them again.
+                raise _RenderAgain(stats.skeleton_mismatches + batch.skeleton_mismatches)
         verified += batch.rows_verified
         for outcome, origin in zip(batch.outcomes, batch.origins, strict=True):
             if isinstance(outcome, BadRow):

@@ -20,6 +20,9 @@ class ShardStats:
     rows_expanded: int = 0  # extra rows made by --reasoning-turns expand
     rows_special_text: int = 0  # rows with a control token's text inside a message, encoded as plain text
     rows_all_trained: int = 0  # rows whose every token is trained: almost always a broken template
+    rows_filled: int = 0  # rows filled from a skeleton (chat/skeleton.py) rather than rendered
+    rows_checked: int = 0  # of those, rows also rendered in full and compared
+    skeleton_mismatches: int = 0  # fills that differed from their full render (rendered in full instead)
     max_buffered_rows: int = 0
     images: int = 0  # images stored in the rows
     image_tokens: int = 0  # vision tokens in the rows
@@ -34,6 +37,9 @@ class ShardStats:
         self.rows_exact += batch.rows_exact
         self.rows_expanded += batch.rows_expanded
         self.rows_special_text += batch.rows_special_text
+        self.rows_filled += batch.rows_filled
+        self.rows_checked += batch.rows_checked
+        self.skeleton_mismatches += batch.skeleton_mismatches
         self.tokens += len(batch.input_ids)
         self.trained_tokens += int(batch.loss_mask.sum(dtype=np.int64))
         if batch.rows and not self.trains_every_token:  # every kept row has a token
@@ -47,6 +53,8 @@ class ShardStats:
         return {"rows": self.rows, "tokens": self.tokens, "trained_tokens": self.trained_tokens,
                 "rows_exact": self.rows_exact, "rows_expanded": self.rows_expanded,
                 "rows_special_text": self.rows_special_text, "rows_all_trained": self.rows_all_trained,
+                "rows_filled": self.rows_filled, "rows_checked": self.rows_checked,
+                "skeleton_mismatches": self.skeleton_mismatches,
                 "max_buffered_rows": self.max_buffered_rows,
                 **({"images": self.images, "image_tokens": self.image_tokens, "image_bytes": self.image_bytes}
                    if self.images else {}),

@@ -146,11 +146,33 @@ def vision_family(job: Job) -> VisionFamily | None:
     return load_family(json.loads(job.processor_config), _process_encoding(job)[0])
 
 
+_runs: dict[str, str] = {}  # encoder key -> the run its encoder last learned skeletons for
+_in_full: set[tuple[str, str]] = set()  # (run, encoder key) whose skeletons a mismatch dropped in this process
+
+
+def skeletons_dropped(job: Job) -> None:
+    """A fill of the job's template differed from its full render here: this process renders the rest in full."""
+    _in_full.add((job.run, _encoder_key(job)))
+
+
+def rendering(job: Job) -> Job:
+    """The job as this process renders it: with --render full once its skeletons were dropped in this run."""
+    if job.render == "full" or (job.run, _encoder_key(job)) not in _in_full:
+        return job
+    return replace(job, render="full")
+
+
 def encoder_for(job: Job) -> ChatEncoder:
     """This process's ChatEncoder for the job, made once (compiling and probing a template takes a few hundred
-    ms) and shared by its slices' threads: it holds no state between batches."""
+    ms) and shared by its slices' threads: it holds no state between batches, and its skeletons are learned
+    anew for each run (a run never fills rows from what another learned)."""
     key = _encoder_key(job)
     with _making_encoder:
+        if key in _encoders and _runs.get(key) != job.run:
+            skeletons = _encoders[key].turns.skeletons if _encoders[key].turns is not None else None
+            if skeletons is not None:
+                skeletons.reset()
+        _runs[key] = job.run
         if key not in _encoders:
             if len(_encoders) >= 4:  # as many as process_encoding keeps: a long-lived worker's jobs come and go
                 _encoders.pop(next(iter(_encoders)))

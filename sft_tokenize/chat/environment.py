@@ -90,7 +90,9 @@ def _fast_sandbox(environment, for_twins: bool = False):
                 pass
         return base_getattr(obj, attribute)
 
-    def getitem(obj, argument):  # a Twin key finds what its plain text finds
+    def getitem(obj, argument):  # a Twin key finds what its plain text finds, which no trace replays
+        if type(argument) is Twin:
+            pairs.poison()
         try:
             return obj[argument]
         except (TypeError, LookupError):
@@ -103,11 +105,34 @@ def _fast_sandbox(environment, for_twins: bool = False):
         return checked[key]
 
     overlay.getattr, overlay.is_safe_attribute = getattr_, is_safe_attribute
+    overlay.globals = _row_globals(environment.globals)
+    overlay.filters = {**overlay.filters, **{name: pairs.outside(overlay.filters[name])
+                                             for name in _OUTSIDE_FILTERS if name in overlay.filters}}
     overlay.code_generator_class = TwinCodeGenerator if for_twins else FastCodeGenerator
     if for_twins:
         overlay.getitem, overlay.concat = getitem, pairs.concat
         overlay.filters, overlay.tests = pairs.twin_filters(overlay.filters), pairs.twin_tests(overlay.tests)
     return overlay
+
+
+# Globals whose result is a function of their arguments (and the row): every other global is taken to read
+# something outside the row, and a traced render that calls it is not learned (pairs.outside). `strftime_now`
+# reads the clock: its text is a fact of the trace (pairs.strftime_now).
+_ROW_GLOBALS = frozenset({"range", "dict", "namespace", "cycler", "joiner", "raise_exception"})
+_OUTSIDE_FILTERS = ("random",)
+
+
+def _row_globals(globals_: dict) -> dict:
+    """The environment's globals, as a new dict (the base environment's is transformers' cached one)."""
+    out = {}
+    for name, value in globals_.items():
+        if name == "strftime_now":
+            out[name] = pairs.strftime_now
+        elif name in _ROW_GLOBALS or not callable(value):
+            out[name] = value
+        else:
+            out[name] = pairs.outside(value)
+    return out
 
 
 def compile_template(environment, source: str, for_twins: bool = False):

@@ -52,6 +52,35 @@ def _wrap(text: str, core: str, fid: int) -> str:
     return f"{head}{opening}{core}{closing}{tail}"
 
 
+def with_fields(message: dict[str, Any], visit: Callable[[Any, str], Any]) -> dict[str, Any]:
+    """A copy of the message with each of its fields replaced by `visit(value, kind)`, visited in the order fields
+    are numbered: content, reasoning (one field, under each of its names the message has), then each tool call's
+    id, name and arguments. The one walk of a message's fields: `mark` wraps them, `skeleton.shape_of` keys them."""
+    out = dict(message)
+    if "content" in message:
+        out["content"] = visit(message["content"], "content")
+    if message.get("role") == "assistant" and not NO_REASONING_KEYS.issuperset(message):
+        reasoning = next((message[key] for key in REASONING_FIELDS if isinstance(message.get(key), str)), None)
+        if reasoning is not None:
+            visited = visit(reasoning, "reasoning")
+            for key in REASONING_FIELDS:
+                if key in message:
+                    out[key] = visited
+    if message.get("tool_calls"):
+        calls = []
+        for call in message["tool_calls"]:
+            call = dict(call)
+            if "id" in call:
+                call["id"] = visit(call["id"], "tool_id")
+            function = dict(call.get("function") or {})
+            function["name"] = visit(function.get("name"), "tool_name")
+            function["arguments"] = visit(function.get("arguments"), "tool_arguments")
+            call["function"] = function
+            calls.append(call)
+        out["tool_calls"] = calls
+    return out
+
+
 def mark(messages: Sequence[dict[str, Any]], kinds: frozenset[str], empty: bool = False,
          twin: Callable[[str, str, int], Any] | None = None) -> Marked | None:
     """Wrap every field of `kinds` in markers (None if the conversation has more fields than markers): each
@@ -76,27 +105,5 @@ def mark(messages: Sequence[dict[str, Any]], kinds: frozenset[str], empty: bool 
         return twin(_wrap(text, core, fid), text, fid) if twin else _wrap(text, core, fid)
 
     for index, message in enumerate(messages):
-        marked = dict(message)
-        if "content" in message:
-            marked["content"] = wrap(message["content"], index, "content")
-        if message.get("role") == "assistant" and not NO_REASONING_KEYS.issuperset(message):
-            reasoning = next((message[key] for key in REASONING_FIELDS if isinstance(message.get(key), str)), None)
-            if reasoning is not None:
-                wrapped = wrap(reasoning, index, "reasoning")
-                for key in REASONING_FIELDS:
-                    if key in message:
-                        marked[key] = wrapped
-        if message.get("tool_calls"):
-            calls = []
-            for call in message["tool_calls"]:
-                call = dict(call)
-                if "id" in call:
-                    call["id"] = wrap(call["id"], index, "tool_id")
-                function = dict(call.get("function") or {})
-                function["name"] = wrap(function.get("name"), index, "tool_name")
-                function["arguments"] = wrap(function.get("arguments"), index, "tool_arguments")
-                call["function"] = function
-                calls.append(call)
-            marked["tool_calls"] = calls
-        out.messages.append(marked)
+        out.messages.append(with_fields(message, lambda value, kind, index=index: wrap(value, index, kind)))
     return out if MARK_BASE + 2 * len(out.owners) <= MARK_LIMIT else None

@@ -17,8 +17,10 @@ not tell them apart.
 A render can also be traced (`render_twins(..., trace=[])`): every fact the template learned about a field's
 text (its truth, length, comparisons, `in`, what a strip removed, how many pieces a split gave) is recorded with
 the field and the operations that led to the value it asked about (a Twin's `origin`). Another row whose fields
-give the same facts takes the same branches, which `skeleton.py` relies on. A fact that cannot be replayed on
-another row (a hash, a piece of text that left the Twins) poisons the trace.
+give the same facts takes the same branches, which `skeleton.py` relies on. What is recorded is an allow-list:
+the facts and steps `facts.py` replays, with arguments it replays exactly. Any other read (a hash, a field used
+as a key, text joined to a `Markup`, a global or filter that reads outside the row, a piece of text that left the
+Twins) poisons the trace: that render is not learned.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ import threading
 from collections.abc import Callable, Iterable, Mapping, MappingView, Set
 from typing import Any
 
+from sft_tokenize.chat import facts
+from sft_tokenize.chat.facts import FIELD_REF, replayable, trimmed
 from sft_tokenize.chat.markers import MARKS, holds_marks
 
 
@@ -51,6 +55,9 @@ def _observe(twin: Twin, op: str, args: tuple, result: Any) -> Any:
     """Record, in a traced render, that the template learned `result` from `op(twin's value, *args)`."""
     trace = getattr(_state, "trace", None)
     if trace is not None:
+        if op not in facts.FACTS:  # no replay: nothing another row could be checked against
+            trace.append(POISON)
+            return result
         refs = []
         for arg in args:
             if type(arg) is Twin:
@@ -58,6 +65,9 @@ def _observe(twin: Twin, op: str, args: tuple, result: Any) -> Any:
                     trace.append(POISON)
                     return result
                 arg = (FIELD_REF, arg.origin)
+            elif not replayable(arg):
+                trace.append(POISON)
+                return result
             refs.append(arg)
         trace.append(POISON if twin.origin is None else (twin.origin, op, tuple(refs), result))
     return result
@@ -69,7 +79,32 @@ def _poison() -> None:
         trace.append(POISON)
 
 
-FIELD_REF = object()  # tags a traced argument that is another field's value: (FIELD_REF, origin)
+poison = _poison  # a read the trace cannot replay (the environment's, e.g. a field used as a key)
+
+def strftime_now(format: Any) -> str:
+    """transformers' `strftime_now` global, reading `clock`. In a traced render, the text it gave is a fact (a
+    skeleton holds it as constant text, so a later row whose clock gives other text is rendered in full)."""
+    if type(format) is Twin:
+        _poison()
+        format = format.plain
+    text = facts.clock().strftime(format)
+    trace = getattr(_state, "trace", None)
+    if trace is not None:
+        trace.append((None, "strftime_now", (format,), text) if type(format) is str else POISON)
+    return text
+
+
+def outside(function: Callable) -> Callable:
+    """A global or filter whose result depends on something outside the row (randomness): calling it in a traced
+    render poisons the trace."""
+    def called(*args, **kwargs):
+        _poison()
+        return function(*args, **kwargs)
+
+    for attribute in ("jinja_pass_arg",):
+        if hasattr(function, attribute):
+            setattr(called, attribute, getattr(function, attribute))
+    return called
 
 
 def _plain(value: Any) -> Any:
@@ -88,7 +123,11 @@ def _derived(marked: str, plain: str, origin: tuple | None = None) -> str | Twin
 
 
 def _then(twin: Twin, *step: Any) -> tuple | None:
-    """The origin of a value made from `twin` by one more operation."""
+    """The origin of a value made from `twin` by one more operation (None, and the trace poisoned, where the
+    operation's arguments would not replay)."""
+    if step[0] not in facts.STEPS or not all(replayable(arg) for arg in step[1:]):
+        _poison()
+        return None
     return None if twin.origin is None else (twin.origin[0], (*twin.origin[1], step))
 
 
@@ -153,13 +192,19 @@ class Twin:
     def __add__(self, other: Any) -> Twin:
         if type(other) is Twin:
             return Twin(self.marked + other.marked)
-        if isinstance(other, str):
+        if type(other) is str:
             return Twin(self.marked + _unmarked(other), None, _then(self, "add", other))
+        if isinstance(other, str):  # a Markup: escapes the field's text, which no slot of a skeleton does
+            _poison()
+            return _derived(self.marked + _unmarked(other), self.plain + other)
         return NotImplemented
 
     def __radd__(self, other: Any) -> Twin:
-        if isinstance(other, str):
+        if type(other) is str:
             return Twin(_unmarked(other) + self.marked, None, _then(self, "radd", other))
+        if isinstance(other, str):
+            _poison()
+            return _derived(_unmarked(other) + self.marked, other + self.plain)
         return NotImplemented
 
     def strip(self, chars: str | None = None) -> Twin:
@@ -239,13 +284,6 @@ def _unmarked(text: str) -> str:
     if holds_marks(text):
         _diverge()
     return text
-
-
-def trimmed(text: str, method: str, chars: str | None) -> tuple[int, int]:
-    """How many characters `text.<method>(chars)` removes at its start and at its end."""
-    left = len(text) - len(text.lstrip(chars)) if method != "rstrip" else 0
-    right = len(text) - len(text.rstrip(chars)) if method != "lstrip" else 0
-    return (left, right) if left < len(text) else (left, 0)
 
 
 def twin_attribute(twin: Twin, attribute: str, undefined: Callable[..., Any]) -> Any:

@@ -9,30 +9,36 @@ strip removed, whether a field is empty). A later row of that shape whose fields
 same branches, so its text is the constants with its fields in the slots and its trained spans are the same
 offsets: no Jinja, no marker search.
 
-A shape is learned only where that is exact by construction: every field reaches the output whole (the text
-between its markers is the field's text), the trace holds only facts that can be checked on another row, and
-no trained span starts or ends inside a field. Anything else (a row whose fields hold marker characters, a
-template that JSON-escapes a field, hashes it or cuts pieces out of it) keeps taking the full render. The key
-holds every value that is not a field as it is, and each field's surrounding whitespace.
+A shape is learned only where that is exact by construction (docs/masks.md, "Skeletons"), each premise
+enforced by refusing to learn:
+(a) the render is a function of the key and the recorded facts: a global or filter outside the environment's
+    allow-list poisons the trace, and the clock's text is a fact (environment.py, pairs.strftime_now);
+(b) every read and transform of a field is a recorded fact with a replay (facts.py), or poisons the trace;
+(c) equal keys mean equal values outside the fields: `_frozen` keys each by type and exact value;
+(d) turn finding reads constant text only (turns.finds_in_constants), every field reaches the output whole
+    (the text between its markers is the field's text), and no trained span starts or ends inside a field.
 
-The guard rail: the first row filled from each skeleton, and one row in `SAMPLE_EVERY` after that, are also
-rendered in full and must agree, or the run stops (`SkeletonMismatch`).
+The guard rail: the first row filled from each skeleton, and each later fill with probability 1/`SAMPLE_EVERY`
+(a generator seeded per run), are also located as `--render full` locates them and must agree. A difference
+raises `SkeletonMismatch` after `Skeletons.drop`: the encoder renders the batch again in full
+(ChatEncoder.encode_batch), and a slice with rows filled before is tokenized again (build/shard.py).
 """
 
 from __future__ import annotations
 
+import os
+import random
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import accumulate
-from os.path import commonprefix
 from typing import Any
 
 import orjson
 
-from sft_tokenize.chat.markers import MARK_BASE, MARK_LIMIT, MARK_SPLIT, NO_REASONING_KEYS, holds_marks
-from sft_tokenize.chat.pairs import FIELD_REF, POISON, trimmed
-from sft_tokenize.sources.conversations import REASONING_FIELDS
+from sft_tokenize.chat import facts
+from sft_tokenize.chat.markers import MARK_BASE, MARK_LIMIT, MARK_SPLIT, holds_marks, with_fields
+from sft_tokenize.chat.pairs import POISON
 
 SAMPLE_EVERY = 64  # one filled row in this many is rendered in full too, and compared
 MAX_PER_SHAPE = 8  # skeletons kept for one shape (rows whose fields take other branches)
@@ -72,22 +78,81 @@ class Shape:
     cores: list[str]  # each value without its surrounding whitespace: what its slot holds
 
 
-def _frozen(value: Any) -> Any:
-    """A value that is not a field, as a key part; raises _Miss for one that could hold marker characters."""
+_SCALARS = (type(None), bool, int)
+
+
+def _exact(value: Any, depth: int = 32) -> Any:
+    """A value as a key part that tells apart every value a template can: types exactly (1, 1.0 and true), floats
+    by their repr (NaN, -0.0, inf), mappings with their keys in order; raises _Miss for a type it does not know
+    or text that could hold marker characters."""
     kind = type(value)
     if kind is str:
         if holds_marks(value):
             raise _Miss
         return value
-    if value is None or kind is bool or kind is int or kind is float:
+    if kind in _SCALARS:
         return (kind, value)
+    if kind is float:
+        return (float, repr(value))
+    if not depth:
+        raise _Miss
+    if kind is dict:
+        return (dict, tuple((_exact(k, depth - 1), _exact(v, depth - 1)) for k, v in value.items()))
+    if kind is list or kind is tuple:
+        return (kind, tuple(_exact(v, depth - 1) for v in value))
+    raise _Miss
+
+
+def _frozen(value: Any) -> Any:
+    """A value that is not a field, as a key part (see `_exact`). Containers are dumped by orjson, which writes
+    every finite float exactly (-0.0, 1.0) and refuses subclasses of JSON types here; where it wrote a null,
+    which may have been NaN or an infinity, the walk of `_exact` keys them instead."""
+    kind = type(value)
+    if kind is str:
+        if holds_marks(value):
+            raise _Miss
+        return value
+    if kind in _SCALARS:
+        return (kind, value)
+    if kind is float:
+        return (float, repr(value))
     try:
-        dumped = orjson.dumps(value)
+        dumped = orjson.dumps(value, option=orjson.OPT_PASSTHROUGH_SUBCLASS | orjson.OPT_PASSTHROUGH_DATETIME
+                              | orjson.OPT_PASSTHROUGH_DATACLASS)
     except TypeError:
         raise _Miss from None
     if b"\xf3" in dumped:  # the UTF-8 lead byte of the markers' plane
         raise _Miss
+    if b"null" in dumped:  # orjson writes NaN and the infinities as null too: the walk tells them apart
+        return _exact(value)
     return (kind, dumped)
+
+
+class _Slot:
+    """Where a field is, in a message copied for its key (shape_of), with its tag: what of the field the key holds
+    (0, or its surrounding whitespace)."""
+
+    __slots__ = ("tag",)
+
+    def __init__(self, tag: Any):
+        self.tag = tag
+
+
+def _part(name: str, value: Any) -> tuple:
+    return (name, "slot", value.tag) if type(value) is _Slot else (name, _frozen(value))
+
+
+def _message_key(tagged: dict, calls: bool) -> tuple:
+    """A message copied with its fields as `_Slot`s (`with_fields`), as a key part; `calls`: its tool calls were
+    walked (each call's id and its function's name and arguments are slots)."""
+    parts = []
+    for name, value in tagged.items():
+        if name == "tool_calls" and calls:
+            parts.append((name, tuple(tuple((key, tuple(_part(k, v) for k, v in item.items())) if key == "function"
+                                            else _part(key, item) for key, item in call.items()) for call in value)))
+        else:
+            parts.append(_part(name, value))
+    return tuple(parts)
 
 
 def _blank(role: Any, content: Any) -> bool:
@@ -129,40 +194,14 @@ def shape_of(messages: list[dict], tools: Any, kinds: frozenset[str], extra: tup
         for message in messages:
             if type(message) is not dict:
                 return None
-            reasoning_keys = (message.get("role") == "assistant" and not NO_REASONING_KEYS.issuperset(message))
-            reasoning = None
-            if reasoning_keys:
-                reasoning = next((message[k] for k in REASONING_FIELDS if isinstance(message.get(k), str)), None)
-            parts: list[Any] = []
-            for name, value in message.items():
-                if name == "content":
-                    parts.append(field(value, "content"))
-                elif name in REASONING_FIELDS and reasoning is not None:
-                    parts.append(name)  # all of them carry the one reasoning field
-                elif name == "tool_calls" and value:
-                    parts.append(_frozen(None))  # placeholder: the calls come after the reasoning, as mark numbers them
-                else:
-                    parts.append((name, _frozen(value)))
-            if reasoning is not None:
-                parts.append(field(reasoning, "reasoning"))
-            if message.get("tool_calls"):
-                calls = message["tool_calls"]
-                if type(calls) is not list:
-                    return None
-                for call in calls:
-                    if type(call) is not dict:
-                        return None
-                    function = call.get("function") or {}
-                    if type(function) is not dict:
-                        return None
-                    parts.append((tuple(call), tuple(function),
-                                  field(call["id"], "tool_id") if "id" in call else None,
-                                  field(function.get("name"), "tool_name"),
-                                  field(function.get("arguments"), "tool_arguments"),
-                                  tuple((k, _frozen(v)) for k, v in call.items() if k not in ("id", "function")),
-                                  tuple((k, _frozen(v)) for k, v in function.items()
-                                        if k not in ("name", "arguments"))))
-            key.append((tuple(message), tuple(parts)))
+            calls = message.get("tool_calls") or []
+            if type(calls) is not list or not all(type(c) is dict and type(c.get("function")) is dict for c in calls):
+                return None
+            # The names of its keys, its calls' and their functions' (a field's value or its absence is a
+            # template's to tell apart), then every value with each field as its slot's tag (`field`).
+            layout = (tuple(message), tuple((tuple(call), tuple(call["function"])) for call in calls))
+            tagged = with_fields(message, lambda text, kind: _Slot(field(text, kind)))
+            key.append((layout, _message_key(tagged, bool(calls))))
     except _Miss:
         return None
     if MARK_BASE + 2 * len(values) > MARK_LIMIT:
@@ -196,83 +235,6 @@ def _simple_shape(messages: list[dict], extra: tuple) -> Shape | None | bool:
     return Shape(("simple", tuple(roles), tuple(tags), empty, extra), values, ["content"] * len(values), empty, cores)
 
 
-# -- replaying a trace ---------------------------------------------------------------------------------------
-
-def agree(rest: str, value: str) -> int:
-    """How many characters of `rest` (a header's text past the constant text) the field's text begins with, or
-    -1 where all of the field's text agrees (the text after it, another row's, would decide)."""
-    core = value.strip()
-    n = len(commonprefix([rest, core]))
-    return n if n < len(core) or n == len(rest) else -1
-
-
-
-
-def _is_ref(arg: Any) -> bool:
-    return type(arg) is tuple and len(arg) == 2 and arg[0] is FIELD_REF
-
-
-def _piece(pieces: list[str], index: int, count: int) -> str:
-    if len(pieces) != count:
-        raise _Miss
-    return pieces[index]
-
-
-_EXPRESSIONS = {  # each fact (pairs._observe) as an expression of the replayed value v and its arguments
-    "bool": "bool({v})", "len": "len({v})", "eq": "({v} == {a0})", "ne": "({v} != {a0})", "lt": "({v} < {a0})",
-    "le": "({v} <= {a0})", "gt": "({v} > {a0})", "ge": "({v} >= {a0})", "contains": "({a0} in {v})",
-    "startswith": "{v}.startswith({args})", "endswith": "{v}.endswith({args})",
-    "strip": "_trimmed({v}, 'strip', {a0})", "lstrip": "_trimmed({v}, 'lstrip', {a0})",
-    "rstrip": "_trimmed({v}, 'rstrip', {a0})", "split": "len({v}.split({a0}, {a1}))",
-    "rsplit": "len({v}.rsplit({a0}, {a1}))", "count": "({v}.count({a0}) if {a0} else -1)",
-    "slice": "slice({a0}, {a1}).indices(len({v}))[:2]", "agree": "_agree({a0}, {v})",
-}
-
-
-def _compiled(facts: tuple[tuple, ...]) -> Callable[[list[str]], bool]:
-    """One function that checks every fact on a row's field texts: a skeleton is tried on most rows, so its
-    facts are Python expressions, not a loop over them."""
-    constants: dict[str, Any] = {"_Miss": _Miss, "_piece": _piece, "_trimmed": trimmed, "_agree": agree}
-
-    def constant(value: Any) -> str:
-        name = f"_c{len(constants)}"
-        constants[name] = value
-        return name
-
-    def value_of(origin: tuple) -> str:
-        fid, steps = origin
-        text = f"v[{fid}]"
-        for step in steps:
-            name, args = step[0], [constant(a) for a in step[1:]]
-            if name == "add":
-                text = f"({text} + {args[0]})"
-            elif name == "radd":
-                text = f"({args[0]} + {text})"
-            elif name in ("strip", "lstrip", "rstrip"):
-                text = f"{text}.{name}({args[0]})"
-            elif name in ("split", "rsplit"):
-                text = f"_piece({text}.{name}({args[0]}, {args[1]}), {step[3]}, {step[4]})"
-            elif name == "replace":
-                text = f"{text}.replace({args[0]}, {args[1]}, {args[2]})"
-            elif name == "slice":
-                text = f"{text}[{args[0]}:{args[1]}]"
-            else:
-                raise ValueError(f"no replay for {name!r}")
-        return text
-
-    checks = []
-    for origin, fact, args, result in facts:
-        value = value_of(origin)
-        a = [value_of(arg[1]) if _is_ref(arg) else constant(arg) for arg in args]
-        expression = _EXPRESSIONS[fact].format(v=value, a0=a[0] if a else "", a1=a[1] if len(a) > 1 else "",
-                                               args=", ".join(a))
-        checks.append(f"        if {expression} != {constant(result)}:\n            return False")
-    body = "".join(check + "\n" for check in checks)
-    source = f"def holds(v):\n    try:\n{body}        return True\n    except _Miss:\n        return False\n"
-    exec(compile(source, "<skeleton facts>", "exec"), constants)  # it names only v and registered constants
-    return constants["holds"]
-
-
 @dataclass(frozen=True)
 class Skeleton:
     """Constant text around field slots, the facts a row must give, and the trained spans as offsets."""
@@ -285,7 +247,7 @@ class Skeleton:
     holds: Callable[[list[str]], bool] = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "holds", _compiled(self.facts))
+        object.__setattr__(self, "holds", facts.compiled(self.facts))
 
     def fill(self, cores: list[str]) -> tuple[str, list[tuple[int, int]]]:
         """The row's text from its fields' cores, and its trained spans."""
@@ -338,26 +300,39 @@ def learn(shape: Shape, marked_kinds: list[str], marked_text: str, trace: list,
         if a is None or b is None:
             return None
         mapped.append((*a, *b))
-    facts: dict[tuple, Any] = {}
+    recorded: dict[tuple, Any] = {}
     for origin, fact, args, result in trace:
         try:
-            facts.setdefault((origin, fact, args), result)
+            recorded.setdefault((origin, fact, args), result)
         except TypeError:  # an unhashable argument (a list compared with a field): not kept as a fact
             return None
-    return Skeleton(tuple(constants), tuple(slots), tuple((*key, result) for key, result in facts.items()),
+    return Skeleton(tuple(constants), tuple(slots), tuple((*key, result) for key, result in recorded.items()),
                     tuple(mapped), append_eos)
 
 
 class Skeletons:
-    """One template's learned skeletons, by shape; shared by the threads of a process."""
+    """One template's learned skeletons, by shape; shared by the threads of a process.
 
-    def __init__(self, name: str):
+    A filled row is checked against a full render the first time its skeleton is used, and otherwise with
+    probability 1/SAMPLE_EVERY, drawn from a generator seeded per run (`reset`). A mismatch `drop`s every
+    skeleton for good: the rest of the run renders in full."""
+
+    def __init__(self, name: str, seed: int | None = None):
         self.name = name
-        self._by_key: dict[tuple, list[Skeleton]] = {}
-        self._count = 0
-        self._uses: dict[int, int] = {}
         self._lock = threading.Lock()
-        self.filled = 0
+        self.reset(seed)
+
+    def reset(self, seed: int | None = None) -> None:
+        """Forget what was learned (a new run), and sample checks from `seed` (None: from the OS)."""
+        with self._lock:
+            self._by_key: dict[tuple, list[Skeleton]] = {}
+            self._count = 0
+            self._uses: dict[int, int] = {}
+            self._random = random.Random(seed if seed is not None else int.from_bytes(os.urandom(8), "little"))
+            self.filled = 0
+            self.checked = 0
+            self.mismatches = 0
+            self.dropped = False
 
     def find(self, shape: Shape) -> tuple[Skeleton, bool] | None:
         """A skeleton whose facts the row gives, and whether this row must be checked against a full render."""
@@ -367,15 +342,27 @@ class Skeletons:
                     uses = self._uses.get(id(skeleton), 0)
                     self._uses[id(skeleton)] = uses + 1
                     self.filled += 1
-                return skeleton, uses == 0 or self.filled % SAMPLE_EVERY == 0
+                    check = uses == 0 or self._random.random() * SAMPLE_EVERY < 1
+                    self.checked += check
+                return skeleton, check
         return None
 
     def keep(self, shape: Shape, skeleton: Skeleton) -> None:
         with self._lock:
+            if self.dropped:
+                return
             known = self._by_key.setdefault(shape.key, [])
             if self._count < MAX_SKELETONS and len(known) < MAX_PER_SHAPE:
                 known.append(skeleton)
                 self._count += 1
+
+    def drop(self) -> None:
+        """A fill differed from the full render: no skeleton of this template is used or learned again."""
+        with self._lock:
+            self.dropped = True
+            self.mismatches += 1
+            self._by_key = {}
+            self._count = MAX_SKELETONS
 
     def learning(self) -> bool:
         return self._count < MAX_SKELETONS

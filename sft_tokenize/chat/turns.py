@@ -33,9 +33,11 @@ from dataclasses import dataclass, replace
 from itertools import accumulate
 from typing import Literal
 
+from sft_tokenize.chat.anchors import Anchors, Evidence, finds_in_constants
+from sft_tokenize.chat.facts import agree
 from sft_tokenize.chat.markers import MARK_BASE, MARK_SPLIT, mark
 from sft_tokenize.chat.pairs import Twin, swapped
-from sft_tokenize.chat.skeleton import Shape, SkeletonMismatch, Skeletons, agree, learn, shape_of
+from sft_tokenize.chat.skeleton import Shape, Skeleton, SkeletonMismatch, Skeletons, learn, shape_of
 from sft_tokenize.chat.template import ChatTemplate
 from sft_tokenize.errors import BadRow
 from sft_tokenize.sources.conversations import Conversation
@@ -57,6 +59,8 @@ class Rendered:
     exact: bool = False  # found by the exact path
     expanded: bool = False  # an extra row made by --reasoning-turns expand
     fields: tuple[tuple[int, int, int], ...] = ()  # (message, start, end) of each marked field in `text`
+    filled: bool = False  # made from a skeleton (skeleton.py)
+    checked: bool = False  # and compared with its full render
 
 
 class TurnFinder:
@@ -101,16 +105,27 @@ class TurnFinder:
         conv = self.template.prepare(conv)
         if self.template.has_generation_blocks:
             return [self._generation_spans(conv, targets)]
+        # The skeletons are a cache in front of the turn locator: a known shape is filled, any other row located
+        # (and learned from, where that is exact).
         shape = None
-        if self.skeletons is not None and not fields and not conv.image_grids:
+        skeletons = self.skeletons
+        if skeletons is not None and not skeletons.dropped and not fields and not conv.image_grids:
             shape = shape_of(conv.messages, conv.tools, self.template.markable, (tuple(targets), conv.completion_start))
-            filled = self._filled(conv, targets, shape) if shape is not None else None
-            if filled is not None:
-                return [filled]
-        located = self._by_markers(conv, targets, shape)
+            found = skeletons.find(shape) if shape is not None else None
+            if found is not None:
+                return [self._filled(conv, targets, shape, *found)]
+        return self._located(conv, targets, shape)
+
+    def _located(self, conv: Conversation, targets: list[int], shape: Shape | None = None) -> list[Rendered]:
+        """The rows of a prepared conversation as `--render full` finds them (see `find`), learning a skeleton
+        from the render where `shape` is given and that is exact."""
+        evidence = Evidence() if shape is not None and self.skeletons.learning() else None
+        located = self._by_markers(conv, targets, evidence)
         if located is None:
             return [self._by_prefixes(conv, targets)]
         main, stripped = located
+        if evidence is not None and not stripped:
+            self._learn(shape, evidence, main)
         if self.reasoning_turns != "expand" or not stripped:
             return [main]
         rows, expanded = [], set()
@@ -136,29 +151,45 @@ class TurnFinder:
         located = self._by_markers(conv, []) if with_fields else None
         return Rendered(text, [(0, len(text))], fields=located[0].fields if located else ())
 
-    def _filled(self, conv: Conversation, targets: list[int], shape: Shape) -> Rendered | None:
-        """The row from a skeleton of its shape, checked against a full render where the guard rail says so."""
-        found = self.skeletons.find(shape)
-        if found is None:
-            return None
-        skeleton, check = found
+    def _filled(self, conv: Conversation, targets: list[int], shape: Shape, skeleton: Skeleton,
+                check: bool) -> Rendered:
+        """The row from a skeleton of its shape; with `check`, compared with what `--render full` makes of it.
+        A difference drops the template's skeletons and raises (the caller renders its rows again in full)."""
         text, regions = skeleton.fill(shape.cores)
-        row = Rendered(text, regions, skeleton.append_eos)
+        row = Rendered(text, regions, skeleton.append_eos, filled=True, checked=check)
         if check:
-            full = self._by_markers(conv, targets)
-            if full is None or (full[0].text, full[0].regions, full[0].append_eos) != (text, regions, row.append_eos):
+            full = self._located(conv, targets)
+            if len(full) != 1 or (full[0].text, full[0].regions, full[0].append_eos, full[0].token_rule) != (
+                    text, regions, row.append_eos, row.token_rule):
+                self.skeletons.drop()
                 raise SkeletonMismatch(
                     f"the chat template of {self.skeletons.name or 'the tokenizer'} renders a row "
-                    f"({text[:60]!r}...) otherwise than its learned skeleton: report the row; --render full "
-                    "renders every row in full")
+                    f"({text[:60]!r}...) otherwise than its learned skeleton")
         return row
+
+    def _learn(self, shape: Shape, evidence: Evidence, row: Rendered) -> None:
+        """Keep a skeleton of the row's render, where its premises hold (skeleton.py): one render of Twins with
+        nothing poisoned, turn finding that read constant text only, and how each header that reached into a
+        field agrees with it recorded as a fact."""
+        if evidence.marked_text is None or not finds_in_constants(evidence.twice, evidence.positions,
+                                                                  evidence.searched):
+            return
+        starts = {position: fid for fid, position in evidence.opened.items()}
+        trace = evidence.trace
+        for position, rest in evidence.reach:  # the turn's start depends on how the field there begins: a fact
+            if position not in starts or list(evidence.opened.values()).count(position) > 1:
+                return
+            trace.append(((starts[position], ()), "agree", (rest,), agree(rest, shape.values[starts[position]])))
+        skeleton = learn(shape, evidence.kinds, evidence.marked_text, trace, row.regions, row.append_eos)
+        if skeleton is not None:
+            self.skeletons.keep(shape, skeleton)
 
     # -- the two-render path ---------------------------------------------------------------------------------
 
     def _by_markers(self, conv: Conversation, targets: list[int],
-                    shape: Shape | None = None) -> tuple[Rendered, list[int]] | None:
+                    evidence: Evidence | None = None) -> tuple[Rendered, list[int]] | None:
         """(the row, targets whose reasoning the template dropped), or None when marking changes the render.
-        With the row's `shape`, a skeleton is learned from the render where one is exact."""
+        `evidence`: receives what learning a skeleton from this render needs (see `_learn`)."""
         template = self.template
         if any(type(message.get("content")) is list for message in conv.messages):
             # Content parts (an image row's messages) are not marked, so a turn of them has no anchor and the
@@ -169,7 +200,7 @@ class TurnFinder:
         if marked is None or not marked.owners:
             template.render(conv.messages, conv.tools)  # the template's own error, if it has one, is the row's
             return None
-        trace = [] if shape is not None and self.skeletons.learning() else None
+        trace = evidence.trace if evidence is not None else None
         marked_text = template.render_marked(marked, conv.tools, trace)
         plain_text = None
         if marked_text is None:  # the template reads a field in a way Twins cannot follow: render twice
@@ -184,12 +215,15 @@ class TurnFinder:
         opened: dict[int, int] = {}
         closed: dict[int, int] = {}
         fields_marked = len(marked.owners)
-        for position, found in zip(accumulate(map(len, pieces[0:-1:2])), pieces[1::2], strict=True):
+        positions = list(accumulate(map(len, pieces[0:-1:2])))  # of every marker, in the plain text
+        twice = False  # a field renders more than once
+        for position, found in zip(positions, pieces[1::2], strict=True):
             code = ord(found) - MARK_BASE
             fid = code >> 1
             if fid >= fields_marked:
                 return None  # the data itself holds marker characters
             if not code & 1:
+                twice = twice or fid in opened
                 opened.setdefault(fid, position)
             elif fid not in closed and position >= opened.get(fid, -1):
                 closed[fid] = position
@@ -203,9 +237,10 @@ class TurnFinder:
         rendered: dict[int, set[str]] = {}
         for fid in opened.keys() | closed.keys():
             rendered.setdefault(marked.owners[fid], set()).add(marked.kinds[fid])
-        anchors = _Anchors(fields)
+        anchors = Anchors(fields)
         stripped, regions, append_eos = [], [], False
-        reach: list[tuple[int, str]] | None = [] if trace is not None else None  # headers read into a field
+        reach = evidence.reach if evidence is not None else None  # headers read into a field
+        searched: list[tuple[int, int]] = evidence.searched if evidence is not None else []
         for i in targets:
             kinds = rendered.get(i, set())
             self._check_rendered(conv.messages[i], i, owned.get(i, set()), kinds)
@@ -216,7 +251,9 @@ class TurnFinder:
                 gap_start, previous = anchors.before(first, i)
                 header = self._header_end(text, gap_start, first, conv, previous, reach)
                 start = first if header is None else gap_start + header
-                end, eos = self._turn_end(text, last, anchors.after(last, i, len(text)))
+                bound = anchors.after(last, i, len(text))
+                searched += [(gap_start, first), (last, bound)]
+                end, eos = self._turn_end(text, last, bound)
                 regions.append((start, max(end, start)))
                 append_eos = append_eos or eos
                 continue
@@ -226,6 +263,7 @@ class TurnFinder:
             gap_start = anchors.extent(previous)[1] if previous is not None else 0
             bound = anchors.after(gap_start, -1 if previous is None else previous, len(text))
             header = self._header_end(text, gap_start, bound, conv, previous, reach)
+            searched.append((gap_start, bound))
             if header is None:
                 continue  # the template does not render this message: nothing of it to train
             start = gap_start + header
@@ -237,15 +275,9 @@ class TurnFinder:
             if completion_start(conv) != targets[0]:
                 return None  # the completion opens with a non-assistant message: prefix rendering decides
             regions = [(regions[0][0], regions[-1][1])]
-        if trace is not None and plain_text is None and not stripped:
-            starts = {position: fid for fid, position in opened.items()}
-            for position, rest in reach:  # the turn's start depends on how the field there begins: a fact too
-                if position not in starts or list(opened.values()).count(position) > 1:
-                    return Rendered(text, regions, append_eos, fields=tuple(fields)), stripped
-                trace.append(((starts[position], ()), "agree", (rest,), agree(rest, shape.values[starts[position]])))
-            skeleton = learn(shape, marked.kinds, marked_text, trace, regions, append_eos)
-            if skeleton is not None:
-                self.skeletons.keep(shape, skeleton)
+        if evidence is not None and plain_text is None:  # one render of Twins: what a skeleton can be learned from
+            evidence.marked_text, evidence.kinds, evidence.opened = marked_text, marked.kinds, opened
+            evidence.twice, evidence.positions = twice, positions
         return Rendered(text, regions, append_eos, fields=tuple(fields)), stripped
 
     @staticmethod
@@ -341,41 +373,6 @@ class TurnFinder:
         elif self.train_on == "last_assistant":
             spans = spans[-1:]
         return Rendered(text, [tuple(s) for s in spans], token_rule="overlap")
-
-
-class _Anchors:
-    """The rendered fields' start and end positions in the text, sorted, with the message each belongs to."""
-
-    def __init__(self, fields: list[tuple[int, int, int]]):
-        points = sorted((position, owner) for owner, start, end in fields for position in (start, end))
-        self.positions = [position for position, _ in points]
-        self.owners = [owner for _, owner in points]
-        self.extents: dict[int, tuple[int, int]] = {}
-        for owner, start, end in fields:
-            low, high = self.extents.get(owner, (start, end))
-            self.extents[owner] = (min(low, start), max(high, end))
-
-    def has(self, message: int) -> bool:
-        """Whether any field of the message renders."""
-        return message in self.extents
-
-    def extent(self, message: int) -> tuple[int, int]:
-        """(first, last) position of the message's fields."""
-        return self.extents[message]
-
-    def before(self, position: int, message: int) -> tuple[int, int | None]:
-        """(position, message) of the last anchor of another message at or before `position`, or (0, None)."""
-        k = bisect.bisect_right(self.positions, position) - 1
-        while k >= 0 and self.owners[k] == message:
-            k -= 1
-        return (self.positions[k], self.owners[k]) if k >= 0 else (0, None)
-
-    def after(self, position: int, message: int, default: int) -> int:
-        """The first anchor of another message at or after `position`, or `default`."""
-        k = bisect.bisect_left(self.positions, position)
-        while k < len(self.positions) and self.owners[k] == message:
-            k += 1
-        return self.positions[k] if k < len(self.positions) else default
 
 
 def _agreeing_length(prefix: str, text: str, at: int) -> int:

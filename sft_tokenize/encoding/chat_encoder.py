@@ -51,6 +51,10 @@ class EncodedBatch:
     rows_expanded: int = 0  # extra rows made by --reasoning-turns expand
     rows_special_text: int = 0  # rows with a control token's text inside a message, encoded as plain text
     rows_verified: int = 0  # rows the fast encoder gave that HF encoded too, and agreed on
+    rows_filled: int = 0  # rows filled from a skeleton (chat/skeleton.py) rather than rendered
+    rows_checked: int = 0  # of those, rows also rendered in full and compared
+    skeleton_mismatches: int = 0  # fills that differed from their full render: the batch was rendered in full
+    skeletons_dropped: bool = False  # the encoder uses no skeleton any more (a mismatch, here or in another batch)
     # With verify="defer": the rows to check, as (rendered rows, the fast encoder's encodings, add_special_tokens)
     unverified: tuple = ()
 
@@ -210,7 +214,17 @@ class ChatEncoder:
         outcome."""
         if isinstance(examples, Rows):
             examples = examples.examples()
-        counts = dict.fromkeys(("rows_exact", "rows_expanded", "rows_special_text"), 0)
+        try:
+            return self._encode_batch(examples, verify_rows, defer_verify)
+        except SkeletonMismatch:
+            # A filled row differed from its full render: the template's skeletons are dropped (TurnFinder), and
+            # every row of the batch is rendered again in full. Never raised: the caller sees it counted.
+            batch = self._encode_batch(examples, verify_rows, defer_verify)
+            return replace(batch, skeleton_mismatches=batch.skeleton_mismatches + 1)
+
+    def _encode_batch(self, examples: Sequence[Conversation | str | BadRow], verify_rows: int,
+                      defer_verify: bool) -> EncodedBatch:
+        counts = dict.fromkeys(("rows_exact", "rows_expanded", "rows_special_text", "rows_filled", "rows_checked"), 0)
         outcomes: list[int | str | BadRow | None] = []
         origins: list[int] = []
         rows: list[tuple[int, Rendered, bool]] = []  # (candidate, row, encode control-token text literally)
@@ -219,7 +233,7 @@ class ChatEncoder:
                 outcomes.append(example)
                 origins.append(index)
                 continue
-            literal = False
+            literal, control = False, None
             if self.special_text != "keep":
                 control = self._control_text(example)
                 if control and self.special_text == "error":
@@ -237,11 +251,20 @@ class ChatEncoder:
             for result in results:
                 origins.append(index)
                 outcomes.append(None)
+                if isinstance(result, Rendered) and literal and not result.fields and result.token_rule != "text":
+                    # Its control-token text cannot be told from the template's: the row's own outcome.
+                    where, token = control
+                    result = BadRow("control_token_in_text", f"{where} holds the control token {token!r} as text, "
+                                                             "and this chat template's turns cannot be located field "
+                                                             "by field to encode it as plain text: use --special-text "
+                                                             "keep or error")
                 if isinstance(result, Rendered):
                     rows.append((len(outcomes) - 1, result, literal))
                     counts["rows_exact"] += result.exact
                     counts["rows_expanded"] += result.expanded
                     counts["rows_special_text"] += literal
+                    counts["rows_filled"] += result.filled
+                    counts["rows_checked"] += result.checked
                 else:
                     outcomes[-1] = result
         unverified: list[tuple] = []
@@ -253,7 +276,9 @@ class ChatEncoder:
         if self.images is not None:
             loss_mask[self.images.vision_mask(input_ids)] = 0
         batch = self._apply_max_length(outcomes, origins, [c for c, _, _ in rows], input_ids, loss_mask, starts)
-        return replace(batch, **counts, rows_verified=verified, unverified=tuple(unverified))
+        skeletons = self.turns.skeletons if self.turns is not None else None
+        return replace(batch, **counts, rows_verified=verified, unverified=tuple(unverified),
+                       skeletons_dropped=skeletons is not None and skeletons.dropped)
 
     def _assemble(self, rows: list[tuple[int, Rendered, bool]], encodings: list[Any],
                   flat: tuple[list[int], FlatPlacement] | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -429,10 +454,6 @@ class ChatEncoder:
         if rendered.token_rule == "text":
             enc = literal.encode(rendered.text, add_special_tokens=True)
             return _Segments(list(enc.ids), list(enc.offsets))
-        if not rendered.fields:
-            raise BadRow("control_token_in_text", "a message holds a control token's text and this chat template's "
-                                                  "turns could not be located field by field; use --special-text "
-                                                  "keep or error")
         ids, offsets, pieces, position = [], [], [], 0
         for _, start, end in sorted(rendered.fields, key=lambda field: field[1]):
             if start >= position:

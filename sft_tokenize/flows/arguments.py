@@ -109,6 +109,22 @@ class InspectCommand(BaseModel):
     storage_options: ReadStorageOptions = READ_STORAGE_OPTIONS
 
 
+class VerifyCommand(BaseModel):
+    """`sft-tokenize verify`'s flags."""
+
+    cache: Annotated[str, Flag(FLAGS, metavar="CACHE", positional=True)] = Field(
+        description="a published cache directory (a version on object storage: `pull` it first)")
+    sample: Annotated[int | None, Flag(FLAGS, metavar="N", parse=positive_int)] = Field(
+        None, description="check N rows drawn at random (with each, the rows of its slice before it); the default")
+    all: Annotated[bool, Flag(FLAGS)] = Field(False, description="check every row")
+    seed: Annotated[int | None, Flag(FLAGS, metavar="N", parse=int)] = Field(
+        None, description="the seed of --sample's draw (default: a new one each time)")
+    tokenizer: Annotated[str | None, Flag(FLAGS, metavar="DIR")] = Field(
+        None, description="where the tokenizer the cache was built with is (default: the path it was built from)")
+    chat_template: Annotated[str | None, Flag(FLAGS, metavar="FILE")] = Field(
+        None, description="the --chat-template file the cache was built with, if it was given one")
+
+
 class PullCommand(BaseModel):
     """`sft-tokenize pull`'s flags."""
 
@@ -155,6 +171,7 @@ COMMANDS: dict[tuple[str, ...], tuple[type[BaseModel], ...]] = {
     ("inspect",): (InspectCommand,),
     ("pack",): (PackCommand,),
     ("pull",): (PullCommand,),
+    ("verify",): (VerifyCommand,),
     ("gc",): (GcCommand,),
     ("server", "stop"): (ServerStopCommand,),
 }
@@ -227,6 +244,10 @@ SIMPLE_COMMANDS = {
     "pull": ("copy a cache version from object storage to a local directory",
              "Copy a cache version from object storage into a local cache root, each shard once and checked against "
              "its digest; prints the local cache's path as the last line (datasets.load_from_disk opens it)."),
+    "verify": ("tokenize a cache's rows again, every row rendered in full, and compare",
+               "Tokenize rows of a published cache again from its recorded sources, rendering every row in full "
+               "(--render full), and compare every column; exit 2 naming the first differing rows and their source "
+               "file:line."),
     "gc": ("remove old versions and the shards no cache or running build uses",
            "Keep the newest N versions of each cache name; remove the others and every stored shard that no kept "
            "version and no running build uses."),

@@ -134,6 +134,25 @@ def inspect(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+VERIFY_SAMPLE = 1000  # rows `verify` checks without --sample or --all
+
+
+def verify(args: argparse.Namespace) -> int:
+    """`verify CACHE [--sample N | --all]`: rows tokenized again in full and compared; exit 2 on a difference."""
+    from sft_tokenize.build.verify import SHOWN, verify_cache
+
+    if args.all and args.sample:
+        raise BadInput("--sample and --all: give one")
+    result = verify_cache(args.cache, None if args.all else args.sample or VERIFY_SAMPLE, args.tokenizer,
+                          args.chat_template, args.seed)
+    for row, where, what in result.differences[:SHOWN]:
+        print(f"{PROG}: row {row} ({where}): {what}", file=sys.stderr)
+    print(f"rows checked: {result.rows_checked:,} in {result.seconds:.1f} s; "
+          + ("every column equal to the full render's" if result.ok
+             else f"{len(result.differences)} rows differ"))
+    return EXIT_OK if result.ok else EXIT_BAD_INPUT
+
+
 def pull(args: argparse.Namespace) -> int:
     """`pull URL DIR`: a remote cache version copied into the local cache root DIR; prints its local path."""
     from sft_tokenize.files import is_remote
@@ -244,7 +263,7 @@ def server(args: argparse.Namespace) -> int:
 
 
 SUBCOMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "run": run, "inspect": inspect, "pack": pack, "pull": pull, "gc": gc, "server": server}
+    "run": run, "inspect": inspect, "pack": pack, "pull": pull, "verify": verify, "gc": gc, "server": server}
 
 
 def _interrupted(interrupt: BaseException, args: argparse.Namespace | None) -> str:

@@ -40,14 +40,16 @@ def mixed_rows() -> list:
 
 
 def built_shards(job, slices) -> dict[str, tuple[bytes, dict]]:
-    """Each slice's shard bytes and sidecar (less its timing), written into a fresh store."""
+    """Each slice's shard bytes and sidecar (less its timing, and how many rows were filled from skeletons and
+    checked: each process of a pool learns its own, and checks are drawn at random), written into a fresh store."""
     for slice_ in slices:
         shard.tokenize_slice(job, slice_)
     out = {}
     for slice_ in slices:
         path = job.shard_path(slice_)
         meta = json.loads(sidecar_path(path).read_text())
-        meta.pop("seconds")
+        for key in ("seconds", "rows_filled", "rows_checked"):
+            meta.pop(key)
         out[slice_.key] = (path.read_bytes(), meta)
         path.unlink()
         sidecar_path(path).unlink()

@@ -108,7 +108,7 @@ def test_the_fingerprints_of_an_option_set_are_those_of_the_caches_built_before(
 
 def test_what_does_not_change_the_rows_does_not_change_the_fingerprint(inputs):
     default = planned(inputs)
-    other = planned(inputs, encoder="hf", render="full", shard_size="1MB", writer_batch_rows=10,
+    other = planned(inputs, encoder="hf", shard_size="1MB", writer_batch_rows=10,
                     writer_batch_bytes="1MB",
                     name="renamed", storage_options={"anon": False},
                     truncation="drop")  # no --max-length: nothing is ever truncated or dropped
@@ -117,6 +117,10 @@ def test_what_does_not_change_the_rows_does_not_change_the_fingerprint(inputs):
     template_text = (inputs / "template.jinja").read_text()
     inline = planned(inputs, chat_template=template_text)  # the template's text, not its file, is hashed
     assert inline.job.tokenization == PINNED["chat_template_file"][0]
+    # Every row rendered in full is meant to give the same rows, and is fingerprinted apart so it can be compared.
+    full = planned(inputs, render="full")
+    assert full.job.fingerprint != default.job.fingerprint and full.inputs["render"] == "full"
+    assert "render" not in default.inputs
 
 
 def test_a_system_prompt_enters_the_fingerprint_only_when_set(inputs):
@@ -131,7 +135,7 @@ def test_the_job_carries_the_options_as_the_slices_use_them(inputs):
                   writer_batch_rows=10, writer_batch_bytes="1MB", storage_options={"anon": False}).job
     fields = {key: value for key, value in dataclasses.asdict(job).items()
               if key not in ("staging", "store", "tokenizer_dir", "prepared", "fingerprint", "tokenization",
-                             "remote_root", "tokenizer_url")}
+                             "remote_root", "tokenizer_url", "run")}
     assert fields == {
         "chat_template": None,
         "columns": {"format": "chat", "columns": {"messages": "messages", "system": "system", "tools": "tools"}},
