@@ -16,6 +16,7 @@ FIXTURE_MARKERS: dict[str, tuple[str, ...]] = {
     "prefect_harness": ("server",),  # Prefect's test server, in this process
     "api_url": ("server", "cli"),  # a real `prefect server start`, for the CLI runs that talk to one
     "server": ("server",),  # tests/workflow/test_server.py's own server, whose scheduler loops every second
+    "postgres_cluster": ("server",),  # PostgreSQL, for Prefect servers on it
     "server_home": ("server",),  # the embedded servers a test starts itself
     "migrated_prefect_home": ("cli",),  # a Prefect home for the CLI's runs (and their embedded server)
     "prefect_home": ("cli",),
