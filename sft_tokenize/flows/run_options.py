@@ -41,8 +41,9 @@ class TokenizeRun(TokenizeOptions):
                                 "threads encode)")
     slices_per_task: Annotated[int | None, Flag(SLICES, metavar="N", parse=positive_int)] = Field(
         None, ge=1, description="slices one Prefect task tokenizes, each into its own shard, on average (groups cut "
-                                f"by content; 1: a task per slice); default: 1 up to {GROUP_ABOVE} slices, then "
-                                f"{GROUP_SIZE}, or fewer to leave 4 tasks per worker")
+                                f"by content; 1: a task per slice); default: 1 up to {GROUP_ABOVE} slices, then up "
+                                f"to {GROUP_SIZE}, fewer to keep a task's input within 256 MB and to leave 4 tasks "
+                                "per worker")
     retries: Annotated[int, Flag(SLICES, metavar="N", parse=int)] = Field(
         RETRIES, ge=0, description="retries of a failed slice, with exponential backoff")
     force: Annotated[bool, Flag(VERSIONS)] = Field(

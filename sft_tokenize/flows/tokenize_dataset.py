@@ -125,7 +125,7 @@ def tokenize_all(plan: Plan, options: TokenizeRun, staged: set[int]) -> dict:
     elif options.runner != "threads":
         settle_encoder(plan.job)
     keep_pool_ready(plan.job, options.ready_pool_count)
-    size = group_size(total, workers, options.slices_per_task)
+    size = group_size(total, workers, options.slices_per_task, sum(s.nbytes for s in plan.slices) / total)
     groups = group_slices(plan.slices, size)
     if size == 1:
         task, unit = tokenize_slice, "slice_"

@@ -30,6 +30,7 @@ from sft_tokenize.tasks import GROUP_ABOVE, GROUP_SIZE, RETRIES
 from sft_tokenize.tasks.tokenize_slice import NOT_RETRIED, TAG
 
 GROUPS_PER_WORKER = 4  # smaller groups rather than fewer groups than this many per worker
+GROUP_BYTES = 256 * 10**6  # a group reads at most about this much input: the default slice is a task of its own
 MAX_GROUP_FACTOR = 4  # a group is cut after this many times its average size whatever the hashes say
 
 
@@ -69,15 +70,16 @@ class GroupFailed(RuntimeError):
         return "; ".join(f"tokenize-{i:05d}: {type(e).__name__}: {e}" for i, e in sorted(self.failures.items()))
 
 
-def group_size(slices: int, workers: int, per_task: int | None = None) -> int:
+def group_size(slices: int, workers: int, per_task: int | None = None, slice_bytes: float = 0) -> int:
     """Slices per task on average: `per_task` if given; else 1 up to GROUP_ABOVE slices, then the largest power of two
-    up to GROUP_SIZE that still leaves GROUPS_PER_WORKER groups per worker."""
+    up to GROUP_SIZE that keeps a group's input within GROUP_BYTES (for slices of `slice_bytes` on average: large
+    slices amortize their task already) and still leaves GROUPS_PER_WORKER groups per worker."""
     if per_task is not None:
         return per_task
     if slices <= GROUP_ABOVE:
         return 1
     size = GROUP_SIZE
-    while size > 1 and slices / size < GROUPS_PER_WORKER * workers:
+    while size > 1 and (slices / size < GROUPS_PER_WORKER * workers or size * slice_bytes > GROUP_BYTES):
         size //= 2
     return size
 

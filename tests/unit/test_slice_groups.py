@@ -49,6 +49,12 @@ def test_group_size_is_one_up_to_the_threshold_then_leaves_every_worker_tasks():
     assert group_size(10, 2, per_task=4) == 4 and group_size(10_000, 2, per_task=1) == 1
 
 
+def test_large_slices_are_a_task_each_small_ones_share_one():
+    assert group_size(10_000, 2, slice_bytes=256 * 10**6) == 1  # the default slice size
+    assert group_size(10_000, 2, slice_bytes=32 * 10**6) == 8  # 8 x 32 MB = 256 MB a task
+    assert group_size(10_000, 2, slice_bytes=1_000) == GROUP_SIZE
+
+
 def test_a_group_failure_rebuilt_from_its_message_alone_still_names_it():
     error = GroupFailed({3: RuntimeError("disk"), 5: ValueError("row")}, {4: 10})
     assert str(error) == "tokenize-00003: RuntimeError: disk; tokenize-00005: ValueError: row"
