@@ -25,13 +25,16 @@ def test_a_plan_reads_a_small_part_of_each_large_remote_input(tmp_path, monkeypa
         for name, value in server.environment.items():
             monkeypatch.setenv(name, value)
         fs = server.filesystem()
-        fs.mkdir("data")
-        fs.pipe({"data/in/big-0.jsonl": big.encode(), "data/in/big-1.jsonl": big.encode()})
+        fs.mkdir("planning")  # moto's state is this process's: a bucket of this module's own, removed after
+        fs.pipe({"planning/in/big-0.jsonl": big.encode(), "planning/in/big-1.jsonl": big.encode()})
         server.clear()
-        plan = plan_slices(TokenizeOptions(sources=["s3://data/in/"], tokenizer=str(EXAMPLE_TOKENIZER),
-                                           cache_dir=str(tmp_path / "cache"), shard_size="1MB",
-                                           storage_options={"skip_instance_cache": True}))
-        served = dict(server.served)
+        try:
+            plan = plan_slices(TokenizeOptions(sources=["s3://planning/in/"], tokenizer=str(EXAMPLE_TOKENIZER),
+                                               cache_dir=str(tmp_path / "cache"), shard_size="1MB",
+                                               storage_options={"skip_instance_cache": True}))
+            served = dict(server.served)
+        finally:
+            fs.rm("planning", recursive=True)
     size = len(big.encode())
     assert len(plan.slices) >= 18
     for name in ("big-0.jsonl", "big-1.jsonl"):
