@@ -60,9 +60,10 @@ class Constants:
     server_ms_per_task: float = 11.2
     run_ms_per_slice: float = 1.0
     server_ms_per_slice: float = 0.5
-    # benchmarks/results/planning.md: a plan's cost per input file, local (hashed) and in a bucket (moto).
-    plan_ms_per_local_file: float = 3.5
-    plan_ms_per_bucket_file: float = 19.0
+    # benchmarks/results/planning.md: a plan's cost per input file, local (hashed) and in a bucket (moto), 10,000
+    # small files on a loaded machine.
+    plan_ms_per_local_file: float = 2.0
+    plan_ms_per_bucket_file: float = 22.3
     # benchmarks/results/short-qwen/results.md: wall minus planning, tokenizing and publishing (interpreter,
     # imports, the server's start, the flow): 4.4-4.9 s.
     fixed_seconds: float = 5.0
