@@ -6,19 +6,23 @@
 The model (`predict`): a run of T tokens is B = T × bytes-per-token of input, cut into n = ⌈B / S⌉ slices of S bytes,
 run as tasks of g slices (tokenize_slices.group_size) on W = nodes × cores workers. Its wall is
 
-    fixed + planning + max(tokenizing + run-side orchestration / W,  server)
+    fixed + planning + n × flow-per-slice + max(tokenizing + run-side orchestration / W,  server)
 
-- tokenizing: the tasks run in waves of W; a task takes g × S / (bytes-per-token × tokens-per-core-second);
+- tokenizing: the tasks run in waves of W; a task takes g × (S / (bytes-per-token × tokens-per-core-second) + the
+  slice's own overhead: its shard created, fsynced and renamed);
 - run-side orchestration: per task and per slice CPU, spent by the workers (Prefect's task engine runs there);
 - server: the Prefect server's CPU per task and per slice, one process: it records at most 1 / that many a second,
   while the workers tokenize;
-- planning: per input file (listing, identity, the column check, the cut, the content keys), on the flow's machine.
+- planning: per input file (listing, identity, the column check, the cut), on the flow's machine;
+- flow-per-slice: what the flow's machine does per slice one after the other (its content key, its shard checked
+  and linked at publishing).
 
 The orchestration's share is its CPU (run side and server) over all the CPU the run spends.
 
 `--check` calibrates what depends on the machine and the tokenizer on this machine (tokens per core-second and the
-fixed cost, from a run of 2 large slices), then predicts a run of the same size cut into thousands of tiny slices,
-whose wall the orchestration decides, and measures it. Results go to --out as capacity.json and capacity.md.
+fixed cost, from a run of 2 large slices; a slice's overhead on its worker, from a run of a tenth of the input in a
+tenth of the slices), then predicts a run cut into thousands of tiny slices, whose wall the per-slice costs
+decide, and measures it. Results go to --out as capacity.json and capacity.md.
 """
 
 from __future__ import annotations
@@ -67,6 +71,12 @@ class Constants:
     # benchmarks/results/short-qwen/results.md: wall minus planning, tokenizing and publishing (interpreter,
     # imports, the server's start, the flow): 4.4-4.9 s.
     fixed_seconds: float = 5.0
+    # benchmarks/results/capacity.md, its 300-slice calibration: a slice's wall on its worker beyond tokenizing (its
+    # shard and sidecar created, fsynced and renamed, its input checked before and after), on this machine's disk.
+    slice_overhead_seconds: float = 0.026
+    # The same run: per slice on the flow's machine, one after the other (its content key at planning, its shard
+    # checked and linked at publishing).
+    flow_ms_per_slice: float = 0.8
     input_file_bytes: float = 1e9  # the model's inputs: 1 GB files
     read_request_bytes: float = 2**20  # sources/format_reader.py READ_CHUNK_BYTES: one ranged GET
     shard_bytes_per_token: float = 5.0  # int32 ids + int8 mask (the default schema), offsets aside
@@ -94,18 +104,19 @@ def predict(tokens: float, nodes: int, slice_bytes: float = DEFAULT_SLICE, cores
     workers = nodes * cores
     input_bytes = tokens * c.input_bytes_per_token
     n = slices or max(1, math.ceil(input_bytes / slice_bytes))
-    slice_seconds = input_bytes / n / c.input_bytes_per_token / c.tokens_per_core_second
+    slice_seconds = input_bytes / n / c.input_bytes_per_token / c.tokens_per_core_second + c.slice_overhead_seconds
     g = group_size(n, workers, input_bytes / n)
     tasks = math.ceil(n / g)
     waves = math.ceil(tasks / workers)
     tokenizing = waves * g * slice_seconds if tasks >= workers else g * slice_seconds
-    tokenizing = max(tokenizing, tokens / (workers * c.tokens_per_core_second))
+    tokenizing = max(tokenizing, n * slice_seconds / workers)
     run_cpu = (tasks * c.run_ms_per_task + n * c.run_ms_per_slice) / 1000
     server = (tasks * c.server_ms_per_task + n * c.server_ms_per_slice) / 1000
     files = max(1, math.ceil(input_bytes / c.input_file_bytes))
     planning = files * (c.plan_ms_per_bucket_file if bucket else c.plan_ms_per_local_file) / 1000
     working = tokenizing + run_cpu / workers
-    wall = c.fixed_seconds + planning + max(working, server)
+    serial = n * c.flow_ms_per_slice / 1000
+    wall = c.fixed_seconds + planning + serial + max(working, server)
     tokenize_cpu = tokens / c.tokens_per_core_second
     limits = {"tokenizing": tokenizing if tasks >= workers else 0, "too few slices for the cores":
               tokenizing if tasks < workers else 0, "the Prefect server": server, "planning": planning}
@@ -176,9 +187,19 @@ def check(megabytes: float, slices: int, out: Path) -> dict:
     constants = replace(Constants(), tokens_per_core_second=tokens / (2 * timings["tokenize_seconds"]),
                         input_bytes_per_token=size / tokens,
                         fixed_seconds=wall - timings["tokenize_seconds"] - timings.get("plan_seconds", 0))
+    # The slice's overhead: a run of a tenth of the input in a tenth of the slices (the same slice size).
+    small_input = write_input(scratch / "overhead", rows_slices // 10, 3)
+    small_size = sum(p.stat().st_size for p in small_input.iterdir())
+    shard_size = max(1, small_size // (slices // 10))
+    small_wall, small_manifest = _run(small_input, scratch / "overhead-cache", f"{shard_size}B", env)
+    t, n_small = small_manifest["timings"], len(small_manifest["shards"])
+    small = predict(small_manifest["tokens"], 1, cores=2, bucket=False, c=replace(constants, slice_overhead_seconds=0),
+                    slices=n_small)
+    constants = replace(constants, flow_ms_per_slice=1000 * (t.get("plan_seconds", 0) + t["publish_seconds"]) / n_small,
+                        slice_overhead_seconds=max(0.0, (t["tokenize_seconds"] - small["tokenizing_seconds"]
+                                                         - small["run_orchestration_cpu"] / 2) * 2 / n_small))
     measured_input = write_input(scratch / "measure", rows_slices, 2)
     measured_size = sum(p.stat().st_size for p in measured_input.iterdir())
-    shard_size = max(1, measured_size // slices)
     measured_wall, measured_manifest = _run(measured_input, scratch / "measure-cache", f"{shard_size}B", env)
     n = len(measured_manifest["shards"])
     predicted = predict(measured_manifest["tokens"], 1, cores=2, bucket=False, c=constants, slices=n)
@@ -187,10 +208,12 @@ def check(megabytes: float, slices: int, out: Path) -> dict:
                    capture_output=True)
     report = {"command": " ".join(["python", "benchmarks/capacity.py", *sys.argv[1:]]), "machine": machine(),
               "calibration": {"wall_seconds": round(wall, 2), "tokens": tokens, "input_bytes": size,
-                              "timings": timings},
+                              "timings": timings, "overhead_run": {"slices": n_small, "timings": t,
+                                                                   "wall_seconds": round(small_wall, 2)}},
               "constants": asdict(constants), "measured": {"slices": n, "tokens": measured_manifest["tokens"],
                                                            "wall_seconds": round(measured_wall, 2)},
-              "predicted": predicted, "error": round(error, 3), "within": abs(error) <= TOLERANCE}
+              "measured_timings": measured_manifest["timings"], "predicted": predicted, "error": round(error, 3),
+              "within": abs(error) <= TOLERANCE}
     out.mkdir(parents=True, exist_ok=True)
     (out / "capacity.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "capacity.md").write_text(
@@ -198,7 +221,10 @@ def check(megabytes: float, slices: int, out: Path) -> dict:
         f"`{report['command']}` at {report['machine']['git'].get('commit', '?')[:10]}; "
         f"{report['machine']['cores']} cores, load {report['machine']['load_average_at_start']}.\n\n"
         f"Calibrated on 2 slices of {size / MB:.1f} MB ({tokens:,} tokens): "
-        f"{constants.tokens_per_core_second:,.0f} tokens per core-second, {constants.fixed_seconds:.1f} s fixed.\n\n"
+        f"{constants.tokens_per_core_second:,.0f} tokens per core-second, {constants.fixed_seconds:.1f} s fixed; "
+        f"on {len(small_manifest['shards']):,} slices of a tenth of the input ({small_wall:.1f} s): "
+        f"{1000 * constants.slice_overhead_seconds:.0f} ms of overhead a slice on its worker, "
+        f"{constants.flow_ms_per_slice:.1f} ms a slice on the flow's machine (planning and publishing).\n\n"
         f"| run | slices | tasks | predicted wall | measured wall | error |\n|---|---:|---:|---:|---:|---:|\n"
         f"| {measured_size / MB:.1f} MB | {n:,} | {predicted['tasks']:,} | {predicted['wall_seconds']:.1f} s | "
         f"{measured_wall:.1f} s | {error:+.1%} |\n\n"
