@@ -73,10 +73,10 @@ class Constants:
     fixed_seconds: float = 5.0
     # benchmarks/results/capacity.md, its 300-slice calibration: a slice's wall on its worker beyond tokenizing (its
     # shard and sidecar created, fsynced and renamed, its input checked before and after), on this machine's disk.
-    slice_overhead_seconds: float = 0.026
+    slice_overhead_seconds: float = 0.032
     # The same run: per slice on the flow's machine, one after the other (its content key at planning, its shard
     # checked and linked at publishing).
-    flow_ms_per_slice: float = 0.8
+    flow_ms_per_slice: float = 1.4
     input_file_bytes: float = 1e9  # the model's inputs: 1 GB files
     read_request_bytes: float = 2**20  # sources/format_reader.py READ_CHUNK_BYTES: one ranged GET
     shard_bytes_per_token: float = 5.0  # int32 ids + int8 mask (the default schema), offsets aside
