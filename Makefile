@@ -27,6 +27,9 @@ example: $(BIN)/python
 # it (TORCH_INDEX=https://download.pytorch.org/whl/cpu elsewhere), then the trainers extra, whose range it meets.
 # axolotl goes in without its dependencies, which would replace torch, transformers and datasets: the tests use
 # only its collators, which need numpy, torch, transformers and trl.
+# The Prefect server tests run on SQLite and on PostgreSQL: Debian's `postgresql` package (apt-get install
+# postgresql; .ci/run installs it), whose binaries tests/support/postgres.py starts on a throwaway cluster and
+# stops. Without it those tests are skipped, unless SFT_TOKENIZE_TEST_POSTGRES=required (.ci/run sets it).
 TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
 AXOLOTL ?= axolotl==0.19.0

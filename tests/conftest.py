@@ -27,6 +27,7 @@ from support.families import (
     build_metaspace_tokenizer,
     build_modern_tokenizer,
 )
+from support.postgres import INSTALL, Postgres, bindir, postgres
 from support.reference_templates import HOW_TO_GET, SKIP_PREFIX, USERS_OFFLINE
 from support.remote_caches import RemoteCache, publish_remote
 from support.runs import Background
@@ -278,6 +279,19 @@ def api_url(tmp_path_factory, migrated_prefect_home) -> Iterator[str]:
     home = Path(shutil.copytree(migrated_prefect_home, tmp_path_factory.mktemp("server") / "home"))
     with prefect_server(home) as url:
         yield url
+
+
+@pytest.fixture(scope="session")
+def postgres_cluster() -> Iterator[Postgres]:
+    """One PostgreSQL cluster for the session (support/postgres.py): each Prefect server on it gets its own
+    database. Skipped where PostgreSQL is not installed, unless SFT_TOKENIZE_TEST_POSTGRES=required (.ci/run,
+    which installs it)."""
+    if bindir() is None:
+        if os.environ.get("SFT_TOKENIZE_TEST_POSTGRES") == "required":
+            pytest.fail(f"SFT_TOKENIZE_TEST_POSTGRES=required, but there is no PostgreSQL: {INSTALL}")
+        pytest.skip(f"no PostgreSQL here: {INSTALL}")
+    with postgres(fast=True) as cluster:
+        yield cluster
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ import logging
 import os
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -98,19 +99,41 @@ def check_writable(root: Path) -> None:
                            "shards there; choose a writable --cache-dir")
 
 
+REMOTE_READS = 32  # remote files whose first rows a plan reads at once: each read waits on a request
+
+
+def _read_columns(files: list[SourceFile], options: TokenizeOptions) -> list:
+    """Each file's columns (from its schema or its first rows), its first bad row and whether it is schemaless, or
+    the error reading it raised, in the files' order. Remote files are read REMOTE_READS at a time: a plan over
+    thousands of objects waits on one request per object, not on the bytes."""
+    def read(source: SourceFile) -> tuple | BaseException:
+        try:
+            source_reader = reader(source, options.storage_options, parse_size(options.max_row_bytes))
+            available = source_reader.columns(skip_bad_rows=options.on_bad_row == "skip")
+            return available, source_reader.first_bad, source_reader.schemaless
+        except Exception as error:  # noqa: BLE001 - raised by _columns in the files' order, as if read one by one
+            return error
+
+    if len(files) < 2 or all(not is_remote(f.url) for f in files):
+        return [read(f) for f in files]
+    with ThreadPoolExecutor(REMOTE_READS) as pool:
+        return list(pool.map(read, files))
+
+
 def _columns(files: list[SourceFile], options: TokenizeOptions) -> ColumnMap:
     """One format and column mapping for all files: the required columns must agree (a file that does not fit
     is named); an optional one (system, tools) is read from the files that have it."""
     merged: ColumnMap | None = None
     first_bad = None
-    for source in files:
-        source_reader = reader(source, options.storage_options, parse_size(options.max_row_bytes))
-        available = source_reader.columns(skip_bad_rows=options.on_bad_row == "skip")
+    for source, read in zip(files, _read_columns(files, options), strict=True):
+        if isinstance(read, BaseException):
+            raise read
+        available, bad, schemaless = read
         if available is None:
-            first_bad = first_bad or source_reader.first_bad
+            first_bad = first_bad or bad
             continue  # only bad rows, skipped: its rows are read with the columns the other files name
         found = resolve_columns(options.format if merged is None else merged.format, options.columns, available,
-                                source.url, source_reader.schemaless)
+                                source.url, schemaless)
         if merged is None:
             merged, first_url = found, source.url
             continue

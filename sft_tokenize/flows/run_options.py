@@ -12,7 +12,7 @@ from sft_tokenize.build.options import SLICES, VERSIONS, TokenizeOptions
 from sft_tokenize.encoding.pool import POOL_MIN_BYTES, available_cores
 from sft_tokenize.flags import Flag, positive_int
 from sft_tokenize.read.packing_index import PackOptions
-from sft_tokenize.tasks import RETRIES
+from sft_tokenize.tasks import GROUP_ABOVE, GROUP_SIZE, RETRIES
 
 
 class TokenizeRun(TokenizeOptions):
@@ -39,6 +39,11 @@ class TokenizeRun(TokenizeOptions):
                                 f"(default: one per core when the slices to tokenize hold {POOL_MIN_BYTES // 10**6} MB "
                                 "or more or a resident process has a pool ready for the job, else 0: the slices' "
                                 "threads encode)")
+    slices_per_task: Annotated[int | None, Flag(SLICES, metavar="N", parse=positive_int)] = Field(
+        None, ge=1, description="slices one Prefect task tokenizes, each into its own shard, on average (groups cut "
+                                f"by content; 1: a task per slice); default: 1 up to {GROUP_ABOVE} slices, then up "
+                                f"to {GROUP_SIZE}, fewer to keep a task's input within 256 MB and to leave 4 tasks "
+                                "per worker")
     retries: Annotated[int, Flag(SLICES, metavar="N", parse=int)] = Field(
         RETRIES, ge=0, description="retries of a failed slice, with exponential backoff")
     force: Annotated[bool, Flag(VERSIONS)] = Field(

@@ -13,7 +13,7 @@ from contextlib import contextmanager, nullcontext
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
-from prefect.futures import as_completed
+from prefect.futures import PrefectFuture, as_completed
 
 from sft_tokenize.build.plan import Plan
 from sft_tokenize.build.protocol import build_cache
@@ -39,6 +39,7 @@ from sft_tokenize.tasks.pack_cache import pack_cache
 from sft_tokenize.tasks.plan_slices import plan_slices
 from sft_tokenize.tasks.publish_cache import publish_cache
 from sft_tokenize.tasks.tokenize_slice import tokenize_slice
+from sft_tokenize.tasks.tokenize_slices import GroupFailed, SliceGroup, group_size, group_slices, tokenize_slices
 
 # (finished slices, all slices, rows in the finished slices): how the CLI draws its progress bar.
 ProgressCallback = Callable[[int, int, int], None]
@@ -76,6 +77,40 @@ def discard_previous_output(plan: Plan, options: TokenizeRun) -> Plan:
     return plan
 
 
+class Progress:
+    """The run's progress artifact, updated as slices finish: at most once a second (each update is a request the
+    server writes), and always at the end."""
+
+    INTERVAL = 1.0
+
+    def __init__(self, name: str, total: int) -> None:
+        self.name, self.total, self.last = name, total, time.monotonic()
+        self.id = create_progress_artifact(0.0, description=f"{name}: 0 of {total} slices")
+
+    def update(self, finished: int, rows: int, failed: int) -> None:
+        now = time.monotonic()
+        if finished + failed < self.total and now - self.last < self.INTERVAL:
+            return
+        self.last = now
+        update_progress_artifact(self.id, 100 * (finished + failed) / self.total,
+                                 description=f"{self.name}: {finished} of {self.total} slices, {rows:,} rows"
+                                 + (f", {failed} failed" if failed else ""))
+
+
+def _outcome(future: PrefectFuture, group: SliceGroup) -> tuple[dict[int, int], dict[int, BaseException]]:
+    """What a task run of `group` left: the row counts of its finished slices and the errors of its failed ones."""
+    indices = [s.index for s in group.slices]
+    try:
+        result = future.result()
+    except GroupFailed as error:
+        if error.failures:
+            return error.rows, error.failures
+        return {}, dict.fromkeys(indices, error)
+    except Exception as error:  # noqa: BLE001 - every failure is reported by slice
+        return {}, dict.fromkeys(indices, error)
+    return dict(zip(indices, result if isinstance(result, list) else [result], strict=True)), {}
+
+
 def tokenize_all(plan: Plan, options: TokenizeRun, staged: set[int]) -> dict:
     """Tokenize every slice on the chosen runner (those in `staged` have a shard in the store already);
     raise naming every slice that failed (raise_failures)."""
@@ -90,12 +125,19 @@ def tokenize_all(plan: Plan, options: TokenizeRun, staged: set[int]) -> dict:
     elif options.runner != "threads":
         settle_encoder(plan.job)
     keep_pool_ready(plan.job, options.ready_pool_count)
-    cached_task = tokenize_slice.with_options(retries=options.retries, **result_storage(options))
+    size = group_size(total, workers, options.slices_per_task, sum(s.nbytes for s in plan.slices) / total)
+    groups = group_slices(plan.slices, size)
+    if size == 1:
+        task, unit = tokenize_slice, "slice_"
+    else:
+        task, unit = tokenize_slices, "group"
+    cached_task = task.with_options(retries=options.retries, **result_storage(options))
     # A slice without a finished shard on disk runs even if Prefect remembers a result for its key.
     fresh_task = cached_task.with_options(refresh_cache=True)
-    logger.info("tokenizing %d slices (%d already in the shard store) on %s", total, len(staged),
-                where(options, workers) + (f", their batches encoded by {processes} processes" if processes else ""))
-    progress = create_progress_artifact(0.0, description=f"{plan.name}: 0 of {total} slices")
+    logger.info("tokenizing %d slices (%d already in the shard store) on %s%s", total, len(staged),
+                where(options, workers) + (f", their batches encoded by {processes} processes" if processes else ""),
+                f", in {len(groups)} tasks of about {size} slices" if size > 1 else "")
+    progress = Progress(plan.name, total)
     _notify(0, total, 0)
     started = time.monotonic()
     rows, finished, failures = 0, 0, {}
@@ -105,23 +147,25 @@ def tokenize_all(plan: Plan, options: TokenizeRun, staged: set[int]) -> dict:
         if options.runner in ("dask", "ray"):
             checked = check_workers(options.runner, runner, plan)
             logger.info("checked %s: they read the inputs and write to %s", checked, plan.job.store)
+
+        def reused(group: SliceGroup) -> bool:
+            return all(s.index in staged for s in group.slices)
+
         # Slices to tokenize first: in an incremental run, the new work starts at once rather than after the
         # reused slices' (quick) task runs have gone through the workers.
-        futures = {runner.submit(cached_task if s.index in staged else fresh_task, {"job": plan.job, "slice_": s}): s
-                   for s in sorted(plan.slices, key=lambda s: s.index in staged)}
+        futures = {runner.submit(cached_task if reused(g) else fresh_task,
+                                 {"job": plan.job, unit: g.slices[0] if size == 1 else g}): g
+                   for g in sorted(groups, key=reused)}
         for future in as_completed(list(futures)):
-            slice_ = futures[future]
-            try:
-                slice_rows = future.result()
-            except Exception as error:  # noqa: BLE001 - every failure is reported below, by slice
-                failures[slice_.index] = error
-                logger.warning("tokenize-%05d failed: %s: %s", slice_.index, type(error).__name__, first_line(error))
-            else:
-                rows, finished = rows + slice_rows, finished + 1
-                logger.info("tokenize-%05d: %d rows (%d of %d slices done)", slice_.index, slice_rows, finished, total)
-            update_progress_artifact(progress, 100 * (finished + len(failures)) / total,
-                                     description=f"{plan.name}: {finished} of {total} slices, {rows:,} rows"
-                                     + (f", {len(failures)} failed" if failures else ""))
+            group = futures[future]
+            done, failed = _outcome(future, group)
+            for index, error in failed.items():
+                logger.warning("tokenize-%05d failed: %s: %s", index, type(error).__name__, first_line(error))
+            failures.update(failed)
+            rows, finished = rows + sum(done.values()), finished + len(done)
+            if done:
+                logger.info("%s: %d rows (%d of %d slices done)", group.name, sum(done.values()), finished, total)
+            progress.update(finished, rows, len(failures))
             _notify(finished, total, rows)
     seconds = time.monotonic() - started
     if failures:

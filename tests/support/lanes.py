@@ -16,6 +16,7 @@ FIXTURE_MARKERS: dict[str, tuple[str, ...]] = {
     "prefect_harness": ("server",),  # Prefect's test server, in this process
     "api_url": ("server", "cli"),  # a real `prefect server start`, for the CLI runs that talk to one
     "server": ("server",),  # tests/workflow/test_server.py's own server, whose scheduler loops every second
+    "postgres_cluster": ("server",),  # PostgreSQL, for Prefect servers on it
     "server_home": ("server",),  # the embedded servers a test starts itself
     "migrated_prefect_home": ("cli",),  # a Prefect home for the CLI's runs (and their embedded server)
     "prefect_home": ("cli",),
@@ -40,9 +41,9 @@ LANES = {
 # The data plane's lane (`make test-fast`, `pytest --fast`): nothing above.
 FAST_LANE = " and ".join(f"not {marker}" for marker in LANES)
 
-# The fixtures that start one Prefect server for the whole session (the test harness, the CLI runs' server): under
+# The fixtures that start one server for the whole session (the test harness, the CLI runs' server, PostgreSQL): under
 # pytest-xdist every module that uses one runs on the same worker, so the session still starts each of them once.
-SHARED_SERVERS = frozenset({"prefect_harness", "api_url"})
+SHARED_SERVERS = frozenset({"prefect_harness", "api_url", "postgres_cluster"})
 
 # The test being run (set by tests/conftest.py around each test's setup, call and teardown).
 current: pytest.Item | None = None

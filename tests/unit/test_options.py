@@ -166,8 +166,8 @@ def test_the_command_line_gives_the_flow_its_options():
         "encoder": "auto", "render": "skeleton", "layout": "skyrl", "split": "train", "subset": None,
         "on_bad_row": "raise",
         "shard_size": "256MB", "max_row_bytes": "2MB", "storage_options": {}, "runner": "threads",
-        "dask_address": None, "ray_address": None, "workers": None, "encode_processes": None, "retries": 2,
-        "force": False, "keep_versions": None,
+        "dask_address": None, "ray_address": None, "workers": None, "encode_processes": None,
+        "slices_per_task": None, "retries": 2, "force": False, "keep_versions": None,
     }
     every_flag = parsed(
         "a.jsonl", "b", "--tokenizer", "t", "--cache-dir", "c", "--name", "n", "--format", "chat",
@@ -181,7 +181,8 @@ def test_the_command_line_gives_the_flow_its_options():
         "--extra-column", "attention_mask", "--layout", "trl", "--split", "test", "--subset", "s",
         "--on-bad-row", "skip", "--shard-size", "1MB", "--max-row-bytes", "1MB", "--storage-options",
         '{"anon": true}', "--runner", "dask", "--dask-address", "tcp://h:1", "--workers", "3",
-        "--encode-processes", "0", "--retries", "5", "--force", "--keep-versions", "2", "--server-idle", "5", "-q")
+        "--encode-processes", "0", "--slices-per-task", "4", "--retries", "5", "--force", "--keep-versions", "2",
+        "--server-idle", "5", "-q")
     assert every_flag == {
         "sources": ["a.jsonl", "b"], "tokenizer": "t", "cache_dir": "c", "name": "n", "format": "chat",
         "processor": "p", "images": "reference", "image_root": "imgs", "image_access": "local+urls",
@@ -192,7 +193,8 @@ def test_the_command_line_gives_the_flow_its_options():
         "template_kwargs": {"x": 1}, "reasoning_turns": "expand", "special_text": "keep", "encoder": "hf",
         "render": "full", "layout": "trl", "split": "test", "subset": "s", "on_bad_row": "skip", "shard_size": "1MB",
         "max_row_bytes": "1MB", "storage_options": {"anon": True}, "runner": "dask", "dask_address": "tcp://h:1",
-        "ray_address": None, "workers": 3, "encode_processes": 0, "force": True, "keep_versions": 2, "retries": 5,
+        "ray_address": None, "workers": 3, "encode_processes": 0, "slices_per_task": 4, "force": True,
+        "keep_versions": 2, "retries": 5,
     }
 
 

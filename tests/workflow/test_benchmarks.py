@@ -116,6 +116,17 @@ def test_object_storage_compares_a_bucket_with_a_local_root(bench):
     assert report["bucket_vs_local"] > 0 and "Target:" in (out / "object_storage.md").read_text()
 
 
+def test_planning_times_a_plan_locally_and_in_a_bucket(bench):
+    pytest.importorskip("moto.server", reason="moto[server] is in the dev extra")
+    out = bench["root"] / "planning"
+    script(bench, "planning.py", "--files", "30", "--out", str(out))
+    report = json.loads((out / "planning.json").read_text())
+    committed(report["machine"]["git"])
+    assert set(report["runs"]) == {"local cold", "local warm", "bucket"}
+    assert report["runs"]["bucket"]["object_gets"] == 30  # each small object's first rows, read once
+    assert all(run["steps"]["resolve"] > 0 for run in report["runs"].values())
+
+
 def test_templates_compares_qwen3_with_chatml(bench):
     qwen3 = bench["root"] / "qwen3.jinja"
     qwen3.write_text(template("modern/qwen3"), encoding="utf-8")

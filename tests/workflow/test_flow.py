@@ -167,3 +167,37 @@ def test_the_flow_parameters_are_one_typed_model():
     form = schema.definitions["TokenizeRun"]["properties"]
     assert form["runner"]["enum"] == ["threads", "processes", "dask", "ray"]
     assert {"sources", "tokenizer", "cache_dir", "train_on", "workers", "force"} <= set(form)
+
+
+def test_grouped_slices_fail_one_by_one_and_a_rerun_redoes_only_the_failed_slice(tmp_path, monkeypatch):
+    """Past the threshold (here forced: two slices a task on average), a task tokenizes a group of slices, each
+    into its own shard: a failed slice is named alone, its group's other shards stay, and a rerun redoes it only."""
+    fine = {**SOURCES, "shard_size": "20KB"}
+    reference = run_locally(TokenizeOptions(**fine, cache_dir=str(tmp_path / "plain")))
+    slices = len(read_manifest(reference)["files"])
+    fault_file = tmp_path / "faults"
+    fault_file.write_text("5\n")
+    monkeypatch.setenv(FAULT_FILE_ENV, str(fault_file))
+    options = TokenizeRun(**fine, cache_dir=str(tmp_path / "cache"), workers=2, retries=1, slices_per_task=2)
+
+    state, task_runs = run_flow(options)
+    assert state.is_failed()
+    assert "tokenize-00005: RuntimeError" in state.message and f"1 of {slices} slices failed" in state.message
+    groups = tokenize_runs(task_runs)
+    assert 2 <= len(groups) < slices
+    failed = [run for run in groups.values() if run.state.is_failed()]
+    assert len(failed) == 1 and failed[0].run_count == 2  # its group, retried once
+    first, _, last = failed[0].name.removeprefix("tokenize-").partition("-")
+    assert int(first) <= 5 <= int(last or first)
+    staged = staged_slices(options)
+    assert sorted(staged) == [i for i in range(slices) if i != 5]  # the failed slice's group mates finished
+
+    fault_file.unlink()
+    state, task_runs = run_flow(options)
+    assert state.is_completed()
+    assert {run.state.name for name, run in tokenize_runs(task_runs).items() if name != failed[0].name} == {"Cached"}
+    published = sorted(Path(state.result()).glob("data-*.arrow"))
+    for index, stamp in staged.items():
+        stat = published[index].stat()
+        assert (stat.st_ino, stat.st_mtime_ns) == stamp
+    assert data_files(state.result()) == data_files(reference)

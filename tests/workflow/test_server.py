@@ -2,8 +2,9 @@
 with `prefect deploy --all`, served by deployments/serve.py, triggered with `prefect deployment run`, retried
 the way the UI's Retry button and `prefect flow-run retry` do it, scheduled, and capped by a tag limit.
 
-One server and one serve process for the whole module; every client (CLI, serve, the flow runs it starts)
-runs with its own PREFECT_HOME and PREFECT_API_URL pointing at that server.
+The module runs twice, against a server on SQLite (Prefect's default) and one on PostgreSQL (what Prefect
+recommends once several runs or workers write at once). One server and one serve process for each; every client
+(CLI, serve, the flow runs it starts) runs with its own PREFECT_HOME and PREFECT_API_URL pointing at that server.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import re
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import suppress
@@ -59,12 +61,16 @@ ENTRYPOINT = "flows/tokenize_dataset.py:tokenize_dataset"
 TIMEOUT = 180  # seconds for one flow run on a busy 2-core machine; a healthy one takes about ten
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory) -> Iterator[str]:
-    """A Prefect server on a free loopback port, with its own database; yields its API URL."""
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def server(request, tmp_path_factory) -> Iterator[str]:
+    """A Prefect server on a free loopback port, with its own database: SQLite in its home, or a database of
+    its own on the session's PostgreSQL; yields its API URL."""
     # The scheduler looks for schedules to fill every second, not every minute.
-    home = tmp_path_factory.mktemp("server-home")
-    with prefect_server(home, PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS="1") as url:
+    env = {"PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "1"}
+    if request.param == "postgresql":
+        env["PREFECT_API_DATABASE_CONNECTION_URL"] = request.getfixturevalue("postgres_cluster").database(
+            f"prefect_{uuid.uuid4().hex}")
+    with prefect_server(tmp_path_factory.mktemp("server-home"), **env) as url:
         yield url
 
 
