@@ -294,3 +294,19 @@ def test_a_residents_home_is_its_prefect_home_or_the_default_one():
     assert _home_of(b"HOME=/u\0PREFECT_HOME=/data/ph\0") == "/data/ph"
     assert _home_of(b"HOME=/u\0LANG=C\0") == "/u/.prefect"
     assert _home_of(b"LANG=C\0") is None
+
+
+def test_only_a_run_that_asks_goes_to_a_resident(monkeypatch):
+    """`run --resident` or SFT_TOKENIZE_RESIDENT=1 asks; a `--resident` after `--`, another command, or a path
+    that is one of the command's own descriptors does not go."""
+    from sft_tokenize.flows.resident import _hands_over, requested
+
+    monkeypatch.delenv("SFT_TOKENIZE_RESIDENT", raising=False)
+    assert requested(["sft-tokenize", "run", "a.jsonl", "--resident"])
+    assert not requested(["sft-tokenize", "run", "a.jsonl"])
+    assert not requested(["sft-tokenize", "run", "--", "--resident"])
+    assert not requested(["sft-tokenize", "inspect", "--resident"])
+    monkeypatch.setenv("SFT_TOKENIZE_RESIDENT", "1")
+    assert requested(["sft-tokenize", "run", "a.jsonl"])
+    assert not _hands_over(["sft-tokenize", "run", "--recipe", "/dev/fd/63", "--resident"])
+    assert _hands_over(["sft-tokenize", "run", "a.jsonl", "--resident"])
