@@ -12,9 +12,8 @@ short-turn corpus at 1/8 of a unit, 4,000 conversations, ~3.5M Qwen tokens), one
            prepared (the run creates Prefect's database and prepares the tokenizer on the clock)
     hit    the same command again: a cache hit
     warm   a fresh cache on the same homes (the database made, the tokenizer prepared), with the embedded server
-           already up: an untimed run on the example data with `--server-idle 60` leaves it running (and the
-           resident process beside it: the script waits until it is ready, as it is a few seconds after a run),
-           and the timed run passes `--server-idle 60` too;
+           already up: an untimed run on the example data with `--server-idle 60` leaves it running, and the
+           timed run passes `--server-idle 60` too and runs in its own process (no `--resident`);
            `sft-tokenize server stop` ends it afterwards. A CLI without `--server-idle` gets the same run
            without it (no server is left running: the row says so)
 

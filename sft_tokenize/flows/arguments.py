@@ -65,6 +65,10 @@ class RunCommand(BaseModel):
         DEFAULT_SERVER_IDLE, description="how long the embedded Prefect server stays up once its last run leaves, "
                                          f"for the next run; 0: it stops with the last run; ${SERVER_IDLE_ENV} "
                                          "sets another default")
+    resident: Annotated[bool, Flag(VERSIONS)] = Field(
+        False, description="Linux: run in this user's resident process when one is ready (its imports done, the "
+                           "last run's tokenizer prepared), and leave one beside the server for the next run; "
+                           "what differs then: docs/cli.md; $SFT_TOKENIZE_RESIDENT=1 asks for it on every run")
     quiet: Annotated[bool, Flag(VERSIONS, short="-q", exclusive="noise")] = Field(
         False, description="no Prefect run logs on stderr")
     verbose: Annotated[bool, Flag(VERSIONS, short="-v", exclusive="noise")] = Field(

@@ -69,7 +69,7 @@ from prefect.settings import (
 
 from sft_tokenize.errors import Failed, first_line
 from sft_tokenize.files import is_locked, locked
-from sft_tokenize.flows.resident_processes import residents
+from sft_tokenize.flows.resident_processes import resident_processes, tree_pss
 from sft_tokenize.flows.server_fork import ForkedServer, single_threaded
 from sft_tokenize.flows.server_state import (
     DEFAULT_SERVER_IDLE,
@@ -441,7 +441,9 @@ def server_status() -> list[tuple[str, str]]:
     else:
         left = f"{_seconds(idle - (time.time() - state.get('idle_since', time.time())))} left of {_seconds(idle)}"
     uptime = float(Path("/proc/uptime").read_text().split()[0]) - state["started"] / os.sysconf("SC_CLK_TCK")
-    waiting = ", ".join(f"pid {pid} ({'ready' if ready else 'importing'})" for pid, ready in residents(home))
+    waiting = ", ".join(f"pid {found['pid']} ({'ready' if found['ready'] else 'importing'}, "
+                        f"{tree_pss(found['pid']) / 2**20:,.0f} MiB PSS)"
+                        for found in resident_processes(home))
     return [("embedded server", "running" if answering else "running, starting (not answering yet)"),
             ("pid", str(state["pid"])), ("url", state["url"]), ("uptime", _seconds(uptime)),
             ("runs using it", str(runs)), ("idle time", left), ("resident process", waiting or "none"), *where]

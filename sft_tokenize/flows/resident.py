@@ -1,20 +1,24 @@
-"""The resident process: `sft-tokenize run` with its imports already done.
+"""The resident process: `sft-tokenize run` with its imports already done, on request (`run --resident`, or
+SFT_TOKENIZE_RESIDENT=1; Linux).
 
 Importing Prefect, datasets and transformers takes ~2.5 s of one core, every run, before any row is read: with a
-warm server that is most of a small run. A run that leaves the embedded server up (`--server-idle` above 0) also
-starts, as it exits, a resident process beside it with its environment. The resident imports what a run imports,
-prepares the last run's tokenizer and starts the encode pool its job would use (workers.start_early), then
-waits for one command: the next `sft-tokenize run` of this user with that environment and these installed
-files hands it its arguments, working directory, environment and its stdin, stdout and stderr (the descriptors
-themselves, over a Unix socket), and the resident runs the command as that process would have, then exits. The
-command waits, passes Ctrl-C, SIGTERM and SIGHUP on to it, and exits with its exit code; the resident reads the
-same files, joins the same server, writes the same cache and prints the same lines. Each run that leaves the
-server up starts the next resident as it exits, so a resident serves one run and holds nothing of another.
+warm server that is most of a small run. A run that asks for the resident and leaves the embedded server up
+(`--server-idle` above 0) also starts, as it exits, a resident process beside it with its environment. The
+resident imports what a run imports, prepares the last run's tokenizer and starts the encode pool its job would
+use (workers.start_early), then waits for one command: the next `sft-tokenize run --resident` of this user,
+PREFECT_HOME and run-relevant environment (resident_key) hands it its arguments, working directory, environment
+and its stdin, stdout and stderr (the descriptors themselves, over a Unix socket), and the resident runs the
+command as that process would have, then exits. The command waits, passes Ctrl-C, SIGTERM and SIGHUP on to it,
+and exits with its exit code; the resident reads the same files, joins the same server, writes the same cache and
+prints the same lines. Each run it serves starts the next resident as it exits, so a resident serves one run and
+holds nothing of another.
 
-When it is not used: no resident ready for this environment (none, one still importing, or one serving another
-run: the command runs in its own process, as before, at once), SFT_TOKENIZE_RESIDENT=0, or not Linux. An unused
-resident ends with the server it was started beside (`sft-tokenize server stop` ends both). It serves only its
-own user (SO_PEERCRED on an abstract socket).
+Bounds: one resident per user and PREFECT_HOME (its abstract socket's name says both; a new one replaces an older
+one of another environment). Both sides check the other's uid (SO_PEERCRED) before either sends anything: a name
+bound by another user gets no command, and a resident runs none of another user's. A command that finds this
+environment's resident still importing waits for it only when it expects it ready sooner than its own imports
+would be (the last resident's times, recorded in PREFECT_HOME). An unused resident ends with the server it was
+started beside (`sft-tokenize server stop` ends both).
 
 This module is the `sft-tokenize` entry point (console_main): until it knows where the command runs it imports
 only the standard library and a few small modules of this package (where the variables it reads are declared,
@@ -31,35 +35,72 @@ import itertools
 import json
 import os
 import pickle
+import resource
 import signal
 import socket
 import struct
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import NoReturn
 
 from sft_tokenize.build.timeline import TRACE_ENV, count_from, process_start
 from sft_tokenize.flows.console import CONSOLE_ENV
-from sft_tokenize.flows.resident_processes import SERVE, SOCKET_PREFIX
+from sft_tokenize.flows.resident_processes import (
+    SERVE,
+    _bound_sockets,
+    prefect_home,
+    resident_processes,
+    socket_name,
+)
 from sft_tokenize.flows.server_state import SERVER_IDLE_ENV, is_running
 
-RESIDENT_ENV = "SFT_TOKENIZE_RESIDENT"  # 0: never use or start a resident process
+RESIDENT_ENV = "SFT_TOKENIZE_RESIDENT"  # 1: every `run` asks for the resident, as --resident does
+RESIDENT_FLAG = "--resident"
+RECORD = "sft-tokenize-resident.json"  # in PREFECT_HOME: how long the last resident took to prepare and get ready
 _command_env: dict[str, str] | None = None  # the command's environment as it started (a run changes its own)
 _prepared: list[tuple] = []  # in a resident: the encodings it prepared for its command (workers.process_encoding)
 _pooled: list[tuple] = []  # in a resident: the jobs whose encode pools it started, with their process counts
 READY_TIMEOUT = 10.0  # a resident listens only once its imports are done: it answers at once
-# Read at run time only (the resident takes on the command's own environment), so they may differ between the
-# resident and the command it serves.
-RUNTIME_VARIABLES = frozenset({CONSOLE_ENV, SERVER_IDLE_ENV, TRACE_ENV,
-                               "TRANSFORMERS_NO_ADVISORY_WARNINGS", "PREFECT_SERVER_ANALYTICS_ENABLED",
-                               "PWD", "OLDPWD", "_", "SHLVL", "COLUMNS", "LINES"})
+REPLACE_TIMEOUT = 5.0  # for an older resident to leave its name to a new one
+# The variables a resident's imports read, fixed once they ran (Prefect's settings, the hub's and the tokenizer
+# libraries' variables, the interpreter's, the C libraries'): a resident serves only a command whose values are
+# the same. A command brings every other variable with it (the resident takes on its whole environment).
+RUN_RELEVANT_PREFIXES = ("PREFECT_", "HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TOKENIZERS_", "DATASETS_",
+                         "FASTOKENS", "SFT_TOKENIZE_", "PYTHON", "LD_", "LC_", "RAYON_", "OMP_", "MKL_", "OPENBLAS_",
+                         "ARROW_", "MALLOC_", "XDG_", "DASK_", "RAY_")
+RUN_RELEVANT_NAMES = frozenset({"HOME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "USER"})
+# Of those, the ones read at run time only (or set by the run itself: cli.process_environment).
+RUNTIME_VARIABLES = frozenset({RESIDENT_ENV, CONSOLE_ENV, SERVER_IDLE_ENV, TRACE_ENV,
+                               "TRANSFORMERS_NO_ADVISORY_WARNINGS", "PREFECT_SERVER_ANALYTICS_ENABLED"})
+# Read from the working directory as Prefect's settings are imported.
+DIRECTORY_SETTINGS = ("prefect.toml", "pyproject.toml", ".env")
+# Limits a run inherits from its caller (ulimit): a resident serves only a command that has the same.
+LIMITS = tuple(getattr(resource, name) for name in ("RLIMIT_AS", "RLIMIT_DATA", "RLIMIT_RSS", "RLIMIT_CPU",
+                                                     "RLIMIT_FSIZE", "RLIMIT_NOFILE", "RLIMIT_NPROC",
+                                                     "RLIMIT_STACK", "RLIMIT_MEMLOCK") if hasattr(resource, name))
 
 
-def enabled() -> bool:
-    return sys.platform == "linux" and os.environ.get(RESIDENT_ENV, "1") != "0"
+def requested(argv: list[str]) -> bool:
+    """Whether the command `argv` asks for the resident: `run --resident`, or `run` with SFT_TOKENIZE_RESIDENT=1
+    (Linux only)."""
+    if sys.platform != "linux" or len(argv) < 2 or argv[1] != "run":
+        return False
+    options = argv[2:argv.index("--")] if "--" in argv else argv[2:]
+    return RESIDENT_FLAG in options or os.environ.get(RESIDENT_ENV) == "1"
+
+
+def _hands_over(argv: list[str]) -> bool:
+    """Whether the command can run elsewhere: not with a descriptor of its own as a path (`--recipe <(…)`), which
+    only its own process can open (the resident gets its stdin, stdout and stderr only)."""
+    return not any(argument.startswith(("/dev/fd/", "/proc/self/fd/")) for argument in argv)
+
+
+def _run_relevant(name: str) -> bool:
+    return name not in RUNTIME_VARIABLES and (name in RUN_RELEVANT_NAMES or name.startswith(RUN_RELEVANT_PREFIXES))
 
 
 def _code_stamp(paths: list[str]) -> list:
@@ -76,17 +117,43 @@ def _code_stamp(paths: list[str]) -> list:
     return stamp
 
 
+def _process_state() -> list:
+    """What a process inherits from its caller and a run's process would run under: its nice value, CPU
+    affinity, limits and control groups (a Slurm job's memory limit and accounting), the settings files of its
+    working directory."""
+    pid = os.getpid()
+    try:
+        groups = Path("/proc/self/cgroup").read_text()
+    except OSError:
+        groups = ""
+    files = []
+    for name in DIRECTORY_SETTINGS:
+        with contextlib.suppress(OSError):
+            stat = os.stat(name)
+            files.append((os.path.abspath(name), stat.st_mtime_ns, stat.st_size))
+    return [os.getpriority(os.PRIO_PROCESS, pid), sorted(os.sched_getaffinity(pid)),
+            [resource.getrlimit(limit) for limit in LIMITS], groups, files]
+
+
 def resident_key(environ: Mapping[str, str], paths: list[str]) -> str:
-    """Which resident may run a command: the same interpreter, import path, installed files and environment
-    (what the imports read of it is fixed when they run), and the same user."""
-    environment = sorted((k, v) for k, v in environ.items() if k not in RUNTIME_VARIABLES)
-    described = [os.getuid(), sys.executable, sys.version, paths, environment, _code_stamp(paths)]
+    """Which resident may run a command: the same user, interpreter, import path, installed files, run-relevant
+    variables (what the imports read of them is fixed when they run) and process state (_process_state)."""
+    environment = sorted((k, v) for k, v in environ.items() if _run_relevant(k))
+    described = [os.getuid(), sys.executable, sys.version, paths, environment, _code_stamp(paths), _process_state()]
     return hashlib.sha256(json.dumps(described).encode()).hexdigest()[:32]
 
 
-def _address(key: str) -> str:
-    # An abstract socket (Linux): no file to clean up after a killed resident; SO_PEERCRED keeps other users out.
-    return f"\0{SOCKET_PREFIX}{os.getuid()}-{key}"
+def _address(environ: Mapping[str, str]) -> str | None:
+    # An abstract socket (Linux): no file to clean up after a killed resident. Anyone can bind a name there, so
+    # each side checks the other's uid (SO_PEERCRED) before it sends anything.
+    home = prefect_home(environ)
+    return None if home is None else "\0" + socket_name(os.getuid(), home)
+
+
+def _peer(sock: socket.socket) -> tuple[int, int]:
+    """The pid and uid of the process at the other end of `sock`, as the kernel recorded them."""
+    pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    return pid, uid
 
 
 def _send(sock: socket.socket, message: dict, fds: list[int] = ()) -> None:
@@ -114,16 +181,25 @@ def _exactly(sock: socket.socket, size: int) -> bytes:
     return data
 
 
+def _age(pid: int) -> float:
+    """Seconds since process `pid` started."""
+    with open(f"/proc/{pid}/stat") as stat:
+        ticks = int(stat.read().rpartition(")")[2].split()[19])
+    return time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+
+
 # The command's side.
 
 def run_in_resident(argv: list[str]) -> int | None:
-    """Run the command `argv` in a resident process and return its exit code; None if no resident is ready for it
-    (the caller runs it itself). Ctrl-C, SIGTERM and SIGHUP sent to this process are passed on to the resident."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    """Run the command `argv` in this environment's resident process and return its exit code; None if none is
+    ready for it (the caller runs it itself). Ctrl-C, SIGTERM and SIGHUP sent to this process are passed on to the
+    resident."""
+    key = resident_key(os.environ, sys.path)
+    connected = _connect(key)
+    if connected is None:
+        return None
+    sock, resident = connected
     try:
-        sock.connect(_address(resident_key(os.environ, sys.path)))  # refused at once unless one is listening
-        sock.settimeout(READY_TIMEOUT)
-        resident = _receive(sock)[0]["pid"]
         started = process_start() if os.environ.get(TRACE_ENV) else 0.0
         _send(sock, {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ), "umask": _umask(),
                      "started": started}, [0, 1, 2])
@@ -138,8 +214,67 @@ def run_in_resident(argv: list[str]) -> int | None:
         return int(_receive(sock)[0]["exit"])
     except (OSError, EOFError, ValueError, KeyError):
         print("sft-tokenize: error: the resident process ended before the run did; run the same command again "
-              f"(or with {RESIDENT_ENV}=0)", file=sys.stderr)
+              f"(or without {RESIDENT_FLAG})", file=sys.stderr)
         return 1
+
+
+def _connect(key: str) -> tuple[socket.socket, int] | None:
+    """A connection to this user's resident of this PREFECT_HOME, once it is ready, and its pid; None if there is
+    none, it serves another environment (`key`), its name is another user's, or it is still importing and would
+    not be ready before this process's own imports are done. Nothing is sent before the peer's uid is checked."""
+    address = _address(os.environ)
+    if address is None:
+        return None
+    deadline = None
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(address)  # refused at once unless one listens
+            break
+        except ConnectionRefusedError:
+            sock.close()
+            if deadline is None:
+                deadline = _ready_by(address, key) or 0.0
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.02)
+        except OSError:
+            sock.close()
+            return None
+    try:
+        pid, uid = _peer(sock)
+        if uid != os.getuid():  # a name bound by another user: it learns nothing, not even this command
+            raise PermissionError(f"the resident socket is held by uid {uid}")
+        sock.settimeout(READY_TIMEOUT)
+        if _receive(sock)[0].get("key") != key:  # another environment's (a new run's exit replaces it)
+            raise LookupError
+    except (OSError, EOFError, ValueError, LookupError):
+        sock.close()
+        return None
+    return sock, pid
+
+
+def _ready_by(address: str, key: str) -> float | None:
+    """When (time.monotonic) to stop waiting for this environment's resident that holds `address` but does not
+    listen yet (importing); None if there is none or it would not be ready sooner than this process's imports.
+    It waits when the resident's expected time left (the last resident's time to ready, in PREFECT_HOME, less its
+    age) is under 80 % of the time the last one took to import and prepare, which this process would spend."""
+    if not _bound_sockets(address[1:]):
+        return None
+    home = prefect_home(os.environ)
+    try:
+        record = json.loads((Path(home) / RECORD).read_text())
+        importing = [found["pid"] for found in resident_processes(home)
+                     if found["bound"] and not found["ready"] and found["key"] == key]
+        if not importing:
+            return None
+        left = float(record["ready_after"]) - _age(importing[0])
+        own = float(record["prepared_after"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if left >= 0.8 * own:
+        return None
+    return time.monotonic() + max(left, 0.0) + 0.25 * own
 
 
 def _umask() -> int:
@@ -168,34 +303,60 @@ def _start_beside_server() -> None:
 
 def start_resident(server: dict, encodings: list[tuple] = (), pools: list[tuple] = ()) -> None:
     """Start this environment's resident process beside the embedded server `server` (its state record), unless
-    one is up already: it ends with that server. It prepares the tokenizers of `encodings` (the arguments of
+    this environment's is up already; an older one of another environment in this PREFECT_HOME is ended first.
+    It ends with that server. It prepares the tokenizers of `encodings` (the arguments of
     workers.process_encoding) for the next run, and starts the encode pools of `pools` (workers.next_pools)."""
-    if _command_env is None or not enabled():
+    if _command_env is None or sys.platform != "linux" or (address := _address(_command_env)) is None:
         return
-    # Bound here, so that no second resident of this environment starts; it listens once its imports are done.
+    key = resident_key(_command_env, sys.path)
+    # Bound here, so that no second resident of this home starts; it listens once its imports are done.
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        listener.bind(_address(resident_key(_command_env, sys.path)))
-    except OSError:  # one is up (or importing, or serving a run)
+        try:
+            listener.bind(address)
+        except OSError:  # one is up (or importing): this environment's stays, another's is replaced
+            if not _replace(address, key):
+                listener.close()
+                return
+            listener.bind(address)
+    except OSError:
         listener.close()
         return
     code = f"import json, sys; sys.path[:] = json.loads(sys.argv[1]); {SERVE}(*json.loads(sys.argv[2]))"
     # A job is a dataclass of plain values (pickled as Prefect passes it to a task), sent as this process's own.
     jobs = [[base64.b64encode(pickle.dumps(job)).decode(), processes] for job, processes in pools]
     arguments = json.dumps([listener.fileno(), server, list(encodings), jobs])
-    with listener, contextlib.suppress(OSError):
-        subprocess.Popen([sys.executable, "-c", code, json.dumps(sys.path), arguments],
+    with listener, contextlib.suppress(OSError):  # its key last: what it serves, for resident_processes
+        subprocess.Popen([sys.executable, "-c", code, json.dumps(sys.path), arguments, key],
                          env=_command_env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL, start_new_session=True, pass_fds=[listener.fileno()])
 
 
+def _replace(address: str, key: str) -> bool:
+    """End the resident that holds `address` if it is this user's and serves another environment than `key`, and
+    wait until the name is free; False if the name stays taken (this environment's resident, another user's
+    socket)."""
+    holders = [found for found in resident_processes(prefect_home(_command_env)) if found["bound"]]
+    if not holders or any(found["key"] == key for found in holders):
+        return False
+    for found in holders:
+        _pass_on(found["pid"], signal.SIGTERM)
+    deadline = time.monotonic() + REPLACE_TIMEOUT
+    while _bound_sockets(address[1:]):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
 def console_main() -> None:
-    """The `sft-tokenize` command: `run` in this user's resident process when one fits, else in this process."""
+    """The `sft-tokenize` command: in this process; `run --resident` in this user's resident process when one
+    fits."""
     global _command_env
     _command_env = dict(os.environ)
-    if len(sys.argv) > 1 and sys.argv[1] == "run" and enabled():
+    if requested(sys.argv):
         try:
-            code = run_in_resident(sys.argv)
+            code = run_in_resident(sys.argv) if _hands_over(sys.argv) else None
         except KeyboardInterrupt:  # Ctrl-C before a resident took the command: nothing ran
             print("sft-tokenize: error: interrupted (SIGINT)", file=sys.stderr)
             code = 130
@@ -246,6 +407,7 @@ def serve(bound: int, server: dict, encodings: list[list], pools: list[list] = (
     preparing.join()
     if not prepared:  # its imports failed: a command in its own process says why
         return
+    prepared_after = time.clock_gettime(time.CLOCK_BOOTTIME) - process_start()
     from sft_tokenize.build.workers import start_early
 
     # From this thread, at the process's priority: the pool's processes would inherit the preparing thread's.
@@ -256,14 +418,31 @@ def serve(bound: int, server: dict, encodings: list[list], pools: list[list] = (
     _pooled[:] = pooled
     listener = socket.socket(fileno=bound)
     listener.listen(8)
+    _record(prepared_after)
     while True:
         conn, _ = listener.accept()
-        request = _take(conn)
+        request = _take(conn, key)
         if request is not None:
             taken.set()
             listener.close()  # one command: the address is free for the resident its exit starts
+            try:
+                _send(conn, {"taken": True})
+            except OSError:  # the command left before it was taken: it runs in its own process
+                os._exit(0)
             _run_command(conn, *request)
         conn.close()
+
+
+def _record(prepared_after: float) -> None:
+    """Write down how long this resident took to import and prepare, and to get ready (its pools started), for a
+    command that finds the next one importing (_ready_by)."""
+    home = prefect_home(os.environ)
+    times = {"prepared_after": round(prepared_after, 3),
+             "ready_after": round(time.clock_gettime(time.CLOCK_BOOTTIME) - process_start(), 3)}
+    with contextlib.suppress(OSError, TypeError):
+        temporary = Path(home) / f".{RECORD}.{os.getpid()}"
+        temporary.write_text(json.dumps(times))
+        temporary.replace(Path(home) / RECORD)
 
 
 def _prepare(encodings: list[list], pools: list[list]) -> list[tuple]:
@@ -282,18 +461,21 @@ def _prepare(encodings: list[list], pools: list[list]) -> list[tuple]:
     return pooled
 
 
-def _take(conn: socket.socket) -> tuple[dict, list[int]] | None:
+def _take(conn: socket.socket, key: str) -> tuple[dict, list[int]] | None:
     """A command's request and descriptors, if the peer is this user and hands one over (a peer that closes
-    first, or sends something else, hands none)."""
-    uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
-    if uid != os.getuid():
+    first, or sends something else, hands none). The peer hears this resident's `key` first: a command of
+    another environment closes."""
+    if _peer(conn)[1] != os.getuid():
         return None
     try:
         conn.settimeout(READY_TIMEOUT)
-        _send(conn, {"pid": os.getpid()})
+        _send(conn, {"pid": os.getpid(), "key": key})
         request, fds = _receive(conn, 3)
-        _send(conn, {"taken": True})
     except (OSError, EOFError, ValueError):
+        return None
+    if len(fds) != 3 or not {"argv", "cwd", "env", "umask", "started"} <= request.keys():
+        for fd in fds:
+            os.close(fd)
         return None
     return request, fds
 

@@ -70,11 +70,22 @@ def test_run_every_pipeline_gives_the_same_tokens(bench):
         assert runs[name]["identical"] is True, name
         assert runs[name]["rows"] == 64 and runs[name]["peak_pss_mib"] > 0, name
     assert runs["project"]["events"]["first_slice"] > 0 and runs["project"]["cache_hit_seconds"] > 0
+    assert runs["project"]["back_to_back_seconds"] > 0 and runs["project"]["back_to_back_first_slice"] > 0
     assert runs["stages"]["details"]["seconds"].keys() == {"read", "render", "encode", "mask", "write"}
     assert runs["limits"]["details"]["identical_ids"] is True
     targets = {t["name"]: t["ok"] for t in report["targets"]}
     assert targets["identical input_ids and loss_mask in every run"] is True
     assert "Measured at commit" in (out / "results.md").read_text()
+
+
+def test_run_at_the_big_size_runs_the_project_and_the_strongest_peer_only(bench):
+    out = bench["root"] / "run-big"
+    script(bench, "run.py", "--scale", "0.0005", "--tokenizer", "example", "--shape", "short", "--sizes", "8",
+           "--only", "hf,hf-fastokens,spawn,project", "--out", str(out), "--work", str(bench["work"]))
+    report = json.loads((out / "results.json").read_text())
+    runs = report["results"][0]["runs"]
+    assert set(runs) == {"hf-fastokens", "project"}
+    assert runs["project"]["identical"] is True and runs["project"]["back_to_back_seconds"] > 0
 
 
 def test_pipelines_floor(bench):
