@@ -26,10 +26,11 @@ example: $(BIN)/python
 TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
 AXOLOTL ?= axolotl==0.19.0
+LITDATA ?= litdata==0.2.76
 test: $(BIN)/python
 	$(BIN)/pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) '$(TORCH)'
-	$(BIN)/pip install -q -e '.[dev,trainers,fast]'
-	$(BIN)/pip install -q --no-deps '$(AXOLOTL)'
+	$(BIN)/pip install -q -e '.[dev,trainers,fast,export]'
+	$(BIN)/pip install -q --no-deps '$(AXOLOTL)' '$(LITDATA)'
 	$(BIN)/ruff check .
 	$(MAKE) docs
 	$(BIN)/python -m pytest -n 3 --dist loadgroup --no-loadscope-reorder --junitxml=.cache/pytest-junit.xml

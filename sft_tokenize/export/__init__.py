@@ -1,0 +1,96 @@
+"""Exports of a published cache to the formats other trainers read, streamed from the mapped cache.
+
+    export_cache("/data/cache/ultrachat-3f2a9c1d0b7e4f65", "megatron", "/data/megatron/ultrachat")
+    export_cache(cache, "mds", "s3://bucket/mds/ultrachat")          # any fsspec URL
+    export_cache(cache, "megatron", out, pack_length=4096)           # + Megatron-Bridge's packed file
+
+| target     | module        | what it writes (FORMAT.md beside this package)                          |
+|------------|---------------|-------------------------------------------------------------------------|
+| `megatron` | `megatron.py` | Megatron-Core IndexedDataset `.bin/.idx` of tokens and of the loss mask; |
+|            |               | with `pack_length`, Megatron-Bridge's packed SFT `.npy` and its metadata |
+| `mds`      | `mds.py`      | mosaicml-streaming MDS shards and `index.json`                          |
+| `litdata`  | `litdata.py`  | a litdata optimized dataset: chunks and `index.json`                    |
+
+An export reads only a published cache (base and read layers: it loads no build code, Prefect, Jinja or
+tokenizers), one batch of rows at a time. It is published whole or not at all (output.py), and recorded both in
+the export's own `export.json` and in the cache's `manifest.json` under `exports`, with its digest. Exporting
+again to a place that holds the same cache's export with the same options reuses it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from sft_tokenize.errors import BadInput
+from sft_tokenize.export.output import EXPORT_RECORD, ExportOutput
+from sft_tokenize.export.rows import DEFAULT_BATCH_ROWS
+from sft_tokenize.files import atomic_write
+from sft_tokenize.format.layout import MANIFEST
+from sft_tokenize.read.cache import TokenizedCache, open_cache
+from sft_tokenize.version import __version__
+
+TARGETS = ("megatron", "mds", "litdata")
+EXPORTS_KEY = "exports"  # the cache manifest's record of its exports: {location: {target, digest, ...}}
+
+
+def _write(cache: TokenizedCache, target: str, out: ExportOutput, options: dict[str, Any]) -> dict[str, Any]:
+    if target == "megatron":
+        from sft_tokenize.export.megatron import write_indexed, write_packed
+
+        written = write_indexed(cache, out, options["batch_rows"])
+        if options["pack_length"]:
+            written["packed"] = write_packed(cache, out, options["pack_length"])
+        return written
+    if target == "mds":
+        from sft_tokenize.export.mds import write_mds
+
+        return write_mds(cache, out, options["batch_rows"], options["shard_bytes"])
+    from sft_tokenize.export.litdata import write_litdata
+
+    return write_litdata(cache, out, options["batch_rows"], options["shard_bytes"])
+
+
+def export_cache(cache: str | Path | TokenizedCache, target: str, out: str | Path, *, pack_length: int | None = None,
+                 batch_rows: int = DEFAULT_BATCH_ROWS, shard_bytes: int = 1 << 27, storage_options: dict | None = None,
+                 record: bool = True) -> dict[str, Any]:
+    """Export `cache` (a published cache's path or URL, or an opened one) as `target` into `out` (a directory
+    or an fsspec URL); returns the export's record (EXPORT_RECORD). `record`: also note it in the cache's
+    manifest (skipped, with the reason in the returned record, where the cache cannot be written)."""
+    if target not in TARGETS:
+        raise BadInput(f"--to {target}: not a target; choose one of {', '.join(TARGETS)}")
+    if pack_length is not None and (target != "megatron" or pack_length < 1):
+        raise BadInput(f"--pack-length {pack_length}: a positive length, for --to megatron only")
+    cache = cache if isinstance(cache, TokenizedCache) else open_cache(cache, storage_options=storage_options)
+    options = {"pack_length": pack_length, "shard_bytes": shard_bytes if target != "megatron" else None}
+    identity = {"target": target, "cache": cache.path.name, "fingerprint": cache.fingerprint, "options": options}
+    output = ExportOutput(out, storage_options)
+    existing = output.existing_record()
+    if existing is not None and {key: existing.get(key) for key in identity} == identity:
+        return {**existing, "reused": True}
+    started = time.perf_counter()
+    with output:
+        written = _write(cache, target, output, {**options, "batch_rows": batch_rows})
+        result = output.finish({**identity, **written, "tool_version": __version__,
+                                "seconds": round(time.perf_counter() - started, 3)})
+    if record:
+        result = _record_in_manifest(cache, output.location, result)
+    return result
+
+
+def _record_in_manifest(cache: TokenizedCache, location: str, result: dict[str, Any]) -> dict[str, Any]:
+    """The export noted in the cache's manifest.json (replaced in one rename): where, what, its digest."""
+    manifest_path = cache.path / MANIFEST
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        manifest.setdefault(EXPORTS_KEY, {})[location] = {
+            key: result[key] for key in ("target", "options", "digest", "rows", "tokens") if key in result}
+        atomic_write(manifest_path, json.dumps(manifest, indent=2))
+    except OSError as error:
+        return {**result, "manifest_not_updated": f"{manifest_path}: {error.strerror or error}"}
+    return result
+
+
+__all__ = ["EXPORT_RECORD", "TARGETS", "export_cache"]

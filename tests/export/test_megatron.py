@@ -1,0 +1,89 @@
+"""`megatron` exports read back by Megatron-Core's own IndexedDataset, and Megatron-Bridge's packed file read as
+its GPTSFTPackedDataset reads it: the cache's ids and masks, every row once."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sft_tokenize.errors import BadInput
+from sft_tokenize.export import EXPORT_RECORD, export_cache
+from sft_tokenize.read.cache import open_cache
+
+indexed_dataset = pytest.importorskip("megatron.core.datasets.indexed_dataset",
+                                      reason="megatron-core is in the export extra")
+
+
+@pytest.fixture
+def cache(example_cache, tmp_path) -> Path:
+    """A copy of the example cache (an export notes itself in the cache's manifest)."""
+    return Path(shutil.copytree(example_cache.parent, tmp_path / "root", symlinks=True)) / example_cache.name
+
+
+def test_indexed_datasets_hold_each_rows_ids_and_mask(cache, tmp_path):
+    record = export_cache(cache, "megatron", tmp_path / "out", batch_rows=7)  # batches end mid-file
+    rows = open_cache(cache)
+    tokens = indexed_dataset.IndexedDataset(str(tmp_path / "out" / "tokens"))
+    mask = indexed_dataset.IndexedDataset(str(tmp_path / "out" / "loss_mask"))
+    assert len(tokens) == len(mask) == len(rows) == record["rows"]
+    for i in range(len(rows)):
+        assert tokens[i].dtype == np.int32 and np.array_equal(tokens[i], rows[i]["input_ids"]), i
+        assert np.array_equal(mask[i], rows[i]["loss_mask"]), i
+    assert np.array_equal(tokens.document_indices, np.arange(len(rows) + 1))
+    assert record["tokens"] == int(rows.lengths.sum())
+
+
+def test_the_export_is_recorded_with_its_digest_and_reused(cache, tmp_path):
+    record = export_cache(cache, "megatron", tmp_path / "out")
+    on_disk = json.loads((tmp_path / "out" / EXPORT_RECORD).read_text())
+    assert on_disk["digest"] == record["digest"] and on_disk["fingerprint"] == open_cache(cache).fingerprint
+    assert {f["name"] for f in on_disk["files"]} == {"tokens.bin", "tokens.idx", "loss_mask.bin", "loss_mask.idx"}
+    noted = open_cache(cache).manifest["exports"][str(tmp_path / "out")]
+    assert noted["digest"] == record["digest"] and noted["target"] == "megatron"
+    mtime = (tmp_path / "out" / "tokens.bin").stat().st_mtime_ns
+    assert export_cache(cache, "megatron", tmp_path / "out")["reused"] is True
+    assert (tmp_path / "out" / "tokens.bin").stat().st_mtime_ns == mtime
+
+
+def test_a_failed_export_leaves_nothing_and_a_foreign_directory_is_refused(cache, tmp_path, monkeypatch):
+    import sft_tokenize.export.megatron as megatron
+
+    def broken(*args, **kwargs):
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(megatron, "write_index", broken)
+    with pytest.raises(OSError, match="disk gone"):
+        export_cache(cache, "megatron", tmp_path / "out")
+    assert not (tmp_path / "out").exists() and list(tmp_path.glob(".out*")) == []
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    with pytest.raises(BadInput, match="not an export"):
+        export_cache(cache, "megatron", tmp_path / "mine")
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
+
+
+def test_the_packed_file_is_the_packing_index_as_megatron_bridge_reads_it(cache, tmp_path):
+    export_cache(cache, "megatron", tmp_path / "out", pack_length=512)
+    rows = open_cache(cache)
+    packed = rows.packed(512)
+    items = np.load(tmp_path / "out" / "training_512.npy", allow_pickle=True)  # GPTSFTPackedDataset._load_dataset
+    assert items.dtype == object and len(items) == len(packed)
+    seen = []
+    for i, item in enumerate(items):
+        # GPTSFTPackedDataset.__getitem__ and collate_fn: boundaries, tokens without each row's last, labels
+        # without its first, and the file's mask over the tokens (rolled: it marks the label trained)
+        boundaries = item["seq_start_id"] + [len(item["input_ids"])]
+        assert len(item["loss_mask"]) == len(item["input_ids"])
+        for k, row in enumerate(packed.index.bin(i).tolist()):
+            start, end = boundaries[k], boundaries[k + 1]
+            ids, mask = rows[row]["input_ids"][:512], rows[row]["loss_mask"][:512]
+            assert item["input_ids"][start:end] == ids.tolist()
+            assert np.array_equal(np.asarray(item["loss_mask"][start:end - 1], dtype=np.int8), mask[1:]), (i, row)
+            seen.append(row)
+    assert sorted(seen) == list(range(len(rows)))
+    metadata = json.loads((tmp_path / "out" / "512_metadata.jsonl").read_text())
+    assert metadata[0]["pack_size"] == 512 and metadata[0]["max_samples_per_bin"] >= 2
