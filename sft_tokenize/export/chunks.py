@@ -1,0 +1,87 @@
+"""Chunk files of records, as both MDS shards and litdata chunks lay them out (FORMAT.md beside this module):
+
+    u32 count | u32 offsets[count + 1] (from the file's start) | head (MDS: its config) | records
+
+A record is one row: the byte sizes of its columns (u32 each), then each column's bytes, each behind its own
+prefix (MDS: the array's shape; litdata: none). Rows are cut into chunks of at most `limit` bytes by their
+sizes (from the cache's lengths) before any is written, and streamed in batches: a chunk's header comes first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+
+import numpy as np
+
+from sft_tokenize.export.output import ExportOutput
+from sft_tokenize.export.rows import RowBatch, row_batches
+from sft_tokenize.read.cache import TokenizedCache
+
+# a row's length → each column's prefix (bytes), per row: how a format spells an array's shape
+Prefixes = Callable[[int], tuple[bytes, bytes]]
+ITEMSIZES = (4, 1)  # input_ids int32, loss_mask int8
+
+
+@dataclass
+class Chunk:
+    first: int  # its first row
+    stop: int  # one past its last row
+    offsets: np.ndarray  # u32, count + 1, from the file's start
+
+
+def plan_chunks(lengths: np.ndarray, record_sizes: np.ndarray, head: int, limit: int) -> list[Chunk]:
+    """Rows into chunks: each as many rows as fit in `limit` bytes (4 per row for its offset, the header),
+    at least one."""
+    ends = np.cumsum(record_sizes + 4, dtype=np.int64)
+    chunks, first = [], 0
+    while first < len(lengths):
+        before = int(ends[first - 1]) if first else 0
+        stop = max(int(np.searchsorted(ends, before + limit - head - 8, side="right")), first + 1)
+        count = stop - first
+        start = 4 + 4 * (count + 1) + head
+        offsets = np.empty(count + 1, dtype=np.int64)
+        offsets[0] = start
+        np.cumsum(record_sizes[first:stop], out=offsets[1:])
+        offsets[1:] += start
+        if offsets[-1] >= 1 << 32:
+            raise ValueError(f"row {first}: a chunk of {offsets[-1]} bytes does not fit u32 offsets")
+        chunks.append(Chunk(first, stop, offsets.astype(np.uint32)))
+        first = stop
+    return chunks
+
+
+def encode_rows(batch: RowBatch, lo: int, hi: int, prefixes: Prefixes) -> bytes:
+    """Rows [lo, hi) of `batch` (batch-relative) as records."""
+    parts: list = []
+    offsets, ids, mask = batch.offsets, batch.input_ids, batch.loss_mask
+    for i in range(lo, hi):
+        a, b = int(offsets[i]), int(offsets[i + 1])
+        ids_prefix, mask_prefix = prefixes(b - a)
+        sizes = np.array([len(ids_prefix) + 4 * (b - a), len(mask_prefix) + (b - a)], dtype="<u4")
+        parts += (sizes.tobytes(), ids_prefix, ids[a:b].tobytes(), mask_prefix, mask[a:b].tobytes())
+    return b"".join(parts)
+
+
+def _rows(cache: TokenizedCache, batch_rows: int) -> Iterator[tuple[RowBatch, int, int]]:
+    for batch in row_batches(cache, batch_rows):
+        yield batch, batch.first, batch.first + len(batch)
+
+
+def write_chunks(cache: TokenizedCache, out: ExportOutput, chunks: list[Chunk], names: list[str], head: bytes,
+                 prefixes: Prefixes, batch_rows: int) -> None:
+    """Every chunk's file, in order, its rows streamed a batch at a time."""
+    rows = _rows(cache, batch_rows)
+    batch, start, stop = next(rows, (None, 0, 0))
+    for chunk, name in zip(chunks, names, strict=True):
+        with ExitStack() as stack:
+            f = stack.enter_context(out.open(name))
+            f.write(np.uint32(chunk.stop - chunk.first).tobytes() + chunk.offsets.tobytes() + head)
+            row = chunk.first
+            while row < chunk.stop:
+                while row >= stop:
+                    batch, start, stop = next(rows)
+                end = min(stop, chunk.stop)
+                f.write(encode_rows(batch, row - start, end - start, prefixes))
+                row = end
