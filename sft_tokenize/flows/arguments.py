@@ -11,7 +11,7 @@ import argparse
 import math
 import os
 import re
-from typing import Annotated, Any, get_origin
+from typing import Annotated, Any, Literal, get_origin
 
 from pydantic import BaseModel, Field
 
@@ -143,6 +143,25 @@ class GcCommand(BaseModel):
     storage_options: ReadStorageOptions = READ_STORAGE_OPTIONS
 
 
+class ExportCommand(BaseModel):
+    """`sft-tokenize export`'s flags."""
+
+    cache: Annotated[str, Flag(FLAGS, metavar="CACHE", positional=True)] = Field(
+        description="a published cache directory, or a cache version's URL on object storage (copied to this "
+                    "machine first, as `pull` does to its default directory)")
+    to: Annotated[Literal["megatron", "mds", "litdata"], Flag(FLAGS, metavar="TARGET")] = Field(
+        description="the format: megatron (Megatron-Core .bin/.idx; with --pack-length, Megatron-Bridge's packed "
+                    ".npy too), mds (mosaicml-streaming), litdata (litdata's optimized dataset)")
+    out: Annotated[str, Flag(FLAGS, metavar="OUT", positional=True)] = Field(
+        description="the export's directory (new, empty, or an earlier export, replaced whole) or an fsspec URL "
+                    "(new: objects are never written over)")
+    pack_length: Annotated[int | None, Flag(FLAGS, metavar="N", parse=positive_int)] = Field(
+        None, description="megatron: also write the cache's packing index for N tokens as Megatron-Bridge's packed "
+                          "SFT file (training_N.npy, N_metadata.jsonl)")
+    storage_options: ReadStorageOptions = Field(
+        default_factory=dict, description="fsspec options, a JSON object, for the cache's URL and OUT's filesystem")
+
+
 class ServerStopCommand(BaseModel):
     """`sft-tokenize server stop`'s flags."""
 
@@ -156,6 +175,7 @@ COMMANDS: dict[tuple[str, ...], tuple[type[BaseModel], ...]] = {
     ("pack",): (PackCommand,),
     ("pull",): (PullCommand,),
     ("gc",): (GcCommand,),
+    ("export",): (ExportCommand,),
     ("server", "stop"): (ServerStopCommand,),
 }
 
@@ -230,6 +250,9 @@ SIMPLE_COMMANDS = {
     "gc": ("remove old versions and the shards no cache or running build uses",
            "Keep the newest N versions of each cache name; remove the others and every stored shard that no kept "
            "version and no running build uses."),
+    "export": ("write a published cache in another trainer's format (megatron, mds, litdata)",
+               "Write a published cache as Megatron-Core/Megatron-Bridge, mosaicml-streaming (MDS) or litdata files, a "
+               "batch of rows at a time, published whole; prints the export's directory as the last line."),
 }
 
 

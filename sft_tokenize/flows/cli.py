@@ -7,6 +7,7 @@
     sft-tokenize gc /data/cache [--keep N]
     sft-tokenize pull s3://bucket/caches/data-3f2a9c1d0b7e4f65 /data/local-caches
     sft-tokenize server status|stop [--force]
+    sft-tokenize export /data/cache/data-3f2a9c1d0b7e4f65 --to megatron|mds|litdata OUT [--pack-length N]
 
 stdout carries only the result (the cache path or the packing index path as its last line, or the inspect
 table), so scripts can read it; the progress bar and Prefect's run logs go to stderr. An error is one line on
@@ -173,6 +174,18 @@ def pack(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def export(args: argparse.Namespace) -> int:
+    from sft_tokenize.export import export_cache
+
+    record = export_cache(args.cache, args.to, args.out, pack_length=args.pack_length,
+                          storage_options=args.storage_options)
+    reused = " (reused: already exported)" if record.get("reused") else ""
+    print(f"{record['target']}: {record['rows']} rows, {record['tokens']} tokens, digest {record['digest']}{reused}",
+          file=sys.stderr)
+    print(args.out)
+    return EXIT_OK
+
+
 def show_rows(args: argparse.Namespace, manifest: dict) -> int:
     """`inspect --row N` / `--sample K`: rows decoded with their trained tokens highlighted."""
     import random
@@ -244,7 +257,7 @@ def server(args: argparse.Namespace) -> int:
 
 
 SUBCOMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "run": run, "inspect": inspect, "pack": pack, "pull": pull, "gc": gc, "server": server}
+    "run": run, "inspect": inspect, "pack": pack, "pull": pull, "gc": gc, "server": server, "export": export}
 
 
 def _interrupted(interrupt: BaseException, args: argparse.Namespace | None) -> str:
