@@ -26,10 +26,10 @@ from typing import Any
 
 from sft_tokenize.errors import BadInput
 from sft_tokenize.export.output import EXPORT_RECORD, ExportOutput
-from sft_tokenize.export.rows import DEFAULT_BATCH_ROWS
 from sft_tokenize.files import atomic_write
 from sft_tokenize.format.layout import MANIFEST
 from sft_tokenize.read.cache import TokenizedCache, open_cache
+from sft_tokenize.read.row_batches import DEFAULT_BATCH_ROWS
 from sft_tokenize.version import __version__
 
 TARGETS = ("megatron", "mds", "litdata")

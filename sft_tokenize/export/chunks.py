@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from sft_tokenize.export.output import ExportOutput
-from sft_tokenize.export.rows import RowBatch, row_batches
 from sft_tokenize.read.cache import TokenizedCache
+from sft_tokenize.read.row_batches import RowBatch, row_batches
 
 # a row's length → each column's prefix (bytes), per row: how a format spells an array's shape
 Prefixes = Callable[[int], tuple[bytes, bytes]]

@@ -20,8 +20,8 @@ from collections.abc import Iterator
 import numpy as np
 
 from sft_tokenize.export.output import ExportOutput
-from sft_tokenize.export.rows import row_batches
 from sft_tokenize.read.cache import TokenizedCache
+from sft_tokenize.read.row_batches import row_batches
 
 INDEX_HEADER = b"MMIDIDX\x00\x00"  # Megatron-Core's _INDEX_HEADER, then version 1 as <Q
 DTYPE_CODES = {np.dtype(np.uint8): 1, np.dtype(np.int8): 2, np.dtype(np.int16): 3, np.dtype(np.int32): 4,

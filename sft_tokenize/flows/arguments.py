@@ -162,6 +162,19 @@ class ExportCommand(BaseModel):
         default_factory=dict, description="fsspec options, a JSON object, for the cache's URL and OUT's filesystem")
 
 
+class DiffCommand(BaseModel):
+    """`sft-tokenize diff`'s flags."""
+
+    old: Annotated[str, Flag(FLAGS, metavar="OLD", positional=True)] = Field(
+        description="a published cache directory (or a version's URL on object storage, copied here first)")
+    new: Annotated[str, Flag(FLAGS, metavar="NEW", positional=True)] = Field(description="the cache to compare it with")
+    rows: Annotated[int, Flag(FLAGS, metavar="K", parse=int)] = Field(
+        2, ge=0, description="show the K changed rows that gain or lose the most trained tokens, each cache's row "
+                             "decoded by its own tokenizer (where it is on this machine), trained tokens marked")
+    as_json: Annotated[bool, Flag(FLAGS, flag="--json")] = Field(False, description="print the comparison as JSON")
+    storage_options: ReadStorageOptions = READ_STORAGE_OPTIONS
+
+
 class ServerStopCommand(BaseModel):
     """`sft-tokenize server stop`'s flags."""
 
@@ -176,6 +189,7 @@ COMMANDS: dict[tuple[str, ...], tuple[type[BaseModel], ...]] = {
     ("pull",): (PullCommand,),
     ("gc",): (GcCommand,),
     ("export",): (ExportCommand,),
+    ("diff",): (DiffCommand,),
     ("server", "stop"): (ServerStopCommand,),
 }
 
@@ -253,6 +267,9 @@ SIMPLE_COMMANDS = {
     "export": ("write a published cache in another trainer's format (megatron, mds, litdata)",
                "Write a published cache as Megatron-Core/Megatron-Bridge, mosaicml-streaming (MDS) or litdata files, a "
                "batch of rows at a time, published whole; prints the export's directory as the last line."),
+    "diff": ("compare two caches: rows added, removed and changed, trained tokens, what differs in their inputs",
+             "Compare two caches (two versions of one name, or any two): the fingerprint inputs that differ, the rows "
+             "added, removed and changed, and the trained tokens gained or lost, in all and per row."),
 }
 
 

@@ -8,6 +8,7 @@
     sft-tokenize pull s3://bucket/caches/data-3f2a9c1d0b7e4f65 /data/local-caches
     sft-tokenize server status|stop [--force]
     sft-tokenize export /data/cache/data-3f2a9c1d0b7e4f65 --to megatron|mds|litdata OUT [--pack-length N]
+    sft-tokenize diff /data/cache/data-3f2a9c1d0b7e4f65 /data/cache/data-9b1c04e2a7d35f10 [--rows K] [--json]
 
 stdout carries only the result (the cache path or the packing index path as its last line, or the inspect
 table), so scripts can read it; the progress bar and Prefect's run logs go to stderr. An error is one line on
@@ -186,6 +187,49 @@ def export(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def diff(args: argparse.Namespace) -> int:
+    from sft_tokenize.flows.report import text_table
+    from sft_tokenize.read.cache import open_cache
+    from sft_tokenize.read.cache_diff import diff_caches
+
+    old, new = (open_cache(path, storage_options=args.storage_options) for path in (args.old, args.new))
+    result = diff_caches(old, new)
+    if args.as_json:
+        print(json.dumps({**vars(result), "old": str(result.old), "new": str(result.new),
+                          "trained_delta": result.trained_delta}, default=str, indent=2))
+        return EXIT_OK
+    print(text_table([("old", str(result.old)), ("new", str(result.new))]
+                     + [(f"differs: {key}", f"{a} → {b}") for key, a, b in result.differs]
+                     + [("rows", f"{result.rows_old:,} → {result.rows_new:,} (matched by {result.matched_by})"),
+                        ("added", f"{result.added:,}"), ("removed", f"{result.removed:,}"),
+                        ("changed", f"{result.changed:,}"),
+                        ("trained tokens", f"{result.trained_old:,} → {result.trained_new:,} "
+                                           f"({result.trained_delta:+,})")]
+                     + [(f"row {row}", f"{a:,} → {b:,} trained ({b - a:+,})") for row, a, b in result.changed_rows]))
+    if args.rows and result.changed_rows:
+        _show_changed_rows(old, new, [row for row, _, _ in result.changed_rows[:args.rows]])
+    return EXIT_OK
+
+
+def _show_changed_rows(old, new, rows: list[int]) -> None:
+    """Each row as OLD and as NEW, each decoded by its own cache's tokenizer where it is here."""
+    from sft_tokenize.encoding.tokenizer import load_tokenizer
+    from sft_tokenize.flows.report import show_row
+
+    colour = sys.stdout.isatty()
+    for row in rows:
+        for label, cache in (("old", old), ("new", new)):
+            directory = cache.manifest.get("tokenizer")
+            item = cache[row]
+            print(f"── row {row}, {label}: {len(item['input_ids']):,} tokens, {int(item['loss_mask'].sum()):,} trained "
+                  f"({'green' if colour else '[[…]]'}) ──")
+            if directory and os.path.isdir(directory):
+                print(show_row(load_tokenizer(directory), item["input_ids"], item["loss_mask"], colour))
+            else:
+                print(f"(its tokenizer {directory or '(not recorded)'} is not on this machine: ids "
+                      f"{item['input_ids'][:16].tolist()}…)")
+
+
 def show_rows(args: argparse.Namespace, manifest: dict) -> int:
     """`inspect --row N` / `--sample K`: rows decoded with their trained tokens highlighted."""
     import random
@@ -257,7 +301,8 @@ def server(args: argparse.Namespace) -> int:
 
 
 SUBCOMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "run": run, "inspect": inspect, "pack": pack, "pull": pull, "gc": gc, "server": server, "export": export}
+    "run": run, "inspect": inspect, "pack": pack, "pull": pull, "gc": gc, "server": server, "export": export,
+    "diff": diff}
 
 
 def _interrupted(interrupt: BaseException, args: argparse.Namespace | None) -> str:
