@@ -175,6 +175,28 @@ class DiffCommand(BaseModel):
     storage_options: ReadStorageOptions = READ_STORAGE_OPTIONS
 
 
+class VerifyCommand(BaseModel):
+    """`sft-tokenize verify`'s cache."""
+
+    cache: Annotated[str, Flag(FLAGS, metavar="CACHE", positional=True)] = Field(
+        description="a published cache directory (or a version's URL on object storage, copied here first)")
+    storage_options: ReadStorageOptions = READ_STORAGE_OPTIONS
+
+
+class VerifyTrainerFlags(BaseModel):
+    """`sft-tokenize verify --trainer`'s flags: a trainer's own data path checked over the cache."""
+
+    trainer: Annotated[Literal["trl", "axolotl"] | None, Flag(FLAGS, metavar="NAME")] = Field(
+        None, description="build this trainer's own dataset and collator over the cache (from its installed package) "
+                          "and check that the tokens it trains are exactly the loss mask's, row by row")
+    batches: Annotated[int, Flag(FLAGS, metavar="N", parse=positive_int)] = Field(
+        8, description="--trainer: the batches to draw and check (a whole epoch also checks that no row is dropped)")
+    batch_size: Annotated[int, Flag(FLAGS, metavar="B", parse=positive_int)] = Field(
+        4, description="--trainer: rows per batch")
+    tokenizer: Annotated[str | None, Flag(FLAGS, metavar="DIR")] = Field(
+        None, description="--trainer: the tokenizer the trainer pads with (default: the one the cache was built with)")
+
+
 class ServerStopCommand(BaseModel):
     """`sft-tokenize server stop`'s flags."""
 
@@ -190,6 +212,7 @@ COMMANDS: dict[tuple[str, ...], tuple[type[BaseModel], ...]] = {
     ("gc",): (GcCommand,),
     ("export",): (ExportCommand,),
     ("diff",): (DiffCommand,),
+    ("verify",): (VerifyCommand, VerifyTrainerFlags),
     ("server", "stop"): (ServerStopCommand,),
 }
 
@@ -270,6 +293,10 @@ SIMPLE_COMMANDS = {
     "diff": ("compare two caches: rows added, removed and changed, trained tokens, what differs in their inputs",
              "Compare two caches (two versions of one name, or any two): the fingerprint inputs that differ, the rows "
              "added, removed and changed, and the trained tokens gained or lost, in all and per row."),
+    "verify": ("check a cache: with --trainer, that a trainer's own data path trains exactly its loss mask",
+               "With --trainer NAME: draw batches from the trainer's own dataset and collator over the cache and "
+               "check, token for token, that what it trains is the loss mask; exit 2 naming the first row that "
+               "differs."),
 }
 
 

@@ -9,6 +9,7 @@
     sft-tokenize server status|stop [--force]
     sft-tokenize export /data/cache/data-3f2a9c1d0b7e4f65 --to megatron|mds|litdata OUT [--pack-length N]
     sft-tokenize diff /data/cache/data-3f2a9c1d0b7e4f65 /data/cache/data-9b1c04e2a7d35f10 [--rows K] [--json]
+    sft-tokenize verify /data/cache/data-3f2a9c1d0b7e4f65 --trainer trl|axolotl [--batches N]
 
 stdout carries only the result (the cache path or the packing index path as its last line, or the inspect
 table), so scripts can read it; the progress bar and Prefect's run logs go to stderr. An error is one line on
@@ -230,6 +231,24 @@ def _show_changed_rows(old, new, rows: list[int]) -> None:
                       f"{item['input_ids'][:16].tolist()}…)")
 
 
+def verify(args: argparse.Namespace) -> int:
+    if args.trainer:
+        return verify_trainer_command(args)
+    raise BadInput("verify: give --trainer NAME (trl, axolotl)")
+
+
+def verify_trainer_command(args: argparse.Namespace) -> int:
+    """`verify CACHE --trainer NAME [--batches N]`: the trainer's own data path over the cache, checked."""
+    from sft_tokenize.consumers.verify_trainer import verify_trainer
+    from sft_tokenize.read.cache import open_cache
+
+    cache = open_cache(args.cache, storage_options=args.storage_options)
+    check = verify_trainer(cache, args.trainer, args.batches, batch_size=args.batch_size, tokenizer=args.tokenizer)
+    print(f"{check.trainer}: {check.batches} batches, {check.rows:,} rows, {check.tokens:,} tokens: the "
+          f"{check.trained:,} tokens it trains are exactly the cache's loss mask")
+    return EXIT_OK
+
+
 def show_rows(args: argparse.Namespace, manifest: dict) -> int:
     """`inspect --row N` / `--sample K`: rows decoded with their trained tokens highlighted."""
     import random
@@ -302,7 +321,7 @@ def server(args: argparse.Namespace) -> int:
 
 SUBCOMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "run": run, "inspect": inspect, "pack": pack, "pull": pull, "gc": gc, "server": server, "export": export,
-    "diff": diff}
+    "diff": diff, "verify": verify}
 
 
 def _interrupted(interrupt: BaseException, args: argparse.Namespace | None) -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "sft_tokenize"
-DATA_PLANE = ("sources", "chat", "encoding", "build", "read", "export", "format")
+DATA_PLANE = ("sources", "chat", "encoding", "build", "read", "export", "consumers", "format")
 BASE = ("errors", "files", "fingerprint", "version", "format", "flags")  # the base layer, which every layer may use
 
 
@@ -139,11 +139,12 @@ LAYERS = {
     "encoding": ("base", "sources", "chat"),
     "read": ("base",),
     "export": ("base", "read"),  # a published cache in another trainer's format: it reads caches only
+    "consumers": ("base", "read"),  # the trainers' own data paths run over a cache (verify --trainer)
     "build": ("base", "sources", "chat", "encoding", "read"),
     "tasks": ("base", "sources", "chat", "encoding", "read", "build"),
-    "flows": ("base", "sources", "chat", "encoding", "read", "export", "build", "tasks"),
+    "flows": ("base", "sources", "chat", "encoding", "read", "export", "consumers", "build", "tasks"),
     # sft_tokenize/__init__.py
-    "api": ("base", "sources", "chat", "encoding", "read", "export", "build", "tasks", "flows"),
+    "api": ("base", "sources", "chat", "encoding", "read", "export", "consumers", "build", "tasks", "flows"),
 }
 # The only imports allowed against the layers or around a circle, each with why. (importer, imported): why.
 BACK_EDGES = {
