@@ -3,7 +3,9 @@ its GPTSFTPackedDataset reads it: the cache's ids and masks, every row once."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -87,3 +89,49 @@ def test_the_packed_file_is_the_packing_index_as_megatron_bridge_reads_it(cache,
     assert sorted(seen) == list(range(len(rows)))
     metadata = json.loads((tmp_path / "out" / "512_metadata.jsonl").read_text())
     assert metadata[0]["pack_size"] == 512 and metadata[0]["max_samples_per_bin"] >= 2
+
+
+MEGATRON_BRIDGE = Path(os.environ.get("SFT_TOKENIZE_MEGATRON_BRIDGE",
+                                      Path(__file__).resolve().parents[2] / ".cache" / "consumers" / "megatron-bridge"))
+
+
+def bridge_packing_utils():
+    """Megatron-Bridge's own packer (megatron/bridge/data/datasets/packing_utils.py: numpy and tqdm only), loaded
+    from its wheel's files: the package itself needs transformer-engine and CUDA to import."""
+    path = MEGATRON_BRIDGE / "megatron" / "bridge" / "data" / "datasets" / "packing_utils.py"
+    if not path.is_file():
+        pytest.skip(f"megatron-bridge's files are not under {MEGATRON_BRIDGE} (make test installs them there)")
+    spec = importlib.util.spec_from_file_location("megatron_bridge_packing_utils", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_packed_file_holds_what_megatron_bridges_own_packer_writes_for_the_same_bins(cache, tmp_path):
+    packing_utils = bridge_packing_utils()
+    export_cache(cache, "megatron", tmp_path / "out", pack_length=512)
+    ours = np.load(tmp_path / "out" / "training_512.npy", allow_pickle=True)
+    rows = open_cache(cache)
+    packed = rows.packed(512)
+    # its input: tokenized examples with a loss_mask; its bins: lists of each row's length less one
+    examples = np.array([{"input_ids": rows[i]["input_ids"][:512].tolist(),
+                          "loss_mask": rows[i]["loss_mask"][:512].tolist()} for i in range(len(rows))])
+    sequences, _ = packing_utils.create_hist(examples, 512)
+    assignments = [[len(examples[row]["input_ids"]) - 1 for row in packed.index.bin(i).tolist()]
+                   for i in range(len(packed))]
+    np.random.seed(0)
+    theirs = packing_utils.fill_packing_strategy(assignments, sequences, 512, pad_id=0)
+
+    def segments(items) -> list[tuple]:
+        out = []
+        for item in items:
+            bounds = [*item["seq_start_id"], len(item["input_ids"])]
+            out += [(tuple(item["input_ids"][a:b]), tuple(int(x) for x in item["loss_mask"][a:b]))
+                    for a, b in zip(bounds, bounds[1:], strict=False)]
+        return sorted(out)
+
+    assert len(theirs) == len(ours)
+    # rows of one length may trade bins (it draws them from a shuffled pool): per bin the lengths, in all the rows
+    assert [sorted(np.diff([*t["seq_start_id"], len(t["input_ids"])]).tolist()) for t in theirs] == \
+        [sorted(np.diff([*o["seq_start_id"], len(o["input_ids"])]).tolist()) for o in ours]
+    assert segments(theirs) == segments(ours)
