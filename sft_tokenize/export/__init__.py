@@ -27,16 +27,17 @@ from typing import Any
 from sft_tokenize.errors import BadInput
 from sft_tokenize.export.output import EXPORT_RECORD, ExportOutput
 from sft_tokenize.files import atomic_write
-from sft_tokenize.format.layout import MANIFEST
+from sft_tokenize.format.layout import MANIFEST, is_mixture
 from sft_tokenize.read.cache import TokenizedCache, open_cache
-from sft_tokenize.read.row_batches import DEFAULT_BATCH_ROWS
+from sft_tokenize.read.mixed_rows import MixedRows, open_mixture
+from sft_tokenize.read.row_batches import DEFAULT_BATCH_ROWS, Rows
 from sft_tokenize.version import __version__
 
 TARGETS = ("megatron", "mds", "litdata")
 EXPORTS_KEY = "exports"  # the cache manifest's record of its exports: {location: {target, digest, ...}}
 
 
-def _write(cache: TokenizedCache, target: str, out: ExportOutput, options: dict[str, Any]) -> dict[str, Any]:
+def _write(cache: Rows, target: str, out: ExportOutput, options: dict[str, Any]) -> dict[str, Any]:
     if target == "megatron":
         from sft_tokenize.export.megatron import write_indexed, write_packed
 
@@ -53,17 +54,21 @@ def _write(cache: TokenizedCache, target: str, out: ExportOutput, options: dict[
     return write_litdata(cache, out, options["batch_rows"], options["shard_bytes"])
 
 
-def export_cache(cache: str | Path | TokenizedCache, target: str, out: str | Path, *, pack_length: int | None = None,
+def export_cache(cache: str | Path | Rows, target: str, out: str | Path, *, pack_length: int | None = None,
                  batch_rows: int = DEFAULT_BATCH_ROWS, shard_bytes: int = 1 << 27, storage_options: dict | None = None,
                  record: bool = True) -> dict[str, Any]:
-    """Export `cache` (a published cache's path or URL, or an opened one) as `target` into `out` (a directory
+    """Export `cache` (a published cache's path or URL, a mixture index, or either opened) as `target`, in its row
+    order (a mixture's: its own; with `pack_length`, the bins of its packing index), into `out` (a directory
     or an fsspec URL); returns the export's record (EXPORT_RECORD). `record`: also note it in the cache's
     manifest (skipped, with the reason in the returned record, where the cache cannot be written)."""
     if target not in TARGETS:
         raise BadInput(f"--to {target}: not a target; choose one of {', '.join(TARGETS)}")
     if pack_length is not None and (target != "megatron" or pack_length < 1):
         raise BadInput(f"--pack-length {pack_length}: a positive length, for --to megatron only")
-    cache = cache if isinstance(cache, TokenizedCache) else open_cache(cache, storage_options=storage_options)
+    if isinstance(cache, (str, Path)) and is_mixture(cache):
+        cache = open_mixture(cache)
+    elif not isinstance(cache, (TokenizedCache, MixedRows)):
+        cache = open_cache(cache, storage_options=storage_options)
     options = {"pack_length": pack_length, "shard_bytes": shard_bytes if target != "megatron" else None}
     identity = {"target": target, "cache": cache.path.name, "fingerprint": cache.fingerprint, "options": options}
     output = ExportOutput(out, storage_options)
@@ -75,7 +80,7 @@ def export_cache(cache: str | Path | TokenizedCache, target: str, out: str | Pat
         written = _write(cache, target, output, {**options, "batch_rows": batch_rows})
         result = output.finish({**identity, **written, "tool_version": __version__,
                                 "seconds": round(time.perf_counter() - started, 3)})
-    if record:
+    if record and isinstance(cache, TokenizedCache):  # a mixture index has no manifest: its export.json says it all
         result = _record_in_manifest(cache, output.location, result)
     return result
 

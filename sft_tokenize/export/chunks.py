@@ -16,8 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from sft_tokenize.export.output import ExportOutput
-from sft_tokenize.read.cache import TokenizedCache
-from sft_tokenize.read.row_batches import RowBatch, row_batches
+from sft_tokenize.read.row_batches import RowBatch, Rows, row_batches
 
 # a row's length → each column's prefix (bytes), per row: how a format spells an array's shape
 Prefixes = Callable[[int], tuple[bytes, bytes]]
@@ -64,12 +63,12 @@ def encode_rows(batch: RowBatch, lo: int, hi: int, prefixes: Prefixes) -> bytes:
     return b"".join(parts)
 
 
-def _rows(cache: TokenizedCache, batch_rows: int) -> Iterator[tuple[RowBatch, int, int]]:
+def _rows(cache: Rows, batch_rows: int) -> Iterator[tuple[RowBatch, int, int]]:
     for batch in row_batches(cache, batch_rows):
         yield batch, batch.first, batch.first + len(batch)
 
 
-def write_chunks(cache: TokenizedCache, out: ExportOutput, chunks: list[Chunk], names: list[str], head: bytes,
+def write_chunks(cache: Rows, out: ExportOutput, chunks: list[Chunk], names: list[str], head: bytes,
                  prefixes: Prefixes, batch_rows: int) -> None:
     """Every chunk's file, in order, its rows streamed a batch at a time."""
     rows = _rows(cache, batch_rows)

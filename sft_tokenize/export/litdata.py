@@ -16,7 +16,7 @@ import numpy as np
 
 from sft_tokenize.export.chunks import plan_chunks, write_chunks
 from sft_tokenize.export.output import ExportOutput
-from sft_tokenize.read.cache import TokenizedCache
+from sft_tokenize.read.row_batches import Rows
 
 INDEX = "index.json"
 DATA_FORMAT = ["no_header_numpy:2", "no_header_numpy:0"]  # litdata's numpy dtype indices: int32, int8
@@ -29,7 +29,7 @@ def _prefixes(length: int) -> tuple[bytes, bytes]:
     return b"", b""
 
 
-def write_litdata(cache: TokenizedCache, out: ExportOutput, batch_rows: int, chunk_bytes: int) -> dict:
+def write_litdata(cache: Rows, out: ExportOutput, batch_rows: int, chunk_bytes: int) -> dict:
     """The chunks and index.json of every row, in order."""
     lengths = cache.lengths.astype(np.int64)
     chunks = plan_chunks(lengths, 8 + 5 * lengths, 0, chunk_bytes)

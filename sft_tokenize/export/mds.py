@@ -15,7 +15,7 @@ import numpy as np
 
 from sft_tokenize.export.chunks import plan_chunks, write_chunks
 from sft_tokenize.export.output import ExportOutput
-from sft_tokenize.read.cache import TokenizedCache
+from sft_tokenize.read.row_batches import Rows
 
 COLUMNS = {"input_ids": "ndarray:int32", "loss_mask": "ndarray:int8"}
 INDEX = "index.json"
@@ -41,7 +41,7 @@ def _prefixes(length: int) -> tuple[bytes, bytes]:
     return prefix, prefix
 
 
-def write_mds(cache: TokenizedCache, out: ExportOutput, batch_rows: int, size_limit: int) -> dict:
+def write_mds(cache: Rows, out: ExportOutput, batch_rows: int, size_limit: int) -> dict:
     """The shards and index.json of every row, in order."""
     config = shard_config(size_limit)
     head = json.dumps(config, sort_keys=True).encode()

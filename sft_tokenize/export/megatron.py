@@ -20,8 +20,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from sft_tokenize.export.output import ExportOutput
-from sft_tokenize.read.cache import TokenizedCache
-from sft_tokenize.read.row_batches import row_batches
+from sft_tokenize.read.row_batches import Rows, row_batches
 
 INDEX_HEADER = b"MMIDIDX\x00\x00"  # Megatron-Core's _INDEX_HEADER, then version 1 as <Q
 DTYPE_CODES = {np.dtype(np.uint8): 1, np.dtype(np.int8): 2, np.dtype(np.int16): 3, np.dtype(np.int32): 4,
@@ -48,7 +47,7 @@ def write_index(f, lengths: np.ndarray, dtype: np.dtype) -> None:
         f.write(np.arange(start, min(start + CHUNK, count + 1), dtype=np.int64).tobytes())
 
 
-def write_indexed(cache: TokenizedCache, out: ExportOutput, batch_rows: int) -> dict:
+def write_indexed(cache: Rows, out: ExportOutput, batch_rows: int) -> dict:
     """tokens.bin/.idx and loss_mask.bin/.idx: every row of the cache, in order."""
     handles = {prefix: out.open(f"{prefix}.bin") for prefix in INDEXED}
     files = {prefix: handle.__enter__() for prefix, handle in handles.items()}
@@ -93,7 +92,7 @@ def _npy_header(count: int) -> bytes:
     return b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header) + pad + 1) + header + b" " * pad + b"\n"
 
 
-def packed_items(cache: TokenizedCache, length: int, index_dir: str | None = None) -> Iterator[dict]:
+def packed_items(cache: Rows, length: int, index_dir: str | None = None) -> Iterator[dict]:
     """Each bin of the cache's packing index for `length`, as GPTSFTPackedDataset reads an item: the rows'
     input_ids end to end, `seq_start_id` (each row's start) and `loss_mask` rolled by one within each row
     (position j says whether token j+1 is trained: it lines up with the labels, the ids shifted by one)."""
@@ -108,7 +107,7 @@ def packed_items(cache: TokenizedCache, length: int, index_dir: str | None = Non
                "seq_start_id": starts.tolist()}
 
 
-def write_packed(cache: TokenizedCache, out: ExportOutput, length: int, index_dir: str | None = None) -> dict:
+def write_packed(cache: Rows, out: ExportOutput, length: int, index_dir: str | None = None) -> dict:
     """training_<length>.npy and <length>_metadata.jsonl over the cache's packing index for `length`."""
     packed = cache.packed(length, index_dir=index_dir)
     bins = len(packed)

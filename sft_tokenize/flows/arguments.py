@@ -146,9 +146,9 @@ class GcCommand(BaseModel):
 class ExportCommand(BaseModel):
     """`sft-tokenize export`'s flags."""
 
-    cache: Annotated[str, Flag(FLAGS, metavar="CACHE", positional=True)] = Field(
-        description="a published cache directory, or a cache version's URL on object storage (copied to this "
-                    "machine first, as `pull` does to its default directory)")
+    cache: Annotated[str, Flag(FLAGS, metavar="CACHE_OR_MIXTURE", positional=True)] = Field(
+        description="a published cache directory, a mixture index (its rows in its order), or a cache version's URL "
+                    "on object storage (copied to this machine first, as `pull` does to its default directory)")
     to: Annotated[Literal["megatron", "mds", "litdata"], Flag(FLAGS, metavar="TARGET")] = Field(
         description="the format: megatron (Megatron-Core .bin/.idx; with --pack-length, Megatron-Bridge's packed "
                     ".npy too), mds (mosaicml-streaming), litdata (litdata's optimized dataset)")

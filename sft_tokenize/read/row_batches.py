@@ -1,6 +1,6 @@
 """A published cache's rows, a batch at a time, as flat numpy arrays over the memory-mapped Arrow buffers.
 
-    for batch in row_batches(cache, rows=65536):
+    for batch in row_batches(cache, rows=65536):           # a TokenizedCache, or a mixture's MixedRows
         batch.offsets, batch.input_ids, batch.loss_mask    # offsets from 0; ids int32, mask int8 (views)
 
 Only one batch's offsets (and, for a cache without `loss_mask`, its mask derived from `labels`) is made in memory;
@@ -18,9 +18,11 @@ import pyarrow as pa
 
 from sft_tokenize.errors import CacheError
 from sft_tokenize.read.cache import TokenizedCache
+from sft_tokenize.read.mixed_rows import MixedRows
 
 IGNORE_INDEX = -100
 DEFAULT_BATCH_ROWS = 1 << 16
+Rows = TokenizedCache | MixedRows  # what a batch's rows come from: a published cache, or a mixture index's rows
 
 
 @dataclass
@@ -48,16 +50,37 @@ def _flat(column: pa.ListArray) -> tuple[np.ndarray, np.ndarray]:
     return (offsets - start).astype(np.int64), column.values.slice(start, stop - start).to_numpy(zero_copy_only=False)
 
 
-def row_batches(cache: TokenizedCache, rows: int = DEFAULT_BATCH_ROWS) -> Iterator[RowBatch]:
-    """The cache's rows in order, at most `rows` per batch. A cache holds `input_ids` and either `loss_mask` or
-    `labels` (-100 where not trained); anything else is refused naming the cache."""
-    if cache.table is None:
-        return
+def _mask_column(cache: TokenizedCache | MixedRows) -> str:
     columns = set(cache.columns)
     if "input_ids" not in columns or not columns & {"loss_mask", "labels"}:
-        raise CacheError(f"{cache.path}: its columns are {', '.join(cache.columns)}; an export needs input_ids and "
+        raise CacheError(f"{cache.path}: its columns are {', '.join(cache.columns)}; this needs input_ids and "
                          "loss_mask (or labels)")
-    mask_name = "loss_mask" if "loss_mask" in columns else "labels"
+    return "loss_mask" if "loss_mask" in columns else "labels"
+
+
+def _mixed_batches(mixed: MixedRows, rows: int, mask_name: str) -> Iterator[RowBatch]:
+    """A mixture's rows in its order, gathered row by row from its sources' mapped caches."""
+    for first in range(0, len(mixed), rows):
+        items = [mixed[i] for i in range(first, min(first + rows, len(mixed)))]
+        offsets = np.zeros(len(items) + 1, dtype=np.int64)
+        np.cumsum([len(item["input_ids"]) for item in items], out=offsets[1:])
+        ids = np.concatenate([item["input_ids"] for item in items]).astype(np.int32, copy=False)
+        mask = np.concatenate([item[mask_name] for item in items])
+        if mask_name == "labels":
+            mask = mask != IGNORE_INDEX
+        yield RowBatch(first, offsets, ids, mask.astype(np.int8, copy=False))
+
+
+def row_batches(cache: TokenizedCache | MixedRows, rows: int = DEFAULT_BATCH_ROWS) -> Iterator[RowBatch]:
+    """The cache's rows in order (a mixture's: in the mixture's order), at most `rows` per batch. A cache holds
+    `input_ids` and either `loss_mask` or `labels` (-100 where not trained); anything else is refused naming the
+    cache."""
+    mask_name = _mask_column(cache)
+    if not isinstance(cache, TokenizedCache):
+        yield from _mixed_batches(cache, rows, mask_name)
+        return
+    if cache.table is None:
+        return
     first = 0
     for record_batch in cache.table.select(["input_ids", mask_name]).to_batches(max_chunksize=rows):
         offsets, ids = _flat(record_batch.column(0))

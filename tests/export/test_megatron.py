@@ -135,3 +135,26 @@ def test_the_packed_file_holds_what_megatron_bridges_own_packer_writes_for_the_s
     assert [sorted(np.diff([*t["seq_start_id"], len(t["input_ids"])]).tolist()) for t in theirs] == \
         [sorted(np.diff([*o["seq_start_id"], len(o["input_ids"])]).tolist()) for o in ours]
     assert segments(theirs) == segments(ours)
+
+
+def test_a_mixture_is_exported_in_its_own_order(example_cache, tmp_path):
+    from support.paths import EXAMPLE_DATA, EXAMPLE_TOKENIZER
+
+    from sft_tokenize.build.options import TokenizeOptions
+    from sft_tokenize.build.protocol import run_locally
+    from sft_tokenize.read.mixed_rows import open_mixture
+    from sft_tokenize.read.mixture_index import mix_caches
+    from sft_tokenize.read.mixture_options import MixtureOptions, MixtureSource
+
+    sources = [run_locally(TokenizeOptions(sources=[str(path)], tokenizer=str(EXAMPLE_TOKENIZER),
+                                           cache_dir=str(tmp_path / "caches")))
+               for path in sorted(EXAMPLE_DATA.glob("*.jsonl"))]
+    index = mix_caches(MixtureOptions(sources=[MixtureSource(cache=str(sources[0]), weight=0.25),
+                                               MixtureSource(cache=str(sources[1]), weight=0.75)], budget=5_000))
+    record = export_cache(index.path, "megatron", tmp_path / "out", batch_rows=5)
+    mixed = open_mixture(index.path)
+    tokens = indexed_dataset.IndexedDataset(str(tmp_path / "out" / "tokens"))
+    mask = indexed_dataset.IndexedDataset(str(tmp_path / "out" / "loss_mask"))
+    assert record["fingerprint"] == mixed.fingerprint and len(tokens) == len(mixed) > 0
+    for i in range(len(mixed)):
+        assert np.array_equal(tokens[i], mixed[i]["input_ids"]) and np.array_equal(mask[i], mixed[i]["loss_mask"])
