@@ -2,7 +2,7 @@
 
     export_cache("/data/cache/ultrachat-3f2a9c1d0b7e4f65", "megatron", "/data/megatron/ultrachat")
     export_cache(cache, "mds", "s3://bucket/mds/ultrachat")          # any fsspec URL
-    export_cache(cache, "megatron", out, pack_length=4096)           # + Megatron-Bridge's packed file
+    export_cache(cache, "megatron", out, pack_length=[2048, 4096])   # + Megatron-Bridge's packed files
 
 | target     | module        | what it writes (FORMAT.md beside this package)                          |
 |------------|---------------|-------------------------------------------------------------------------|
@@ -42,8 +42,9 @@ def _write(cache: Rows, target: str, out: ExportOutput, options: dict[str, Any])
         from sft_tokenize.export.megatron import write_indexed, write_packed
 
         written = write_indexed(cache, out, options["batch_rows"])
-        if options["pack_length"]:
-            written["packed"] = write_packed(cache, out, options["pack_length"])
+        packed = [write_packed(cache, out, length) for length in options["pack_length"]]
+        if packed:
+            written["packed"] = packed[0] if len(packed) == 1 else packed
         return written
     if target == "mds":
         from sft_tokenize.export.mds import write_mds
@@ -54,7 +55,8 @@ def _write(cache: Rows, target: str, out: ExportOutput, options: dict[str, Any])
     return write_litdata(cache, out, options["batch_rows"], options["shard_bytes"])
 
 
-def export_cache(cache: str | Path | Rows, target: str, out: str | Path, *, pack_length: int | None = None,
+def export_cache(cache: str | Path | Rows, target: str, out: str | Path, *,
+                 pack_length: int | list[int] | None = None,
                  batch_rows: int = DEFAULT_BATCH_ROWS, shard_bytes: int = 1 << 27, storage_options: dict | None = None,
                  record: bool = True) -> dict[str, Any]:
     """Export `cache` (a published cache's path or URL, a mixture index, or either opened) as `target`, in its row
@@ -63,13 +65,14 @@ def export_cache(cache: str | Path | Rows, target: str, out: str | Path, *, pack
     manifest (skipped, with the reason in the returned record, where the cache cannot be written)."""
     if target not in TARGETS:
         raise BadInput(f"--to {target}: not a target; choose one of {', '.join(TARGETS)}")
-    if pack_length is not None and (target != "megatron" or pack_length < 1):
-        raise BadInput(f"--pack-length {pack_length}: a positive length, for --to megatron only")
+    lengths = sorted(set([pack_length] if isinstance(pack_length, int) else pack_length or []))
+    if lengths and (target != "megatron" or lengths[0] < 1):
+        raise BadInput(f"--pack-length {lengths[0]}: a positive length, for --to megatron only")
     if isinstance(cache, (str, Path)) and is_mixture(cache):
         cache = open_mixture(cache)
     elif not isinstance(cache, (TokenizedCache, MixedRows)):
         cache = open_cache(cache, storage_options=storage_options)
-    options = {"pack_length": pack_length, "shard_bytes": shard_bytes if target != "megatron" else None}
+    options = {"pack_length": lengths, "shard_bytes": shard_bytes if target != "megatron" else None}
     identity = {"target": target, "cache": cache.path.name, "fingerprint": cache.fingerprint, "options": options}
     output = ExportOutput(out, storage_options)
     existing = output.existing_record()

@@ -155,9 +155,9 @@ class ExportCommand(BaseModel):
     out: Annotated[str, Flag(FLAGS, metavar="OUT", positional=True)] = Field(
         description="the export's directory (new, empty, or an earlier export, replaced whole) or an fsspec URL "
                     "(new: objects are never written over)")
-    pack_length: Annotated[int | None, Flag(FLAGS, metavar="N", parse=positive_int)] = Field(
-        None, description="megatron: also write the cache's packing index for N tokens as Megatron-Bridge's packed "
-                          "SFT file (training_N.npy, N_metadata.jsonl)")
+    pack_length: Annotated[list[int], Flag(FLAGS, metavar="N", parse=positive_int, repeat=True)] = Field(
+        default_factory=list, description="megatron: also write the cache's packing index for N tokens as "
+                                          "Megatron-Bridge's packed SFT file (training_N.npy, N_metadata.jsonl)")
     storage_options: ReadStorageOptions = Field(
         default_factory=dict, description="fsspec options, a JSON object, for the cache's URL and OUT's filesystem")
 

@@ -69,7 +69,9 @@ def test_a_failed_export_leaves_nothing_and_a_foreign_directory_is_refused(cache
 
 
 def test_the_packed_file_is_the_packing_index_as_megatron_bridge_reads_it(cache, tmp_path):
-    export_cache(cache, "megatron", tmp_path / "out", pack_length=512)
+    record = export_cache(cache, "megatron", tmp_path / "out", pack_length=[512, 1024])
+    assert [p["pack_length"] for p in record["packed"]] == [512, 1024]
+    assert (tmp_path / "out" / "training_1024.npy").is_file() and (tmp_path / "out" / "1024_metadata.jsonl").is_file()
     rows = open_cache(cache)
     packed = rows.packed(512)
     items = np.load(tmp_path / "out" / "training_512.npy", allow_pickle=True)  # GPTSFTPackedDataset._load_dataset
