@@ -33,7 +33,8 @@ from sft_tokenize.read.cache import TokenizedCache, open_cache
 from sft_tokenize.read.row_batches import row_batches
 
 IGNORE_INDEX = -100
-TRAINERS = ("trl", "axolotl")
+TRAINERS = ("trl", "axolotl", "megatron", "mds", "litdata")
+EXPORT_READERS = ("megatron", "mds", "litdata")  # these read an export (verify_export.py), not the cache
 NEEDS = {"trl": ("trl", "torch"), "axolotl": ("axolotl", "torch")}  # the modules each check imports
 EXTRA = {"trl": "pip install torch==2.13.0 -e '.[trainers]'",
          "axolotl": "pip install torch==2.13.0 -e '.[trainers]' && pip install --no-deps axolotl==0.19.0"}
@@ -189,12 +190,22 @@ def _axolotl_batches(cache: TokenizedCache, tokenizer, batch_size: int, collator
 
 
 def verify_trainer(cache: str | Path | TokenizedCache, trainer: str, batches: int = 8, *, batch_size: int = 4,
-                   tokenizer: Any = None, collator: Callable | None = None) -> TrainerCheck:
+                   tokenizer: Any = None, collator: Callable | None = None,
+                   export: str | Path | None = None) -> TrainerCheck:
     """Draw `batches` batches from `trainer`'s own data path over `cache` and check them (module docstring);
-    `collator` replaces the trainer's own (to check a collator of yours). Raises BadInput naming the first row
-    that differs, or the extra to install when the trainer's package is missing."""
+    `collator` replaces the trainer's own (to check a collator of yours). megatron, mds and litdata read the export
+    at `export` instead (verify_export.py). Raises BadInput naming the first row that differs, or the extra to
+    install when the trainer's package is missing."""
     if trainer not in TRAINERS:
         raise BadInput(f"--trainer {trainer}: not one this version checks; choose one of {', '.join(TRAINERS)}")
+    if trainer in EXPORT_READERS:
+        from sft_tokenize.consumers.verify_export import verify_export
+
+        if export is None:
+            raise BadInput(f"--trainer {trainer} reads an export: name it with --export DIR (`sft-tokenize export`)")
+        cache = cache if isinstance(cache, TokenizedCache) else open_cache(cache)
+        rows, tokens, trained = verify_export(cache, trainer, export, batches * batch_size)
+        return TrainerCheck(trainer, -(-rows // batch_size), rows, tokens, trained)
     missing = [name for name in NEEDS[trainer] if importlib.util.find_spec(name) is None]
     if missing:
         raise BadInput(f"--trainer {trainer}: {', '.join(missing)} is not installed here: {EXTRA[trainer]}")

@@ -186,9 +186,14 @@ class VerifyCommand(BaseModel):
 class VerifyTrainerFlags(BaseModel):
     """`sft-tokenize verify --trainer`'s flags: a trainer's own data path checked over the cache."""
 
-    trainer: Annotated[Literal["trl", "axolotl"] | None, Flag(FLAGS, metavar="NAME")] = Field(
-        None, description="build this trainer's own dataset and collator over the cache (from its installed package) "
-                          "and check that the tokens it trains are exactly the loss mask's, row by row")
+    trainer: Annotated[Literal["trl", "axolotl", "megatron", "mds", "litdata"] | None,
+                       Flag(FLAGS, metavar="NAME")] = Field(
+        None, description="trl, axolotl: build this trainer's own dataset and collator over the cache (from its "
+                          "installed package) and check that the tokens it trains are exactly the loss mask's, row by "
+                          "row; megatron, mds, litdata: read the export named by --export with the consumer's own "
+                          "reader and check its rows against the cache")
+    export: Annotated[str | None, Flag(FLAGS, metavar="DIR")] = Field(
+        None, description="--trainer megatron|mds|litdata: the directory `sft-tokenize export` wrote")
     batches: Annotated[int, Flag(FLAGS, metavar="N", parse=positive_int)] = Field(
         8, description="--trainer: the batches to draw and check (a whole epoch also checks that no row is dropped)")
     batch_size: Annotated[int, Flag(FLAGS, metavar="B", parse=positive_int)] = Field(

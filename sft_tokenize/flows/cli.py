@@ -10,6 +10,7 @@
     sft-tokenize export /data/cache/data-3f2a9c1d0b7e4f65 --to megatron|mds|litdata OUT [--pack-length N]
     sft-tokenize diff /data/cache/data-3f2a9c1d0b7e4f65 /data/cache/data-9b1c04e2a7d35f10 [--rows K] [--json]
     sft-tokenize verify /data/cache/data-3f2a9c1d0b7e4f65 --trainer trl|axolotl [--batches N]
+    sft-tokenize verify /data/cache/data-3f2a9c1d0b7e4f65 --trainer megatron|mds|litdata --export OUT
 
 stdout carries only the result (the cache path or the packing index path as its last line, or the inspect
 table), so scripts can read it; the progress bar and Prefect's run logs go to stderr. An error is one line on
@@ -234,7 +235,7 @@ def _show_changed_rows(old, new, rows: list[int]) -> None:
 def verify(args: argparse.Namespace) -> int:
     if args.trainer:
         return verify_trainer_command(args)
-    raise BadInput("verify: give --trainer NAME (trl, axolotl)")
+    raise BadInput("verify: give --trainer NAME (trl, axolotl, megatron, mds, litdata)")
 
 
 def verify_trainer_command(args: argparse.Namespace) -> int:
@@ -243,9 +244,14 @@ def verify_trainer_command(args: argparse.Namespace) -> int:
     from sft_tokenize.read.cache import open_cache
 
     cache = open_cache(args.cache, storage_options=args.storage_options)
-    check = verify_trainer(cache, args.trainer, args.batches, batch_size=args.batch_size, tokenizer=args.tokenizer)
-    print(f"{check.trainer}: {check.batches} batches, {check.rows:,} rows, {check.tokens:,} tokens: the "
-          f"{check.trained:,} tokens it trains are exactly the cache's loss mask")
+    check = verify_trainer(cache, args.trainer, args.batches, batch_size=args.batch_size, tokenizer=args.tokenizer,
+                           export=args.export)
+    if args.export:
+        print(f"{check.trainer}: {check.rows:,} rows of {args.export}, {check.tokens:,} tokens: its reader gives back "
+              f"the cache's ids and loss masks exactly ({check.trained:,} trained tokens)")
+    else:
+        print(f"{check.trainer}: {check.batches} batches, {check.rows:,} rows, {check.tokens:,} tokens: the "
+              f"{check.trained:,} tokens it trains are exactly the cache's loss mask")
     return EXIT_OK
 
 

@@ -160,3 +160,20 @@ def test_a_mixture_is_exported_in_its_own_order(example_cache, tmp_path):
     assert record["fingerprint"] == mixed.fingerprint and len(tokens) == len(mixed) > 0
     for i in range(len(mixed)):
         assert np.array_equal(tokens[i], mixed[i]["input_ids"]) and np.array_equal(mask[i], mixed[i]["loss_mask"])
+
+
+def test_verify_reads_the_export_with_megatron_core_and_names_a_row_whose_mask_differs(cache, tmp_path):
+    from sft_tokenize.consumers.verify_trainer import verify_trainer
+
+    export_cache(cache, "megatron", tmp_path / "out")
+    rows = open_cache(cache)
+    check = verify_trainer(cache, "megatron", 1000, export=tmp_path / "out")
+    assert check.rows == len(rows) and check.trained == rows.manifest["trained_tokens"]
+    start = int(rows.lengths[:3].sum())  # row 3's first token in loss_mask.bin (one byte a token)
+    data = bytearray((tmp_path / "out" / "loss_mask.bin").read_bytes())
+    data[start] ^= 1
+    (tmp_path / "out" / "loss_mask.bin").write_bytes(bytes(data))
+    with pytest.raises(BadInput, match="row 3: megatron reads a loss mask .* differs at token 0"):
+        verify_trainer(cache, "megatron", 1000, export=tmp_path / "out")
+    with pytest.raises(BadInput, match="--export DIR"):
+        verify_trainer(cache, "megatron", 1)

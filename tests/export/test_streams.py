@@ -88,6 +88,9 @@ def test_litdata_reads_the_export_row_for_row(cache, tmp_path):
     assert record["chunks"] > 3
     dataset = litdata.StreamingDataset(str(tmp_path / "lit"))
     opened = open_cache(cache)
+    from sft_tokenize.consumers.verify_trainer import verify_trainer
+
+    assert verify_trainer(cache, "litdata", 1000, export=tmp_path / "lit").rows == len(opened)
     assert len(dataset) == len(opened)
     for i in range(len(opened)):
         item = dataset[i]
