@@ -75,6 +75,8 @@ def export_cache(cache: str | Path | Rows, target: str, out: str | Path, *,
     options = {"pack_length": lengths, "shard_bytes": shard_bytes if target != "megatron" else None}
     identity = {"target": target, "cache": cache.path.name, "fingerprint": cache.fingerprint, "options": options}
     output = ExportOutput(out, storage_options)
+    if not output.remote and (output.final == cache.path or cache.path in output.final.parents):
+        raise BadInput(f"{output.final}: inside the cache {cache.path}, which is never written: export elsewhere")
     existing = output.existing_record()
     if existing is not None and {key: existing.get(key) for key in identity} == identity:
         return {**existing, "reused": True}

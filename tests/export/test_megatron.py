@@ -66,6 +66,9 @@ def test_a_failed_export_leaves_nothing_and_a_foreign_directory_is_refused(cache
     with pytest.raises(BadInput, match="not an export"):
         export_cache(cache, "megatron", tmp_path / "mine")
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
+    with pytest.raises(BadInput, match="inside the cache"):
+        export_cache(cache, "megatron", cache / "megatron")
+    assert not (cache / "megatron").exists()
 
 
 def test_the_packed_file_is_the_packing_index_as_megatron_bridge_reads_it(cache, tmp_path):
