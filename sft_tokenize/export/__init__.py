@@ -42,7 +42,8 @@ def _write(cache: Rows, target: str, out: ExportOutput, options: dict[str, Any])
         from sft_tokenize.export.megatron import write_indexed, write_packed
 
         written = write_indexed(cache, out, options["batch_rows"])
-        packed = [write_packed(cache, out, length) for length in options["pack_length"]]
+        packed = [write_packed(cache, out, length, options["pad_to_multiple_of"], options["pad_id"])
+                  for length in options["pack_length"]]
         if packed:
             written["packed"] = packed[0] if len(packed) == 1 else packed
         return written
@@ -56,23 +57,37 @@ def _write(cache: Rows, target: str, out: ExportOutput, options: dict[str, Any])
 
 
 def export_cache(cache: str | Path | Rows, target: str, out: str | Path, *,
-                 pack_length: int | list[int] | None = None,
+                 pack_length: int | list[int] | None = None, pad_to_multiple_of: int = 1, pad_id: int | None = None,
                  batch_rows: int = DEFAULT_BATCH_ROWS, shard_bytes: int = 1 << 27, storage_options: dict | None = None,
                  record: bool = True) -> dict[str, Any]:
     """Export `cache` (a published cache's path or URL, a mixture index, or either opened) as `target`, in its row
     order (a mixture's: its own; with `pack_length`, the bins of its packing index), into `out` (a directory
-    or an fsspec URL); returns the export's record (EXPORT_RECORD). `record`: also note it in the cache's
-    manifest (skipped, with the reason in the returned record, where the cache cannot be written)."""
+    or an fsspec URL); returns the export's record (EXPORT_RECORD). `pad_to_multiple_of` (context parallelism: 2 ×
+    its size): each packed row padded, as Megatron-Bridge's `pad_seq_to_mult` pads it, with `pad_id` (default: the
+    EOS id of the tokenizer the cache was built with, which Megatron-Bridge's collator takes for padding).
+    `record`: also note it in the cache's manifest (skipped, with the reason in the returned record, where the
+    cache cannot be written)."""
     if target not in TARGETS:
         raise BadInput(f"--to {target}: not a target; choose one of {', '.join(TARGETS)}")
     lengths = sorted(set([pack_length] if isinstance(pack_length, int) else pack_length or []))
     if lengths and (target != "megatron" or lengths[0] < 1):
         raise BadInput(f"--pack-length {lengths[0]}: a positive length, for --to megatron only")
+    if pad_to_multiple_of < 1 or (pad_to_multiple_of > 1 and not lengths):
+        raise BadInput(f"--pad-to-multiple-of {pad_to_multiple_of}: a positive multiple, for --pack-length only")
+    for length in lengths:
+        if length % pad_to_multiple_of:
+            raise BadInput(f"--pack-length {length}: not a multiple of --pad-to-multiple-of {pad_to_multiple_of} "
+                           "(context parallelism splits every packed sequence, padding included, into equal parts)")
     if isinstance(cache, (str, Path)) and is_mixture(cache):
         cache = open_mixture(cache)
     elif not isinstance(cache, (TokenizedCache, MixedRows)):
         cache = open_cache(cache, storage_options=storage_options)
     options = {"pack_length": lengths, "shard_bytes": shard_bytes if target != "megatron" else None}
+    if pad_to_multiple_of > 1:
+        from sft_tokenize.export.megatron import eos_id
+
+        pad_id = eos_id(cache) if pad_id is None else pad_id
+        options.update(pad_to_multiple_of=pad_to_multiple_of, pad_id=pad_id)
     identity = {"target": target, "cache": cache.path.name, "fingerprint": cache.fingerprint, "options": options}
     output = ExportOutput(out, storage_options)
     if not output.remote and (output.final == cache.path or cache.path in output.final.parents):
@@ -82,7 +97,8 @@ def export_cache(cache: str | Path | Rows, target: str, out: str | Path, *,
         return {**existing, "reused": True}
     started = time.perf_counter()
     with output:
-        written = _write(cache, target, output, {**options, "batch_rows": batch_rows})
+        written = _write(cache, target, output, {"pad_to_multiple_of": 1, "pad_id": 0, **options,
+                                                 "batch_rows": batch_rows})
         result = output.finish({**identity, **written, "tool_version": __version__,
                                 "seconds": round(time.perf_counter() - started, 3)})
     if record and isinstance(cache, TokenizedCache):  # a mixture index has no manifest: its export.json says it all

@@ -158,6 +158,13 @@ class ExportCommand(BaseModel):
     pack_length: Annotated[list[int], Flag(FLAGS, metavar="N", parse=positive_int, repeat=True)] = Field(
         default_factory=list, description="megatron: also write the cache's packing index for N tokens as "
                                           "Megatron-Bridge's packed SFT file (training_N.npy, N_metadata.jsonl)")
+    pad_to_multiple_of: Annotated[int, Flag(FLAGS, metavar="M", parse=positive_int)] = Field(
+        1, ge=1, description="with --pack-length: pad each packed row so its inputs are a multiple of M, as "
+                             "Megatron-Bridge's pad_seq_to_mult does for context parallelism (M = 2 × its size; "
+                             "every N a multiple of M)")
+    pad_id: Annotated[int | None, Flag(FLAGS, metavar="ID", parse=int)] = Field(
+        None, description="with --pad-to-multiple-of: the id to pad with (default: the EOS id of the tokenizer the "
+                          "cache was built with, which Megatron-Bridge's collator takes for padding)")
     storage_options: ReadStorageOptions = Field(
         default_factory=dict, description="fsspec options, a JSON object, for the cache's URL and OUT's filesystem")
 

@@ -181,6 +181,7 @@ def export(args: argparse.Namespace) -> int:
     from sft_tokenize.export import export_cache
 
     record = export_cache(args.cache, args.to, args.out, pack_length=args.pack_length,
+                          pad_to_multiple_of=args.pad_to_multiple_of, pad_id=args.pad_id,
                           storage_options=args.storage_options)
     reused = " (reused: already exported)" if record.get("reused") else ""
     print(f"{record['target']}: {record['rows']} rows, {record['tokens']} tokens, digest {record['digest']}{reused}",

@@ -23,6 +23,10 @@ def test_export_prints_its_directory_and_is_done_once(example_cache, tmp_path, c
 
     wrong = cli("export", str(cache), "--to", "mds", str(tmp_path / "out2"), "--pack-length", "512", home=cli_home)
     assert wrong.returncode == 2 and len(wrong.stderr.strip().splitlines()) == 1 and "--pack-length" in wrong.stderr
+    uneven = cli("export", str(cache), "--to", "megatron", str(tmp_path / "out4"), "--pack-length", "500",
+                 "--pad-to-multiple-of", "8", home=cli_home)
+    assert uneven.returncode == 2 and len(uneven.stderr.strip().splitlines()) == 1 and "multiple" in uneven.stderr
+    assert not (tmp_path / "out4").exists()
     missing = cli("export", str(tmp_path / "nothing"), "--to", "mds", str(tmp_path / "out3"), home=cli_home)
     assert missing.returncode == 2 and str(tmp_path / "nothing") in missing.stderr
     assert not any(noise in wrong.stderr + missing.stderr for noise in NOISE)

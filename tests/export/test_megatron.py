@@ -180,3 +180,87 @@ def test_verify_reads_the_export_with_megatron_core_and_names_a_row_whose_mask_d
         verify_trainer(cache, "megatron", 1000, export=tmp_path / "out")
     with pytest.raises(BadInput, match="--export DIR"):
         verify_trainer(cache, "megatron", 1)
+
+
+def bridge_sft():
+    """Megatron-Bridge's SFT datasets module (megatron/bridge/data/datasets/sft.py) and its HF tokenizer wrapper,
+    imported from its wheel's files without megatron/bridge/__init__.py, whose model bridges need
+    transformer-engine: the dataset and its collator need only megatron-core, torch and datasets."""
+    import sys
+    import types
+
+    import megatron
+
+    root = MEGATRON_BRIDGE / "megatron"
+    if not (root / "bridge" / "data" / "datasets" / "sft.py").is_file():
+        pytest.skip(f"megatron-bridge's files are not under {MEGATRON_BRIDGE} (make test installs them there)")
+    if str(root) not in megatron.__path__:
+        megatron.__path__.append(str(root))
+    for name in ("bridge", "bridge.data", "bridge.data.datasets", "bridge.training", "bridge.training.tokenizers"):
+        if f"megatron.{name}" not in sys.modules:
+            package = types.ModuleType(f"megatron.{name}")
+            package.__path__ = [str(root / name.replace(".", "/"))]
+            sys.modules[f"megatron.{name}"] = package
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # megatron-core's notes that apex and transformer-engine are absent
+        from megatron.bridge.data.datasets import sft
+        from megatron.bridge.training.tokenizers.tokenizer import _HuggingFaceTokenizer
+    return sft, _HuggingFaceTokenizer
+
+
+@pytest.mark.parametrize("multiple", [1, 8])
+def test_megatron_bridges_own_collator_trains_the_caches_mask_in_thd_bins(cache, tmp_path, multiple):
+    """GPTSFTPackedDataset and its collate_fn, as Megatron-Bridge's create_sft_dataset builds them for a packed
+    file (pad_seq_to_mult = 2 × context parallelism): cu_seqlens and position ids per row, each row's inputs a
+    multiple of `multiple`, its labels the cache's ids and its loss the cache's mask, every row once."""
+    from support.paths import EXAMPLE_TOKENIZER
+
+    sft, tokenizer_class = bridge_sft()
+    record = export_cache(cache, "megatron", tmp_path / "out", pack_length=512, pad_to_multiple_of=multiple)
+    tokenizer = tokenizer_class(str(EXAMPLE_TOKENIZER))
+    eos = tokenizer.eos_id
+    dataset = sft.create_sft_dataset(tmp_path / "out" / "training_512.npy", tokenizer, seq_length=512,
+                                     pad_to_max_length=True, pad_cu_seqlens=True, pad_seq_to_mult=multiple,
+                                     pack_metadata_file_path=tmp_path / "out" / "512_metadata.jsonl")
+    assert isinstance(dataset, sft.GPTSFTPackedDataset) and len(dataset) == record["packed"]["bins"]
+    rows = open_cache(cache)
+    by_inputs = {tuple(rows[i]["input_ids"][:-1].tolist()): i for i in range(len(rows))}
+    seen = []
+    for i in range(len(dataset)):
+        batch = dataset.collate_fn([dataset[i]])
+        tokens, labels = batch["tokens"][0].numpy(), batch["labels"][0].numpy()
+        loss, positions = batch["loss_mask"][0].numpy(), batch["position_ids"][0].numpy()
+        cu = [c for c in batch["cu_seqlens"][0].tolist() if c >= 0]
+        assert cu == sorted(cu) and set(cu[cu.index(512):]) == {512}  # padded to a fixed size with 512s
+        cu = cu[:cu.index(512) + 1]
+        assert cu[-1] == 512 and (multiple == 1 or all(c % multiple == 0 for c in cu)), (i, cu)
+        assert (multiple > 1) == ("cu_seqlens_unpadded" in batch)
+        for a, b in zip(cu, cu[1:], strict=False):
+            if a == cu[-2] and tokens[a:b].tolist() == [eos] * (b - a):
+                continue  # the bin's tail, padding up to 512
+            assert np.array_equal(positions[a:b], np.arange(b - a)), (i, a)  # positions restart at every row
+            # the row's inputs (its ids less the last), then, padded, its last id and EOS up to a multiple
+            cuts = [c for c in range(b - a, max(b - a - multiple - 1, 0), -1)
+                    if tuple(tokens[a:a + c].tolist()) in by_inputs]
+            assert cuts, (i, a)
+            cut = cuts[0]
+            row = by_inputs[tuple(tokens[a:a + cut].tolist())]
+            ids, mask = rows[row]["input_ids"], rows[row]["loss_mask"]
+            assert cut == len(ids) - 1 and np.array_equal(labels[a:a + cut], ids[1:]), (i, row)
+            assert tokens[a + cut:b].tolist() == ([ids[-1]] + [eos] * (b - a - cut - 1) if b - a > cut else [])
+            assert np.array_equal(loss[a:a + cut], mask[1:]), (i, row)  # trained: exactly the cache's mask
+            assert not loss[a + cut:b].any() and (multiple > 1 or cut == b - a), (i, row)  # padding untrained
+            seen.append(row)
+    assert sorted(seen) == list(range(len(rows)))
+
+
+def test_pad_to_multiple_of_is_checked_before_anything_is_written(cache, tmp_path):
+    with pytest.raises(BadInput, match="--pack-length 500: not a multiple of --pad-to-multiple-of 8"):
+        export_cache(cache, "megatron", tmp_path / "out", pack_length=500, pad_to_multiple_of=8)
+    with pytest.raises(BadInput, match="--pad-to-multiple-of 8: .*--pack-length only"):
+        export_cache(cache, "megatron", tmp_path / "out", pad_to_multiple_of=8)
+    assert not (tmp_path / "out").exists()
+    record = export_cache(cache, "megatron", tmp_path / "out", pack_length=512, pad_to_multiple_of=8)
+    assert record["options"]["pad_id"] == 2  # <|im_end|>, the example tokenizer's EOS
