@@ -95,6 +95,10 @@ def export_cache(cache: str | Path | Rows, target: str, out: str | Path, *,
     existing = output.existing_record()
     if existing is not None and {key: existing.get(key) for key in identity} == identity:
         return {**existing, "reused": True}
+    # an earlier export at OUT of the same target and options (another version of the cache): its chunk files of
+    # the data files both caches share are reused (chunks.py)
+    output.reuse_previous = existing is not None and (existing.get("target"), existing.get("options")) == (
+        target, options)
     started = time.perf_counter()
     with output:
         written = _write(cache, target, output, {"pad_to_multiple_of": 1, "pad_id": 0, **options,

@@ -2,6 +2,10 @@
 
     u32 count | u32 offsets[count + 1] (from the file's start) | head (MDS: its config) | records
 
+A chunk never spans two of the cache's data files, and a chunk of a data file whose digest the manifest records is
+named by that digest (`name(key, j)`): the same data file gives the same chunk files under the same names, so
+exporting again over an earlier export reuses the chunks of the data files the two caches share (output.py).
+
 A record is one row: the byte sizes of its columns (u32 each), then each column's bytes, each behind its own
 prefix (MDS: the array's shape; litdata: none). Rows are cut into chunks of at most `limit` bytes by their
 sizes (from the cache's lengths) before any is written, and streamed in batches: a chunk's header comes first.
@@ -16,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from sft_tokenize.export.output import ExportOutput
+from sft_tokenize.read.cache import TokenizedCache
 from sft_tokenize.read.row_batches import RowBatch, Rows, row_batches
 
 # a row's length → each column's prefix (bytes), per row: how a format spells an array's shape
@@ -51,6 +56,32 @@ def plan_chunks(lengths: np.ndarray, record_sizes: np.ndarray, head: int, limit:
     return chunks
 
 
+def data_files(cache: Rows) -> list[tuple[int, int, str | None]]:
+    """(first row, stop, content key) of each of the cache's data files, in row order; the key is the digest the
+    manifest records for it (None where it records none). A mixture's rows are one part without a key."""
+    if not isinstance(cache, TokenizedCache):
+        return [(0, len(cache), None)]
+    parts, first = [], 0
+    for entry in cache.manifest["files"]:
+        rows = int(entry.get("rows", len(cache) - first))
+        parts.append((first, first + rows, entry.get("digest")))
+        first += rows
+    return parts if first == len(cache) else [(0, len(cache), None)]
+
+
+def plan_files(cache: Rows, record_sizes: np.ndarray, head: int, limit: int,
+               name: Callable[[str | None, int], str]) -> tuple[list[Chunk], list[str]]:
+    """`plan_chunks` within each data file, and each chunk's file name: `name(key, j)`, j counting the chunks of
+    that data file, or (no key) counting all chunks."""
+    lengths = cache.lengths.astype(np.int64)
+    chunks, names = [], []
+    for first, stop, key in data_files(cache):
+        for j, chunk in enumerate(plan_chunks(lengths[first:stop], record_sizes[first:stop], head, limit)):
+            chunks.append(Chunk(chunk.first + first, chunk.stop + first, chunk.offsets))
+            names.append(name(key, j if key else len(names)))
+    return chunks, names
+
+
 def encode_rows(batch: RowBatch, lo: int, hi: int, prefixes: Prefixes) -> bytes:
     """Rows [lo, hi) of `batch` (batch-relative) as records."""
     parts: list = []
@@ -70,10 +101,13 @@ def _rows(cache: Rows, batch_rows: int) -> Iterator[tuple[RowBatch, int, int]]:
 
 def write_chunks(cache: Rows, out: ExportOutput, chunks: list[Chunk], names: list[str], head: bytes,
                  prefixes: Prefixes, batch_rows: int) -> None:
-    """Every chunk's file, in order, its rows streamed a batch at a time."""
+    """Every chunk's file, in order, its rows streamed a batch at a time; a chunk file the earlier export at the
+    same place holds under the same name is reused as it is."""
     rows = _rows(cache, batch_rows)
     batch, start, stop = next(rows, (None, 0, 0))
     for chunk, name in zip(chunks, names, strict=True):
+        if out.reuse(name):
+            continue
         with ExitStack() as stack:
             f = stack.enter_context(out.open(name))
             f.write(np.uint32(chunk.stop - chunk.first).tobytes() + chunk.offsets.tobytes() + head)

@@ -1,6 +1,7 @@
 """`litdata` exports: an optimized dataset, as `litdata.optimize` writes one, that `litdata.StreamingDataset` reads.
 
-    OUT/chunk-0-0.bin, chunk-0-1.bin, ...   rows, each {"input_ids": int32 array, "loss_mask": int8 array}
+    OUT/chunk-<key>-0.bin, ...              rows, each {"input_ids": int32 array, "loss_mask": int8 array}: the
+                                            chunks of each cache data file, named by its digest
     OUT/index.json                          the chunks and the items' layout, written after them
 
 Each item is the dict litdata's PyTreeLoader makes of two 1-D numpy arrays, serialized headerless
@@ -14,7 +15,7 @@ import time
 
 import numpy as np
 
-from sft_tokenize.export.chunks import plan_chunks, write_chunks
+from sft_tokenize.export.chunks import plan_files, write_chunks
 from sft_tokenize.export.output import ExportOutput
 from sft_tokenize.read.row_batches import Rows
 
@@ -32,8 +33,8 @@ def _prefixes(length: int) -> tuple[bytes, bytes]:
 def write_litdata(cache: Rows, out: ExportOutput, batch_rows: int, chunk_bytes: int) -> dict:
     """The chunks and index.json of every row, in order."""
     lengths = cache.lengths.astype(np.int64)
-    chunks = plan_chunks(lengths, 8 + 5 * lengths, 0, chunk_bytes)
-    names = [f"chunk-0-{k}.bin" for k in range(len(chunks))]
+    chunks, names = plan_files(cache, 8 + 5 * lengths, 0, chunk_bytes,
+                               lambda key, j: f"chunk-{key}-{j}.bin" if key else f"chunk-0-{j}.bin")
     write_chunks(cache, out, chunks, names, b"", _prefixes, batch_rows)
     config = {"chunk_bytes": chunk_bytes, "chunk_size": None, "compression": None, "compression_batch_size": None,
               "compression_level": None, "data_format": DATA_FORMAT, "data_spec": DATA_SPEC, "encryption": None,

@@ -1,6 +1,7 @@
 """`mds` exports: mosaicml-streaming's MDS format, which `streaming.StreamingDataset` reads.
 
-    OUT/shard.00000.mds, shard.00001.mds, ...   rows, each {"input_ids": int32 array, "loss_mask": int8 array}
+    OUT/shard.<key>.00000.mds, ...              rows, each {"input_ids": int32 array, "loss_mask": int8 array}:
+                                                 the chunks of each cache data file, named by its digest
     OUT/index.json                               the shards, written after them
 
 As MDSWriter writes with `columns={"input_ids": "ndarray:int32", "loss_mask": "ndarray:int8"}`, no compression,
@@ -13,7 +14,7 @@ import json
 
 import numpy as np
 
-from sft_tokenize.export.chunks import plan_chunks, write_chunks
+from sft_tokenize.export.chunks import plan_files, write_chunks
 from sft_tokenize.export.output import ExportOutput
 from sft_tokenize.read.row_batches import Rows
 
@@ -48,8 +49,8 @@ def write_mds(cache: Rows, out: ExportOutput, batch_rows: int, size_limit: int) 
     lengths = cache.lengths.astype(np.int64)
     widths = np.select([lengths < 1 << 8, lengths < 1 << 16], [1, 2], 4)
     sizes = 8 + 2 * (1 + widths) + 5 * lengths  # column sizes, shape prefixes, ids and mask
-    chunks = plan_chunks(lengths, sizes, len(head), size_limit)
-    names = [f"shard.{k:05d}.mds" for k in range(len(chunks))]
+    chunks, names = plan_files(cache, sizes, len(head), size_limit,
+                               lambda key, j: f"shard.{key}.{j:05d}.mds" if key else f"shard.{j:05d}.mds")
     write_chunks(cache, out, chunks, names, head, _prefixes, batch_rows)
     shards = [{"samples": c.stop - c.first, "raw_data": {"basename": name, "bytes": int(c.offsets[-1]), "hashes": {}},
                "zip_data": None, **config} for c, name in zip(chunks, names, strict=True)]

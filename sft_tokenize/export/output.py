@@ -12,6 +12,10 @@ and EXPORT_RECORD last; a consumer opens an export through its index, which is w
 export is never written over another one at the same URL (that would change objects under a reader): a URL that
 holds an export of the same cache and options is reused as it is; one that holds anything else is refused.
 
+A local export made again in place may reuse files of the export it replaces (`reuse_previous`, set when the two
+have the same target and options): a file of the same name is hard-linked (or copied) into the new directory with
+its recorded digest, not written again; the record counts `files_written` and `files_reused`.
+
 Every file's xxh3-128 digest is computed as it is written (no second read); the export's digest is the digest of
 their names, sizes and digests.
 """
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -64,6 +69,8 @@ class ExportOutput:
         self.files: list[dict[str, Any]] = []
         self._building: Path | None = None
         self._finished = False
+        self.reuse_previous = False  # reuse same-named files of the export at this place (same target, options)
+        self.reused = 0
         if self.remote:
             import fsspec
 
@@ -99,6 +106,8 @@ class ExportOutput:
         if self.final.exists() and any(self.final.iterdir()) and self.existing_record() is None:
             raise BadInput(f"{self.final}: a directory holding files that are not an export; export into a new or "
                            "empty directory (an earlier export there is replaced whole)")
+        previous = self.existing_record() if self.reuse_previous else None
+        self._previous = {entry["name"]: entry for entry in (previous or {}).get("files", [])}
         self.final.parent.mkdir(parents=True, exist_ok=True)
         self._context = built_directory(self.final, self.final.with_name(f".{self.final.name}.building"),
                                         self.final.with_name(f".{self.final.name}.stale"))
@@ -120,6 +129,23 @@ class ExportOutput:
             yield writer
         self.files.append({"name": name, "bytes": writer.bytes, "digest": writer.digest.hexdigest()})
 
+    def reuse(self, name: str) -> bool:
+        """Put the earlier export's file `name` in the new one as it is, if it holds one whole (its recorded size);
+        False if it does not (the caller writes the file)."""
+        entry = None if self.remote else self._previous.get(name)
+        if entry is None:
+            return False
+        source = self.final / name
+        if not source.is_file() or source.stat().st_size != entry["bytes"]:
+            return False
+        try:
+            os.link(source, self._building / name)
+        except OSError:
+            shutil.copyfile(source, self._building / name)
+        self.files.append(dict(entry))
+        self.reused += 1
+        return True
+
     def write(self, name: str, data: bytes) -> None:
         with self.open(name) as f:
             f.write(data)
@@ -127,7 +153,8 @@ class ExportOutput:
     def finish(self, record: dict[str, Any]) -> dict[str, Any]:
         """Write EXPORT_RECORD (the record, its files and its digest) last; the directory is published when the
         `with` block ends. Returns the record as written."""
-        record = {**record, "files": list(self.files), "digest": export_digest(self.files)}
+        record = {**record, "files": list(self.files), "digest": export_digest(self.files),
+                  "files_written": len(self.files) - self.reused + 1, "files_reused": self.reused}
         data = json.dumps(record, indent=1).encode()
         if self.remote:
             with self.fs.open(f"{self.root}/{EXPORT_RECORD}", "wb") as f:
