@@ -8,6 +8,9 @@ trainer builds them over this cache (`for_trl`, `for_axolotl`):
     trl       SFTTrainer's dataset preparation and data collator (a tiny random model: nothing is trained)
     axolotl   axolotl's DataCollatorForSeq2Seq over the axolotl-layout cache, padded to a multiple of 64
 
+llamafactory and skyrl are refused with what to install and why their data paths cannot run beside this
+package's pins (NOT_HERE).
+
 Every row of every batch drawn is found in the cache by its token ids, and checked token for token: its labels are
 its id exactly where the cache's loss_mask is 1 and -100 elsewhere (padding included); in a padding-free batch
 (`position_ids`), positions restart at 0 at each row and count up within it. No row may be drawn twice within an
@@ -33,9 +36,22 @@ from sft_tokenize.read.cache import TokenizedCache, open_cache
 from sft_tokenize.read.row_batches import row_batches
 
 IGNORE_INDEX = -100
-TRAINERS = ("trl", "axolotl", "megatron", "mds", "litdata")
+TRAINERS = ("trl", "axolotl", "llamafactory", "skyrl", "megatron", "mds", "litdata")
 EXPORT_READERS = ("megatron", "mds", "litdata")  # these read an export (verify_export.py), not the cache
 NEEDS = {"trl": ("trl", "torch"), "axolotl": ("axolotl", "torch")}  # the modules each check imports
+# Trainers whose own data path cannot be installed beside this package's pins: why, and what runs it elsewhere
+NOT_HERE = {
+    "llamafactory": "LLaMA-Factory's data path (llamafactory 0.9.5, the newest: llamafactory.data's collator) "
+                    "cannot be installed beside this package's trainers extra: it requires trl<=0.24 and "
+                    "datasets<=4.0 (the extra has trl 1.16) and imports torchaudio, whose newest build (2.11.0) is "
+                    "for torch 2.11, not the extra's torch 2.13. Install it in an environment of its own "
+                    "(pip install llamafactory==0.9.5); verify --trainer llamafactory does not run it in this version",
+    "skyrl": "SkyRL's SFT data path (skyrl 0.3.0: skyrl.train.sft_trainer.collate_sft_batch) imports SkyRL's Ray "
+             "training stack (ray, torchdata, loguru, jaxtyping and its Ray workers) and skyrl-train requires "
+             "Python 3.12: it is not installed by any extra of this package. Install it in an environment of its "
+             "own (pip install skyrl==0.3.0 and its Ray training stack); verify --trainer skyrl does not run it in "
+             "this version",
+}
 EXTRA = {"trl": "pip install torch==2.13.0 -e '.[trainers]'",
          "axolotl": "pip install torch==2.13.0 -e '.[trainers]' && pip install --no-deps axolotl==0.19.0"}
 
@@ -198,6 +214,8 @@ def verify_trainer(cache: str | Path | TokenizedCache, trainer: str, batches: in
     install when the trainer's package is missing."""
     if trainer not in TRAINERS:
         raise BadInput(f"--trainer {trainer}: not one this version checks; choose one of {', '.join(TRAINERS)}")
+    if trainer in NOT_HERE:
+        raise BadInput(f"--trainer {trainer}: not checked here: {NOT_HERE[trainer]}")
     if trainer in EXPORT_READERS:
         from sft_tokenize.consumers.verify_export import verify_export
 

@@ -193,12 +193,13 @@ class VerifyCommand(BaseModel):
 class VerifyTrainerFlags(BaseModel):
     """`sft-tokenize verify --trainer`'s flags: a trainer's own data path checked over the cache."""
 
-    trainer: Annotated[Literal["trl", "axolotl", "megatron", "mds", "litdata"] | None,
+    trainer: Annotated[Literal["trl", "axolotl", "llamafactory", "skyrl", "megatron", "mds", "litdata"] | None,
                        Flag(FLAGS, metavar="NAME")] = Field(
         None, description="trl, axolotl: build this trainer's own dataset and collator over the cache (from its "
                           "installed package) and check that the tokens it trains are exactly the loss mask's, row by "
                           "row; megatron, mds, litdata: read the export named by --export with the consumer's own "
-                          "reader and check its rows against the cache")
+                          "reader and check its rows against the cache; llamafactory, skyrl: say what to install "
+                          "and why their data paths cannot run beside this package")
     export: Annotated[str | None, Flag(FLAGS, metavar="DIR")] = Field(
         None, description="--trainer megatron|mds|litdata: the directory `sft-tokenize export` wrote")
     batches: Annotated[int, Flag(FLAGS, metavar="N", parse=positive_int)] = Field(

@@ -98,3 +98,12 @@ def test_the_command_exits_0_on_the_example_and_2_naming_the_row(caches, tmp_pat
     failed = cli("verify", str(altered), "--trainer", "trl", "--batches", str(EPOCH), home=cli_home)
     assert failed.returncode == 2 and "row 5:" in failed.stderr and len(failed.stderr.strip().splitlines()) == 1
     assert np.all(open_cache(caches["trl"]).lengths > 0)
+
+
+def test_trainers_whose_data_path_cannot_run_here_say_what_to_install_and_why(example_cache, cli_home):
+    for trainer, why in (("llamafactory", "torchaudio"), ("skyrl", "Python 3.12")):
+        with pytest.raises(BadInput, match=rf"--trainer {trainer}: not checked here: .*{why}.*pip install {trainer}"):
+            verify_trainer(example_cache, trainer, 1)
+    refused = cli("verify", str(example_cache), "--trainer", "skyrl", home=cli_home)
+    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1
+    assert "skyrl==0.3.0" in refused.stderr and "Python 3.12" in refused.stderr
