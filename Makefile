@@ -30,8 +30,9 @@ LITDATA ?= litdata==0.2.76
 # mosaicml-streaming pins an older transformers and huggingface-hub than datasets needs: it goes, without its
 # dependencies, into a directory of its own, which tests/export/test_streams.py puts on a subprocess's path.
 STREAMING ?= mosaicml-streaming==0.13.0
-# Megatron-Bridge needs transformer-engine and CUDA to import: only its files are installed, whose packer
-# (packing_utils.py) tests/export/test_megatron.py loads by path to compare the packed export with.
+# Megatron-Bridge needs transformer-engine and CUDA to import: only its files are installed, from which
+# tests/export/test_megatron.py loads its packer (packing_utils.py) and its SFT dataset module (sft.py, which needs
+# only megatron-core, torch and datasets) to read the packed export with its own dataset and collator.
 MEGATRON_BRIDGE ?= megatron-bridge==0.3.1
 test: $(BIN)/python
 	$(BIN)/pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) '$(TORCH)'
