@@ -2,9 +2,10 @@
 
     u32 count | u32 offsets[count + 1] (from the file's start) | head (MDS: its config) | records
 
-A chunk never spans two of the cache's data files, and a chunk of a data file whose digest the manifest records is
-named by that digest (`name(key, j)`): the same data file gives the same chunk files under the same names, so
-exporting again over an earlier export reuses the chunks of the data files the two caches share (output.py).
+Chunks are cut within parts of the cache: a data file (of at least `limit` bytes of records), or consecutive data
+files taken together up to `limit`. A part's chunks are named by its content key (`name(key, j)`), the digest the
+manifest records for its data file (or of theirs): the same data files give the same chunk files under the same
+names, so exporting again over an earlier export reuses the chunks of the parts the two caches share (output.py).
 
 A record is one row: the byte sizes of its columns (u32 each), then each column's bytes, each behind its own
 prefix (MDS: the array's shape; litdata: none). Rows are cut into chunks of at most `limit` bytes by their
@@ -18,6 +19,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 
 import numpy as np
+import xxhash
 
 from sft_tokenize.export.output import ExportOutput
 from sft_tokenize.read.cache import TokenizedCache
@@ -57,8 +59,8 @@ def plan_chunks(lengths: np.ndarray, record_sizes: np.ndarray, head: int, limit:
 
 
 def data_files(cache: Rows) -> list[tuple[int, int, str | None]]:
-    """(first row, stop, content key) of each of the cache's data files, in row order; the key is the digest the
-    manifest records for it (None where it records none). A mixture's rows are one part without a key."""
+    """(first row, stop, digest) of each of the cache's data files, in row order (the digest the manifest records,
+    None where it records none). A mixture's rows are one part without a digest."""
     if not isinstance(cache, TokenizedCache):
         return [(0, len(cache), None)]
     parts, first = [], 0
@@ -69,13 +71,34 @@ def data_files(cache: Rows) -> list[tuple[int, int, str | None]]:
     return parts if first == len(cache) else [(0, len(cache), None)]
 
 
+def parts(cache: Rows, record_sizes: np.ndarray, limit: int) -> list[tuple[int, int, str | None]]:
+    """(first row, stop, content key) of each part that chunks are cut within: consecutive data files taken together
+    until their records reach `limit` bytes (a data file that large is a part alone, keyed by its digest; a part of
+    several, by the digest of theirs), so small data files do not make small chunks. A part repeated whole gets a
+    key of its own (`<key>-<n>`); without a digest for every data file, the rows are one part without a key."""
+    files = data_files(cache)
+    if any(digest is None for _, _, digest in files):
+        return [(0, len(cache), None)]
+    ends = np.concatenate([[0], np.cumsum(record_sizes, dtype=np.int64)])
+    out, group, seen = [], [], {}
+    for k, (first, stop, digest) in enumerate(files):
+        group.append((first, stop, digest))
+        if ends[stop] - ends[group[0][0]] < limit and k + 1 < len(files):
+            continue
+        key = group[0][2] if len(group) == 1 else xxhash.xxh3_128(",".join(d for _, _, d in group).encode()).hexdigest()
+        seen[key] = seen.get(key, 0) + 1
+        out.append((group[0][0], stop, key if seen[key] == 1 else f"{key}-{seen[key] - 1}"))
+        group = []
+    return out
+
+
 def plan_files(cache: Rows, record_sizes: np.ndarray, head: int, limit: int,
                name: Callable[[str | None, int], str]) -> tuple[list[Chunk], list[str]]:
-    """`plan_chunks` within each data file, and each chunk's file name: `name(key, j)`, j counting the chunks of
-    that data file, or (no key) counting all chunks."""
+    """`plan_chunks` within each of `parts`, and each chunk's file name: `name(key, j)`, j counting the chunks of
+    that part, or (no key) counting all chunks."""
     lengths = cache.lengths.astype(np.int64)
     chunks, names = [], []
-    for first, stop, key in data_files(cache):
+    for first, stop, key in parts(cache, record_sizes, limit):
         for j, chunk in enumerate(plan_chunks(lengths[first:stop], record_sizes[first:stop], head, limit)):
             chunks.append(Chunk(chunk.first + first, chunk.stop + first, chunk.offsets))
             names.append(name(key, j if key else len(names)))

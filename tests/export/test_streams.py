@@ -188,3 +188,10 @@ def test_exporting_a_grown_cache_again_writes_only_its_new_data_files_chunks(tmp
     else:
         assert_rows(new, read_with_streaming(str(out), tmp_path / "theirs", 20_000))
     assert export_cache(old, target, tmp_path / "elsewhere", shard_bytes=30_000)["files_reused"] == 0
+    # data files smaller than a chunk are taken together: one chunk of all the new version's rows
+    whole = export_cache(new, target, tmp_path / "whole", shard_bytes=1 << 27)
+    assert len(whole["files"]) == 2 and not any(d in whole["files"][0]["name"] for d in shared)
+    if target == "litdata":
+        dataset = litdata.StreamingDataset(str(tmp_path / "whole"))
+        assert len(dataset) == len(opened)
+        assert all(np.array_equal(dataset[i]["loss_mask"], opened[i]["loss_mask"]) for i in range(len(opened)))
