@@ -33,10 +33,21 @@ example: $(BIN)/python
 TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
 AXOLOTL ?= axolotl==0.19.0
+LITDATA ?= litdata==0.2.76
+# mosaicml-streaming pins an older transformers and huggingface-hub than datasets needs: it goes, without its
+# dependencies, into a directory of its own, which tests/export/test_streams.py puts on a subprocess's path.
+STREAMING ?= mosaicml-streaming==0.13.0
+# Megatron-Bridge needs transformer-engine and CUDA to import: only its files are installed, from which
+# tests/export/test_megatron.py loads its packer (packing_utils.py) and its SFT dataset module (sft.py, which needs
+# only megatron-core, torch and datasets) to read the packed export with its own dataset and collator.
+MEGATRON_BRIDGE ?= megatron-bridge==0.3.1
 test: $(BIN)/python
 	$(BIN)/pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) '$(TORCH)'
-	$(EDITABLE) '.[dev,trainers,fast]'
-	$(BIN)/pip install -q --no-deps '$(AXOLOTL)'
+	$(EDITABLE) '.[dev,trainers,fast,export]'
+	$(BIN)/pip install -q --no-deps '$(AXOLOTL)' '$(LITDATA)'
+	$(BIN)/pip install -q --no-deps --upgrade --target .cache/consumers/streaming '$(STREAMING)' Brotli python-snappy \
+		cramjam zstd catalogue
+	$(BIN)/pip install -q --no-deps --upgrade --target .cache/consumers/megatron-bridge '$(MEGATRON_BRIDGE)'
 	$(BIN)/ruff check .
 	$(MAKE) docs
 	$(BIN)/python -m pytest -n 3 --dist loadgroup --no-loadscope-reorder --junitxml=.cache/pytest-junit.xml

@@ -15,6 +15,7 @@ The code follows the pipeline, one subpackage per step (docs/architecture.md is 
     encoding/  tokenizers prepared once per content, exact fast encoders, the encode pool
     build/     options, recipes, plan, content keys, the shard writer, the shard store, publish
     read/      open_cache, layouts, trainer loaders, the packing index and its sampler, the mixture index
+    export/    a published cache in other trainers' formats: Megatron, MDS, litdata (export_cache)
     format/    FORMAT.md, the on-disk format (beside the code that writes and checks it)
     flows/     the Prefect flows, the `sft-tokenize` command line and the ad-hoc runs' Prefect server
     tasks/     thin Prefect tasks over the build's plain functions
@@ -46,19 +47,21 @@ _API = {
     "for_axolotl": "sft_tokenize.read.trainers",
     "work_view": "sft_tokenize.read.trainers",
     "materialize": "sft_tokenize.read.remote_cache",
+    "export_cache": "sft_tokenize.export",
     "ImageCollator": "sft_tokenize.read.image_collator",
     "verify_cache": "sft_tokenize.build.verify",
     "BadInput": "sft_tokenize.errors",
     "CacheError": "sft_tokenize.errors",
 }
 __all__ = ["BadInput", "CacheError", "ImageCollator", "MixtureOptions", "MixtureSource", "PackOptions", "PackedSampler",
-           "PackedSequences", "TokenizedCache", "for_axolotl", "for_trl", "materialize", "mix_caches",
+           "PackedSequences", "TokenizedCache", "export_cache", "for_axolotl", "for_trl", "materialize", "mix_caches",
            "mixture_dataset", "open_cache", "open_mixture", "pack_cache", "packed_sequences", "read_manifest",
            "tokenize", "verify_cache", "work_view"]
 
 if TYPE_CHECKING:
     from sft_tokenize.build.verify import verify_cache
     from sft_tokenize.errors import BadInput, CacheError
+    from sft_tokenize.export import export_cache
     from sft_tokenize.flows.api import tokenize
     from sft_tokenize.format.manifest import read_manifest
     from sft_tokenize.read.cache import TokenizedCache, open_cache

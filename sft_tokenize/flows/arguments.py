@@ -11,7 +11,7 @@ import argparse
 import math
 import os
 import re
-from typing import Annotated, Any, get_origin
+from typing import Annotated, Any, Literal, get_origin
 
 from pydantic import BaseModel, Field
 
@@ -117,16 +117,19 @@ class VerifyCommand(BaseModel):
     """`sft-tokenize verify`'s flags."""
 
     cache: Annotated[str, Flag(FLAGS, metavar="CACHE", positional=True)] = Field(
-        description="a published cache directory (a version on object storage: `pull` it first)")
+        description="a published cache directory (a version on object storage: `pull` it first; with --trainer, "
+                    "its URL is copied here first)")
     sample: Annotated[int | None, Flag(FLAGS, metavar="N", parse=positive_int)] = Field(
         None, description="check N rows drawn at random (with each, the rows of its slice before it); the default")
     all: Annotated[bool, Flag(FLAGS)] = Field(False, description="check every row")
     seed: Annotated[int | None, Flag(FLAGS, metavar="N", parse=int)] = Field(
         None, description="the seed of --sample's draw (default: a new one each time)")
     tokenizer: Annotated[str | None, Flag(FLAGS, metavar="DIR")] = Field(
-        None, description="where the tokenizer the cache was built with is (default: the path it was built from)")
+        None, description="where the tokenizer the cache was built with is (default: the path it was built from); "
+                          "with --trainer, the one the trainer pads with")
     chat_template: Annotated[str | None, Flag(FLAGS, metavar="FILE")] = Field(
         None, description="the --chat-template file the cache was built with, if it was given one")
+    storage_options: ReadStorageOptions = READ_STORAGE_OPTIONS
 
 
 class PullCommand(BaseModel):
@@ -163,6 +166,63 @@ class GcCommand(BaseModel):
     storage_options: ReadStorageOptions = READ_STORAGE_OPTIONS
 
 
+class ExportCommand(BaseModel):
+    """`sft-tokenize export`'s flags."""
+
+    cache: Annotated[str, Flag(FLAGS, metavar="CACHE_OR_MIXTURE", positional=True)] = Field(
+        description="a published cache directory, a mixture index (its rows in its order), or a cache version's URL "
+                    "on object storage (copied to this machine first, as `pull` does to its default directory)")
+    to: Annotated[Literal["megatron", "mds", "litdata"], Flag(FLAGS, metavar="TARGET")] = Field(
+        description="the format: megatron (Megatron-Core .bin/.idx; with --pack-length, Megatron-Bridge's packed "
+                    ".npy too), mds (mosaicml-streaming), litdata (litdata's optimized dataset)")
+    out: Annotated[str, Flag(FLAGS, metavar="OUT", positional=True)] = Field(
+        description="the export's directory (new, empty, or an earlier export, replaced whole) or an fsspec URL "
+                    "(new: objects are never written over)")
+    pack_length: Annotated[list[int], Flag(FLAGS, metavar="N", parse=positive_int, repeat=True)] = Field(
+        default_factory=list, description="megatron: also write the cache's packing index for N tokens as "
+                                          "Megatron-Bridge's packed SFT file (training_N.npy, N_metadata.jsonl)")
+    pad_to_multiple_of: Annotated[int, Flag(FLAGS, metavar="M", parse=positive_int)] = Field(
+        1, ge=1, description="with --pack-length: pad each packed row so its inputs are a multiple of M, as "
+                             "Megatron-Bridge's pad_seq_to_mult does for context parallelism (M = 2 × its size; "
+                             "every N a multiple of M)")
+    pad_id: Annotated[int | None, Flag(FLAGS, metavar="ID", parse=int)] = Field(
+        None, description="with --pad-to-multiple-of: the id to pad with (default: the EOS id of the tokenizer the "
+                          "cache was built with, which Megatron-Bridge's collator takes for padding)")
+    storage_options: ReadStorageOptions = Field(
+        default_factory=dict, description="fsspec options, a JSON object, for the cache's URL and OUT's filesystem")
+
+
+class DiffCommand(BaseModel):
+    """`sft-tokenize diff`'s flags."""
+
+    old: Annotated[str, Flag(FLAGS, metavar="OLD", positional=True)] = Field(
+        description="a published cache directory (or a version's URL on object storage, copied here first)")
+    new: Annotated[str, Flag(FLAGS, metavar="NEW", positional=True)] = Field(description="the cache to compare it with")
+    rows: Annotated[int, Flag(FLAGS, metavar="K", parse=int)] = Field(
+        2, ge=0, description="show the K changed rows that gain or lose the most trained tokens, each cache's row "
+                             "decoded by its own tokenizer (where it is on this machine), trained tokens marked")
+    as_json: Annotated[bool, Flag(FLAGS, flag="--json")] = Field(False, description="print the comparison as JSON")
+    storage_options: ReadStorageOptions = READ_STORAGE_OPTIONS
+
+
+class VerifyTrainerFlags(BaseModel):
+    """`sft-tokenize verify --trainer`'s flags: a trainer's own data path checked over the cache."""
+
+    trainer: Annotated[Literal["trl", "axolotl", "llamafactory", "skyrl", "megatron", "mds", "litdata"] | None,
+                       Flag(FLAGS, metavar="NAME")] = Field(
+        None, description="trl, axolotl: build this trainer's own dataset and collator over the cache (from its "
+                          "installed package) and check that the tokens it trains are exactly the loss mask's, row by "
+                          "row; megatron, mds, litdata: read the export named by --export with the consumer's own "
+                          "reader and check its rows against the cache; llamafactory, skyrl: say what to install "
+                          "and why their data paths cannot run beside this package")
+    export: Annotated[str | None, Flag(FLAGS, metavar="DIR")] = Field(
+        None, description="--trainer megatron|mds|litdata: the directory `sft-tokenize export` wrote")
+    batches: Annotated[int, Flag(FLAGS, metavar="N", parse=positive_int)] = Field(
+        8, description="--trainer: the batches to draw and check (a whole epoch also checks that no row is dropped)")
+    batch_size: Annotated[int, Flag(FLAGS, metavar="B", parse=positive_int)] = Field(
+        4, description="--trainer: rows per batch")
+
+
 class ServerStopCommand(BaseModel):
     """`sft-tokenize server stop`'s flags."""
 
@@ -175,8 +235,10 @@ COMMANDS: dict[tuple[str, ...], tuple[type[BaseModel], ...]] = {
     ("inspect",): (InspectCommand,),
     ("pack",): (PackCommand,),
     ("pull",): (PullCommand,),
-    ("verify",): (VerifyCommand,),
     ("gc",): (GcCommand,),
+    ("export",): (ExportCommand,),
+    ("diff",): (DiffCommand,),
+    ("verify",): (VerifyCommand, VerifyTrainerFlags),
     ("server", "stop"): (ServerStopCommand,),
 }
 
@@ -248,13 +310,21 @@ SIMPLE_COMMANDS = {
     "pull": ("copy a cache version from object storage to a local directory",
              "Copy a cache version from object storage into a local cache root, each shard once and checked against "
              "its digest; prints the local cache's path as the last line (datasets.load_from_disk opens it)."),
-    "verify": ("tokenize a cache's rows again, every row rendered in full, and compare",
-               "Tokenize rows of a published cache again from its recorded sources, rendering every row in full "
-               "(--render full), and compare every column; exit 2 naming the first differing rows and their source "
-               "file:line."),
     "gc": ("remove old versions and the shards no cache or running build uses",
            "Keep the newest N versions of each cache name; remove the others and every stored shard that no kept "
            "version and no running build uses."),
+    "export": ("write a published cache in another trainer's format (megatron, mds, litdata)",
+               "Write a published cache as Megatron-Core/Megatron-Bridge, mosaicml-streaming (MDS) or litdata files, a "
+               "batch of rows at a time, published whole; prints the export's directory as the last line."),
+    "diff": ("compare two caches: rows added, removed and changed, trained tokens, what differs in their inputs",
+             "Compare two caches (two versions of one name, or any two): the fingerprint inputs that differ, the rows "
+             "added, removed and changed, and the trained tokens gained or lost, in all and per row."),
+    "verify": ("check a cache: its rows tokenized again in full, or (--trainer) a trainer's own data path",
+               "Tokenize rows of a published cache again from its recorded sources, rendering every row in full "
+               "(--render full), and compare every column; exit 2 naming the first differing rows and their source "
+               "file:line. With --trainer NAME: draw batches from the trainer's own dataset and collator over the "
+               "cache and check, token for token, that what it trains is the loss mask; exit 2 naming the first row "
+               "that differs."),
 }
 
 

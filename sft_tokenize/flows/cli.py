@@ -7,6 +7,10 @@
     sft-tokenize gc /data/cache [--keep N]
     sft-tokenize pull s3://bucket/caches/data-3f2a9c1d0b7e4f65 /data/local-caches
     sft-tokenize server status|stop [--force]
+    sft-tokenize export /data/cache/data-3f2a9c1d0b7e4f65 --to megatron|mds|litdata OUT [--pack-length N]
+    sft-tokenize diff /data/cache/data-3f2a9c1d0b7e4f65 /data/cache/data-9b1c04e2a7d35f10 [--rows K] [--json]
+    sft-tokenize verify /data/cache/data-3f2a9c1d0b7e4f65 --trainer trl|axolotl [--batches N]
+    sft-tokenize verify /data/cache/data-3f2a9c1d0b7e4f65 --trainer megatron|mds|litdata --export OUT
 
 stdout carries only the result (the cache path or the packing index path as its last line, or the inspect
 table), so scripts can read it; the progress bar and Prefect's run logs go to stderr. An error is one line on
@@ -138,9 +142,12 @@ VERIFY_SAMPLE = 1000  # rows `verify` checks without --sample or --all
 
 
 def verify(args: argparse.Namespace) -> int:
-    """`verify CACHE [--sample N | --all]`: rows tokenized again in full and compared; exit 2 on a difference."""
+    """`verify CACHE [--sample N | --all]`: rows tokenized again in full and compared; exit 2 on a difference.
+    With --trainer, the trainer's own data path over the cache instead."""
     from sft_tokenize.build.verify import SHOWN, verify_cache
 
+    if args.trainer:
+        return verify_trainer_command(args)
     if args.all and args.sample:
         raise BadInput("--sample and --all: give one")
     result = verify_cache(args.cache, None if args.all else args.sample or VERIFY_SAMPLE, args.tokenizer,
@@ -189,6 +196,79 @@ def pack(args: argparse.Namespace) -> int:
     print(text_table([("built", "now" if index.built_now else "earlier: reused")]
                      + packing_summary(index.meta, index.build, index.path)))
     print(index.path)
+    return EXIT_OK
+
+
+def export(args: argparse.Namespace) -> int:
+    from sft_tokenize.export import export_cache
+
+    record = export_cache(args.cache, args.to, args.out, pack_length=args.pack_length,
+                          pad_to_multiple_of=args.pad_to_multiple_of, pad_id=args.pad_id,
+                          storage_options=args.storage_options)
+    reused = " (reused: already exported)" if record.get("reused") else ""
+    print(f"{record['target']}: {record['rows']} rows, {record['tokens']} tokens, digest {record['digest']}{reused}",
+          file=sys.stderr)
+    print(args.out)
+    return EXIT_OK
+
+
+def diff(args: argparse.Namespace) -> int:
+    from sft_tokenize.flows.report import text_table
+    from sft_tokenize.read.cache import open_cache
+    from sft_tokenize.read.cache_diff import diff_caches
+
+    old, new = (open_cache(path, storage_options=args.storage_options) for path in (args.old, args.new))
+    result = diff_caches(old, new)
+    if args.as_json:
+        print(json.dumps({**vars(result), "old": str(result.old), "new": str(result.new),
+                          "trained_delta": result.trained_delta}, default=str, indent=2))
+        return EXIT_OK
+    print(text_table([("old", str(result.old)), ("new", str(result.new))]
+                     + [(f"differs: {key}", f"{a} → {b}") for key, a, b in result.differs]
+                     + [("rows", f"{result.rows_old:,} → {result.rows_new:,} (matched by {result.matched_by})"),
+                        ("added", f"{result.added:,}"), ("removed", f"{result.removed:,}"),
+                        ("changed", f"{result.changed:,}"),
+                        ("trained tokens", f"{result.trained_old:,} → {result.trained_new:,} "
+                                           f"({result.trained_delta:+,})")]
+                     + [(f"row {row}", f"{a:,} → {b:,} trained ({b - a:+,})") for row, a, b in result.changed_rows]))
+    if args.rows and result.changed_rows:
+        _show_changed_rows(old, new, [row for row, _, _ in result.changed_rows[:args.rows]])
+    return EXIT_OK
+
+
+def _show_changed_rows(old, new, rows: list[int]) -> None:
+    """Each row as OLD and as NEW, each decoded by its own cache's tokenizer where it is here."""
+    from sft_tokenize.encoding.tokenizer import load_tokenizer
+    from sft_tokenize.flows.report import show_row
+
+    colour = sys.stdout.isatty()
+    for row in rows:
+        for label, cache in (("old", old), ("new", new)):
+            directory = cache.manifest.get("tokenizer")
+            item = cache[row]
+            print(f"── row {row}, {label}: {len(item['input_ids']):,} tokens, {int(item['loss_mask'].sum()):,} trained "
+                  f"({'green' if colour else '[[…]]'}) ──")
+            if directory and os.path.isdir(directory):
+                print(show_row(load_tokenizer(directory), item["input_ids"], item["loss_mask"], colour))
+            else:
+                print(f"(its tokenizer {directory or '(not recorded)'} is not on this machine: ids "
+                      f"{item['input_ids'][:16].tolist()}…)")
+
+
+def verify_trainer_command(args: argparse.Namespace) -> int:
+    """`verify CACHE --trainer NAME [--batches N]`: the trainer's own data path over the cache, checked."""
+    from sft_tokenize.consumers.verify_trainer import verify_trainer
+    from sft_tokenize.read.cache import open_cache
+
+    cache = open_cache(args.cache, storage_options=args.storage_options)
+    check = verify_trainer(cache, args.trainer, args.batches, batch_size=args.batch_size, tokenizer=args.tokenizer,
+                           export=args.export)
+    if args.export:
+        print(f"{check.trainer}: {check.rows:,} rows of {args.export}, {check.tokens:,} tokens: its reader gives back "
+              f"the cache's ids and loss masks exactly ({check.trained:,} trained tokens)")
+    else:
+        print(f"{check.trainer}: {check.batches} batches, {check.rows:,} rows, {check.tokens:,} tokens: the "
+              f"{check.trained:,} tokens it trains are exactly the cache's loss mask")
     return EXIT_OK
 
 
@@ -263,7 +343,8 @@ def server(args: argparse.Namespace) -> int:
 
 
 SUBCOMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "run": run, "inspect": inspect, "pack": pack, "pull": pull, "verify": verify, "gc": gc, "server": server}
+    "run": run, "inspect": inspect, "pack": pack, "pull": pull, "gc": gc, "server": server, "export": export,
+    "diff": diff, "verify": verify}
 
 
 def _interrupted(interrupt: BaseException, args: argparse.Namespace | None) -> str:

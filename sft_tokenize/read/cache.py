@@ -17,9 +17,11 @@ reads every byte and compares each data file with the digest recorded when its s
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Sequence
 from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -30,6 +32,7 @@ from sft_tokenize.files import file_digest
 from sft_tokenize.format.layout import SHARD_STORE, SIDECAR_SUFFIX
 from sft_tokenize.format.manifest import read_manifest
 from sft_tokenize.read.remote_cache import cache_location
+from sft_tokenize.read.tokenizer_check import TokenizerMismatch, mismatch_message, tokenizer_differences
 
 LENGTH_CHUNK_ROWS = 1 << 20
 
@@ -102,7 +105,7 @@ class TokenizedCache(Sequence):
 
 
 def open_cache(path: str | Path, local_dir: str | Path | None = None,
-               storage_options: dict | None = None) -> TokenizedCache:
+               storage_options: dict | None = None, tokenizer: Any = None) -> TokenizedCache:
     """The published cache at `path`, memory-mapped. Refused (CacheError naming the file) if its manifest or
     state.json is missing or incomplete, if a data file is missing, has another size than the manifest says or
     is not readable Arrow, or if the row count differs. The data files' bytes are not read: for that, see
@@ -110,8 +113,16 @@ def open_cache(path: str | Path, local_dir: str | Path | None = None,
 
     `path` may be a version's URL on object storage (`s3://bucket/root/<name>-<fingerprint>`): it is copied into
     `local_dir` first, once per machine, its shards checked against their digests (remote_cache.materialize,
-    which `storage_options` are for), and the local copy is opened."""
-    return TokenizedCache(cache_location(path, local_dir, storage_options))
+    which `storage_options` are for), and the local copy is opened.
+
+    `tokenizer` (the trainer's tokenizer, or its directory): a TokenizerMismatch warning names what differs from
+    the tokenizer files and chat template the cache was built with (read/tokenizer_check.py)."""
+    cache = TokenizedCache(cache_location(path, local_dir, storage_options))
+    if tokenizer is not None:
+        differences = tokenizer_differences(cache.manifest, tokenizer)
+        if differences:
+            warnings.warn(mismatch_message(cache.path, differences), TokenizerMismatch, stacklevel=2)
+    return cache
 
 
 def _recorded_digest(path: Path, manifest: dict, k: int) -> str | None:

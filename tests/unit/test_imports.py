@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "sft_tokenize"
-DATA_PLANE = ("sources", "chat", "encoding", "build", "read", "format")
+DATA_PLANE = ("sources", "chat", "encoding", "build", "read", "export", "consumers", "format")
 BASE = ("errors", "files", "fingerprint", "version", "format", "flags")  # the base layer, which every layer may use
 
 
@@ -36,6 +36,14 @@ def test_the_read_side_loads_no_build_code_no_prefect_no_jinja_and_no_tokenizers
     loaded = loaded_after_importing(modules("read"))
     ours = {m for m in loaded if m.startswith("sft_tokenize.")}
     allowed = ("sft_tokenize.read",) + tuple(f"sft_tokenize.{m}" for m in BASE)
+    assert {m for m in ours if not m.startswith(allowed)} == set()
+    assert {m.split(".")[0] for m in loaded} & {"prefect", "jinja2", "tokenizers", "transformers", "torch"} == set()
+
+
+def test_an_export_loads_the_read_side_only_no_build_code_no_prefect_no_jinja_and_no_tokenizers():
+    loaded = loaded_after_importing(modules("export"))
+    ours = {m for m in loaded if m.startswith("sft_tokenize.")}
+    allowed = ("sft_tokenize.read", "sft_tokenize.export") + tuple(f"sft_tokenize.{m}" for m in BASE)
     assert {m for m in ours if not m.startswith(allowed)} == set()
     assert {m.split(".")[0] for m in loaded} & {"prefect", "jinja2", "tokenizers", "transformers", "torch"} == set()
 
@@ -130,10 +138,13 @@ LAYERS = {
     "chat": ("base", "sources"),
     "encoding": ("base", "sources", "chat"),
     "read": ("base",),
+    "export": ("base", "read"),  # a published cache in another trainer's format: it reads caches only
+    "consumers": ("base", "read"),  # the trainers' own data paths run over a cache (verify --trainer)
     "build": ("base", "sources", "chat", "encoding", "read"),
     "tasks": ("base", "sources", "chat", "encoding", "read", "build"),
-    "flows": ("base", "sources", "chat", "encoding", "read", "build", "tasks"),
-    "api": ("base", "sources", "chat", "encoding", "read", "build", "tasks", "flows"),  # sft_tokenize/__init__.py
+    "flows": ("base", "sources", "chat", "encoding", "read", "export", "consumers", "build", "tasks"),
+    # sft_tokenize/__init__.py
+    "api": ("base", "sources", "chat", "encoding", "read", "export", "consumers", "build", "tasks", "flows"),
 }
 # The only imports allowed against the layers or around a circle, each with why. (importer, imported): why.
 BACK_EDGES = {

@@ -18,6 +18,8 @@ import pytest
 from support.paths import BIN, EXAMPLE_DATA, EXAMPLE_TOKENIZER, ROOT
 from support.reference_templates import template
 
+from sft_tokenize.read.cache import open_cache
+
 BENCH = ROOT / "benchmarks"
 TINY = ["--scale", "0.002", "--tokenizer", "example"]  # 22 long or 64 short conversations a unit
 
@@ -187,3 +189,14 @@ def test_mixture_and_digest_on_a_cache(bench, example_cache):
 def test_example_data_is_where_the_scripts_expect_it():
     # startup.py and run.py's warm-up read the bundled example; a move would break them before any timing.
     assert (EXAMPLE_DATA / "chat-00000.jsonl").is_file() and (EXAMPLE_TOKENIZER / "tokenizer.json").is_file()
+
+
+def test_export_throughput_on_a_cache(bench, example_cache):
+    out = bench["root"] / "export"
+    script(bench, "export.py", str(example_cache), "--copies", "2", "--out", str(out))
+    results = json.loads((out / "export.json").read_text())
+    committed(results["git"])
+    assert set(results["targets"]) == {"megatron", "mds", "litdata"}
+    assert results["rows"] == 2 * len(open_cache(example_cache))
+    for r in results["targets"].values():
+        assert r["cache_mb_per_cpu_s"] > 0 and r["export_bytes"] > results["tokens"]
