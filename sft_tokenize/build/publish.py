@@ -74,8 +74,10 @@ def length_summary(histogram: Counter) -> dict[str, float]:
 
 
 # Per-shard counts about how masks were made, summed into the manifest's "masks".
-MASK_COUNTS = ("rows_all_trained", "rows_exact", "rows_expanded", "rows_special_text", "rows_filled", "rows_checked",
-               "skeleton_mismatches")
+MASK_COUNTS = ("rows_all_trained", "rows_exact", "rows_expanded", "rows_special_text")
+# Per-shard counts of skeleton fills, summed into the manifest's build record: they say how this build made its
+# rows, not what the rows are (which process learned which shape first, and which fills the run's seed drew).
+FILL_COUNTS = ("rows_filled", "rows_checked", "skeleton_mismatches")
 
 
 def describe_drops(dropped: dict[str, int]) -> str:
@@ -113,6 +115,7 @@ def build_manifest(job: Job, slices: list[Slice], shards: list[dict], files: lis
         "dropped": dict(sorted(dropped.items())),
         "masks": {key: sum(s.get(key, 0) for s in shards) for key in MASK_COUNTS},
         "render": job.render,
+        "build": {"skeletons": {key: sum(s.get(key, 0) for s in shards) for key in FILL_COUNTS}},
         "lengths": length_summary(lengths),
         **({"images": image_record(job, slices, shards)} if job.processor_config else {}),
         "files": files,
@@ -190,7 +193,7 @@ def state_text(job: Job, files: list[dict], read_from: list[list]) -> str:
 def stamp(manifest: dict, slices: int, reused: int, timings: dict | None, started: float) -> None:
     """What the manifest says about the build that published it."""
     manifest["build"] = {"published_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="microseconds"),
-                         "slices_reused": reused, "slices_tokenized": slices - reused}
+                         "slices_reused": reused, "slices_tokenized": slices - reused, **manifest.get("build", {})}
     manifest["timings"] = {**(timings or {}), "publish_seconds": round(time.monotonic() - started, 3)}
 
 

@@ -81,11 +81,12 @@ def mask_rows(manifest: dict[str, Any]) -> list[tuple[str, str]]:
     if masks.get("rows_special_text"):
         rows.append(("control-token text", f"{_count(masks['rows_special_text'])} rows held a control token's text "
                                            "in a message, encoded as plain text"))
-    if masks.get("rows_filled"):
-        rows.append(("skeleton fills", f"{_count(masks['rows_filled'])} rows filled from a learned render, "
-                                       f"{_count(masks.get('rows_checked', 0))} of them checked against a full one"))
-    if masks.get("skeleton_mismatches"):
-        rows.append(("skeleton mismatches", f"{_count(masks['skeleton_mismatches'])} fills differed from their full "
+    fills = (manifest.get("build") or {}).get("skeletons") or {}
+    if fills.get("rows_filled"):
+        rows.append(("skeleton fills", f"{_count(fills['rows_filled'])} rows filled from a learned render, "
+                                       f"{_count(fills.get('rows_checked', 0))} of them checked against a full one"))
+    if fills.get("skeleton_mismatches"):
+        rows.append(("skeleton mismatches", f"{_count(fills['skeleton_mismatches'])} fills differed from their full "
                                             "render: their slices were rendered in full, and nothing of them was "
                                             "published (report the template); sft-tokenize verify CACHE --all "
                                             "re-checks the cache"))

@@ -263,7 +263,7 @@ def test_a_mismatch_in_a_run_is_counted_and_never_published(modern_tokenizer, tm
     _ignoring_facts(monkeypatch)
     built = run_locally(TokenizeOptions(sources=[str(data)], tokenizer=tokenizer, cache_dir=str(tmp_path / "sk")))
     manifest = json.loads((built / "manifest.json").read_text())
-    assert manifest["masks"]["skeleton_mismatches"] == 1
+    assert manifest["build"]["skeletons"]["skeleton_mismatches"] == 1
     assert manifest["render"] == "skeleton"
     from sft_tokenize.flows.report import summary  # the run's summary and `inspect` show it
 
@@ -286,7 +286,7 @@ def test_learned_skeletons_stay_in_their_run(modern_tokenizer, tmp_path, monkeyp
     for run in range(2):
         data = write_jsonl(tmp_path / f"data{run}.jsonl", [plain_pair(f"q{run} {k}", f"a {k}") for k in range(6)])
         built = run_locally(TokenizeOptions(sources=[str(data)], tokenizer=tokenizer, cache_dir=str(tmp_path / "c")))
-        masks.append(json.loads((built / "manifest.json").read_text())["masks"])
+        masks.append(json.loads((built / "manifest.json").read_text())["build"]["skeletons"])
     assert [(m["rows_filled"], m["rows_checked"]) for m in masks] == [(5, 1), (5, 1)]
 
 
@@ -334,7 +334,7 @@ def test_a_mismatch_after_rows_were_filled_renders_the_slice_again(modern_tokeni
     _ignoring_facts(monkeypatch)
     monkeypatch.setattr(skeleton, "SAMPLE_EVERY", 1)  # every fill checked: the thinking row's is
     built = run_locally(TokenizeOptions(sources=[str(data)], tokenizer=tokenizer, cache_dir=str(tmp_path / "sk")))
-    masks = json.loads((built / "manifest.json").read_text())["masks"]
+    masks = json.loads((built / "manifest.json").read_text())["build"]["skeletons"]
     assert (masks["skeleton_mismatches"], masks["rows_filled"]) == (1, 0)
     want, got = open_cache(full), open_cache(built)
     assert len(want) == len(got) == 16
@@ -391,7 +391,7 @@ def test_render_full_is_another_cache(modern_tokenizer, tmp_path):
     assert default != full
     manifests = [json.loads((path / "manifest.json").read_text()) for path in (default, full)]
     assert [m["render"] for m in manifests] == ["skeleton", "full"]
-    assert [m["masks"]["rows_filled"] for m in manifests] == [3, 0]
+    assert [m["build"]["skeletons"]["rows_filled"] for m in manifests] == [3, 0]
     assert manifests[1]["build"]["slices_tokenized"] == 1
 
 
