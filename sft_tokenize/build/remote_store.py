@@ -34,6 +34,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from sft_tokenize.build.job import Job
+from sft_tokenize.build.ownership import FINGERPRINT, foreign_files, not_a_version, store_key
 from sft_tokenize.build.remote_root import root_filesystem
 from sft_tokenize.build.shard_check import sidecar_path, sidecar_verdict
 from sft_tokenize.build.store import Collected
@@ -189,7 +190,8 @@ def _age(info: dict, now: float) -> float:
 
 
 def remote_versions(fs: Any, root: str) -> dict[str, list[tuple[str, dict]]]:
-    """Every version under the remote root by name, newest first: (its path, its manifest)."""
+    """Every version under the remote root that this tool wrote (ownership.py) by name, newest first: (its path,
+    its manifest)."""
     by_name: dict[str, list[tuple[str, str, dict]]] = {}
     for path in fs.ls(root, detail=False, refresh=True):
         name = path.rstrip("/").rsplit("/", 1)[-1]
@@ -197,10 +199,13 @@ def remote_versions(fs: Any, root: str) -> dict[str, list[tuple[str, dict]]]:
             continue
         try:
             manifest = json.loads(fs.cat_file(f"{path}/{MANIFEST}"))
-            found = (manifest.get("build", {}).get("published_at", ""), path, manifest)
-            by_name.setdefault(manifest["name"], []).append(found)
-        except (FileNotFoundError, ValueError, KeyError, TypeError, AttributeError):
+        except (FileNotFoundError, IsADirectoryError, ValueError):
             continue  # no manifest: not a version (or one being removed)
+        if not_a_version(name, manifest, remote=True):
+            continue  # someone else's folder, whatever its manifest.json says
+        build = manifest.get("build")
+        found = (str(build.get("published_at", "")) if isinstance(build, dict) else "", path, manifest)
+        by_name.setdefault(manifest["name"], []).append(found)
     return {name: [(path, manifest) for _, path, manifest in sorted(found, key=lambda v: v[0], reverse=True)]
             for name, found in by_name.items()}
 
@@ -215,6 +220,8 @@ def _live_keys(fs: Any, root: str, grace: float, now: float) -> tuple[set[str], 
     except FileNotFoundError:
         return live, 0
     for info in leases:
+        if not FINGERPRINT.fullmatch(info["name"].rsplit("/", 1)[-1].removesuffix(LEASE_SUFFIX)):
+            continue  # not a lease this tool wrote
         if _age(info, now) >= grace:
             fs.rm_file(info["name"])
             continue
@@ -233,6 +240,9 @@ def abort_stale_uploads(fs: Any, root: str, grace: float, now: float) -> int:
     uploads = fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix).get("Uploads", [])
     aborted = 0
     for upload in uploads:
+        folder, _, name = upload["Key"].rpartition("/")
+        if folder != f"{prefix}/{SHARD_STORE}".lstrip("/") or store_key(name) is None:
+            continue  # not a shard's upload: someone else's
         if now - upload["Initiated"].timestamp() >= grace:
             fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
             aborted += 1
@@ -256,14 +266,23 @@ def collect_remote_garbage(url: str, keep: int = 1, grace: float = GRACE_SECONDS
             if position < keep or (names is not None and name not in names):
                 done.kept.append(path.rsplit("/", 1)[-1])
                 referenced.update(f["key"] for f in manifest.get("files", []) if "key" in f)
-            else:
-                fs.rm_file(f"{path}/{MANIFEST}")  # first: from here on no reader takes it for a version
-                fs.rm(path, recursive=True)
-                done.removed.append(path.rsplit("/", 1)[-1])
+                continue
+            held = [found.removeprefix(f"{path}/") for found in fs.find(path)]
+            if foreign := foreign_files(held, manifest, remote=True):
+                done.left[path.rsplit("/", 1)[-1]] = foreign
+                referenced.update(f["key"] for f in manifest.get("files", []) if "key" in f)
+                continue
+            fs.rm_file(f"{path}/{MANIFEST}")  # first: from here on no reader takes it for a version
+            rest = [f"{path}/{own}" for own in held if own != MANIFEST]
+            if rest:
+                fs.rm(rest)  # its own objects, one by one: never the prefix
+            done.removed.append(path.rsplit("/", 1)[-1])
     store = f"{root}/{SHARD_STORE}"
     doomed = []
     for name, info in list_shards(fs, store).items():
-        key = name.split(".", 1)[0]
+        key = store_key(name)
+        if key is None or info.get("type") == "directory":  # not a shard or sidecar this tool wrote
+            continue
         if key in referenced:
             done.shards_kept += name.endswith(SHARD_SUFFIX)
             continue

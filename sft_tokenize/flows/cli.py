@@ -223,6 +223,10 @@ def gc(args: argparse.Namespace) -> int:
         done = collect_garbage(root, args.keep)
     for name in done.removed:
         print(f"removed {root}/{name}")
+    for name, foreign in done.left.items():
+        what = "objects" if protocol else "files"
+        print(f"left {root}/{name}: it holds {what} sft-tokenize did not write ({', '.join(foreign)}); "
+              f"move them out and gc again to remove it")
     for name, index in done.held.items():
         print(f"kept {root}/{name}: the mixture index {index} reads it")
     aborted = f", {done.uploads_aborted} incomplete uploads aborted" if protocol else ""

@@ -1,0 +1,103 @@
+"""A cache root shared with other people's files, on a real S3 API (moto's server, support/s3.py) and on a local
+disk: gc removes only what it proves this tool wrote, and a build keeps its shards however long it runs."""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from support.caches import EXAMPLE_SLICES
+from support.s3 import s3_server
+
+from sft_tokenize.build.options import TokenizeOptions
+from sft_tokenize.build.protocol import run_locally
+from sft_tokenize.flows.cli import main
+
+pytest.importorskip("moto.server", reason="moto[server] is in the dev extra")
+pytest.importorskip("s3fs", reason="s3fs is in the dev extra")
+
+BUCKET = f"shared-{uuid.uuid4().hex[:8]}"  # moto's buckets outlive its server: one of this module's own
+
+
+@pytest.fixture(scope="module")
+def s3_root() -> Iterator:
+    """The module's S3 server with a bucket of its own, reached through AWS_* variables."""
+    from s3fs import S3FileSystem
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)
+    S3FileSystem.clear_instance_cache()
+    with s3_server() as server, pytest.MonkeyPatch.context() as env:
+        for name, value in server.environment.items():
+            env.setenv(name, value)
+        server.filesystem().mkdir(BUCKET)
+        yield server
+    S3FileSystem.clear_instance_cache()
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("SFT_TOKENIZE_HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    return tmp_path / "home"
+
+
+# Other people's folders that look like a cache version to a careless eye: a manifest.json with a `name`
+FOREIGN = {
+    "app-v1/manifest.json": {"name": "app", "version": 1},
+    "app-v2/manifest.json": {"name": "app", "version": 2},
+    "model-export/manifest.json": {"name": "model", "files": [{"name": "weights.bin", "bytes": 7}]},
+    "model-export-old/manifest.json": {"name": "model", "files": []},
+}
+FOREIGN_FILES = {"app-v2/index.js": b"console.log(1)", "model-export/weights.bin": b"weights",
+                 ".shards/README.txt": b"notes", ".shards/not-a-key.arrow": b"someone's arrow file",
+                 ".shards/" + "a" * 32 + ".bin": b"a key-like name, not a shard's suffix"}
+
+
+def test_gc_on_a_shared_bucket_removes_only_its_own_versions_and_shards(s3_root, home, capsys):
+    url = f"s3://{BUCKET}/gc-shared"
+    fs = s3_root.filesystem()
+    old = run_locally(TokenizeOptions(**EXAMPLE_SLICES, cache_dir=url, name="data", max_length=96))
+    kept = run_locally(TokenizeOptions(**EXAMPLE_SLICES, cache_dir=url, name="data"))
+    # a version of ours someone put a file of their own into: not provably ours as a whole, so left alone
+    visited = run_locally(TokenizeOptions(**EXAMPLE_SLICES, cache_dir=url, name="visited", max_length=64))
+    run_locally(TokenizeOptions(**EXAMPLE_SLICES, cache_dir=url, name="visited", max_length=128))
+    fs.pipe_file(f"{visited.removeprefix('s3://')}/notes.txt", b"mine")
+    for path, manifest in FOREIGN.items():
+        fs.pipe_file(f"{BUCKET}/gc-shared/{path}", json.dumps(manifest).encode())
+    for path, data in FOREIGN_FILES.items():
+        fs.pipe_file(f"{BUCKET}/gc-shared/{path}", data)
+    assert main(["gc", url, "--keep", "1", "--grace", "0"]) == 0
+    out = capsys.readouterr().out
+    for path in [*FOREIGN, *FOREIGN_FILES]:
+        assert fs.exists(f"{BUCKET}/gc-shared/{path}"), f"gc removed someone else's {path}"
+    assert not fs.exists(f"{old.removeprefix('s3://')}/manifest.json")  # ours, older: removed
+    assert fs.exists(f"{kept.removeprefix('s3://')}/manifest.json")
+    assert fs.exists(f"{visited.removeprefix('s3://')}/manifest.json") and fs.exists(
+        f"{visited.removeprefix('s3://')}/notes.txt")
+    assert f"left {visited}: it holds objects sft-tokenize did not write (notes.txt)" in out
+    assert "removed 1 versions" in out
+
+
+def test_gc_on_a_shared_local_root_removes_only_its_own_versions_and_shards(tmp_path, capsys):
+    root = tmp_path / "root"
+    old = Path(run_locally(TokenizeOptions(**EXAMPLE_SLICES, max_length=96, cache_dir=str(root),
+                                           name="data")))
+    visited = Path(run_locally(TokenizeOptions(**EXAMPLE_SLICES, cache_dir=str(root), name="visited",
+                                               max_length=64)))
+    run_locally(TokenizeOptions(**EXAMPLE_SLICES, cache_dir=str(root), name="visited", max_length=128))
+    kept = Path(run_locally(TokenizeOptions(**EXAMPLE_SLICES, cache_dir=str(root), name="data")))
+    (visited / "notes.txt").write_text("mine")
+    for path, data in FOREIGN_FILES.items():
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_bytes(data)
+    assert main(["gc", str(root), "--keep", "1"]) == 0
+    out = capsys.readouterr().out
+    for path in FOREIGN_FILES:
+        assert (root / path).exists(), f"gc removed someone else's {path}"
+    assert not old.exists() and kept.exists()
+    assert (visited / "notes.txt").exists() and (visited / "manifest.json").exists()
+    assert f"left {visited}: it holds files sft-tokenize did not write (notes.txt)" in out
