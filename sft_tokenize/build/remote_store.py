@@ -11,8 +11,9 @@ There is no rename and no lock on a bucket. Two writers of one key write the sam
 content), so their uploads are idempotent: the last one stands, and either sidecar describes it. A shard is
 reused when its sidecar is there and the object still has the sidecar's size and ETag; any other (replaced,
 rewritten, truncated) is named in a warning and tokenized again. A build writes its lease before it looks at
-the store, and gc keeps what a lease younger than its grace period names: a build is assumed to finish
-within that period (gc's `--grace`, an hour by default).
+the store and rewrites it every LEASE_RENEW_SECONDS while it runs, and gc keeps what a lease younger than its
+grace period (`--grace`, an hour by default) names. A build checks its shard objects again once its manifest is
+written, and withdraws the version if a gc with a shorter grace removed any meanwhile (remote_publish.py).
 
 What a crashed writer leaves, and what gc does with it:
     a shard object without a sidecar, or with one   an unreferenced shard: removed once no lease younger than
@@ -29,6 +30,7 @@ import contextlib
 import datetime
 import json
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -38,6 +40,7 @@ from sft_tokenize.build.ownership import FINGERPRINT, foreign_files, not_a_versi
 from sft_tokenize.build.remote_root import root_filesystem
 from sft_tokenize.build.shard_check import sidecar_path, sidecar_verdict
 from sft_tokenize.build.store import Collected
+from sft_tokenize.errors import one_line
 from sft_tokenize.format.layout import (
     ETAG,
     LEASE_SUFFIX,
@@ -142,6 +145,19 @@ def finished_all(job: Job, slices: list[Slice]) -> tuple[dict[int, dict], dict[i
     return done, damaged
 
 
+def changed_shards(job: Job, kept: list[tuple[dict, Slice]]) -> list[int]:
+    """Of these (sidecar, slice) pairs, the slices whose shard object is gone or is no longer the sidecar's: one
+    LIST of the store."""
+    fs, store = _store(job)
+    listing = list_shards(fs, store)
+    changed = []
+    for meta, slice_ in kept:
+        shard = listing.get(f"{slice_.key}{SHARD_SUFFIX}")
+        if shard is None or shard.get("size") != meta["bytes"] or etag(shard) != meta.get(ETAG):
+            changed.append(slice_.index)
+    return changed
+
+
 def upload_shard(job: Job, slice_: Slice) -> dict:
     """Upload this process's finished local shard of the slice, then its sidecar with the object's ETag, then
     remove the local copy; returns the remote sidecar."""
@@ -162,21 +178,62 @@ def _lease(job: Job) -> tuple[Any, str]:
     return fs, f"{root}/{STAGING}/{job.fingerprint}{LEASE_SUFFIX}"
 
 
+LEASE_RENEW_SECONDS = 60.0  # how often a running build rewrites its lease: gc keeps what a young lease names
+
+
+def _write_lease(fs: Any, lease: str, keys: list[str]) -> None:
+    now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    fs.pipe_file(lease, json.dumps({"keys": keys, "written_at": now}).encode())
+
+
+@contextlib.contextmanager
+def _renewing(fs: Any, lease: str, keys: list[str]) -> Iterator[None]:
+    """Rewrite the lease every LEASE_RENEW_SECONDS while the block runs, so that a build longer than gc's grace
+    keeps its shards; a failed renewal is said once and tried again at the next beat."""
+    stop = threading.Event()
+
+    def renew() -> None:
+        failed = False
+        while not stop.wait(LEASE_RENEW_SECONDS):
+            try:
+                _write_lease(fs, lease, keys)
+                failed = False
+            except Exception as error:  # noqa: BLE001 - any store's error: the build goes on, gc may not see it
+                if not failed:
+                    logger.warning("%s: could not renew this build's lease (%s: %s); a gc with a grace shorter "
+                                   "than this build may remove its shards, which publishing then finds missing",
+                                   fs.unstrip_protocol(lease), type(error).__name__, one_line(error))
+                failed = True
+
+    thread = threading.Thread(target=renew, name="lease-renewal", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
 @contextlib.contextmanager
 def remote_leased(job: Job, slices: list[Slice]) -> Iterator[set[int]]:
-    """Lease the slices' keys (an object gc reads) for this build; yields the indices of the slices whose shard
-    object is complete and unchanged, which this build reuses. The lease is deleted when the build ends."""
+    """Lease the slices' keys (an object gc reads, rewritten while the build runs) for this build; yields the
+    indices of the slices whose shard object is complete and unchanged, which this build reuses. The lease is
+    deleted when the build ends."""
     fs, lease = _lease(job)
-    now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    fs.pipe_file(lease, json.dumps({"keys": sorted({s.key for s in slices}), "written_at": now}).encode())
+    keys = sorted({s.key for s in slices})
+    _write_lease(fs, lease, keys)
     try:
-        done, damaged = finished_all(job, slices)
-        for index, problem in sorted(damaged.items()):
-            logger.warning("%s; slice %d is tokenized again", problem, index)
-        yield set(done)
+        with _renewing(fs, lease, keys):
+            done, damaged = finished_all(job, slices)
+            for index, problem in sorted(damaged.items()):
+                logger.warning("%s; slice %d is tokenized again", problem, index)
+            yield set(done)
     finally:
-        with contextlib.suppress(OSError):
+        try:
             fs.rm_file(lease)
+        except Exception as error:  # noqa: BLE001 - never in the place of the error that ends the build
+            logger.warning("%s: could not delete this build's lease (%s: %s); gc removes it once older than its "
+                           "grace", fs.unstrip_protocol(lease), type(error).__name__, one_line(error))
 
 
 def _age(info: dict, now: float) -> float:
@@ -210,25 +267,26 @@ def remote_versions(fs: Any, root: str) -> dict[str, list[tuple[str, dict]]]:
             for name, found in by_name.items()}
 
 
-def _live_keys(fs: Any, root: str, grace: float, now: float) -> tuple[set[str], int]:
-    """The keys leased by builds whose lease is younger than `grace`, and how many; older leases are removed."""
+def _live_keys(fs: Any, root: str, grace: float, now: float, done: Collected) -> set[str]:
+    """The keys leased by builds whose lease is younger than `grace` (counted in `done.live_builds`); older leases
+    are removed, and their ages recorded in `done.ignored_leases`."""
     live: set[str] = set()
-    builds = 0
     try:
         leases = [info for info in fs.ls(f"{root}/{STAGING}", detail=True, refresh=True)
                   if info["name"].endswith(LEASE_SUFFIX)]
     except FileNotFoundError:
-        return live, 0
+        return live
     for info in leases:
         if not FINGERPRINT.fullmatch(info["name"].rsplit("/", 1)[-1].removesuffix(LEASE_SUFFIX)):
             continue  # not a lease this tool wrote
-        if _age(info, now) >= grace:
+        if (age := _age(info, now)) >= grace:
             fs.rm_file(info["name"])
+            done.ignored_leases[fs.unstrip_protocol(info["name"])] = age
             continue
         with contextlib.suppress(FileNotFoundError, ValueError, KeyError, TypeError):
             live.update(json.loads(fs.cat_file(info["name"]))["keys"])
-            builds += 1
-    return live, builds
+            done.live_builds += 1
+    return live
 
 
 def abort_stale_uploads(fs: Any, root: str, grace: float, now: float) -> int:
@@ -259,7 +317,7 @@ def collect_remote_garbage(url: str, keep: int = 1, grace: float = GRACE_SECONDS
     fs, root = root_filesystem(url, storage_options)
     now = time.time()
     done = Collected()
-    live, done.live_builds = _live_keys(fs, root, grace, now)
+    live = _live_keys(fs, root, grace, now, done)
     referenced = set(live)
     for name, versions in remote_versions(fs, root).items():
         for position, (path, manifest) in enumerate(versions):

@@ -151,6 +151,7 @@ class Collected:
     removed: list[str] = field(default_factory=list)
     left: dict[str, list[str]] = field(default_factory=dict)  # not removed: it holds files this tool did not write
     live_builds: int = 0
+    ignored_leases: dict[str, float] = field(default_factory=dict)  # a remote lease older than the grace: its age
     shards_kept: int = 0
     shards_removed: int = 0
     bytes_freed: int = 0  # of shards no cache held a link to, and of removed versions' files no other name held

@@ -227,6 +227,9 @@ def gc(args: argparse.Namespace) -> int:
         what = "objects" if protocol else "files"
         print(f"left {root}/{name}: it holds {what} sft-tokenize did not write ({', '.join(foreign)}); "
               f"move them out and gc again to remove it")
+    for lease, age in sorted(done.ignored_leases.items()):
+        print(f"ignored and removed the lease {lease}: last written {age:,.0f} s ago, longer than --grace "
+              f"{args.grace:g} s, so its build was taken for a dead one")
     for name, index in done.held.items():
         print(f"kept {root}/{name}: the mixture index {index} reads it")
     aborted = f", {done.uploads_aborted} incomplete uploads aborted" if protocol else ""

@@ -5,17 +5,23 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from support.caches import EXAMPLE_SLICES
+from support.faults import FAULT_FILE_ENV
 from support.s3 import s3_server
 
 from sft_tokenize.build.options import TokenizeOptions
 from sft_tokenize.build.protocol import run_locally
+from sft_tokenize.errors import CacheError
 from sft_tokenize.flows.cli import main
+from sft_tokenize.read.cache import open_cache
 
 pytest.importorskip("moto.server", reason="moto[server] is in the dev extra")
 pytest.importorskip("s3fs", reason="s3fs is in the dev extra")
@@ -101,3 +107,66 @@ def test_gc_on_a_shared_local_root_removes_only_its_own_versions_and_shards(tmp_
     assert not old.exists() and kept.exists()
     assert (visited / "notes.txt").exists() and (visited / "manifest.json").exists()
     assert f"left {visited}: it holds files sft-tokenize did not write (notes.txt)" in out
+
+
+def test_a_build_longer_than_gcs_grace_keeps_its_shards_because_it_renews_its_lease(s3_root, home, tmp_path,
+                                                                                     monkeypatch, capsys):
+    from sft_tokenize.build import remote_store
+
+    grace = 3.0
+    monkeypatch.setattr(remote_store, "LEASE_RENEW_SECONDS", 0.2, raising=False)  # well within the grace, however loaded
+    url = f"s3://{BUCKET}/long-build"
+    fs = s3_root.filesystem()
+    fault = tmp_path / "faults"
+    fault.write_text("hold:1")  # slice 0 is uploaded, then slice 1 takes as long as the test says
+    monkeypatch.setenv(FAULT_FILE_ENV, str(fault))
+    outcome: dict = {}
+
+    def build() -> None:
+        try:
+            outcome["version"] = run_locally(TokenizeOptions(**EXAMPLE_SLICES, cache_dir=url))
+        except BaseException as error:  # noqa: BLE001 - the test's thread reports it
+            outcome["error"] = error
+
+    started = time.monotonic()
+    thread = threading.Thread(target=build)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not fs.glob(f"{BUCKET}/long-build/.shards/*.json") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        first = fs.glob(f"{BUCKET}/long-build/.shards/*")
+        assert first, "slice 0 was never uploaded"
+        while time.monotonic() - started < grace + 1.5:  # the build is now older than gc's grace
+            time.sleep(0.1)
+        assert main(["gc", url, "--keep", "1", "--grace", str(grace)]) == 0
+        assert "1 running builds" in capsys.readouterr().out
+        assert all(fs.exists(path) for path in first)  # its lease is young: its shards stay
+    finally:
+        fault.write_text("")
+        thread.join(120)
+    assert "error" not in outcome, outcome.get("error")
+    assert len(open_cache(outcome["version"], local_dir=home / "copy")) > 0
+
+
+def test_shards_gone_while_a_build_publishes_withdraw_the_version(s3_root, home, monkeypatch, capsys):
+    from sft_tokenize.build import remote_publish
+
+    url = f"s3://{BUCKET}/raced"
+    stamp = remote_publish.stamp
+
+    def gc_then_stamp(*args, **kwargs):  # a gc with a grace shorter than the build, after the shard check
+        assert main(["gc", url, "--keep", "1", "--grace", "0"]) == 0
+        return stamp(*args, **kwargs)
+
+    monkeypatch.setattr(remote_publish, "stamp", gc_then_stamp)
+    with pytest.raises(CacheError, match=r"went from .* while this build published .* run the same command again"):
+        run_locally(TokenizeOptions(**EXAMPLE_SLICES, cache_dir=url))
+    out = capsys.readouterr().out
+    assert re.search(rf"ignored and removed the lease {url}/\.staging/[0-9a-f]{{16}}\.lease\.json: last written "
+                     r"\d+ s ago, longer than --grace 0 s", out), out
+    fs = s3_root.filesystem()
+    assert not fs.glob(f"{BUCKET}/raced/*/manifest.json")  # nothing published
+    monkeypatch.setattr(remote_publish, "stamp", stamp)
+    version = run_locally(TokenizeOptions(**EXAMPLE_SLICES, cache_dir=url))  # the same command again
+    assert len(open_cache(version, local_dir=home / "copy")) > 0
