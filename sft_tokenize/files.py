@@ -266,6 +266,7 @@ def image_access_refusal(location: str, roots: Sequence[str], access: str,
 
 
 REMOTE_TIMEOUT = 30.0  # seconds, the default of --image-timeout and of the collator's image_timeout
+REQUEST_TIMEOUT = 90.0  # seconds, the default of --request-timeout: a cache root's connect and each answer
 
 
 def with_timeouts(url: str, storage_options: dict | None, seconds: float | None) -> dict:
@@ -286,6 +287,8 @@ def with_timeouts(url: str, storage_options: dict | None, seconds: float | None)
         config = dict(options.get("config_kwargs") or {})
         config.setdefault("connect_timeout", seconds)
         config.setdefault("read_timeout", seconds)
+        # botocore's default tries a refused or silent endpoint 5 times with backoff: once more is enough
+        config.setdefault("retries", {"max_attempts": 2, "mode": "standard"})
         options["config_kwargs"] = config
     return options
 

@@ -28,19 +28,21 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import json
 import logging
 import threading
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 from sft_tokenize.build.job import Job
 from sft_tokenize.build.ownership import FINGERPRINT, foreign_files, not_a_version, store_key
-from sft_tokenize.build.remote_root import root_filesystem
+from sft_tokenize.build.remote_root import endpoint, root_filesystem
 from sft_tokenize.build.shard_check import sidecar_path, sidecar_verdict
 from sft_tokenize.build.store import Collected
-from sft_tokenize.errors import one_line
+from sft_tokenize.errors import Failed, one_line
+from sft_tokenize.files import network_failure
 from sft_tokenize.format.layout import (
     ETAG,
     LEASE_SUFFIX,
@@ -53,8 +55,36 @@ from sft_tokenize.format.layout import (
 from sft_tokenize.sources.resolve import Slice
 
 logger = logging.getLogger("sft_tokenize")
+T = TypeVar("T")
 
 GRACE_SECONDS = 3600.0  # gc's default: leases, shards and uploads younger than this may be a live build's
+
+
+def unreachable(error: BaseException, fs: Any, url: str, timeout: float) -> Failed | None:
+    """What a request to the root that was refused or got no answer becomes: one line naming the root and its
+    endpoint, and what to do; None for any other error."""
+    reason = network_failure(error)
+    if reason is None:
+        return None
+    waited = f" within {timeout:g} s (--request-timeout)" if reason == "no answer" else ""
+    return Failed(f"{endpoint(fs, url)}: {reason}{waited}; check that the endpoint is up and reachable from here, "
+                  "then run the same command again")
+
+
+def reaching(function: Callable[..., T]) -> Callable[..., T]:
+    """A request to the job's root (its first argument) that is refused or gets no answer fails as one line
+    naming the endpoint (unreachable())."""
+    @functools.wraps(function)
+    def bounded(job: Job, *args: Any, **kwargs: Any) -> T:
+        try:
+            return function(job, *args, **kwargs)
+        except Exception as error:
+            fs, _ = root_filesystem(job.remote_root, job.storage_options, job.request_timeout)
+            if failed := unreachable(error, fs, job.remote_root, job.request_timeout):
+                raise failed from error
+            raise
+
+    return bounded
 
 
 def etag(info: dict) -> str | None:
@@ -63,7 +93,7 @@ def etag(info: dict) -> str | None:
 
 
 def _store(job: Job) -> tuple[Any, str]:
-    fs, root = root_filesystem(job.remote_root, job.storage_options)
+    fs, root = root_filesystem(job.remote_root, job.storage_options, job.request_timeout)
     return fs, f"{root}/{SHARD_STORE}"
 
 
@@ -103,6 +133,7 @@ def _read_sidecar(fs: Any, path: str) -> dict | None:
         return {}  # unreadable: not this shard's (sidecar_verdict names it)
 
 
+@reaching
 def checked_remote(job: Job, slice_: Slice) -> tuple[dict | None, str | None]:
     """This slice's shard object checked before reuse, by the task that would otherwise tokenize it."""
     fs, store = _store(job)
@@ -121,6 +152,7 @@ def finished_remote(job: Job, slice_: Slice) -> dict | None:
     return checked_remote(job, slice_)[0]
 
 
+@reaching
 def finished_all(job: Job, slices: list[Slice]) -> tuple[dict[int, dict], dict[int, str]]:
     """The slices' complete shard objects' sidecars by slice index, and what is damaged: one LIST of the store,
     and the sidecars of the shards it holds read together."""
@@ -145,6 +177,7 @@ def finished_all(job: Job, slices: list[Slice]) -> tuple[dict[int, dict], dict[i
     return done, damaged
 
 
+@reaching
 def changed_shards(job: Job, kept: list[tuple[dict, Slice]]) -> list[int]:
     """Of these (sidecar, slice) pairs, the slices whose shard object is gone or is no longer the sidecar's: one
     LIST of the store."""
@@ -158,6 +191,7 @@ def changed_shards(job: Job, kept: list[tuple[dict, Slice]]) -> list[int]:
     return changed
 
 
+@reaching
 def upload_shard(job: Job, slice_: Slice) -> dict:
     """Upload this process's finished local shard of the slice, then its sidecar with the object's ETag, then
     remove the local copy; returns the remote sidecar."""
@@ -174,7 +208,7 @@ def upload_shard(job: Job, slice_: Slice) -> dict:
 
 
 def _lease(job: Job) -> tuple[Any, str]:
-    fs, root = root_filesystem(job.remote_root, job.storage_options)
+    fs, root = root_filesystem(job.remote_root, job.storage_options, job.request_timeout)
     return fs, f"{root}/{STAGING}/{job.fingerprint}{LEASE_SUFFIX}"
 
 
@@ -221,7 +255,7 @@ def remote_leased(job: Job, slices: list[Slice]) -> Iterator[set[int]]:
     deleted when the build ends."""
     fs, lease = _lease(job)
     keys = sorted({s.key for s in slices})
-    _write_lease(fs, lease, keys)
+    reaching(lambda job: _write_lease(fs, lease, keys))(job)
     try:
         with _renewing(fs, lease, keys):
             done, damaged = finished_all(job, slices)

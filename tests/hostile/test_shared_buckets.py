@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import subprocess
 import threading
 import time
 import uuid
@@ -14,7 +15,11 @@ from pathlib import Path
 
 import pytest
 from support.caches import EXAMPLE_SLICES
+from support.cli import run_args
 from support.faults import FAULT_FILE_ENV
+from support.paths import EXAMPLE_DATA
+from support.proxy import tcp_proxy
+from support.runs import Background
 from support.s3 import s3_server
 
 from sft_tokenize.build.options import TokenizeOptions
@@ -114,7 +119,8 @@ def test_a_build_longer_than_gcs_grace_keeps_its_shards_because_it_renews_its_le
     from sft_tokenize.build import remote_store
 
     grace = 3.0
-    monkeypatch.setattr(remote_store, "LEASE_RENEW_SECONDS", 0.2, raising=False)  # well within the grace, however loaded
+    # well within the grace, however loaded the machine
+    monkeypatch.setattr(remote_store, "LEASE_RENEW_SECONDS", 0.2, raising=False)
     url = f"s3://{BUCKET}/long-build"
     fs = s3_root.filesystem()
     fault = tmp_path / "faults"
@@ -170,3 +176,35 @@ def test_shards_gone_while_a_build_publishes_withdraw_the_version(s3_root, home,
     monkeypatch.setattr(remote_publish, "stamp", stamp)
     version = run_locally(TokenizeOptions(**EXAMPLE_SLICES, cache_dir=url))  # the same command again
     assert len(open_cache(version, local_dir=home / "copy")) > 0
+
+
+@pytest.mark.parametrize("fault", ["silent", "refuse"])
+def test_an_endpoint_that_goes_quiet_or_refuses_mid_run_ends_it_naming_the_endpoint_and_the_failed_slices(
+        s3_root, api_url, cli_home, home, tmp_path, fault):
+    url = f"s3://{BUCKET}/{fault}"
+    fs = s3_root.filesystem()
+    faults = tmp_path / "faults"
+    faults.write_text("hold:1 hold:2 hold:3")  # slice 0 is uploaded; the others wait for the endpoint to go
+    with tcp_proxy(s3_root.endpoint) as proxy:
+        env = {**s3_root.environment, "AWS_ENDPOINT_URL": proxy.endpoint, FAULT_FILE_ENV: str(faults),
+               "SFT_TOKENIZE_HOME": str(home)}
+        args = run_args([EXAMPLE_DATA], url, "--request-timeout", "2", "--retries", "0")  # type: ignore[arg-type]
+        run = Background(args, cli_home, tmp_path / "logs", api_url, **env)
+        run.wait_until(lambda: fs.invalidate_cache() or bool(fs.glob(f"{BUCKET}/{fault}/.shards/*.json")),
+                       "slice 0 is uploaded")
+        getattr(proxy, fault)()
+        faults.write_text("")
+        started = time.monotonic()
+        try:
+            code = run.wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            run.kill()
+            pytest.fail(f"still running 300 s after the endpoint went:\n{run.stderr}")
+        seconds = time.monotonic() - started
+    last = run.stderr.strip().splitlines()[-1]
+    assert code == 1, run.stderr
+    reason = "no answer within 2 s (--request-timeout)" if fault == "silent" else "connection refused"
+    assert re.search(r"\d of \d slices failed", last) and "tokenize-00001" in last, last
+    assert f"{url} (endpoint {proxy.endpoint}): {reason}" in last, last
+    # a request waits 2 s and is tried once more (10.5 and 4.5 min before): bounds with room to spare
+    assert seconds < (120 if fault == "silent" else 60), run.stderr
