@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sft_tokenize.build.job import Job
+from sft_tokenize.build.remote_store import finished_all
 from sft_tokenize.build.shard_check import finished_shard
 from sft_tokenize.build.workers import encoder_for
 from sft_tokenize.encoding.chat_encoder import EncodedBatch
@@ -81,7 +82,10 @@ def sample(job: Job, slices: list[Slice], rows_per_slice: int = SAMPLE_ROWS) -> 
 
 
 def stored(job: Job, slices: list[Slice]) -> list[int]:
-    """The slices whose finished shard the store holds, as the run would find them (size and digest checked)."""
+    """The slices whose finished shard the store holds, as the run would find them (size and digest checked; on a
+    remote root, the shard objects checked against their sidecars as the run's lease does)."""
+    if job.remote_root:
+        return sorted(finished_all(job, [s for s in slices if s.key])[0])
     return [s.index for s in slices if s.key and finished_shard(job, s) is not None]
 
 

@@ -82,7 +82,9 @@ def plan_only(args: argparse.Namespace, settings: dict) -> int:
     from sft_tokenize.flows.report import plan_summary, text_table
 
     overrides = {key: settings[key] for key in ("tokenizer", "cache_dir") if settings[key]}
-    workers = settings.get("workers") or os.cpu_count() or 1
+    from sft_tokenize.encoding.pool import available_cores
+
+    workers = settings.get("workers") or available_cores()  # as the run counts them (run_options.worker_count)
     for k, (cache_path, found) in enumerate(plan_runs(settings, workers, args.recipe, overrides)):
         print(("\n" if k else "") + text_table(plan_summary(cache_path, found, workers)))
     return EXIT_OK

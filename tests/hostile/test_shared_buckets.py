@@ -208,3 +208,17 @@ def test_an_endpoint_that_goes_quiet_or_refuses_mid_run_ends_it_naming_the_endpo
     assert f"{url} (endpoint {proxy.endpoint}): {reason}" in last, last
     # a request waits 2 s and is tried once more (10.5 and 4.5 min before): bounds with room to spare
     assert seconds < (120 if fault == "silent" else 60), run.stderr
+
+
+def test_plan_only_on_a_bucket_shows_the_version_url_and_the_shard_objects_the_run_reuses(s3_root, home, capsys):
+    url = f"s3://{BUCKET}/planned"
+    version = run_locally(TokenizeOptions(**EXAMPLE_SLICES, cache_dir=url))
+    manifest = json.loads(s3_root.filesystem().cat_file(f"{version.removeprefix('s3://')}/manifest.json"))
+    s3_root.filesystem().rm_file(f"{version.removeprefix('s3://')}/manifest.json")  # unpublished; shards stay
+    args = ["run", *EXAMPLE_SLICES["sources"], "--tokenizer", EXAMPLE_SLICES["tokenizer"], "--cache-dir", url,
+            "--shard-size", EXAMPLE_SLICES["shard_size"], "--workers", "1", "--plan-only"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    shards = len(manifest["shards"])
+    assert f"cache     {version}: not published" in out, out
+    assert f"{shards} slices' shards are in the store and would be reused" in out, out
