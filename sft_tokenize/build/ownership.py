@@ -32,6 +32,11 @@ _TEMPORARY = re.compile(rf"([0-9a-f]{{{KEY_DIGITS}}})({_SUFFIXES})\.tmp-[0-9a-f]
 METADATA = (MANIFEST, STATE, DATASET_INFO, IMAGE_FILES)
 
 
+def is_key(name: str) -> bool:
+    """`name` is a content key (a shard's, and a slice's Prefect task result's name)."""
+    return bool(_KEY.fullmatch(name))
+
+
 def store_key(name: str, temporary: bool = False) -> str | None:
     """The content key of a shard store entry named `name` (`<key>.arrow`, `<key>.json`, and with `temporary` a
     shard being written, `<key>.arrow.tmp-<id>`, `<key>.json.tmp-<id>`), or None: not this tool's."""

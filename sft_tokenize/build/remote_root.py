@@ -29,7 +29,8 @@ def split_url(cache_dir: str) -> tuple[str | None, str]:
     """(the protocol of a remote root, its URL without a trailing slash), or (None, the local path)."""
     if not is_remote(cache_dir):
         return None, str(local_path(cache_dir))
-    return cache_dir.split("://", 1)[0], cache_dir.rstrip("/")
+    protocol, rest = cache_dir.split("://", 1)
+    return protocol, f"{protocol}://{rest.rstrip('/')}" if rest.strip("/") else cache_dir  # `s3://` stays a URL
 
 
 def remote_url(cache_dir: str) -> str | None:
@@ -79,7 +80,7 @@ def root_filesystem(url: str, storage_options: dict | None = None,
                                                     **options}))
     path = fs._strip_protocol(url).rstrip("/")
     if not path or path.startswith("/"):
-        raise BadInput(f"cache dir {url}: no bucket in the URL")
+        raise BadInput(f"cache dir {url}: no bucket in the URL: write {url.split('://', 1)[0]}://BUCKET/PREFIX")
     return fs, path
 
 

@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from sft_tokenize.build.job import Job
-from sft_tokenize.build.ownership import FINGERPRINT, foreign_files, not_a_version, store_key
+from sft_tokenize.build.ownership import FINGERPRINT, foreign_files, is_key, not_a_version, store_key
 from sft_tokenize.build.remote_root import endpoint, root_filesystem
 from sft_tokenize.build.shard_check import sidecar_path, sidecar_verdict
 from sft_tokenize.build.store import Collected
@@ -47,6 +47,7 @@ from sft_tokenize.format.layout import (
     ETAG,
     LEASE_SUFFIX,
     MANIFEST,
+    PREFECT_RESULTS,
     SHARD_STORE,
     SHARD_SUFFIX,
     SIDECAR_SUFFIX,
@@ -382,6 +383,15 @@ def collect_remote_garbage(url: str, keep: int = 1, grace: float = GRACE_SECONDS
             done.shards_removed += 1
             done.bytes_freed += info.get("size") or 0
         doomed.append(info["name"])
+    try:
+        results = fs.ls(f"{root}/{PREFECT_RESULTS}", detail=True, refresh=True)
+    except FileNotFoundError:
+        results = []
+    for info in results:
+        name = info["name"].rsplit("/", 1)[-1]
+        if info.get("type") != "directory" and is_key(name) and name not in referenced:
+            doomed.append(info["name"])
+            done.results_removed += 1
     if doomed:
         fs.rm(doomed)
     done.uploads_aborted = abort_stale_uploads(fs, root, grace, now)

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sft_tokenize.build.job import Job
-from sft_tokenize.build.ownership import foreign_files, not_a_version, store_key
+from sft_tokenize.build.ownership import foreign_files, is_key, not_a_version, store_key
 from sft_tokenize.build.shard_check import finished_shard, sidecar_path
 from sft_tokenize.errors import CacheError
 from sft_tokenize.files import atomic_write, is_locked, locked
@@ -50,6 +50,7 @@ from sft_tokenize.format.layout import (
     MANIFEST,
     MIXTURE_INDEX,
     MIXTURES,
+    PREFECT_RESULTS,
     RUN_LOCK_SUFFIX,
     SHARD_STORE,
     SHARD_SUFFIX,
@@ -155,6 +156,7 @@ class Collected:
     shards_kept: int = 0
     shards_removed: int = 0
     bytes_freed: int = 0  # of shards no cache held a link to, and of removed versions' files no other name held
+    results_removed: int = 0  # Prefect task results (by slice key) no kept version or running build names
     uploads_aborted: int = 0  # a remote root's incomplete multipart uploads, left by crashed writers
 
 
@@ -215,6 +217,7 @@ def collect_garbage(root: Path, keep: int = 1, names: set[str] | None = None) ->
                 done.shards_removed += 1
                 done.bytes_freed += shard.stat().st_size if shard.stat().st_nlink == 1 else 0
             shard.unlink(missing_ok=True)
+        done.results_removed = remove_results(root / PREFECT_RESULTS, referenced)
         # Left by killed runs: half-deleted versions, half-built caches whose publish lock nobody holds.
         for leftover in root.glob(f".*{DELETING}-*"):
             shutil.rmtree(leftover, ignore_errors=True)
@@ -223,6 +226,17 @@ def collect_garbage(root: Path, keep: int = 1, names: set[str] | None = None) ->
             if not is_locked(beside(staging / fingerprint, LOCK_SUFFIX)):
                 shutil.rmtree(leftover, ignore_errors=True)
     return done
+
+
+def remove_results(results: Path, referenced: set[str]) -> int:
+    """Remove the Prefect task results (named by their slice's content key) under `results` that no kept version
+    and no running build names; returns how many. Any other file there is left alone."""
+    removed = 0
+    for result in sorted(results.iterdir()) if results.is_dir() else []:
+        if is_key(result.name) and result.name not in referenced and result.is_file():
+            result.unlink(missing_ok=True)
+            removed += 1
+    return removed
 
 
 def discard_shards(job: Job, slices: list[Slice]) -> int:

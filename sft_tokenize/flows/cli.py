@@ -236,7 +236,8 @@ def gc(args: argparse.Namespace) -> int:
         print(f"kept {root}/{name}: the mixture index {index} reads it")
     aborted = f", {done.uploads_aborted} incomplete uploads aborted" if protocol else ""
     print(f"kept {len(done.kept)} versions and {done.shards_kept} shards; removed {len(done.removed)} versions and "
-          f"{done.shards_removed} shards, {done.bytes_freed:,} bytes freed{aborted}; {done.live_builds} running builds")
+          f"{done.shards_removed} shards and {done.results_removed} task results, {done.bytes_freed:,} bytes freed"
+          f"{aborted}; {done.live_builds} running builds")
     return EXIT_OK
 
 

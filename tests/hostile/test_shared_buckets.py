@@ -81,8 +81,12 @@ def test_gc_on_a_shared_bucket_removes_only_its_own_versions_and_shards(s3_root,
         fs.pipe_file(f"{BUCKET}/gc-shared/{path}", json.dumps(manifest).encode())
     for path, data in FOREIGN_FILES.items():
         fs.pipe_file(f"{BUCKET}/gc-shared/{path}", data)
+    stale_result = f"{BUCKET}/gc-shared/.prefect-results/{'b' * 32}"  # a task result no version names
+    fs.pipe_file(stale_result, b"{}")
+    fs.pipe_file(f"{BUCKET}/gc-shared/.prefect-results/notes.txt", b"someone else's")
     assert main(["gc", url, "--keep", "1", "--grace", "0"]) == 0
     out = capsys.readouterr().out
+    assert not fs.exists(stale_result) and fs.exists(f"{BUCKET}/gc-shared/.prefect-results/notes.txt")
     for path in [*FOREIGN, *FOREIGN_FILES]:
         assert fs.exists(f"{BUCKET}/gc-shared/{path}"), f"gc removed someone else's {path}"
     assert not fs.exists(f"{old.removeprefix('s3://')}/manifest.json")  # ours, older: removed
@@ -222,3 +226,30 @@ def test_plan_only_on_a_bucket_shows_the_version_url_and_the_shard_objects_the_r
     shards = len(manifest["shards"])
     assert f"cache     {version}: not published" in out, out
     assert f"{shards} slices' shards are in the store and would be reused" in out, out
+
+
+def test_gc_collects_the_task_results_of_the_shards_it_removes(prefect_harness, tmp_path, capsys):
+    from support.flows import run_flow
+
+    from sft_tokenize.flows.tokenize_dataset import TokenizeRun
+
+    root = tmp_path / "root"
+    for max_length in (96, None):  # an older version, then the one kept: their slices' keys differ
+        state, _ = run_flow(TokenizeRun(**EXAMPLE_SLICES, cache_dir=str(root), name="data", max_length=max_length,
+                                        workers=2))
+        assert state.is_completed(), state.message
+    kept = json.loads((Path(state.result()) / "manifest.json").read_text())
+    results = root / ".prefect-results"
+    (results / "notes.txt").write_text("someone else's")
+    before = {p.name for p in results.iterdir()}
+    assert len(before) > len(kept["shards"]) + 1  # both versions' slices left a result
+    assert main(["gc", str(root), "--keep", "1"]) == 0
+    assert f"and {len(before) - len(kept['shards']) - 1} task results" in capsys.readouterr().out
+    assert {p.name for p in results.iterdir()} == {s["key"] for s in kept["shards"]} | {"notes.txt"}
+
+
+@pytest.mark.parametrize("url", ["s3://", "s3:///"])
+def test_a_bucket_url_without_a_bucket_is_named_as_written(url, home, capsys):
+    assert main(["gc", url]) == 2
+    err = capsys.readouterr().err
+    assert f"cache dir {url}: no bucket in the URL: write s3://BUCKET/PREFIX" in err, err
