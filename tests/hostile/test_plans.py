@@ -34,3 +34,28 @@ def test_plan_only_cuts_the_slices_the_run_cut_and_finds_their_shards(prefect_ha
     out = capsys.readouterr().out
     assert f"slices    {cut} (213 kB of input)" in out, out
     assert f"{cut} slices' shards are in the store and would be reused" in out, out
+
+
+def test_plan_only_samples_along_a_length_sorted_file_and_shows_its_spread(tmp_path):
+    from sft_tokenize.build.dry_run import dry_run
+    from sft_tokenize.build.options import TokenizeOptions
+    from sft_tokenize.build.plan import plan_slices
+    from sft_tokenize.build.protocol import run_locally
+    from sft_tokenize.read.cache import open_cache
+
+    words = "the model answer river stone seven light careful token data question a".split()
+    data = tmp_path / "sorted.jsonl"
+    with data.open("w") as out:  # rows sorted by length; the longer half is past max_length and dropped
+        for i in range(1200):
+            text = " ".join(words[(i + k) % len(words)] for k in range(2 + i // 3))
+            out.write(json.dumps({"messages": [{"role": "user", "content": "q"},
+                                               {"role": "assistant", "content": text}]}) + "\n")
+    run = TokenizeOptions(sources=[str(data)], tokenizer=EXAMPLE_SLICES["tokenizer"], cache_dir=str(tmp_path / "c"),
+                          shard_size="100MB", max_length=256, truncation="drop")
+    plan = plan_slices(run, dry=True)
+    assert len(plan.slices) == 1
+    report = dry_run(plan.job, plan.slices, workers=1)
+    truth = int(open_cache(run_locally(run)).lengths.sum())
+    assert abs(report["estimated_tokens"] - truth) <= 0.35 * truth, (report["estimated_tokens"], truth)
+    low, high = report["estimated_tokens_spread"]
+    assert low < truth < high  # the spread says how far apart the file's parts are
