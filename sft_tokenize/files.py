@@ -241,15 +241,53 @@ def _inside(path: str, root: str) -> bool:
     return os.path.commonpath([os.path.realpath(path), real_root]) == real_root
 
 
+# What `+urls` reads: protocols whose bytes come over the network. Any other URL form that fsspec resolves (local://,
+# a chain such as zip://a::file:///x.zip, git://, reference://, ...) may read this machine's files: a local path.
+NETWORK_PROTOCOLS = frozenset({"http", "https", "s3", "s3a", "gs", "gcs", "hf", "az", "abfs", "abfss", "adl",
+                               "oci", "ftp", "sftp", "ssh", "webhdfs", "hdfs"})
+# Links of a chain that read what the next link names (a cache, an archive): as far-reaching as that link.
+WRAPPING_PROTOCOLS = frozenset({"simplecache", "filecache", "blockcache", "zip", "tar"})
+_LINK = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)(?:://|$)")
+
+
+def is_chained(location: str) -> bool:
+    """An fsspec URL chain (`zip://a::file:///x.zip`, `simplecache::s3://...`), which fsspec opens link by link."""
+    return "::" in location and bool(_LINK.match(location.split("::", 1)[0]))
+
+
+def network_url(location: str) -> bool:
+    """Every link of the URL (or chain) is a network protocol, or a wrapper of the links after it that ends in one:
+    what fsspec reads of it comes over the network, never from this machine's files."""
+    links = location.split("::") if is_chained(location) else [location]
+    protocols = []
+    for link in links:
+        match = _LINK.match(link)
+        if not match:
+            return False  # a bare path in a chain: a local file
+        protocols.append(match.group(1).lower())
+    return protocols[-1] in NETWORK_PROTOCOLS and all(
+        p in NETWORK_PROTOCOLS or p in WRAPPING_PROTOCOLS for p in protocols)
+
+
 def image_access_refusal(location: str, roots: Sequence[str], access: str,
                          written: str | None = None) -> tuple[str, str] | None:
     """(why, which policy would allow it) if the image access policy `access` (IMAGE_ACCESS) refuses to read the
     image at `location` (an absolute path or a URL), written in its row as `written` (None: a location stored
-    already resolved, as a reference-mode cache holds it) and resolved against one of `roots`; None if allowed."""
+    already resolved, as a reference-mode cache holds it) and resolved against one of `roots`; None if allowed.
+    A URL is classified by what fsspec reads it from: one that can reach this machine's files is a local path."""
     scheme = _URL.match(location)
+    shown = written if written is not None else location
+    if is_chained(location) or (scheme and scheme.group(1).lower() not in ("file", *NETWORK_PROTOCOLS)):
+        if network_url(location):
+            return None if access.endswith("+urls") else (
+                f"{shown} is a URL, and URLs are read only where allowed", "root+urls or local+urls")
+        if access.startswith("local"):
+            return None
+        return (f"{shown} is not a network URL: fsspec reads it from this machine's files (local://, file://, a path "
+                "or a protocol other than http(s), s3, gs, hf, ... in it)", "local+urls" if access.endswith("+urls")
+                else "local")
     local = not scheme or scheme.group(1).lower() == "file"
     path = location[len("file://"):] if scheme and local else location
-    shown = written if written is not None else location
     relative = written is None or not (_URL.match(written) or written.startswith("~") or os.path.isabs(written))
     if relative and any(_inside(path, root) for root in roots):
         return None
@@ -266,6 +304,7 @@ def image_access_refusal(location: str, roots: Sequence[str], access: str,
 
 
 REMOTE_TIMEOUT = 30.0  # seconds, the default of --image-timeout and of the collator's image_timeout
+REQUEST_TIMEOUT = 90.0  # seconds, the default of --request-timeout: a cache root's connect and each answer
 
 
 def with_timeouts(url: str, storage_options: dict | None, seconds: float | None) -> dict:
@@ -286,6 +325,8 @@ def with_timeouts(url: str, storage_options: dict | None, seconds: float | None)
         config = dict(options.get("config_kwargs") or {})
         config.setdefault("connect_timeout", seconds)
         config.setdefault("read_timeout", seconds)
+        # botocore's default tries a refused or silent endpoint 5 times with backoff: once more is enough
+        config.setdefault("retries", {"max_attempts": 2, "mode": "standard"})
         options["config_kwargs"] = config
     return options
 

@@ -96,6 +96,20 @@ def positive_int(text: str) -> int:
     return value
 
 
+# The longest sequence a packing length or a cost report's length may ask for (4,194,304 tokens): past any model's
+# context, and a bound on what packing allocates per length (read/bin_packing.py keeps a bucket per free space).
+MAX_SEQUENCE_TOKENS = 2**22
+
+
+def sequence_length(text: str) -> int:
+    """A length in tokens from the command line: a whole number from 1 to MAX_SEQUENCE_TOKENS."""
+    value = positive_int(text)
+    if value > MAX_SEQUENCE_TOKENS:
+        raise argparse.ArgumentTypeError(f"{value:,} tokens is past the longest sequence this tool packs or costs "
+                                         f"({MAX_SEQUENCE_TOKENS:,}); ask for a model's context length")
+    return value
+
+
 def _seconds(text: str, zero: bool) -> float:
     try:
         value = float(text)

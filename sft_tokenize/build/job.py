@@ -23,7 +23,7 @@ from sft_tokenize.build.options import (
     Truncation,
 )
 from sft_tokenize.build.remote_root import working_dir
-from sft_tokenize.files import REMOTE_TIMEOUT
+from sft_tokenize.files import REMOTE_TIMEOUT, REQUEST_TIMEOUT
 from sft_tokenize.format.layout import DIGEST_BOOK, SHARD_STORE, SHARD_SUFFIX
 from sft_tokenize.read.layouts import COLUMN_TYPES, Layout, layout_columns
 from sft_tokenize.sources.conversations import ColumnMap
@@ -82,6 +82,7 @@ class Job(_JobPaths):
     on_bad_row: OnBadRow = "raise"
     max_row_bytes: int = 2 * 10**6
     storage_options: dict = field(default_factory=dict)
+    request_timeout: float = REQUEST_TIMEOUT
     writer_batch_rows: int = 1000
     writer_batch_bytes: int = 16 * 10**6
     trust_remote_code: bool = False

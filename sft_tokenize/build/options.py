@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic.fields import FieldInfo
 
 from sft_tokenize.build.remote_root import remote_url, split_url, working_dir
-from sft_tokenize.files import IMAGE_ACCESS, REMOTE_TIMEOUT
+from sft_tokenize.files import IMAGE_ACCESS, REMOTE_TIMEOUT, REQUEST_TIMEOUT
 from sft_tokenize.flags import Flag, json_object, positive_int, positive_seconds, role_column
 from sft_tokenize.flags import declared as declared_in
 from sft_tokenize.read.layouts import Layout
@@ -192,6 +192,10 @@ class TokenizeOptions(BaseModel):
         default_factory=dict,
         description='fsspec options for remote sources, a JSON object (e.g. \'{"anon": true}\'); prefer '
                     "credentials from the environment: these are stored with the run's parameters")
+    request_timeout: Annotated[float, Option(OUTPUT, metavar="SECONDS", parse=positive_seconds, job=True)] = Field(
+        REQUEST_TIMEOUT, gt=0, description="how long a request to a cache root on object storage may wait to connect "
+                                           "and for each answer; one that gets none, or is refused, is tried once "
+                                           "more, then its slice fails naming the endpoint")
     shard_size: Annotated[str, Option(SLICES, metavar="SIZE")] = Field(
         "256MB", description="input bytes per slice (one task and one shard each)")
     writer_batch_rows: Annotated[int, Option(job=True)] = Field(

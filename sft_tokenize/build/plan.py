@@ -236,7 +236,7 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable
     mark("planned")
     if remote:
         if not dry:  # a bad URL, a missing bucket or denied credentials: said now, before any work
-            probe_root(remote, options.storage_options)
+            probe_root(remote, options.storage_options, options.request_timeout)
         if is_published_remote(url, options.storage_options):
             return Plan(job, [], name, cache_path, inputs, cached=True, url=url)
     elif is_published(cache_path, options.storage_options, options.image_timeout):

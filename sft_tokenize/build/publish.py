@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import json
 import logging
 import os
 import shutil
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,7 @@ import numpy as np
 from sft_tokenize.build.job import Job, job_features
 from sft_tokenize.build.shard_check import finished_shard
 from sft_tokenize.build.workers import vision_family
-from sft_tokenize.errors import BadInput, CacheError
+from sft_tokenize.errors import BadInput, CacheError, OutOfSpace
 from sft_tokenize.files import built_directory, locked
 from sft_tokenize.fingerprint import fingerprint
 from sft_tokenize.format import CACHE_FORMAT_VERSION
@@ -197,6 +199,20 @@ def stamp(manifest: dict, slices: int, reused: int, timings: dict | None, starte
     manifest["timings"] = {**(timings or {}), "publish_seconds": round(time.monotonic() - started, 3)}
 
 
+@contextlib.contextmanager
+def out_of_space(cache_path: Path, job: Job, shards: int) -> Iterator[None]:
+    """A full disk (or quota) while publishing is one line naming the cache and what a rerun reuses."""
+    try:
+        yield
+    except OSError as error:
+        if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        where = f"{error.filename}" if error.filename else str(cache_path)
+        raise OutOfSpace(f"{where}: {error.strerror} while publishing {cache_path.name}; nothing was published, and "
+                         f"the {shards} finished shards stay in {job.store}: free space under {cache_path.parent}, "
+                         "then run the same command again: it reuses every shard and only publishes") from None
+
+
 def publish_cache(job: Job, slices: list[Slice], cache_path: Path, inputs: dict, name: str,
                   timings: dict | None = None, reused: int = 0) -> Path:
     """Check every shard, then publish them as the cache at `cache_path`; returns that path. `reused`: how
@@ -220,7 +236,8 @@ def publish_cache(job: Job, slices: list[Slice], cache_path: Path, inputs: dict,
         refuse_empty(slices, shards)
         kept = [(s, slice_) for s, slice_ in zip(shards, slices, strict=True) if s["rows"]]
         # A corrupt cache at cache_path (is_published said no) is replaced, never served.
-        with built_directory(cache_path, beside(staging, STAGED_SUFFIX), beside(staging, SET_ASIDE_SUFFIX)) as building:
+        staged, set_aside = beside(staging, STAGED_SUFFIX), beside(staging, SET_ASIDE_SUFFIX)
+        with out_of_space(cache_path, job, len(kept)), built_directory(cache_path, staged, set_aside) as building:
             files = []
             for k, (meta, slice_) in enumerate(kept):
                 target = building / data_file(k, len(kept))

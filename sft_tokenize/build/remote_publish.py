@@ -14,7 +14,7 @@ from pathlib import Path
 from sft_tokenize.build.job import Job, job_features
 from sft_tokenize.build.publish import build_manifest, image_files, refuse_empty, stamp, state_text
 from sft_tokenize.build.remote_root import root_filesystem
-from sft_tokenize.build.remote_store import finished_all
+from sft_tokenize.build.remote_store import changed_shards, finished_all, reaching
 from sft_tokenize.errors import CacheError
 from sft_tokenize.format.layout import DATASET_INFO, IMAGE_FILES, MANIFEST, STATE, data_file
 from sft_tokenize.read.remote_cache import Remote
@@ -35,6 +35,7 @@ def is_published_remote(url: str, storage_options: dict | None = None) -> bool:
     return True
 
 
+@reaching
 def publish_remote(job: Job, slices: list[Slice], url: str, inputs: dict, name: str, timings: dict | None = None,
                    reused: int = 0) -> str:
     """Check every slice's shard object (one LIST), then publish the version at `url`; returns `url`."""
@@ -57,7 +58,7 @@ def publish_remote(job: Job, slices: list[Slice], url: str, inputs: dict, name: 
 
         DatasetInfo(features=job_features(job)).write_to_directory(scratch)
         info = (Path(scratch) / DATASET_INFO).read_bytes()
-    fs, path = root_filesystem(url, job.storage_options)
+    fs, path = root_filesystem(url, job.storage_options, job.request_timeout)
     fs.pipe_file(f"{path}/{STATE}", state_text(job, files, read_from).encode())
     fs.pipe_file(f"{path}/{DATASET_INFO}", info)
     if read_from:
@@ -65,4 +66,14 @@ def publish_remote(job: Job, slices: list[Slice], url: str, inputs: dict, name: 
     manifest = build_manifest(job, slices, shards, files, inputs, name)
     stamp(manifest, len(slices), reused, timings, started)
     fs.pipe_file(f"{path}/{MANIFEST}", json.dumps(manifest, indent=2).encode())  # last: the version exists now
+    # A gc that took this build for a dead one (a grace shorter than the build) may have removed shard objects
+    # after the check above: then the version is withdrawn, never left naming objects that are gone.
+    gone = changed_shards(job, kept)
+    if gone:
+        fs.rm([f"{path}/{MANIFEST}", f"{path}/{STATE}", f"{path}/{DATASET_INFO}",
+               *([f"{path}/{IMAGE_FILES}"] if read_from else [])])
+        listed = ", ".join(str(index) for index in gone[:10]) + (" ..." if len(gone) > 10 else "")
+        raise CacheError(f"{url}: the shard objects of slices {listed} went from {job.store} while this build "
+                         "published (a gc whose --grace is shorter than the build?); the version was withdrawn: "
+                         "run the same command again to tokenize them again")
     return url

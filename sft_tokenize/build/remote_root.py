@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from sft_tokenize.errors import BadInput, one_line
-from sft_tokenize.files import is_remote, local_path, user_cache
+from sft_tokenize.files import REQUEST_TIMEOUT, is_remote, local_path, network_failure, user_cache, with_timeouts
 from sft_tokenize.format.layout import REMOTE_BUILDS, STAGING
 
 # In-memory filesystems live in one process: workers would each see their own.
@@ -29,7 +29,8 @@ def split_url(cache_dir: str) -> tuple[str | None, str]:
     """(the protocol of a remote root, its URL without a trailing slash), or (None, the local path)."""
     if not is_remote(cache_dir):
         return None, str(local_path(cache_dir))
-    return cache_dir.split("://", 1)[0], cache_dir.rstrip("/")
+    protocol, rest = cache_dir.split("://", 1)
+    return protocol, f"{protocol}://{rest.rstrip('/')}" if rest.strip("/") else cache_dir  # `s3://` stays a URL
 
 
 def remote_url(cache_dir: str) -> str | None:
@@ -51,9 +52,11 @@ _making = threading.Lock()
 CLIENT_ENVIRONMENT = ("AWS_", "GOOGLE_", "GCS", "AZURE_", "FSSPEC_")
 
 
-def root_filesystem(url: str, storage_options: dict | None = None) -> tuple[Any, str]:
+def root_filesystem(url: str, storage_options: dict | None = None,
+                    timeout: float = REQUEST_TIMEOUT) -> tuple[Any, str]:
     """The fsspec filesystem of a remote root and the root's path on it, made once per process for these options;
-    it caches no listing (a build must see the objects as they are now)."""
+    it caches no listing (a build must see the objects as they are now), and each of its requests waits at most
+    `timeout` seconds to connect and for each answer (bounded())."""
     import fsspec
 
     protocol = url.split("://", 1)[0]
@@ -67,21 +70,57 @@ def root_filesystem(url: str, storage_options: dict | None = None) -> tuple[Any,
         raise BadInput(f"cache dir {url}: the {protocol}:// filesystem is not installed ({one_line(error)})") from None
     # The environment configures a client too (endpoint, keys, profile): another one gets another filesystem.
     environment = sorted((k, v) for k, v in os.environ.items() if k.startswith(CLIENT_ENVIRONMENT))
-    key = hashlib.sha256(json.dumps([protocol, storage_options or {}, environment], sort_keys=True,
+    key = hashlib.sha256(json.dumps([protocol, storage_options or {}, environment, timeout], sort_keys=True,
                                     default=str).encode()).hexdigest()
     with _making:
         fs = _filesystems.get(key)
         if fs is None:
-            fs = _filesystems[key] = cls(**{"skip_instance_cache": True, "use_listings_cache": False,
-                                            **(storage_options or {})})
+            options = with_timeouts(url, storage_options, timeout)
+            fs = _filesystems[key] = bounded(cls(**{"skip_instance_cache": True, "use_listings_cache": False,
+                                                    **options}))
     path = fs._strip_protocol(url).rstrip("/")
     if not path or path.startswith("/"):
-        raise BadInput(f"cache dir {url}: no bucket in the URL")
+        raise BadInput(f"cache dir {url}: no bucket in the URL: write {url.split('://', 1)[0]}://BUCKET/PREFIX")
     return fs, path
 
 
-def reach_problem(url: str, error: BaseException) -> str:
+def bounded(fs: Any) -> Any:
+    """An S3 filesystem whose requests the timeouts bound (with_timeouts sets botocore's), as every S3 filesystem
+    of this process is from now on (bound_s3_requests)."""
+    if hasattr(fs, "call_s3"):
+        bound_s3_requests()
+        fs.retries = 1
+    return fs
+
+
+def bound_s3_requests() -> None:
+    """Bound the S3 requests of this process, ours and Prefect's (its result records on a bucket root):
+    - no `Expect: 100-continue` header on uploads from clients made from now on: aiohttp's wait for the server's
+      go-ahead is bounded by no timeout, so an endpoint that accepts connections and never answers would hang an
+      upload for good (the body is sent at once instead: that costs bytes only when the server refuses it);
+    - s3fs does not try a timed-out request 5 times over botocore's own retry (with_timeouts: one more attempt):
+      a silent endpoint would hold each request for 10 timeouts."""
+    import s3fs
+    from botocore import handlers
+
+    handlers.BUILTIN_HANDLERS[:] = [spec for spec in handlers.BUILTIN_HANDLERS
+                                    if spec[1] is not handlers.add_expect_header]
+    s3fs.S3FileSystem.retries = 1
+
+
+def endpoint(fs: Any, url: str) -> str:
+    """The root's URL and, where the store's client names one, its endpoint: what a failed request names."""
+    client = getattr(fs, "s3", None)
+    where = getattr(getattr(client, "meta", None), "endpoint_url", None)
+    return f"{url} (endpoint {where})" if where else url
+
+
+def reach_problem(url: str, error: BaseException, fs: Any = None, timeout: float | None = None) -> str:
     """What a failed request to the root says, in one line."""
+    if reason := network_failure(error):
+        waited = f" within {timeout:g} s (--request-timeout)" if reason == "no answer" and timeout else ""
+        return f"cache dir {endpoint(fs, url) if fs is not None else url}: {reason}{waited}; check that the " \
+               "endpoint is up and reachable from here"
     if isinstance(error, FileNotFoundError):
         return f"cache dir {url}: the bucket does not exist or is not visible ({one_line(error)})"
     if isinstance(error, PermissionError):
@@ -91,10 +130,10 @@ def reach_problem(url: str, error: BaseException) -> str:
            f"{one_line(error)})"
 
 
-def probe_root(url: str, storage_options: dict | None = None) -> None:
+def probe_root(url: str, storage_options: dict | None = None, timeout: float = REQUEST_TIMEOUT) -> None:
     """Write, read back and delete one small object under URL/.staging/: a bad URL, a missing bucket or denied
     credentials fail here, in one line naming the URL, before any slice runs."""
-    fs, path = root_filesystem(url, storage_options)
+    fs, path = root_filesystem(url, storage_options, timeout)
     probe = f"{path}/{STAGING}/probe-{uuid.uuid4().hex}"
     token = os.urandom(8).hex().encode()
     try:
@@ -103,4 +142,4 @@ def probe_root(url: str, storage_options: dict | None = None) -> None:
             raise OSError("the object read back differs from the one written")
         fs.rm_file(probe)
     except Exception as error:  # noqa: BLE001 - botocore, gcsfs and aiohttp each raise their own
-        raise BadInput(reach_problem(url, error)) from None
+        raise BadInput(reach_problem(url, error, fs, timeout)) from None

@@ -11,8 +11,9 @@ There is no rename and no lock on a bucket. Two writers of one key write the sam
 content), so their uploads are idempotent: the last one stands, and either sidecar describes it. A shard is
 reused when its sidecar is there and the object still has the sidecar's size and ETag; any other (replaced,
 rewritten, truncated) is named in a warning and tokenized again. A build writes its lease before it looks at
-the store, and gc keeps what a lease younger than its grace period names: a build is assumed to finish
-within that period (gc's `--grace`, an hour by default).
+the store and rewrites it every LEASE_RENEW_SECONDS while it runs, and gc keeps what a lease younger than its
+grace period (`--grace`, an hour by default) names. A build checks its shard objects again once its manifest is
+written, and withdraws the version if a gc with a shorter grace removed any meanwhile (remote_publish.py).
 
 What a crashed writer leaves, and what gc does with it:
     a shard object without a sidecar, or with one   an unreferenced shard: removed once no lease younger than
@@ -27,20 +28,26 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import json
 import logging
+import threading
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 from sft_tokenize.build.job import Job
-from sft_tokenize.build.remote_root import root_filesystem
+from sft_tokenize.build.ownership import FINGERPRINT, foreign_files, is_key, not_a_version, store_key
+from sft_tokenize.build.remote_root import endpoint, root_filesystem
 from sft_tokenize.build.shard_check import sidecar_path, sidecar_verdict
 from sft_tokenize.build.store import Collected
+from sft_tokenize.errors import Failed, one_line
+from sft_tokenize.files import network_failure
 from sft_tokenize.format.layout import (
     ETAG,
     LEASE_SUFFIX,
     MANIFEST,
+    PREFECT_RESULTS,
     SHARD_STORE,
     SHARD_SUFFIX,
     SIDECAR_SUFFIX,
@@ -49,8 +56,36 @@ from sft_tokenize.format.layout import (
 from sft_tokenize.sources.resolve import Slice
 
 logger = logging.getLogger("sft_tokenize")
+T = TypeVar("T")
 
 GRACE_SECONDS = 3600.0  # gc's default: leases, shards and uploads younger than this may be a live build's
+
+
+def unreachable(error: BaseException, fs: Any, url: str, timeout: float) -> Failed | None:
+    """What a request to the root that was refused or got no answer becomes: one line naming the root and its
+    endpoint, and what to do; None for any other error."""
+    reason = network_failure(error)
+    if reason is None:
+        return None
+    waited = f" within {timeout:g} s (--request-timeout)" if reason == "no answer" else ""
+    return Failed(f"{endpoint(fs, url)}: {reason}{waited}; check that the endpoint is up and reachable from here, "
+                  "then run the same command again")
+
+
+def reaching(function: Callable[..., T]) -> Callable[..., T]:
+    """A request to the job's root (its first argument) that is refused or gets no answer fails as one line
+    naming the endpoint (unreachable())."""
+    @functools.wraps(function)
+    def bounded(job: Job, *args: Any, **kwargs: Any) -> T:
+        try:
+            return function(job, *args, **kwargs)
+        except Exception as error:
+            fs, _ = root_filesystem(job.remote_root, job.storage_options, job.request_timeout)
+            if failed := unreachable(error, fs, job.remote_root, job.request_timeout):
+                raise failed from error
+            raise
+
+    return bounded
 
 
 def etag(info: dict) -> str | None:
@@ -59,7 +94,7 @@ def etag(info: dict) -> str | None:
 
 
 def _store(job: Job) -> tuple[Any, str]:
-    fs, root = root_filesystem(job.remote_root, job.storage_options)
+    fs, root = root_filesystem(job.remote_root, job.storage_options, job.request_timeout)
     return fs, f"{root}/{SHARD_STORE}"
 
 
@@ -99,6 +134,7 @@ def _read_sidecar(fs: Any, path: str) -> dict | None:
         return {}  # unreadable: not this shard's (sidecar_verdict names it)
 
 
+@reaching
 def checked_remote(job: Job, slice_: Slice) -> tuple[dict | None, str | None]:
     """This slice's shard object checked before reuse, by the task that would otherwise tokenize it."""
     fs, store = _store(job)
@@ -117,6 +153,7 @@ def finished_remote(job: Job, slice_: Slice) -> dict | None:
     return checked_remote(job, slice_)[0]
 
 
+@reaching
 def finished_all(job: Job, slices: list[Slice]) -> tuple[dict[int, dict], dict[int, str]]:
     """The slices' complete shard objects' sidecars by slice index, and what is damaged: one LIST of the store,
     and the sidecars of the shards it holds read together."""
@@ -141,6 +178,21 @@ def finished_all(job: Job, slices: list[Slice]) -> tuple[dict[int, dict], dict[i
     return done, damaged
 
 
+@reaching
+def changed_shards(job: Job, kept: list[tuple[dict, Slice]]) -> list[int]:
+    """Of these (sidecar, slice) pairs, the slices whose shard object is gone or is no longer the sidecar's: one
+    LIST of the store."""
+    fs, store = _store(job)
+    listing = list_shards(fs, store)
+    changed = []
+    for meta, slice_ in kept:
+        shard = listing.get(f"{slice_.key}{SHARD_SUFFIX}")
+        if shard is None or shard.get("size") != meta["bytes"] or etag(shard) != meta.get(ETAG):
+            changed.append(slice_.index)
+    return changed
+
+
+@reaching
 def upload_shard(job: Job, slice_: Slice) -> dict:
     """Upload this process's finished local shard of the slice, then its sidecar with the object's ETag, then
     remove the local copy; returns the remote sidecar."""
@@ -157,25 +209,66 @@ def upload_shard(job: Job, slice_: Slice) -> dict:
 
 
 def _lease(job: Job) -> tuple[Any, str]:
-    fs, root = root_filesystem(job.remote_root, job.storage_options)
+    fs, root = root_filesystem(job.remote_root, job.storage_options, job.request_timeout)
     return fs, f"{root}/{STAGING}/{job.fingerprint}{LEASE_SUFFIX}"
+
+
+LEASE_RENEW_SECONDS = 60.0  # how often a running build rewrites its lease: gc keeps what a young lease names
+
+
+def _write_lease(fs: Any, lease: str, keys: list[str]) -> None:
+    now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    fs.pipe_file(lease, json.dumps({"keys": keys, "written_at": now}).encode())
+
+
+@contextlib.contextmanager
+def _renewing(fs: Any, lease: str, keys: list[str]) -> Iterator[None]:
+    """Rewrite the lease every LEASE_RENEW_SECONDS while the block runs, so that a build longer than gc's grace
+    keeps its shards; a failed renewal is said once and tried again at the next beat."""
+    stop = threading.Event()
+
+    def renew() -> None:
+        failed = False
+        while not stop.wait(LEASE_RENEW_SECONDS):
+            try:
+                _write_lease(fs, lease, keys)
+                failed = False
+            except Exception as error:  # noqa: BLE001 - any store's error: the build goes on, gc may not see it
+                if not failed:
+                    logger.warning("%s: could not renew this build's lease (%s: %s); a gc with a grace shorter "
+                                   "than this build may remove its shards, which publishing then finds missing",
+                                   fs.unstrip_protocol(lease), type(error).__name__, one_line(error))
+                failed = True
+
+    thread = threading.Thread(target=renew, name="lease-renewal", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 @contextlib.contextmanager
 def remote_leased(job: Job, slices: list[Slice]) -> Iterator[set[int]]:
-    """Lease the slices' keys (an object gc reads) for this build; yields the indices of the slices whose shard
-    object is complete and unchanged, which this build reuses. The lease is deleted when the build ends."""
+    """Lease the slices' keys (an object gc reads, rewritten while the build runs) for this build; yields the
+    indices of the slices whose shard object is complete and unchanged, which this build reuses. The lease is
+    deleted when the build ends."""
     fs, lease = _lease(job)
-    now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    fs.pipe_file(lease, json.dumps({"keys": sorted({s.key for s in slices}), "written_at": now}).encode())
+    keys = sorted({s.key for s in slices})
+    reaching(lambda job: _write_lease(fs, lease, keys))(job)
     try:
-        done, damaged = finished_all(job, slices)
-        for index, problem in sorted(damaged.items()):
-            logger.warning("%s; slice %d is tokenized again", problem, index)
-        yield set(done)
+        with _renewing(fs, lease, keys):
+            done, damaged = finished_all(job, slices)
+            for index, problem in sorted(damaged.items()):
+                logger.warning("%s; slice %d is tokenized again", problem, index)
+            yield set(done)
     finally:
-        with contextlib.suppress(OSError):
+        try:
             fs.rm_file(lease)
+        except Exception as error:  # noqa: BLE001 - never in the place of the error that ends the build
+            logger.warning("%s: could not delete this build's lease (%s: %s); gc removes it once older than its "
+                           "grace", fs.unstrip_protocol(lease), type(error).__name__, one_line(error))
 
 
 def _age(info: dict, now: float) -> float:
@@ -189,7 +282,8 @@ def _age(info: dict, now: float) -> float:
 
 
 def remote_versions(fs: Any, root: str) -> dict[str, list[tuple[str, dict]]]:
-    """Every version under the remote root by name, newest first: (its path, its manifest)."""
+    """Every version under the remote root that this tool wrote (ownership.py) by name, newest first: (its path,
+    its manifest)."""
     by_name: dict[str, list[tuple[str, str, dict]]] = {}
     for path in fs.ls(root, detail=False, refresh=True):
         name = path.rstrip("/").rsplit("/", 1)[-1]
@@ -197,31 +291,37 @@ def remote_versions(fs: Any, root: str) -> dict[str, list[tuple[str, dict]]]:
             continue
         try:
             manifest = json.loads(fs.cat_file(f"{path}/{MANIFEST}"))
-            found = (manifest.get("build", {}).get("published_at", ""), path, manifest)
-            by_name.setdefault(manifest["name"], []).append(found)
-        except (FileNotFoundError, ValueError, KeyError, TypeError, AttributeError):
+        except (FileNotFoundError, IsADirectoryError, ValueError):
             continue  # no manifest: not a version (or one being removed)
+        if not_a_version(name, manifest, remote=True):
+            continue  # someone else's folder, whatever its manifest.json says
+        build = manifest.get("build")
+        found = (str(build.get("published_at", "")) if isinstance(build, dict) else "", path, manifest)
+        by_name.setdefault(manifest["name"], []).append(found)
     return {name: [(path, manifest) for _, path, manifest in sorted(found, key=lambda v: v[0], reverse=True)]
             for name, found in by_name.items()}
 
 
-def _live_keys(fs: Any, root: str, grace: float, now: float) -> tuple[set[str], int]:
-    """The keys leased by builds whose lease is younger than `grace`, and how many; older leases are removed."""
+def _live_keys(fs: Any, root: str, grace: float, now: float, done: Collected) -> set[str]:
+    """The keys leased by builds whose lease is younger than `grace` (counted in `done.live_builds`); older leases
+    are removed, and their ages recorded in `done.ignored_leases`."""
     live: set[str] = set()
-    builds = 0
     try:
         leases = [info for info in fs.ls(f"{root}/{STAGING}", detail=True, refresh=True)
                   if info["name"].endswith(LEASE_SUFFIX)]
     except FileNotFoundError:
-        return live, 0
+        return live
     for info in leases:
-        if _age(info, now) >= grace:
+        if not FINGERPRINT.fullmatch(info["name"].rsplit("/", 1)[-1].removesuffix(LEASE_SUFFIX)):
+            continue  # not a lease this tool wrote
+        if (age := _age(info, now)) >= grace:
             fs.rm_file(info["name"])
+            done.ignored_leases[fs.unstrip_protocol(info["name"])] = age
             continue
         with contextlib.suppress(FileNotFoundError, ValueError, KeyError, TypeError):
             live.update(json.loads(fs.cat_file(info["name"]))["keys"])
-            builds += 1
-    return live, builds
+            done.live_builds += 1
+    return live
 
 
 def abort_stale_uploads(fs: Any, root: str, grace: float, now: float) -> int:
@@ -233,6 +333,9 @@ def abort_stale_uploads(fs: Any, root: str, grace: float, now: float) -> int:
     uploads = fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix).get("Uploads", [])
     aborted = 0
     for upload in uploads:
+        folder, _, name = upload["Key"].rpartition("/")
+        if folder != f"{prefix}/{SHARD_STORE}".lstrip("/") or store_key(name) is None:
+            continue  # not a shard's upload: someone else's
         if now - upload["Initiated"].timestamp() >= grace:
             fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
             aborted += 1
@@ -249,21 +352,30 @@ def collect_remote_garbage(url: str, keep: int = 1, grace: float = GRACE_SECONDS
     fs, root = root_filesystem(url, storage_options)
     now = time.time()
     done = Collected()
-    live, done.live_builds = _live_keys(fs, root, grace, now)
+    live = _live_keys(fs, root, grace, now, done)
     referenced = set(live)
     for name, versions in remote_versions(fs, root).items():
         for position, (path, manifest) in enumerate(versions):
             if position < keep or (names is not None and name not in names):
                 done.kept.append(path.rsplit("/", 1)[-1])
                 referenced.update(f["key"] for f in manifest.get("files", []) if "key" in f)
-            else:
-                fs.rm_file(f"{path}/{MANIFEST}")  # first: from here on no reader takes it for a version
-                fs.rm(path, recursive=True)
-                done.removed.append(path.rsplit("/", 1)[-1])
+                continue
+            held = [found.removeprefix(f"{path}/") for found in fs.find(path)]
+            if foreign := foreign_files(held, manifest, remote=True):
+                done.left[path.rsplit("/", 1)[-1]] = foreign
+                referenced.update(f["key"] for f in manifest.get("files", []) if "key" in f)
+                continue
+            fs.rm_file(f"{path}/{MANIFEST}")  # first: from here on no reader takes it for a version
+            rest = [f"{path}/{own}" for own in held if own != MANIFEST]
+            if rest:
+                fs.rm(rest)  # its own objects, one by one: never the prefix
+            done.removed.append(path.rsplit("/", 1)[-1])
     store = f"{root}/{SHARD_STORE}"
     doomed = []
     for name, info in list_shards(fs, store).items():
-        key = name.split(".", 1)[0]
+        key = store_key(name)
+        if key is None or info.get("type") == "directory":  # not a shard or sidecar this tool wrote
+            continue
         if key in referenced:
             done.shards_kept += name.endswith(SHARD_SUFFIX)
             continue
@@ -271,6 +383,15 @@ def collect_remote_garbage(url: str, keep: int = 1, grace: float = GRACE_SECONDS
             done.shards_removed += 1
             done.bytes_freed += info.get("size") or 0
         doomed.append(info["name"])
+    try:
+        results = fs.ls(f"{root}/{PREFECT_RESULTS}", detail=True, refresh=True)
+    except FileNotFoundError:
+        results = []
+    for info in results:
+        name = info["name"].rsplit("/", 1)[-1]
+        if info.get("type") != "directory" and is_key(name) and name not in referenced:
+            doomed.append(info["name"])
+            done.results_removed += 1
     if doomed:
         fs.rm(doomed)
     done.uploads_aborted = abort_stale_uploads(fs, root, grace, now)

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sft_tokenize.build.job import Job
+from sft_tokenize.build.ownership import foreign_files, is_key, not_a_version, store_key
 from sft_tokenize.build.shard_check import finished_shard, sidecar_path
 from sft_tokenize.errors import CacheError
 from sft_tokenize.files import atomic_write, is_locked, locked
@@ -49,6 +50,7 @@ from sft_tokenize.format.layout import (
     MANIFEST,
     MIXTURE_INDEX,
     MIXTURES,
+    PREFECT_RESULTS,
     RUN_LOCK_SUFFIX,
     SHARD_STORE,
     SHARD_SUFFIX,
@@ -107,7 +109,7 @@ def _live_keys(staging: Path, remove_dead: bool = False, besides: Path | None = 
 
 
 def published_versions(root: Path) -> dict[str, list[tuple[Path, dict]]]:
-    """Every published cache under `root` by its name, newest first."""
+    """Every published cache under `root` that this tool wrote (ownership.py) by its name, newest first."""
     by_name: dict[str, list[tuple[str, Path, dict]]] = {}
     for path in sorted(Path(root).iterdir()):
         if path.name.startswith(".") or not path.is_dir():
@@ -115,6 +117,8 @@ def published_versions(root: Path) -> dict[str, list[tuple[Path, dict]]]:
         try:
             manifest = read_manifest(path)
         except CacheError:
+            continue
+        if not_a_version(path.name, manifest, remote=False):
             continue
         when = manifest.get("build", {}).get("published_at") or datetime.datetime.fromtimestamp(
             (path / MANIFEST).stat().st_mtime, datetime.UTC).isoformat(timespec="microseconds")
@@ -146,11 +150,19 @@ class Collected:
     kept: list[str] = field(default_factory=list)
     held: dict[str, str] = field(default_factory=dict)  # kept only because a mixture index reads it: its path
     removed: list[str] = field(default_factory=list)
+    left: dict[str, list[str]] = field(default_factory=dict)  # not removed: it holds files this tool did not write
     live_builds: int = 0
+    ignored_leases: dict[str, float] = field(default_factory=dict)  # a remote lease older than the grace: its age
     shards_kept: int = 0
     shards_removed: int = 0
     bytes_freed: int = 0  # of shards no cache held a link to, and of removed versions' files no other name held
+    results_removed: int = 0  # Prefect task results (by slice key) no kept version or running build names
     uploads_aborted: int = 0  # a remote root's incomplete multipart uploads, left by crashed writers
+
+
+def held_files(path: Path) -> list[str]:
+    """Every file and directory under `path`, relative to it."""
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*"))
 
 
 def remove_cache(path: Path) -> int:
@@ -184,13 +196,16 @@ def collect_garbage(root: Path, keep: int = 1, names: set[str] | None = None) ->
                     if position >= keep and path.name in mixed:
                         done.held[path.name] = mixed[path.name]
                     referenced.update(s["key"] for s in manifest["shards"] if "key" in s)
+                elif foreign := foreign_files(held_files(path), manifest, remote=False):
+                    done.left[path.name] = foreign
+                    referenced.update(s["key"] for s in manifest["shards"] if "key" in s)
                 else:
                     done.bytes_freed += remove_cache(path)
                     done.removed.append(path.name)
         for shard in sorted(store.iterdir()):
-            if shard.name.startswith("."):
+            key = store_key(shard.name, temporary=True)
+            if key is None or not shard.is_file():  # not a shard or sidecar this tool wrote: someone else's
                 continue
-            key = shard.name.split(".", 1)[0]
             if ".tmp-" in shard.name:  # a shard being written: only a live build still needs one
                 if key not in live:
                     shard.unlink(missing_ok=True)
@@ -202,6 +217,7 @@ def collect_garbage(root: Path, keep: int = 1, names: set[str] | None = None) ->
                 done.shards_removed += 1
                 done.bytes_freed += shard.stat().st_size if shard.stat().st_nlink == 1 else 0
             shard.unlink(missing_ok=True)
+        done.results_removed = remove_results(root / PREFECT_RESULTS, referenced)
         # Left by killed runs: half-deleted versions, half-built caches whose publish lock nobody holds.
         for leftover in root.glob(f".*{DELETING}-*"):
             shutil.rmtree(leftover, ignore_errors=True)
@@ -210,6 +226,17 @@ def collect_garbage(root: Path, keep: int = 1, names: set[str] | None = None) ->
             if not is_locked(beside(staging / fingerprint, LOCK_SUFFIX)):
                 shutil.rmtree(leftover, ignore_errors=True)
     return done
+
+
+def remove_results(results: Path, referenced: set[str]) -> int:
+    """Remove the Prefect task results (named by their slice's content key) under `results` that no kept version
+    and no running build names; returns how many. Any other file there is left alone."""
+    removed = 0
+    for result in sorted(results.iterdir()) if results.is_dir() else []:
+        if is_key(result.name) and result.name not in referenced and result.is_file():
+            result.unlink(missing_ok=True)
+            removed += 1
+    return removed
 
 
 def discard_shards(job: Job, slices: list[Slice]) -> int:

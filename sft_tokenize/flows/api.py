@@ -284,7 +284,7 @@ def run_recipe(recipe_file: str | os.PathLike, run_settings: dict[str, Any] | No
 
 
 def plan_runs(settings: dict[str, Any], workers: int, recipe_file: str | os.PathLike | None = None,
-              overrides: dict[str, Any] | None = None) -> list[tuple[Path, dict[str, Any] | None]]:
+              overrides: dict[str, Any] | None = None) -> list[tuple[str, dict[str, Any] | None]]:
     """A dry run of the run `settings` describe, or of each source of a recipe: per run its cache's path and the
     dry run's report (None when the cache is published). Nothing is written under the cache root; no Prefect."""
     from sft_tokenize.build.dry_run import dry_run
@@ -295,6 +295,7 @@ def plan_runs(settings: dict[str, Any], workers: int, recipe_file: str | os.Path
     runs = load_recipe(recipe_file, overrides).runs() if recipe_file else [_checked(TokenizeRun, settings)]
     out = []
     for options in runs:
-        plan = plan_slices(options, dry=True)
-        out.append((plan.cache_path, None if plan.cached else dry_run(plan.job, plan.slices, workers)))
+        # the slices the run would cut: every worker gets one (a recipe's sources run with the settings' workers)
+        plan = plan_slices(options, dry=True, min_slices=getattr(options, "worker_count", workers))
+        out.append((plan.location, None if plan.cached else dry_run(plan.job, plan.slices, workers)))
     return out

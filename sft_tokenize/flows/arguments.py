@@ -26,6 +26,7 @@ from sft_tokenize.flags import (
     json_object,
     non_negative_seconds,
     positive_int,
+    sequence_length,
     shown_default,
 )
 from sft_tokenize.flows.run_options import RUN_OPTIONS, TokenizeRun
@@ -96,7 +97,7 @@ class InspectCommand(BaseModel):
         False, description="histograms of tokens and trained tokens per row, and what each max_length or packing "
                            "length would cost: rows truncated or dropped, tokens and trained tokens lost, packed bins "
                            "and fill, at powers of two from 512 to the longest row (per source too, for a mixture)")
-    at: Annotated[list[int], Flag(FLAGS, metavar="N", parse=positive_int, repeat=True)] = Field(
+    at: Annotated[list[int], Flag(FLAGS, metavar="N", parse=sequence_length, repeat=True)] = Field(
         default_factory=list, description="with --lengths: also the cost at N tokens")
     row: Annotated[list[int], Flag(FLAGS, metavar="N", parse=int, repeat=True)] = Field(
         default_factory=list, description="print row N decoded, its trained tokens highlighted (green, or [[…]] when "

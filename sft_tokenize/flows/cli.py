@@ -86,7 +86,9 @@ def plan_only(args: argparse.Namespace, settings: dict) -> int:
     from sft_tokenize.flows.report import plan_summary, text_table
 
     overrides = {key: settings[key] for key in ("tokenizer", "cache_dir") if settings[key]}
-    workers = settings.get("workers") or os.cpu_count() or 1
+    from sft_tokenize.encoding.pool import available_cores
+
+    workers = settings.get("workers") or available_cores()  # as the run counts them (run_options.worker_count)
     for k, (cache_path, found) in enumerate(plan_runs(settings, workers, args.recipe, overrides)):
         print(("\n" if k else "") + text_table(plan_summary(cache_path, found, workers)))
     return EXIT_OK
@@ -322,11 +324,19 @@ def gc(args: argparse.Namespace) -> int:
         done = collect_garbage(root, args.keep)
     for name in done.removed:
         print(f"removed {root}/{name}")
+    for name, foreign in done.left.items():
+        what = "objects" if protocol else "files"
+        print(f"left {root}/{name}: it holds {what} sft-tokenize did not write ({', '.join(foreign)}); "
+              f"move them out and gc again to remove it")
+    for lease, age in sorted(done.ignored_leases.items()):
+        print(f"ignored and removed the lease {lease}: last written {age:,.0f} s ago, longer than --grace "
+              f"{args.grace:g} s, so its build was taken for a dead one")
     for name, index in done.held.items():
         print(f"kept {root}/{name}: the mixture index {index} reads it")
     aborted = f", {done.uploads_aborted} incomplete uploads aborted" if protocol else ""
     print(f"kept {len(done.kept)} versions and {done.shards_kept} shards; removed {len(done.removed)} versions and "
-          f"{done.shards_removed} shards, {done.bytes_freed:,} bytes freed{aborted}; {done.live_builds} running builds")
+          f"{done.shards_removed} shards and {done.results_removed} task results, {done.bytes_freed:,} bytes freed"
+          f"{aborted}; {done.live_builds} running builds")
     return EXIT_OK
 
 

@@ -1,11 +1,11 @@
-"""Ctrl-C and SIGTERM: stop a run within seconds, keep the finished shards, leave no worker behind.
+"""Ctrl-C, SIGTERM and SIGHUP: stop a run within seconds, keep the finished shards, leave no worker behind.
 
-The CLI turns SIGTERM into `Terminated`, a KeyboardInterrupt, so both signals unwind the main thread the
-same way (Prefect marks the flow run Crashed on the way out). While slices run, `stopping_workers` turns
-that unwinding into a stop of the workers before the task runner waits for them: threads see the data
-plane's stop flag at their next batch and remove their temporary shard; process-pool workers (which ignore
-SIGINT, so a terminal's Ctrl-C reaches only the CLI's handling) are terminated, and the temporary shards
-they were writing are removed while this run still holds the fingerprint's build lock.
+The CLI turns SIGTERM into `Terminated` and SIGHUP into `HungUp`, KeyboardInterrupts, so every signal unwinds
+the main thread the same way (Prefect marks the flow run Crashed on the way out). While slices run,
+`stopping_workers` turns that unwinding into a stop of the workers before the task runner waits for them:
+threads see the data plane's stop flag at their next batch and remove their temporary shard; process-pool
+workers (which ignore SIGINT, so a terminal's Ctrl-C reaches only the CLI's handling) are terminated, and the
+temporary shards they were writing are removed while this run still holds the fingerprint's build lock.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from sft_tokenize.build.stopping import request_stop
 if TYPE_CHECKING:
     from prefect.task_runners import TaskRunner
 
-EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}  # 128 + the signal, as a shell reports it
+EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}  # 128 + the signal, as a shell says
 
 
 class Terminated(KeyboardInterrupt):
@@ -30,13 +30,22 @@ class Terminated(KeyboardInterrupt):
     signum = signal.SIGTERM
 
 
+class HungUp(Terminated):
+    """SIGHUP (the terminal closed, an ssh session dropped): stopped as SIGTERM stops a run."""
+
+    signum = signal.SIGHUP
+
+
 def _raise_terminated(signum, frame) -> None:
-    raise Terminated()
+    raise HungUp() if signum == signal.SIGHUP else Terminated()
 
 
 def raise_on_sigterm() -> None:
-    """Unwind on SIGTERM instead of dying mid-write (Prefect's own handler defers to this one)."""
+    """Unwind on SIGTERM and SIGHUP instead of dying mid-write (Prefect's own handler defers to this one); a
+    SIGHUP ignored by whoever started the process (`nohup`) stays ignored."""
     signal.signal(signal.SIGTERM, _raise_terminated)
+    if signal.getsignal(signal.SIGHUP) is signal.SIG_DFL:
+        signal.signal(signal.SIGHUP, _raise_terminated)
 
 
 def ignore_sigint() -> None:
@@ -45,8 +54,9 @@ def ignore_sigint() -> None:
 
 
 def signal_of(interrupt: BaseException) -> signal.Signals:
-    return signal.SIGTERM if isinstance(interrupt, Terminated) or getattr(interrupt, "signal", None) == \
-        signal.SIGTERM else signal.SIGINT
+    if isinstance(interrupt, Terminated):
+        return interrupt.signum
+    return signal.SIGTERM if getattr(interrupt, "signal", None) == signal.SIGTERM else signal.SIGINT
 
 
 def _terminate_processes(runner: TaskRunner, grace: float = 3.0) -> None:

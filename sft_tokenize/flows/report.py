@@ -258,6 +258,10 @@ def plan_summary(cache_path: str | Path, found: dict[str, Any] | None, workers: 
                    + (f" ({', '.join(map(str, stored[:10]))}{', …' if len(stored) > 10 else ''})" if stored else "")),
         ("estimate", f"about {found['estimated_rows']:,} rows, {found['estimated_tokens']:,} tokens, "
                      f"{found['estimated_trained_tokens']:,} trained"),
+        *([("spread", f"{spread[0]:,} to {spread[1]:,} tokens, by the tokens per byte of each sampled chunk "
+                      "alone" + ("; far apart: the input changes along its length, take the estimate as rough"
+                                 if spread[1] > 2 * max(spread[0], 1) else ""))]
+          if (spread := found.get("estimated_tokens_spread")) else []),
         ("time", f"about {seconds:,.1f} s of tokenizing on {workers} workers (at the sample's speed on one "
                  "thread; the fixed cost of a run comes on top)" if seconds is not None else "unknown"),
         ("sample", f"{sample['rows']:,} rows ({human_size(sample['bytes'])}) from slices "

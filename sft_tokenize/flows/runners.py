@@ -15,6 +15,7 @@ from prefect.task_runners import ProcessPoolTaskRunner, TaskRunner, ThreadPoolTa
 from sft_tokenize.build.options import TokenizeOptions
 from sft_tokenize.encoding.memory import limit_malloc_arenas
 from sft_tokenize.encoding.pool import available_cores, tokenizer_env
+from sft_tokenize.files import with_timeouts
 from sft_tokenize.fingerprint import fingerprint
 from sft_tokenize.flows.cluster import dask_runner, ray_runner
 from sft_tokenize.flows.console import configure_console
@@ -75,7 +76,8 @@ def result_storage(options: TokenizeOptions) -> dict:
     if get_current_settings().results.default_storage_block:
         return {}
     if options.remote_root:
-        return {"result_storage": bucket_results(options.remote_root, options.storage_options)}
+        return {"result_storage": bucket_results(options.remote_root, with_timeouts(
+            options.remote_root, options.storage_options, options.request_timeout))}
     return {"result_storage": options.cache_root / PREFECT_RESULTS}
 
 

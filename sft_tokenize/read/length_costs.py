@@ -21,6 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from sft_tokenize.flags import MAX_SEQUENCE_TOKENS
 from sft_tokenize.read.bin_packing import ALGORITHMS
 from sft_tokenize.read.layouts import IGNORE_INDEX
 
@@ -47,7 +48,11 @@ class RowTokens:
 
 
 def candidate_lengths(longest: int, extra: Iterable[int] = ()) -> list[int]:
-    """Powers of two from 512 up to the first that holds the longest row, and any lengths asked for."""
+    """Powers of two from 512 up to the first that holds the longest row, and any lengths asked for (each from 1 to
+    MAX_SEQUENCE_TOKENS: packing allocates per token of length)."""
+    extra = [int(n) for n in extra]
+    if bad := [n for n in extra if not 1 <= n <= MAX_SEQUENCE_TOKENS]:
+        raise ValueError(f"length {bad[0]:,}: a cost report's lengths are 1 to {MAX_SEQUENCE_TOKENS:,} tokens")
     out, length = set(), SMALLEST_CANDIDATE
     while True:
         out.add(length)

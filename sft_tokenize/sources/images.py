@@ -35,7 +35,7 @@ from typing import Any
 import xxhash
 
 from sft_tokenize.errors import BadRow
-from sft_tokenize.files import image_access_refusal, network_failure, with_timeouts
+from sft_tokenize.files import image_access_refusal, is_chained, network_failure, with_timeouts
 from sft_tokenize.sources.resolve import file_identity, filesystem
 
 PLACEHOLDER = "<image>"
@@ -183,7 +183,7 @@ def image_base(url: str) -> str:
 def resolve_location(location: str, base: str | None) -> str:
     """A path or URL as written in a row, made absolute: a relative path joins `base` (the input file's
     directory, or an image root; a local path or a URL), or the working directory without one."""
-    if _SCHEME.match(location):
+    if _SCHEME.match(location) or is_chained(location):  # a URL, or a chain of them (simplecache::s3://...)
         return location
     location = os.path.expanduser(location)
     if os.path.isabs(location):

@@ -64,3 +64,42 @@ def test_a_full_disk_fails_the_shard_clearly_and_the_run_resumes_after_space_ret
     cache_path = Path(resumed.stdout.splitlines()[-1])
     assert len(open_cache(cache_path)) == 240
     assert [published_inodes(cache_path)[3]] == list(kept.values())
+
+
+def test_a_disk_that_fills_while_publishing_names_the_cache_and_what_a_rerun_reuses(tmp_path, monkeypatch):
+    from support.caches import EXAMPLE_SLICES
+
+    from sft_tokenize.build import publish
+    from sft_tokenize.build.options import TokenizeOptions
+    from sft_tokenize.build.protocol import run_locally
+    from sft_tokenize.errors import OutOfSpace
+
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("mounting a small tmpfs is not permitted here")
+    try:
+        ballast = mount / "ballast"
+        refuse_empty = publish.refuse_empty
+
+        def fill_the_disk_then(*args):  # the shards are in the store; the disk fills before the cache is written
+            free = os.statvfs(mount).f_bavail * os.statvfs(mount).f_frsize
+            with ballast.open("wb") as out:
+                out.write(b"\0" * free)
+            return refuse_empty(*args)
+
+        monkeypatch.setattr(publish, "refuse_empty", fill_the_disk_then)
+        options = TokenizeOptions(**EXAMPLE_SLICES, cache_dir=str(mount / "cache"))
+        with pytest.raises(OutOfSpace) as full:
+            run_locally(options)
+        said = str(full.value)
+        assert "\n" not in said and "No space left on device while publishing" in said, said
+        assert f"the 4 finished shards stay in {mount / 'cache' / '.shards'}" in said, said
+        assert said.endswith("then run the same command again: it reuses every shard and only publishes"), said
+        assert published_caches(mount / "cache") == []
+        ballast.unlink()
+        monkeypatch.setattr(publish, "refuse_empty", refuse_empty)
+        again = open_cache(run_locally(options))
+        assert again.manifest["build"]["slices_reused"] == 4 and again.manifest["build"]["slices_tokenized"] == 0
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)

@@ -80,7 +80,7 @@ def test_a_run_names_the_file_row_and_url_or_counts_the_skip(tmp_path, processor
     assert len(skipped) == 1 and skipped.manifest["dropped"] == {"image_unreadable": 1}
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=["SIGTERM", "SIGINT", "SIGHUP"])
 def test_a_signal_stops_a_run_waiting_on_a_silent_server_within_seconds(tmp_path, processor, prefect_home, launch,
                                                                         signum):
     """One slice finishes, the other waits on the server (a timeout of 10 minutes): the signal ends the run
@@ -100,7 +100,7 @@ def test_a_signal_stops_a_run_waiting_on_a_silent_server_within_seconds(tmp_path
         if signum == signal.SIGINT:
             os.killpg(run.group, signum)  # Ctrl-C: the terminal signals the whole group
         else:
-            run.process.send_signal(signum)  # `kill PID`
+            run.process.send_signal(signum)  # `kill PID`, or the terminal closing (SIGHUP)
         signalled = time.monotonic()
         try:
             code = run.process.wait(timeout=20)

@@ -143,7 +143,7 @@ def test_the_job_carries_the_options_as_the_slices_use_them(inputs):
         "encoder": "hf", "render": "skeleton", "max_length": 300, "truncation": "drop", "on_bad_row": "skip",
         "max_row_bytes": 1 << 20,
         "extra_columns": ("labels",), "layout": "skyrl", "writer_batch_rows": 10, "writer_batch_bytes": 10**6,
-        "trust_remote_code": False, "storage_options": {"anon": False}, "system_prompt": None,
+        "trust_remote_code": False, "storage_options": {"anon": False}, "request_timeout": 90.0, "system_prompt": None,
         "images": "embed", "image_root": None, "image_access": "root", "image_timeout": 30.0,
         "max_image_bytes": 50 * 10**6, "processor_config": "",
     }
@@ -165,8 +165,8 @@ def test_the_command_line_gives_the_flow_its_options():
         "extra_columns": [], "template_kwargs": {}, "reasoning_turns": "as-rendered", "special_text": "literal",
         "encoder": "auto", "render": "skeleton", "layout": "skyrl", "split": "train", "subset": None,
         "on_bad_row": "raise",
-        "shard_size": "256MB", "max_row_bytes": "2MB", "storage_options": {}, "runner": "threads",
-        "dask_address": None, "ray_address": None, "workers": None, "encode_processes": None,
+        "shard_size": "256MB", "max_row_bytes": "2MB", "storage_options": {}, "request_timeout": 90.0,
+        "runner": "threads", "dask_address": None, "ray_address": None, "workers": None, "encode_processes": None,
         "slices_per_task": None, "retries": 2, "force": False, "keep_versions": None,
     }
     every_flag = parsed(
@@ -180,9 +180,9 @@ def test_the_command_line_gives_the_flow_its_options():
         "--extra-column", "labels",
         "--extra-column", "attention_mask", "--layout", "trl", "--split", "test", "--subset", "s",
         "--on-bad-row", "skip", "--shard-size", "1MB", "--max-row-bytes", "1MB", "--storage-options",
-        '{"anon": true}', "--runner", "dask", "--dask-address", "tcp://h:1", "--workers", "3",
-        "--encode-processes", "0", "--slices-per-task", "4", "--retries", "5", "--force", "--keep-versions", "2",
-        "--server-idle", "5", "-q")
+        '{"anon": true}', "--request-timeout", "7", "--runner", "dask", "--dask-address", "tcp://h:1",
+        "--workers", "3", "--encode-processes", "0", "--slices-per-task", "4", "--retries", "5", "--force",
+        "--keep-versions", "2", "--server-idle", "5", "-q")
     assert every_flag == {
         "sources": ["a.jsonl", "b"], "tokenizer": "t", "cache_dir": "c", "name": "n", "format": "chat",
         "processor": "p", "images": "reference", "image_root": "imgs", "image_access": "local+urls",
@@ -192,9 +192,9 @@ def test_the_command_line_gives_the_flow_its_options():
         "truncation": "drop", "chat_template": "f.jinja", "extra_columns": ["labels", "attention_mask"],
         "template_kwargs": {"x": 1}, "reasoning_turns": "expand", "special_text": "keep", "encoder": "hf",
         "render": "full", "layout": "trl", "split": "test", "subset": "s", "on_bad_row": "skip", "shard_size": "1MB",
-        "max_row_bytes": "1MB", "storage_options": {"anon": True}, "runner": "dask", "dask_address": "tcp://h:1",
-        "ray_address": None, "workers": 3, "encode_processes": 0, "slices_per_task": 4, "force": True,
-        "keep_versions": 2, "retries": 5,
+        "max_row_bytes": "1MB", "storage_options": {"anon": True}, "request_timeout": 7.0, "runner": "dask",
+        "dask_address": "tcp://h:1", "ray_address": None, "workers": 3, "encode_processes": 0, "slices_per_task": 4,
+        "force": True, "keep_versions": 2, "retries": 5,
     }
 
 

@@ -1,0 +1,42 @@
+"""User-given sizes past what makes sense are refused in one line before anything is allocated: a packing length
+or a cost report's length of a trillion tokens grew to 22 GB, or ended in an OverflowError traceback."""
+
+from __future__ import annotations
+
+import resource
+
+import pytest
+from support.caches import EXAMPLE_SLICES
+
+from sft_tokenize.build.options import TokenizeOptions
+from sft_tokenize.build.protocol import run_locally
+from sft_tokenize.flows.cli import main
+from sft_tokenize.read.length_costs import length_costs
+from sft_tokenize.read.packing_index import PackOptions
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> str:
+    return str(run_locally(TokenizeOptions(**EXAMPLE_SLICES, cache_dir=str(tmp_path_factory.mktemp("root")))))
+
+
+@pytest.mark.parametrize("args", [["pack", "{cache}", "--length", "1000000000000"],
+                                  ["inspect", "{cache}", "--lengths", "--at", "1000000000000"]])
+def test_a_length_of_a_trillion_tokens_is_refused_in_one_line(cache, args, capsys):
+    grown_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    code = main([a.format(cache=cache) for a in args])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "1,000,000,000,000 tokens is past the longest sequence this tool packs or costs (4,194,304)" in err, err
+    assert "Traceback" not in err and err.strip().splitlines()[-1].count("\n") == 0
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - grown_before < 200_000  # KiB: nothing was built
+
+
+def test_the_python_api_bounds_the_same_lengths(cache):
+    with pytest.raises(ValueError, match="less than or equal to 4194304"):
+        PackOptions(length=10**12)
+    import pyarrow as pa
+
+    with pytest.raises(ValueError, match="length 1,000,000,000,000: a cost report's lengths are 1 to 4,194,304"):
+        length_costs(pa.table({"input_ids": [[1, 2]], "loss_mask": [[0, 1]]}), at=[10**12])
+    assert main(["pack", cache, "--length", str(2**22)]) == 0  # the bound itself is packed
