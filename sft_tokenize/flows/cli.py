@@ -97,7 +97,7 @@ def plan_only(args: argparse.Namespace, settings: dict) -> int:
 def inspect(args: argparse.Namespace) -> int:
     from sft_tokenize.files import is_remote
     from sft_tokenize.flows.report import fingerprint_inputs, mixture_summary, packing_summary, summary, text_table
-    from sft_tokenize.read.cache import read_manifest, verify_cache
+    from sft_tokenize.read.cache import read_manifest, verify_digests
     from sft_tokenize.read.mixture_index import check_sources, load_mixture
     from sft_tokenize.read.packing_index import list_indexes
     from sft_tokenize.read.remote_cache import materialize, remote_manifest
@@ -119,7 +119,7 @@ def inspect(args: argparse.Namespace) -> int:
         return EXIT_OK
     manifest = read_manifest(args.cache)
     indexes = list_indexes(args.cache, args.index_dir)
-    unverified = verify_cache(args.cache) if args.verify else []
+    unverified = verify_digests(args.cache) if args.verify else []
     if unverified:  # the table below is stdout's result; this is a note about how far it was checked
         print(f"{PROG}: note: {len(unverified)} of {len(manifest['files'])} data files have no recorded digest "
               f"(published before manifests kept them, and their shards' sidecars are gone), {unverified[0]} "

@@ -10,7 +10,7 @@ See FORMAT.md for the layout.
 
 What opening checks (cheap, every time): the manifest's keys, that state.json lists the manifest's data files,
 that each is there at its recorded size, that Arrow can read each, and the row count. It does not read the
-bytes: a data file changed in place at the same size opens. `verify_cache` (`sft-tokenize inspect --verify`)
+bytes: a data file changed in place at the same size opens. `verify_digests` (`sft-tokenize inspect --verify`)
 reads every byte and compares each data file with the digest recorded when its shard was written.
 """
 
@@ -109,7 +109,7 @@ def open_cache(path: str | Path, local_dir: str | Path | None = None,
     """The published cache at `path`, memory-mapped. Refused (CacheError naming the file) if its manifest or
     state.json is missing or incomplete, if a data file is missing, has another size than the manifest says or
     is not readable Arrow, or if the row count differs. The data files' bytes are not read: for that, see
-    `verify_cache`.
+    `verify_digests`.
 
     `path` may be a version's URL on object storage (`s3://bucket/root/<name>-<fingerprint>`): it is copied into
     `local_dir` first, once per machine, its shards checked against their digests (remote_cache.materialize,
@@ -143,7 +143,7 @@ def _recorded_digest(path: Path, manifest: dict, k: int) -> str | None:
     return sidecar.get("digest")
 
 
-def verify_cache(path: str | Path) -> list[str]:
+def verify_digests(path: str | Path) -> list[str]:
     """Every data file of the cache at `path` read whole and compared with the xxh3-128 digest recorded when its
     shard was written (after `open_cache`'s checks). Raises CacheError naming the first file that differs;
     returns the data files with no recorded digest to compare with (only their sizes were checked)."""

@@ -17,7 +17,7 @@ from support.paths import EXAMPLE_DATA, EXAMPLE_TOKENIZER
 from sft_tokenize.build.options import TokenizeOptions
 from sft_tokenize.build.protocol import run_locally
 from sft_tokenize.errors import CacheError
-from sft_tokenize.read.cache import open_cache, read_manifest, verify_cache
+from sft_tokenize.read.cache import open_cache, read_manifest, verify_digests
 from sft_tokenize.read.mixed_rows import open_mixture
 from sft_tokenize.read.mixture_index import mix_caches
 from sft_tokenize.read.mixture_options import MixtureOptions, MixtureSource
@@ -92,7 +92,7 @@ def test_inspect_verify_reads_every_byte_and_names_a_flipped_data_file(copied, t
     assert_rejected(cli("inspect", str(copied), "--verify", home=cli_home),
                     f"{victim}: its bytes do not match the digest recorded when it was written")
     with pytest.raises(CacheError, match="its bytes do not match"):
-        verify_cache(copied)
+        verify_digests(copied)
 
 
 def test_a_cache_whose_manifest_has_no_digests_is_verified_by_its_shards_sidecars(copied, tmp_path, cli_home):
@@ -100,11 +100,11 @@ def test_a_cache_whose_manifest_has_no_digests_is_verified_by_its_shards_sidecar
     for entry in manifest["files"]:
         del entry["digest"]
     (copied / "manifest.json").write_text(json.dumps(manifest))
-    assert verify_cache(copied) == []
+    assert verify_digests(copied) == []
     victim = sorted(copied.glob("data-*.arrow"))[0]
     flip(victim)
     with pytest.raises(CacheError, match=f"{victim}: its bytes do not match"):
-        verify_cache(copied)
+        verify_digests(copied)
 
     shutil.rmtree(copied.parent / ".shards")  # no digest left anywhere: said, and the sizes still checked
     noted = cli("inspect", str(copied), "--verify", home=cli_home)
