@@ -4,7 +4,6 @@ disk: gc removes only what it proves this tool wrote, and a build keeps its shar
 from __future__ import annotations
 
 import json
-import logging
 import re
 import subprocess
 import threading
@@ -20,7 +19,7 @@ from support.faults import FAULT_FILE_ENV
 from support.paths import EXAMPLE_DATA
 from support.proxy import tcp_proxy
 from support.runs import Background
-from support.s3 import s3_server
+from support.s3 import bucket_in_environment
 
 from sft_tokenize.build.options import TokenizeOptions
 from sft_tokenize.build.protocol import run_locally
@@ -37,16 +36,8 @@ BUCKET = f"shared-{uuid.uuid4().hex[:8]}"  # moto's buckets outlive its server: 
 @pytest.fixture(scope="module")
 def s3_root() -> Iterator:
     """The module's S3 server with a bucket of its own, reached through AWS_* variables."""
-    from s3fs import S3FileSystem
-
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)
-    S3FileSystem.clear_instance_cache()
-    with s3_server() as server, pytest.MonkeyPatch.context() as env:
-        for name, value in server.environment.items():
-            env.setenv(name, value)
-        server.filesystem().mkdir(BUCKET)
+    with bucket_in_environment(BUCKET) as server:
         yield server
-    S3FileSystem.clear_instance_cache()
 
 
 @pytest.fixture

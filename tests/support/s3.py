@@ -65,3 +65,24 @@ def s3_server() -> Iterator[S3Server]:
         yield state
     finally:
         server.shutdown()
+
+
+@contextmanager
+def bucket_in_environment(bucket: str) -> Iterator[S3Server]:
+    """A server holding `bucket`, which this process (and every process it starts) reaches through AWS_* variables
+    while it runs. fsspec keeps s3fs instances by their options, not by the endpoint the environment names, so its
+    cache is cleared on both sides: none made for another module's server serves this one, nor one made here the
+    next module's."""
+    import logging
+
+    import pytest
+    from s3fs import S3FileSystem
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request otherwise
+    S3FileSystem.clear_instance_cache()
+    with s3_server() as server, pytest.MonkeyPatch.context() as env:
+        for name, value in server.environment.items():
+            env.setenv(name, value)
+        server.filesystem().mkdir(bucket)
+        yield server
+    S3FileSystem.clear_instance_cache()

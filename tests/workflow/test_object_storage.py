@@ -26,7 +26,7 @@ from support.cli import assert_rejected, cli, environment, free_port, run_args
 from support.faults import FAULT_FILE_ENV
 from support.flows import run_flow
 from support.paths import BIN, EXAMPLE_DATA
-from support.s3 import s3_server
+from support.s3 import bucket_in_environment
 
 from sft_tokenize.build.options import TokenizeOptions
 from sft_tokenize.build.plan import plan_slices
@@ -45,18 +45,8 @@ BUCKET = f"caches-{uuid.uuid4().hex[:8]}"  # moto's buckets outlive its server: 
 def s3_root() -> Iterator:
     """The module's S3 server with a bucket of its own (BUCKET); this process (the flow's) reaches it through
     AWS_* variables."""
-    from s3fs import S3FileSystem
-
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request otherwise
-    # fsspec keeps s3fs instances by their options, not by the endpoint the environment names (conftest.py's
-    # remote_example says the same): none made for another module's server may serve this one
-    S3FileSystem.clear_instance_cache()
-    with s3_server() as server, pytest.MonkeyPatch.context() as env:
-        for name, value in server.environment.items():
-            env.setenv(name, value)
-        server.filesystem().mkdir(BUCKET)
+    with bucket_in_environment(BUCKET) as server:
         yield server
-    S3FileSystem.clear_instance_cache()
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from support.cli import free_port
 from support.clusters import cluster_env, started, wait_for_port
 from support.flows import run_flow
 from support.paths import BIN, EXAMPLE_DATA
-from support.s3 import s3_server
+from support.s3 import bucket_in_environment
 
 from sft_tokenize.build.options import TokenizeOptions
 from sft_tokenize.build.plan import plan_slices
@@ -42,16 +42,8 @@ BUCKET = f"ray-{uuid.uuid4().hex[:8]}"  # moto's buckets outlive its server: one
 @pytest.fixture(scope="module")
 def s3_root() -> Iterator:
     """The module's S3 server with a bucket of its own; this process (the flow's) reaches it through AWS_*."""
-    from s3fs import S3FileSystem
-
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)
-    S3FileSystem.clear_instance_cache()
-    with s3_server() as server, pytest.MonkeyPatch.context() as env:
-        for name, value in server.environment.items():
-            env.setenv(name, value)
-        server.filesystem().mkdir(BUCKET)
+    with bucket_in_environment(BUCKET) as server:
         yield server
-    S3FileSystem.clear_instance_cache()
 
 
 @pytest.fixture(scope="module")
