@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
                    "trained_tokens": manifest["trained_tokens"], "rows": manifest["rows"],
                    "rows_exact": manifest["masks"]["rows_exact"],
                    # rows filled from a skeleton rather than rendered (docs/masks.md, "Skeletons")
-                   "rows_filled": manifest["masks"].get("rows_filled", 0),
+                   "rows_filled": manifest["build"].get("skeletons", {}).get("rows_filled", 0),
                    "peak_anon_mib": round(measured.peak_anon_mib)}
             runs[name].append(run)
             rate = run["tokens"] / run["seconds"]
