@@ -18,6 +18,10 @@ import pytest
 
 from support.cli import environment
 
+# Ray clusters check a token. Ray reads its auth mode and token once a process, so every Ray head a test process
+# starts, and that process as their driver, share this one (not ~/.ray's); set before Ray's first import.
+RAY_AUTH = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": os.urandom(16).hex()}
+
 
 def cluster_env(home: Path, **extra: str) -> dict[str, str]:
     """The cluster processes' environment: no Prefect settings of this test session (a task gets the flow's
@@ -53,7 +57,8 @@ def started(*commands: list[str], env: dict[str, str], logs: Path, grace: float 
         gone, alive = psutil.wait_procs(tree, timeout=grace)
         for process in alive:
             with_group(process.pid, signal.SIGKILL)
-            process.kill()
+            with contextlib.suppress(psutil.NoSuchProcess):  # the group's SIGKILL may have ended it already
+                process.kill()
         psutil.wait_procs(alive, timeout=10)
         left = [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
         assert not left, f"still running after stop: {[p.cmdline() for p in left]}"

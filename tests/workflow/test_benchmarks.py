@@ -91,10 +91,11 @@ def test_run_at_the_big_size_runs_the_project_and_the_strongest_peer_only(bench)
 
 
 def test_pipelines_floor(bench):
-    corpus = next((bench["root"] / "data").glob("corpus-short-*/chat-00000.jsonl"))
+    # whichever short corpus this module's scripts built first (they build several sizes): all of its rows
+    corpus = sorted((bench["root"] / "data").glob("corpus-short-*/chat-00000.jsonl"))[0]
     result = json.loads(script(bench, "pipelines.py", "floor", str(corpus), "--tokenizer",
                                str(EXAMPLE_TOKENIZER)).strip().splitlines()[-1])
-    assert result["rows"] == 64 and result["encode_seconds"] > 0
+    assert result["rows"] == sum(1 for _ in corpus.open()) > 0 and result["encode_seconds"] > 0
 
 
 def test_startup_traces_a_cold_run_and_a_hit(bench):

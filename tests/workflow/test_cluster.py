@@ -22,7 +22,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 from support.caches import EXAMPLE_SLICES, data_files
 from support.cli import free_port
-from support.clusters import cluster_env, started, wait_for_port
+from support.clusters import RAY_AUTH, cluster_env, started, wait_for_port
 from support.faults import FAULT_FILE_ENV
 from support.flows import run_flow
 from support.paths import BIN, EXAMPLE_DATA, EXAMPLE_TOKENIZER
@@ -245,11 +245,10 @@ def test_a_temporary_dask_cluster_writes_the_same_bytes_and_leaves_no_process(th
 def test_ray_cluster_writes_the_same_bytes(threads_cache, image_chats, tmp_path, monkeypatch):
     """Text rows, then image rows on the same head (one head's start-up, not two): each the bytes of a
     local run."""
-    pytest.importorskip("prefect_ray", reason="the ray extra is not installed: pip install 'sft-tokenize[ray]'")
-    # Ray clusters check a token; the driver (this process) and the head share this one, not ~/.ray's.
-    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": os.urandom(16).hex()}
+    auth = RAY_AUTH  # the driver (this process) and the head share it, set before Ray's first import
     for name, value in auth.items():
         monkeypatch.setenv(name, value)
+    pytest.importorskip("prefect_ray", reason="the ray extra is not installed: pip install 'sft-tokenize[ray]'")
     port, dashboard, client = free_port(), free_port(), free_port()
     # Ray's sockets live under its temp dir, whose path must stay short: not under tmp_path.
     temp_dir = tempfile.mkdtemp(prefix="ray-")

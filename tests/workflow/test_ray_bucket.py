@@ -5,9 +5,9 @@ shards: only the new slices' shards are uploaded."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
-import os
 import shutil
 import tempfile
 import time
@@ -21,7 +21,7 @@ import pyarrow as pa
 import pytest
 from support.caches import EXAMPLE_SLICES
 from support.cli import free_port
-from support.clusters import cluster_env, started, wait_for_port
+from support.clusters import RAY_AUTH, cluster_env, started, wait_for_port
 from support.flows import run_flow
 from support.paths import BIN, EXAMPLE_DATA
 from support.s3 import bucket_in_environment
@@ -34,7 +34,10 @@ from sft_tokenize.flows.tokenize_dataset import TokenizeRun
 
 pytest.importorskip("moto.server", reason="moto[server] is in the dev extra")
 pytest.importorskip("s3fs", reason="s3fs is in the dev extra")
-pytest.importorskip("prefect_ray", reason="the ray extra is not installed: pip install 'sft-tokenize[ray]'")
+# Found, not imported: Ray reads its auth mode once a process, which the cluster's fixture sets before the first
+# import (support/clusters.py, RAY_AUTH).
+if importlib.util.find_spec("prefect_ray") is None:
+    pytest.skip("the ray extra is not installed: pip install 'sft-tokenize[ray]'", allow_module_level=True)
 
 BUCKET = f"ray-{uuid.uuid4().hex[:8]}"  # moto's buckets outlive its server: one of this module's own
 
@@ -52,7 +55,7 @@ def ray_bucket_cluster(tmp_path_factory, s3_root) -> Iterator[SimpleNamespace]:
     own directory with its own TMPDIR, SFT_TOKENIZE_HOME and Ray temp dir; the bucket's credentials in their
     environment. Yields the address and the workers' directories."""
     base = tmp_path_factory.mktemp("ray-bucket")
-    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": os.urandom(16).hex()}
+    auth = RAY_AUTH  # the driver (this process) and the cluster share it (support/clusters.py)
     port, client = free_port(), free_port()
     temps = [tempfile.mkdtemp(prefix="ray-") for _ in range(3)]  # Ray's socket paths must stay short
     places = [base / name for name in ("head", "worker-0", "worker-1")]
