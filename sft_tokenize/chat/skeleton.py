@@ -108,14 +108,8 @@ def _frozen(value: Any) -> Any:
     every finite float exactly (-0.0, 1.0) and refuses subclasses of JSON types here; where it wrote a null,
     which may have been NaN or an infinity, the walk of `_exact` keys them instead."""
     kind = type(value)
-    if kind is str:
-        if holds_marks(value):
-            raise _Miss
-        return value
-    if kind in _SCALARS:
-        return (kind, value)
-    if kind is float:
-        return (float, repr(value))
+    if kind is str or kind is float or kind in _SCALARS:
+        return _exact(value)
     try:
         dumped = orjson.dumps(value, option=orjson.OPT_PASSTHROUGH_SUBCLASS | orjson.OPT_PASSTHROUGH_DATETIME
                               | orjson.OPT_PASSTHROUGH_DATACLASS)

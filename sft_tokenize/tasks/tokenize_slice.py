@@ -38,17 +38,18 @@ def worth_retrying(task: Any, task_run: Any, state: Any) -> bool:
     return not isinstance(state.result(raise_on_failure=False), NOT_RETRIED)
 
 
+# What a slice's task and a group's share: the tag, retries with backoff, a result persisted as JSON.
+TASK_SETTINGS: dict[str, Any] = {
+    "tags": [TAG], "retries": RETRIES, "retry_delay_seconds": exponential_backoff(backoff_factor=2),
+    "retry_jitter_factor": 0.5, "persist_result": True, "result_serializer": "json"}
+
+
 @task(
     name="tokenize_slice",
     task_run_name="tokenize-{slice_.index:05d}",
-    tags=[TAG],
-    retries=RETRIES,
-    retry_delay_seconds=exponential_backoff(backoff_factor=2),
-    retry_jitter_factor=0.5,
     retry_condition_fn=worth_retrying,
     cache_key_fn=slice_cache_key,
-    persist_result=True,
-    result_serializer="json",
+    **TASK_SETTINGS,
 )
 def tokenize_slice(job: Job, slice_: Slice) -> int:
     """Tokenize one slice into `<key>.arrow` in the shard store (reusing a finished one); return its rows."""

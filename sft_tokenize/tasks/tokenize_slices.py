@@ -20,14 +20,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from prefect import task
-from prefect.tasks import exponential_backoff
 
 from sft_tokenize.build import shard
 from sft_tokenize.build.job import Job
 from sft_tokenize.build.stopping import Stopped
 from sft_tokenize.sources.resolve import Slice
-from sft_tokenize.tasks import GROUP_ABOVE, GROUP_SIZE, RETRIES
-from sft_tokenize.tasks.tokenize_slice import NOT_RETRIED, TAG
+from sft_tokenize.tasks import GROUP_ABOVE, GROUP_SIZE
+from sft_tokenize.tasks.tokenize_slice import NOT_RETRIED, TASK_SETTINGS
 
 GROUPS_PER_WORKER = 4  # smaller groups rather than fewer groups than this many per worker
 GROUP_BYTES = 256 * 10**6  # a group reads at most about this much input: the default slice is a task of its own
@@ -119,14 +118,9 @@ def worth_retrying(task: Any, task_run: Any, state: Any) -> bool:
 @task(
     name="tokenize_slices",
     task_run_name="{group.name}",
-    tags=[TAG],
-    retries=RETRIES,
-    retry_delay_seconds=exponential_backoff(backoff_factor=2),
-    retry_jitter_factor=0.5,
     retry_condition_fn=worth_retrying,
     cache_key_fn=group_cache_key,
-    persist_result=True,
-    result_serializer="json",
+    **TASK_SETTINGS,
 )
 def tokenize_slices(job: Job, group: SliceGroup) -> list[int]:
     """Tokenize each slice of the group into its own shard (reusing finished ones); return their row counts, in
