@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from sft_tokenize.files import atomic_write
 from support.paths import ROOT
 
 MANIFEST = Path(__file__).with_name("reference_templates.json")
@@ -132,9 +133,7 @@ class Resolver:
         """The downloaded bytes under .cache/, written whole or not at all (xdist workers may race here)."""
         path = self.cache / f"{name}.jinja"
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f".{path.name}.{os.getpid()}")
-        partial.write_bytes(data)
-        partial.replace(path)
+        atomic_write(path, data, durable=False)  # a cache: a crash loses only a download
 
 
 def _off() -> bytes:
