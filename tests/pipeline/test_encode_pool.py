@@ -328,6 +328,7 @@ while len(pool.pids()) < 2 and time.monotonic() < deadline:  # both forked
 print(json.dumps([pool._current.forking.pid, *pool.pids()]), flush=True)
 if sys.argv[4] == "killed":
     time.sleep(600)
+sys.stdin.readline()  # exits once the test has seen its pool's processes, the pool still open
 """
 
 
@@ -338,12 +339,13 @@ def test_a_pool_ends_with_the_process_that_started_it_even_killed(tmp_path, end)
     command was a cache hit: it must not wait for ever on the pool at exit)."""
     source = write_jsonl(tmp_path / "rows.jsonl", example_rows()[:8])
     starter = subprocess.Popen([sys.executable, "-c", STARTS_A_POOL, str(source), str(EXAMPLE_TOKENIZER),
-                                str(tmp_path / "cache"), end], stdout=subprocess.PIPE, text=True)
+                                str(tmp_path / "cache"), end], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         pids = json.loads(starter.stdout.readline())
         forkserver = psutil.Process(pids[0]).ppid()
         assert len(pids) == 3 and all(psutil.pid_exists(pid) for pid in [forkserver, *pids])
         if end == "exits":
+            starter.stdin.close()  # its cue to exit, now that its processes are known
             assert starter.wait(timeout=30) == 0
     finally:
         starter.kill()

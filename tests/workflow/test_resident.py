@@ -55,6 +55,17 @@ def ready_resident(home: Path, timeout: float = 120) -> int:
     return pid
 
 
+def bound_residents(home: Path, timeout: float = 60) -> list[int]:
+    """The pids of the resident processes of `home` that hold its name, once one does (one started at a command's
+    exit binds it a moment later)."""
+    deadline = time.monotonic() + timeout
+    while not (bound := [found["pid"] for found in resident_processes(home) if found["bound"]]):
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    return bound
+
+
 def interrupted_run(home: Path, trace: Path, cache_root: Path, long_input: Path, signum: int) -> tuple[int, str]:
     """A run long enough to be stopped, in the ready resident, sent `signum` once it has a finished shard."""
     resident = ready_resident(home)
@@ -116,12 +127,12 @@ def test_runs_after_a_warm_one_run_in_a_resident_alike_and_it_ends_with_the_serv
 
         # The served command's exit started the next resident, still importing. A command that finds it so waits
         # only when the last resident's times say it is ready sooner than the command's own imports would be.
-        (importing,) = [found["pid"] for found in resident_processes(prefect_home) if found["bound"]]
+        (importing,) = bound_residents(prefect_home)
         (prefect_home / RECORD).write_text(json.dumps({"prepared_after": 100, "ready_after": 1}))
         waited = start(run_args([EXAMPLE_DATA], tmp_path / "waited", "-q", *IDLE), prefect_home, trace)
         assert finished(waited)[0] == 0
         assert ran_in(trace) == {importing}
-        (importing,) = [found["pid"] for found in resident_processes(prefect_home) if found["bound"]]
+        (importing,) = bound_residents(prefect_home)
         (prefect_home / RECORD).write_text(json.dumps({"prepared_after": 0.1, "ready_after": 100}))
         alone = start(run_args([EXAMPLE_DATA], tmp_path / "alone", "-q", *IDLE), prefect_home, trace)
         assert finished(alone)[0] == 0
