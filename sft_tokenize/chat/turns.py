@@ -42,10 +42,10 @@ from sft_tokenize.chat.template import ChatTemplate
 from sft_tokenize.errors import BadRow
 from sft_tokenize.sources.conversations import Conversation
 
-# How trained character spans become trained tokens: "start", a token is trained when it starts inside a
-# span (the definition); "overlap", when it overlaps one (transformers' return_assistant_tokens_mask);
-# "text", a plain-text row: encoded with the tokenizer's own special tokens, EOS appended, all trained.
-TokenRule = Literal["start", "overlap", "text"]
+# How trained character spans become trained tokens: "spans", a token holding any character of a span is
+# trained (encoding/token_mask.py; transformers' return_assistant_tokens_mask does the same for generation
+# blocks); "text", a plain-text row: encoded with the tokenizer's own special tokens, EOS appended, all trained.
+TokenRule = Literal["spans", "text"]
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class Rendered:
     text: str
     regions: list[tuple[int, int]]
     append_eos: bool = False
-    token_rule: TokenRule = "start"
+    token_rule: TokenRule = "spans"
     exact: bool = False  # found by the exact path
     expanded: bool = False  # an extra row made by --reasoning-turns expand
     fields: tuple[tuple[int, int, int], ...] = ()  # (message, start, end) of each marked field in `text`
@@ -372,7 +372,7 @@ class TurnFinder:
                                                "be honoured")
         elif self.train_on == "last_assistant":
             spans = spans[-1:]
-        return Rendered(text, [tuple(s) for s in spans], token_rule="overlap")
+        return Rendered(text, [tuple(s) for s in spans])
 
 
 def _agreeing_length(prefix: str, text: str, at: int) -> int:
