@@ -7,12 +7,13 @@ trained tokens, and applies max_length.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
+from sft_tokenize.chat.mask_settings import MaskSettings
 from sft_tokenize.chat.skeleton import SkeletonMismatch
 from sft_tokenize.chat.template import ChatTemplate, special_pattern
 from sft_tokenize.chat.turns import Rendered, TurnFinder
@@ -29,6 +30,8 @@ from sft_tokenize.encoding.vision import VisionFamily
 from sft_tokenize.errors import BadInput, BadRow
 from sft_tokenize.sources.conversations import REASONING_FIELDS, Conversation
 from sft_tokenize.sources.readers import Rows
+
+DEFAULT_MASKS = MaskSettings()
 
 
 @dataclass(frozen=True)
@@ -94,21 +97,17 @@ class _Segments:
 class ChatEncoder:
     """Turns conversations (or plain text) into input_ids and a loss mask, a batch at a time.
 
-    special_text: what a control token's text inside a message becomes: "literal", ordinary text (never the
+    `masks`: the run's mask settings (chat/mask_settings.py), given as they are to the turn finder; among them
+    special_text, what a control token's text inside a message becomes: "literal", ordinary text (never the
     control token); "error", a row error; "keep", the control token, as apply_chat_template does."""
 
-    def __init__(self, tokenizer, train_on: str = "all_assistant", max_length: int | None = None,
-                 truncation: str = "truncate", template_kwargs: Mapping[str, Any] | None = None,
-                 reasoning_turns: str = "as-rendered", special_text: str = "literal",
-                 fast: FastEncoder | None = None, vision: VisionFamily | None = None, skeletons: bool = True):
+    def __init__(self, tokenizer, masks: MaskSettings = DEFAULT_MASKS, *, fast: FastEncoder | None = None,
+                 vision: VisionFamily | None = None):
         self.tokenizer = tokenizer
+        self.masks = masks
         source = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
-        self.template = ChatTemplate(source, tokenizer, template_kwargs) if source else None
-        self.turns = TurnFinder(self.template, train_on, reasoning_turns, skeletons) if self.template else None
-        self.train_on = train_on
-        self.max_length = max_length
-        self.truncation = truncation
-        self.special_text = special_text
+        self.template = ChatTemplate(source, tokenizer, masks.template_kwargs) if source else None
+        self.turns = TurnFinder(self.template, masks) if self.template else None
         self.eos_id: int | None = tokenizer.eos_token_id
         self.special = special_pattern(tokenizer)
         self._literal = None  # a copy of the tokenizer that encodes control-token text as plain text
@@ -131,7 +130,7 @@ class ChatEncoder:
     def _render_rows(self, example: Conversation | str, literal: bool) -> list[Rendered | str | BadRow]:
         """What one example becomes before tokenizing: rows to encode, or a drop reason, or a BadRow."""
         if isinstance(example, str):
-            if self.train_on != "all":
+            if self.masks.train_on != "all":
                 return [BadRow("text_needs_train_on_all", "text rows train on every token: use train_on='all'")]
             return [Rendered(example, [(0, len(example))], token_rule="text")]
         if self.template is None:
@@ -139,7 +138,7 @@ class ChatEncoder:
         try:
             if example.image_grids and self.images is None:
                 raise BadRow("image_without_processor", "the row has images: tokenize it with --processor")
-            if self.train_on == "all":
+            if self.masks.train_on == "all":
                 rows = [self.turns.whole(example, with_fields=literal)]
             else:
                 targets = self.turns.targets(example)
@@ -222,9 +221,9 @@ class ChatEncoder:
                 origins.append(index)
                 continue
             literal, control = False, None
-            if self.special_text != "keep":
+            if self.masks.special_text != "keep":
                 control = self._control_text(example)
-                if control and self.special_text == "error":
+                if control and self.masks.special_text == "error":
                     where, token = control
                     outcomes.append(BadRow("control_token_in_text",
                                            f"{where} holds the control token {token!r} as text (--special-text "
@@ -348,13 +347,13 @@ class ChatEncoder:
         """Truncate or drop rows over max_length, drop rows left with no trained token; `straddling`: the
         positions of tokens trained for straddling an edge, counted where kept."""
         lengths = np.diff(starts)
-        keep = lengths if self.max_length is None else np.minimum(lengths, self.max_length)
+        keep = lengths if self.masks.max_length is None else np.minimum(lengths, self.masks.max_length)
         trained_before = running_totals(loss_mask)
         trained = trained_before[starts[:-1] + keep] - trained_before[starts[:-1]]
         kept_offsets = [0]
         selection = np.zeros(len(input_ids), dtype=bool)
         for row, candidate in enumerate(candidates):
-            if keep[row] < lengths[row] and self.truncation == "drop":
+            if keep[row] < lengths[row] and self.masks.truncation == "drop":
                 outcomes[candidate] = "too_long"
             elif (keep[row] < lengths[row] and self.images is not None
                   and self.images.cuts_a_run(input_ids[starts[row]:starts[row] + keep[row]])):

@@ -12,6 +12,7 @@ import pytest
 from support.edge_merges import build_edge_merging_tokenizer
 from support.vision import QWEN_CONFIG, QWEN_VL_TEMPLATE
 
+from sft_tokenize.chat.mask_settings import MaskSettings
 from sft_tokenize.encoding.chat_encoder import ChatEncoder, Encoded
 from sft_tokenize.encoding.exact import choose_encoder
 from sft_tokenize.encoding.tokenizer import load_tokenizer
@@ -114,9 +115,9 @@ def test_the_token_holding_an_answers_first_character_is_trained_on_every_path(t
     user, assistant, end = TEMPLATES[name]
     fast = choose_encoder(tokenizer, "auto")
     assert fast is not None, "the fast encoder refused the tokenizer: the default path would not be tested"
-    paths = {"default": ChatEncoder(tokenizer, fast=fast), "render full": ChatEncoder(tokenizer, fast=fast,
-                                                                                      skeletons=False),
-             "encoder hf": ChatEncoder(tokenizer), "hf, render full": ChatEncoder(tokenizer, skeletons=False)}
+    full = MaskSettings(skeletons=False)
+    paths = {"default": ChatEncoder(tokenizer, fast=fast), "render full": ChatEncoder(tokenizer, full, fast=fast),
+             "encoder hf": ChatEncoder(tokenizer), "hf, render full": ChatEncoder(tokenizer, full)}
     for answer, straddles in ANSWERS[name].items():
         assert _straddles(tokenizer, answer, assistant) == straddles, (name, answer)  # the tokenizer merges so
         want = [_expected_mask(tokenizer, row.messages, end) for row in _rows(answer)]
@@ -173,6 +174,6 @@ def test_a_straddling_token_cut_off_by_max_length_is_not_counted(tokenizers):
     ids, mask = _expected_mask(tokenizer, _rows("Hello there")[0].messages, "<|im_end|>")
     cut = mask.index(1) + 1  # keeps the first answer's first token, not the second answer
     for fast in (choose_encoder(tokenizer, "auto"), None):
-        results, batch = _encoded(ChatEncoder(tokenizer, max_length=cut, fast=fast), _rows("Hello there"))
+        results, batch = _encoded(ChatEncoder(tokenizer, MaskSettings(max_length=cut), fast=fast), _rows("Hello there"))
         assert [r.loss_mask.tolist() for r in results] == [mask[:cut]] * 3
         assert batch.tokens_straddling == 3

@@ -13,6 +13,7 @@ from support.data import COLUMNS, ROWS
 from support.families import MODERN_FAMILIES, build_modern_tokenizer, qwen3_with_generation_blocks
 from support.paths import EXAMPLE_DATA, EXAMPLE_TOKENIZER
 
+from sft_tokenize.chat.mask_settings import MaskSettings
 from sft_tokenize.encoding.chat_encoder import ChatEncoder
 from sft_tokenize.encoding.exact import EncoderMismatch, choose_encoder
 from sft_tokenize.encoding.token_mask import encoding_spans
@@ -26,7 +27,7 @@ pytest.importorskip("fastokens")  # the `fast` extra; `make test` installs it
 def both(tokenizer, **options) -> tuple[ChatEncoder, ChatEncoder]:
     fast = choose_encoder(tokenizer, "fastokens")
     assert fast is not None
-    return ChatEncoder(tokenizer, **options), ChatEncoder(tokenizer, **options, fast=fast)
+    return ChatEncoder(tokenizer, MaskSettings(**options)), ChatEncoder(tokenizer, MaskSettings(**options), fast=fast)
 
 
 def assert_same(hf: ChatEncoder, fast: ChatEncoder, examples) -> None:
