@@ -174,6 +174,7 @@ def encoder_for(job: Job) -> ChatEncoder:
             encoder = _encoders[key] = ChatEncoder(tokenizer, job.masks, fast=fast, vision=vision)
             if encoder.template is not None:
                 keep_boundaries(tokenizer, encoder.template.learned_boundaries)
+                encoder.template.warn_header_difference(job.tokenizer_url or job.tokenizer_dir)
         return _encoders[key]
 
 
