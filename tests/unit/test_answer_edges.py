@@ -141,10 +141,12 @@ def test_generation_tags_train_what_the_same_template_without_them_trains(tokeni
     for answer, straddles in ANSWERS[name].items():
         plain, _ = _encoded(ChatEncoder(tokenizers(name), fast=choose_encoder(tokenizers(name), "auto")),
                             _rows(answer))
-        tagged, batch = _encoded(ChatEncoder(tokenizers(name, tagged=True)), _rows(answer))
-        assert [(r.input_ids.tolist(), r.loss_mask.tolist()) for r in tagged] == \
-            [(r.input_ids.tolist(), r.loss_mask.tolist()) for r in plain], (name, answer)
-        assert batch.tokens_straddling == (6 if straddles else 0), (name, answer)
+        tagged_tokenizer = tokenizers(name, tagged=True)
+        for fast in (None, choose_encoder(tagged_tokenizer, "auto")):
+            tagged, batch = _encoded(ChatEncoder(tagged_tokenizer, fast=fast), _rows(answer))
+            assert [(r.input_ids.tolist(), r.loss_mask.tolist()) for r in tagged] == \
+                [(r.input_ids.tolist(), r.loss_mask.tolist()) for r in plain], (name, answer, fast)
+            assert batch.tokens_straddling == (6 if straddles else 0), (name, answer)
 
 
 def test_an_image_rows_answer_straddling_its_header_is_trained(tmp_path):
