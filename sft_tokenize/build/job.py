@@ -8,7 +8,8 @@ option table declares them (options.py), written out so that editors and type ch
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from functools import cached_property
 from pathlib import Path
 
 from sft_tokenize.build.options import (
@@ -23,6 +24,7 @@ from sft_tokenize.build.options import (
     Truncation,
 )
 from sft_tokenize.build.remote_root import working_dir
+from sft_tokenize.chat.mask_settings import MaskSettings
 from sft_tokenize.files import REMOTE_TIMEOUT, REQUEST_TIMEOUT
 from sft_tokenize.format.layout import DIGEST_BOOK, SHARD_STORE, SHARD_SUFFIX
 from sft_tokenize.read.layouts import COLUMN_TYPES, Layout, layout_columns
@@ -102,6 +104,13 @@ class Job(_JobPaths):
     remote_root: str = ""
     # this run's own id: what a process learned while encoding (chat/skeleton.py) is never carried into another run
     run: str = ""
+
+    @cached_property
+    def masks(self) -> MaskSettings:
+        """The mask settings of this job's rows, made once: its fields of MaskSettings' names, and skeletons as
+        --render says."""
+        named = {f.name: getattr(self, f.name) for f in fields(MaskSettings) if f.name != "skeletons"}
+        return MaskSettings(**named, skeletons=self.render == "skeleton")
 
 
 def features(extra_columns: tuple[str, ...] = (), layout: str = "skyrl", images: bool = False):

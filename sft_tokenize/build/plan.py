@@ -26,6 +26,7 @@ from sft_tokenize.build.remote_root import probe_root
 from sft_tokenize.build.store import store_dir
 from sft_tokenize.build.timeline import mark
 from sft_tokenize.build.workers import process_encoding, ready_processes
+from sft_tokenize.chat.mask_settings import MaskSettings
 from sft_tokenize.chat.template_check import check_chat_template
 from sft_tokenize.encoding.chat_encoder import ChatEncoder
 from sft_tokenize.encoding.pool import POOL_MIN_BYTES
@@ -161,7 +162,8 @@ def _check_tokenizer(tokenizer, columns: ColumnMap, options: TokenizeOptions) ->
                        "pass --chat-template FILE")
     if options.max_length is not None:
         try:
-            overhead = ChatEncoder(tokenizer, template_kwargs=options.template_kwargs).template_overhead()
+            masks = MaskSettings(template_kwargs=options.template_kwargs)
+            overhead = ChatEncoder(tokenizer, masks).template_overhead()
         except Exception as error:  # the template raised, or the sandbox refused what it tried to do
             if options.chat_template is None:
                 where = f"tokenizer {options.tokenizer}"

@@ -76,7 +76,7 @@ def length_summary(histogram: Counter) -> dict[str, float]:
 
 
 # Per-shard counts about how masks were made, summed into the manifest's "masks".
-MASK_COUNTS = ("rows_all_trained", "rows_exact", "rows_expanded", "rows_special_text")
+MASK_COUNTS = ("rows_all_trained", "rows_exact", "rows_expanded", "rows_special_text", "tokens_straddling")
 # Per-shard counts of skeleton fills, summed into the manifest's build record: they say how this build made its
 # rows, not what the rows are (which process learned which shape first, and which fills the run's seed drew).
 FILL_COUNTS = ("rows_filled", "rows_checked", "skeleton_mismatches")

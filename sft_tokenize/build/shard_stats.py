@@ -20,6 +20,7 @@ class ShardStats:
     rows_expanded: int = 0  # extra rows made by --reasoning-turns expand
     rows_special_text: int = 0  # rows with a control token's text inside a message, encoded as plain text
     rows_all_trained: int = 0  # rows whose every token is trained: almost always a broken template
+    tokens_straddling: int = 0  # trained tokens holding untrained characters too (encoding/token_mask.py)
     rows_filled: int = 0  # rows filled from a skeleton (chat/skeleton.py) rather than rendered
     rows_checked: int = 0  # of those, rows also rendered in full and compared
     skeleton_mismatches: int = 0  # fills that differed from their full render (rendered in full instead)
@@ -37,6 +38,7 @@ class ShardStats:
         self.rows_exact += batch.rows_exact
         self.rows_expanded += batch.rows_expanded
         self.rows_special_text += batch.rows_special_text
+        self.tokens_straddling += batch.tokens_straddling
         self.rows_filled += batch.rows_filled
         self.rows_checked += batch.rows_checked
         self.skeleton_mismatches += batch.skeleton_mismatches
@@ -53,6 +55,7 @@ class ShardStats:
         return {"rows": self.rows, "tokens": self.tokens, "trained_tokens": self.trained_tokens,
                 "rows_exact": self.rows_exact, "rows_expanded": self.rows_expanded,
                 "rows_special_text": self.rows_special_text, "rows_all_trained": self.rows_all_trained,
+                "tokens_straddling": self.tokens_straddling,
                 "rows_filled": self.rows_filled, "rows_checked": self.rows_checked,
                 "skeleton_mismatches": self.skeleton_mismatches,
                 "max_buffered_rows": self.max_buffered_rows,

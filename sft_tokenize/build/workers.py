@@ -78,13 +78,6 @@ def prepare_encodings(made: list[tuple], pooled: list[tuple[Job, int]] = ()) -> 
             encoder_for(job)
 
 
-def encoder_settings(job: Job) -> dict:
-    """The job's ChatEncoder arguments besides the tokenizer and the fast encoder."""
-    return {"train_on": job.train_on, "max_length": job.max_length, "truncation": job.truncation,
-            "template_kwargs": job.template_kwargs, "reasoning_turns": job.reasoning_turns,
-            "special_text": job.special_text, "skeletons": job.render == "skeleton"}
-
-
 def tokenizer_here(job: Job) -> str:
     """The job's tokenizer directory in this process: its own copy of a tokenizer on object storage (a worker that
     shares only the bucket has no path of the planning machine), else the directory the plan resolved."""
@@ -128,14 +121,14 @@ def settle_encoder(job: Job) -> None:
         fast.verdict()
 
 
-_encoders: dict[str, ChatEncoder] = {}
+_encoders: dict[tuple, ChatEncoder] = {}
 _making_encoder = threading.Lock()
 
 
-def _encoder_key(job: Job) -> str:
+def _encoder_key(job: Job) -> tuple:
     """What a job's encoder is made of: jobs with the same key encode alike."""
-    return json.dumps([job.tokenizer_dir, job.chat_template, job.trust_remote_code, job.encoder, prepared_path(job),
-                       job.processor_config, encoder_settings(job)], sort_keys=True, default=str)
+    return (job.tokenizer_dir, job.chat_template, job.trust_remote_code, job.encoder, prepared_path(job),
+            job.processor_config, job.masks)
 
 
 def vision_family(job: Job) -> VisionFamily | None:
@@ -146,8 +139,8 @@ def vision_family(job: Job) -> VisionFamily | None:
     return load_family(json.loads(job.processor_config), _process_encoding(job)[0])
 
 
-_runs: dict[str, str] = {}  # encoder key -> the run its encoder last learned skeletons for
-_in_full: set[tuple[str, str]] = set()  # (run, encoder key) whose skeletons a mismatch dropped in this process
+_runs: dict[tuple, str] = {}  # encoder key -> the run its encoder last learned skeletons for
+_in_full: set[tuple[str, tuple]] = set()  # (run, encoder key) whose skeletons a mismatch dropped in this process
 
 
 def skeletons_dropped(job: Job) -> None:
@@ -178,23 +171,23 @@ def encoder_for(job: Job) -> ChatEncoder:
                 _encoders.pop(next(iter(_encoders)))
             tokenizer, fast = _process_encoding(job)
             vision = vision_family(job)
-            encoder = _encoders[key] = ChatEncoder(tokenizer, fast=fast, vision=vision, **encoder_settings(job))
+            encoder = _encoders[key] = ChatEncoder(tokenizer, job.masks, fast=fast, vision=vision)
             if encoder.template is not None:
                 keep_boundaries(tokenizer, encoder.template.learned_boundaries)
+                encoder.template.warn_header_difference(job.tokenizer_url or job.tokenizer_dir)
         return _encoders[key]
 
 
 _pools: list[tuple[Job, EncodePool]] = []  # the encode pools of this process's runs in progress
 
 
-_early: dict[tuple[str, int], EncodePool] = {}  # pools started before their run needs them (start_early)
+_early: dict[tuple[tuple, int], EncodePool] = {}  # pools started before their run needs them (start_early)
 _next_pool: list[tuple[Job, int]] | None = None  # the job of this process's last run, the pool its next would take
 
 
 def _new_pool(job: Job, processes: int) -> EncodePool:
     encoder = encoder_for(job)
-    vision = encoder.images.vision if encoder.images is not None else None  # made here: picklable, no tokenizer
-    pool = EncodePool(encoder, {**encoder_settings(job), "vision": vision}, processes)
+    pool = EncodePool(encoder, processes)
 
     def traced(ready: Future) -> None:
         if ready.exception() is None:

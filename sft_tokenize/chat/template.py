@@ -13,6 +13,8 @@ Probing renders small made-up conversations (never user data) and learns, with n
 from __future__ import annotations
 
 import json
+import logging
+import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
@@ -23,6 +25,8 @@ from sft_tokenize.chat.environment import compile_template
 from sft_tokenize.chat.markers import MARK_BASE, MARKS, Marked, holds_marks, mark
 from sft_tokenize.errors import BadInput, BadRow
 from sft_tokenize.sources.conversations import OTHER_ROLES, REASONING_FIELDS, ROLES, Conversation
+
+logger = logging.getLogger("sft_tokenize")
 
 GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 # What marking can wrap. Each kind is used only where probing showed the template renders it unchanged.
@@ -144,6 +148,7 @@ class ChatTemplate:
         prompt = self._try([user], add_generation_prompt=True) or ""
         self.generation_prompt = prompt[len(plain):] if prompt.startswith(plain) else ""
         self.generation_prompt_ends = self.boundaries(self.generation_prompt)
+        self.history_header = self._history_header(user, reply)
         # Without a generation prompt (Phi-4, Mistral), a turn starts where the prompt after its previous
         # message ends: learned per role of that message.
         self.prompt_tails = {"user": self._prompt_tail([user], 0)}
@@ -154,6 +159,35 @@ class ChatTemplate:
             ends |= self._trailing_specials(*probes[name])
         self.end_of_turn = tuple(sorted(ends, key=len, reverse=True))
         self.end_of_turn_pattern = re.compile("|".join(map(re.escape, self.end_of_turn))) if ends else None
+
+    def _history_header(self, user: dict, reply: dict) -> str | None:
+        """What an assistant turn in history is headed with: the text between the user turn before it and its
+        content, with a user turn after it (None where the render does not show it plainly)."""
+        plain = self._try([user])
+        text = self._try([user, reply, {"role": "user", "content": "And tomorrow?"}])
+        if not plain or not text or not text.startswith(plain):
+            return None
+        at = text.find(reply["content"], len(plain))
+        return text[len(plain):at] if at >= 0 else None
+
+    def header_difference(self, name: str) -> str | None:
+        """One line saying what an assistant turn in history is headed with beyond the generation prompt (a
+        role separator the prompt leaves out), which is trained as the start of every assistant turn; None when
+        the generation prompt heads it as a turn in history is headed. `name`: the tokenizer it is used with."""
+        header, prompt = self.history_header, self.generation_prompt
+        if not prompt or header is None:
+            return None
+        extra = header[len(os.path.commonprefix([prompt, header])):]
+        if not extra:
+            return None
+        return (f"the chat template used with {name} starts an assistant turn in history with {header!r}, its "
+                f"generation prompt with {prompt!r}: {extra!r} is trained at the start of every assistant turn, as "
+                "the model's own output")
+
+    def warn_header_difference(self, name: str) -> None:
+        """Log `header_difference` as a warning, if there is one (a run's encoder says it once)."""
+        if difference := self.header_difference(name):
+            logger.warning("%s", difference)
 
     def _learn_tool_shape(self, user: dict) -> tuple[Any, str | None]:
         """(content of a tool-call turn without text, form of its arguments) that renders the call as JSON:

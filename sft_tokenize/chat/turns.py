@@ -36,16 +36,17 @@ from typing import Literal
 from sft_tokenize.chat.anchors import Anchors, Evidence, finds_in_constants
 from sft_tokenize.chat.facts import agree
 from sft_tokenize.chat.markers import MARK_BASE, MARK_SPLIT, mark
+from sft_tokenize.chat.mask_settings import MaskSettings
 from sft_tokenize.chat.pairs import Twin, swapped
 from sft_tokenize.chat.skeleton import Shape, Skeleton, SkeletonMismatch, Skeletons, learn, shape_of
 from sft_tokenize.chat.template import ChatTemplate
 from sft_tokenize.errors import BadRow
 from sft_tokenize.sources.conversations import Conversation
 
-# How trained character spans become trained tokens: "start", a token is trained when it starts inside a
-# span (the definition); "overlap", when it overlaps one (transformers' return_assistant_tokens_mask);
-# "text", a plain-text row: encoded with the tokenizer's own special tokens, EOS appended, all trained.
-TokenRule = Literal["start", "overlap", "text"]
+# How trained character spans become trained tokens: "spans", a token holding any character of a span is
+# trained (encoding/token_mask.py; transformers' return_assistant_tokens_mask does the same for generation
+# blocks); "text", a plain-text row: encoded with the tokenizer's own special tokens, EOS appended, all trained.
+TokenRule = Literal["spans", "text"]
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ class Rendered:
     text: str
     regions: list[tuple[int, int]]
     append_eos: bool = False
-    token_rule: TokenRule = "start"
+    token_rule: TokenRule = "spans"
     exact: bool = False  # found by the exact path
     expanded: bool = False  # an extra row made by --reasoning-turns expand
     fields: tuple[tuple[int, int, int], ...] = ()  # (message, start, end) of each marked field in `text`
@@ -66,30 +67,28 @@ class Rendered:
 class TurnFinder:
     """Finds the trained character spans of a conversation for one template and one training mode."""
 
-    def __init__(self, template: ChatTemplate, train_on: str = "all_assistant", reasoning_turns: str = "as-rendered",
-                 skeletons: bool = True):
+    def __init__(self, template: ChatTemplate, masks: MaskSettings):
         self.template = template
-        self.train_on = train_on
-        self.reasoning_turns = reasoning_turns
+        self.masks = masks
         self._tail_ends = {role: template.boundaries(tail) for role, tail in template.prompt_tails.items()}
         # Rows of a shape already rendered are filled in (skeleton.py), where the template reads fields as Twins.
-        usable = skeletons and template.compiled_for_twins is not None and not template.has_generation_blocks
+        usable = masks.skeletons and template.compiled_for_twins is not None and not template.has_generation_blocks
         self.skeletons = Skeletons(getattr(template.tokenizer, "name_or_path", "")) if usable else None
 
     def targets(self, conv: Conversation) -> list[int]:
         """Indices of the assistant messages whose turns are trained: as --train-on says, except a message
         whose own `weight` says otherwise (Conversation.trained)."""
         assistant = [i for i, m in enumerate(conv.messages) if m["role"] == "assistant"]
-        if self.train_on == "last_assistant":
+        if self.masks.train_on == "last_assistant":
             chosen = assistant[-1:]
-        elif self.train_on == "completion":
+        elif self.masks.train_on == "completion":
             chosen = [i for i in assistant if i >= completion_start(conv)]
         else:
             chosen = assistant
         if not conv.trained:
             return chosen
         wanted = [i for i in assistant if conv.trained[i] or (conv.trained[i] is None and i in chosen)]
-        if self.train_on == "completion" and wanted != chosen:
+        if self.masks.train_on == "completion" and wanted != chosen:
             # The completion is trained as one span, tool replies included: a weight that trains a prompt
             # message or leaves out one inside the completion cannot be honoured there.
             differs = next(i for i in assistant if (i in wanted) != (i in chosen))
@@ -126,7 +125,7 @@ class TurnFinder:
         main, stripped = located
         if evidence is not None and not stripped:
             self._learn(shape, evidence, main)
-        if self.reasoning_turns != "expand" or not stripped:
+        if self.masks.reasoning_turns != "expand" or not stripped:
             return [main]
         rows, expanded = [], set()
         for i in stripped:
@@ -271,7 +270,7 @@ class TurnFinder:
             if end > start or eos:
                 regions.append((start, end))
                 append_eos = append_eos or eos
-        if self.train_on == "completion" and regions:
+        if self.masks.train_on == "completion" and regions:
             if completion_start(conv) != targets[0]:
                 return None  # the completion opens with a non-assistant message: prefix rendering decides
             regions = [(regions[0][0], regions[-1][1])]
@@ -355,7 +354,7 @@ class TurnFinder:
                 end = agreed  # no end-of-turn token before the next message: the turn is what it rendered
             regions.append((start, end))
             append_eos = append_eos or eos
-        if self.train_on == "completion" and regions:
+        if self.masks.train_on == "completion" and regions:
             first = completion_start(conv)
             prompt = template.render(messages[:first], tools, add_generation_prompt=True) if first else ""
             regions = [(len(os.path.commonprefix([prompt, text])), regions[-1][1])]
@@ -370,9 +369,9 @@ class TurnFinder:
             raise BadRow("weight_unplaceable", f"the chat template's generation blocks ({len(spans)}) do not match "
                                                f"the {len(assistant)} assistant messages, so their weights cannot "
                                                "be honoured")
-        elif self.train_on == "last_assistant":
+        elif self.masks.train_on == "last_assistant":
             spans = spans[-1:]
-        return Rendered(text, [tuple(s) for s in spans], token_rule="overlap")
+        return Rendered(text, [tuple(s) for s in spans])
 
 
 def _agreeing_length(prefix: str, text: str, at: int) -> int:

@@ -7,12 +7,13 @@ trained tokens, and applies max_length.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
+from sft_tokenize.chat.mask_settings import MaskSettings
 from sft_tokenize.chat.skeleton import SkeletonMismatch
 from sft_tokenize.chat.template import ChatTemplate, special_pattern
 from sft_tokenize.chat.turns import Rendered, TurnFinder
@@ -21,14 +22,16 @@ from sft_tokenize.encoding.exact import (
     EncoderMismatch,
     FastEncoder,
     FlatPlacement,
-    IdsEncoding,
     running_totals,
 )
 from sft_tokenize.encoding.image_runs import ImageRuns
+from sft_tokenize.encoding.token_mask import encoding_spans, flat_mask
 from sft_tokenize.encoding.vision import VisionFamily
 from sft_tokenize.errors import BadInput, BadRow
 from sft_tokenize.sources.conversations import REASONING_FIELDS, Conversation
 from sft_tokenize.sources.readers import Rows
+
+DEFAULT_MASKS = MaskSettings()
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,7 @@ class EncodedBatch:
     rows_checked: int = 0  # of those, rows also rendered in full and compared
     skeleton_mismatches: int = 0  # fills that differed from their full render: the batch was rendered in full
     skeletons_dropped: bool = False  # the encoder uses no skeleton any more (a mismatch, here or in another batch)
+    tokens_straddling: int = 0  # trained tokens holding untrained characters too: across an edge of a trained span
     # With verify="defer": the rows to check, as (rendered rows, the fast encoder's encodings, add_special_tokens)
     unverified: tuple = ()
 
@@ -71,16 +75,6 @@ class EncodedBatch:
         return [self.row(o) if isinstance(o, int) else o for o in self.outcomes]
 
 
-def first_token_at_or_after(enc, position: int, n_tokens: int, n_chars: int) -> int:
-    """Index of the first token starting at or after `position` (enc.offsets would build every offset)."""
-    while position < n_chars:
-        token = enc.char_to_token(position)
-        if token is not None:
-            return token if enc.token_to_chars(token)[0] >= position else token + 1
-        position += 1
-    return n_tokens
-
-
 def _kept(placement: FlatPlacement) -> FlatPlacement:
     """The placed rows of a placement only."""
     counts = np.diff(placement.bounds)
@@ -91,36 +85,29 @@ def _kept(placement: FlatPlacement) -> FlatPlacement:
 
 
 class _Segments:
-    """A row encoded piece by piece (control-token text inside messages encoded as plain text): ids and
-    token offsets, with the same interface the mask code uses on a tokenizers Encoding."""
+    """A row encoded piece by piece (control-token text inside messages encoded as plain text): ids and where
+    each token starts and ends, as the mask code reads them (token_mask.py)."""
 
     def __init__(self, ids: list[int], offsets: list[tuple[int, int]]):
         self.ids, self.offsets = ids, offsets
-        self._starts = np.array([start for start, _ in offsets], dtype=np.int64)
-
-    def first_at_or_after(self, positions: np.ndarray) -> np.ndarray:
-        """For each character position, the index of the first token starting at or after it."""
-        return np.searchsorted(self._starts, positions, side="left")
+        bounds = np.array(offsets, dtype=np.int64).reshape(-1, 2)
+        self.starts, self.ends = bounds[:, 0].copy(), bounds[:, 1].copy()
 
 
 class ChatEncoder:
     """Turns conversations (or plain text) into input_ids and a loss mask, a batch at a time.
 
-    special_text: what a control token's text inside a message becomes: "literal", ordinary text (never the
+    `masks`: the run's mask settings (chat/mask_settings.py), given as they are to the turn finder; among them
+    special_text, what a control token's text inside a message becomes: "literal", ordinary text (never the
     control token); "error", a row error; "keep", the control token, as apply_chat_template does."""
 
-    def __init__(self, tokenizer, train_on: str = "all_assistant", max_length: int | None = None,
-                 truncation: str = "truncate", template_kwargs: Mapping[str, Any] | None = None,
-                 reasoning_turns: str = "as-rendered", special_text: str = "literal",
-                 fast: FastEncoder | None = None, vision: VisionFamily | None = None, skeletons: bool = True):
+    def __init__(self, tokenizer, masks: MaskSettings = DEFAULT_MASKS, *, fast: FastEncoder | None = None,
+                 vision: VisionFamily | None = None):
         self.tokenizer = tokenizer
+        self.masks = masks
         source = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
-        self.template = ChatTemplate(source, tokenizer, template_kwargs) if source else None
-        self.turns = TurnFinder(self.template, train_on, reasoning_turns, skeletons) if self.template else None
-        self.train_on = train_on
-        self.max_length = max_length
-        self.truncation = truncation
-        self.special_text = special_text
+        self.template = ChatTemplate(source, tokenizer, masks.template_kwargs) if source else None
+        self.turns = TurnFinder(self.template, masks) if self.template else None
         self.eos_id: int | None = tokenizer.eos_token_id
         self.special = special_pattern(tokenizer)
         self._literal = None  # a copy of the tokenizer that encodes control-token text as plain text
@@ -143,7 +130,7 @@ class ChatEncoder:
     def _render_rows(self, example: Conversation | str, literal: bool) -> list[Rendered | str | BadRow]:
         """What one example becomes before tokenizing: rows to encode, or a drop reason, or a BadRow."""
         if isinstance(example, str):
-            if self.train_on != "all":
+            if self.masks.train_on != "all":
                 return [BadRow("text_needs_train_on_all", "text rows train on every token: use train_on='all'")]
             return [Rendered(example, [(0, len(example))], token_rule="text")]
         if self.template is None:
@@ -151,7 +138,7 @@ class ChatEncoder:
         try:
             if example.image_grids and self.images is None:
                 raise BadRow("image_without_processor", "the row has images: tokenize it with --processor")
-            if self.train_on == "all":
+            if self.masks.train_on == "all":
                 rows = [self.turns.whole(example, with_fields=literal)]
             else:
                 targets = self.turns.targets(example)
@@ -234,9 +221,9 @@ class ChatEncoder:
                 origins.append(index)
                 continue
             literal, control = False, None
-            if self.special_text != "keep":
+            if self.masks.special_text != "keep":
                 control = self._control_text(example)
-                if control and self.special_text == "error":
+                if control and self.masks.special_text == "error":
                     where, token = control
                     outcomes.append(BadRow("control_token_in_text",
                                            f"{where} holds the control token {token!r} as text (--special-text "
@@ -270,20 +257,24 @@ class ChatEncoder:
         unverified: list[tuple] = []
         encodings, verified, flat = self._encode(rows, verify_rows, unverified if defer_verify else None)
         if flat is not None and len(flat[0]) == len(rows) and not any(r.append_eos for _, r, _ in rows):
-            input_ids, loss_mask, starts = flat[1].ids, self._flat_mask(rows, *flat), flat[1].bounds
+            (loss_mask, straddling), input_ids, starts = self._flat_mask(rows, *flat), flat[1].ids, flat[1].bounds
         else:
-            input_ids, loss_mask, starts = self._assemble(rows, encodings, flat)
+            input_ids, loss_mask, starts, straddling = self._assemble(rows, encodings, flat)
         if self.images is not None:
             loss_mask[self.images.vision_mask(input_ids)] = 0
-        batch = self._apply_max_length(outcomes, origins, [c for c, _, _ in rows], input_ids, loss_mask, starts)
+        batch = self._apply_max_length(outcomes, origins, [c for c, _, _ in rows], input_ids, loss_mask, starts,
+                                       straddling)
         skeletons = self.turns.skeletons if self.turns is not None else None
         return replace(batch, **counts, rows_verified=verified, unverified=tuple(unverified),
                        skeletons_dropped=skeletons is not None and skeletons.dropped)
 
     def _assemble(self, rows: list[tuple[int, Rendered, bool]], encodings: list[Any],
-                  flat: tuple[list[int], FlatPlacement] | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Every row's ids and mask end to end: the flat placement's rows sliced, the others one by one."""
-        flat_mask = self._flat_mask(rows, *flat) if flat is not None else None
+                  flat: tuple[list[int], FlatPlacement] | None
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Every row's ids and mask end to end: the flat placement's rows sliced, the others one by one; and the
+        tokens trained for straddling an edge (positions in those ids)."""
+        flat_mask, in_flat_straddling = self._flat_mask(rows, *flat) if flat is not None else (None, None)
+        straddling, position = [], 0
         in_flat = {k: j for j, k in enumerate(flat[0])} if flat is not None else {}
         ids_parts, mask_parts = [], []
         for k, ((_, rendered, _), enc) in enumerate(zip(rows, encodings, strict=True)):
@@ -292,9 +283,13 @@ class ChatEncoder:
                 a, b = flat[1].bounds[j], flat[1].bounds[j + 1]
                 ids_parts.append(flat[1].ids[a:b])
                 mask_parts.append(flat_mask[a:b])
+                low, high = np.searchsorted(in_flat_straddling, (a, b))  # sorted
+                straddling += (in_flat_straddling[low:high] - a + position).tolist()
+                position += b - a
                 if rendered.append_eos and self.eos_id is not None:  # no end-of-turn token after the last turn
                     ids_parts.append(np.array([self.eos_id], dtype=np.int32))
                     mask_parts.append(np.ones(1, dtype=np.int8))
+                    position += 1
                 continue
             ids = list(enc.ids)
             if rendered.token_rule == "text" and self.eos_id is not None and (not ids or ids[-1] != self.eos_id):
@@ -302,7 +297,10 @@ class ChatEncoder:
             elif rendered.append_eos and self.eos_id is not None:
                 ids.append(self.eos_id)  # the template wrote no end-of-turn token after the last turn
             mask = np.zeros(len(ids), dtype=np.int8)
-            for first, stop in self._token_spans(rendered, enc, len(ids)):
+            spans, across = self._token_edges(rendered, enc, len(ids))
+            straddling += [position + token for token in across]
+            position += len(ids)
+            for first, stop in spans:
                 mask[first:stop] = 1
             ids_parts.append(np.asarray(ids, dtype=np.int32))
             mask_parts.append(mask)
@@ -313,28 +311,16 @@ class ChatEncoder:
         np.add.at(per_row, owners + 1, lengths)
         empty = (np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.int8))
         return (np.concatenate(ids_parts) if ids_parts else empty[0], np.concatenate(mask_parts) if mask_parts
-                else empty[1], np.cumsum(per_row))
+                else empty[1], np.cumsum(per_row), np.asarray(straddling, dtype=np.int64))
 
     @staticmethod
-    def _flat_mask(rows: list[tuple[int, Rendered, bool]], chosen: list[int], placed: FlatPlacement) -> np.ndarray:
-        """The loss mask of the flat placement's rows: each trained character span becomes the tokens from the
-        first starting at or after its start to the first starting at or after its end, for all rows at once."""
+    def _flat_mask(rows: list[tuple[int, Rendered, bool]], chosen: list[int], placed: FlatPlacement
+                   ) -> tuple[np.ndarray, np.ndarray]:
+        """The loss mask of the flat placement's rows, for all rows at once (token_mask.py), and the tokens
+        trained for straddling an edge (positions in the placement's ids)."""
         texts = np.fromiter((len(rows[k][1].text) for k in chosen), dtype=np.int64, count=len(chosen))
-        base = running_totals(texts)  # each row's first character, rows end to end
-        counts = np.diff(placed.bounds)
-        starts = placed.starts + np.repeat(base[:-1], counts)  # ascending across the batch
-        row_of, edges = [], []
-        for j, k in enumerate(chosen):
-            for begin, end in rows[k][1].regions:
-                row_of.append(j)
-                edges.append((begin, end))
-        delta = np.zeros(len(starts) + 1, dtype=np.int32)
-        if edges:
-            at = np.asarray(edges, dtype=np.int64) + base[np.asarray(row_of)][:, None]
-            first, stop = np.searchsorted(starts, at[:, 0], "left"), np.searchsorted(starts, at[:, 1], "left")
-            np.add.at(delta, first, 1)
-            np.add.at(delta, stop, -1)
-        return (np.cumsum(delta[:-1]) > 0).astype(np.int8)
+        return flat_mask([rows[k][1].regions for k in chosen], texts, placed.starts, placed.ends,
+                         np.diff(placed.bounds))
 
     def verify(self, batch: EncodedBatch) -> EncodedBatch:
         """Check the rows another process's encoder deferred (see encode_batch) against HF's."""
@@ -344,38 +330,30 @@ class ChatEncoder:
 
     def _token_spans(self, rendered: Rendered, enc, length: int) -> list[tuple[int, int]]:
         """Token index ranges [first, stop) trained for a row's character regions."""
-        if rendered.token_rule == "text":
-            return [(0, length)]
-        n_tokens, n_chars = len(enc.ids), len(rendered.text)
-        spans = []
-        if rendered.token_rule == "overlap":  # transformers' return_assistant_tokens_mask
-            offsets = enc.offsets
-            for begin, end in rendered.regions:
-                chosen = [k for k, (a, b) in enumerate(offsets) if b > begin and a < end]
-                if chosen:
-                    spans.append((chosen[0], chosen[-1] + 1))
-            return spans
-        if isinstance(enc, _Segments | IdsEncoding):
-            edges = enc.first_at_or_after(np.array(rendered.regions, dtype=np.int64).reshape(-1)).tolist()
-            spans = list(zip(edges[0::2], edges[1::2], strict=True))
-        else:
-            for begin, end in rendered.regions:
-                spans.append((first_token_at_or_after(enc, begin, n_tokens, n_chars),
-                              first_token_at_or_after(enc, end, n_tokens, n_chars)))
-        if rendered.append_eos and self.eos_id is not None:
-            spans.append((n_tokens, n_tokens + 1))
-        return spans
+        return self._token_edges(rendered, enc, length)[0]
 
-    def _apply_max_length(self, outcomes, origins, candidates, input_ids, loss_mask, starts) -> EncodedBatch:
-        """Truncate or drop rows over max_length, drop rows left with no trained token."""
+    def _token_edges(self, rendered: Rendered, enc, length: int) -> tuple[list[tuple[int, int]], list[int]]:
+        """Token index ranges [first, stop) trained for a row's character regions (a token holding any trained
+        character is trained: token_mask.py), and how many of them straddle an edge."""
+        if rendered.token_rule == "text":
+            return [(0, length)], []
+        spans, straddling = encoding_spans(enc, rendered.regions, len(rendered.text))
+        if rendered.append_eos and self.eos_id is not None:
+            spans.append((len(enc.ids), len(enc.ids) + 1))
+        return spans, straddling
+
+    def _apply_max_length(self, outcomes, origins, candidates, input_ids, loss_mask, starts, straddling
+                          ) -> EncodedBatch:
+        """Truncate or drop rows over max_length, drop rows left with no trained token; `straddling`: the
+        positions of tokens trained for straddling an edge, counted where kept."""
         lengths = np.diff(starts)
-        keep = lengths if self.max_length is None else np.minimum(lengths, self.max_length)
+        keep = lengths if self.masks.max_length is None else np.minimum(lengths, self.masks.max_length)
         trained_before = running_totals(loss_mask)
         trained = trained_before[starts[:-1] + keep] - trained_before[starts[:-1]]
         kept_offsets = [0]
         selection = np.zeros(len(input_ids), dtype=bool)
         for row, candidate in enumerate(candidates):
-            if keep[row] < lengths[row] and self.truncation == "drop":
+            if keep[row] < lengths[row] and self.masks.truncation == "drop":
                 outcomes[candidate] = "too_long"
             elif (keep[row] < lengths[row] and self.images is not None
                   and self.images.cuts_a_run(input_ids[starts[row]:starts[row] + keep[row]])):
@@ -386,9 +364,11 @@ class ChatEncoder:
                 outcomes[candidate] = len(kept_offsets) - 1
                 selection[starts[row]:starts[row] + keep[row]] = True
                 kept_offsets.append(kept_offsets[-1] + int(keep[row]))
+        kept_straddling = int(np.count_nonzero(selection[straddling]))
         if not selection.all():
             input_ids, loss_mask = input_ids[selection], loss_mask[selection]
-        return EncodedBatch(input_ids, loss_mask, np.array(kept_offsets, dtype=np.int64), outcomes, origins)
+        return EncodedBatch(input_ids, loss_mask, np.array(kept_offsets, dtype=np.int64), outcomes, origins,
+                            tokens_straddling=kept_straddling)
 
     def _encode(self, rows: list[tuple[int, Rendered, bool]], verify_rows: int, deferred: list[tuple] | None = None
                 ) -> tuple[list[Any], int, tuple[list[int], FlatPlacement] | None]:
@@ -410,7 +390,7 @@ class ChatEncoder:
                 elif checked[0]:
                     deferred.append(checked)
                 verified += verify
-                if not add_special and all(rows[k][1].token_rule == "start" for k in chosen):
+                if not add_special and all(rows[k][1].token_rule == "spans" for k in chosen):
                     flat = ([k for j, k in enumerate(chosen) if placement.placed[j]],
                             placement if placement.placed.all() else _kept(placement))
                 else:

@@ -125,10 +125,6 @@ class IdsEncoding:
     def offsets(self) -> list[tuple[int, int]]:
         return list(zip(self.starts.tolist(), self.ends.tolist(), strict=True))
 
-    def first_at_or_after(self, positions: np.ndarray) -> np.ndarray:
-        """For each character position, the index of the first token starting at or after it."""
-        return np.searchsorted(self.starts, positions, side="left")
-
 
 class PendingNative:
     """fastokens' tokenizer for a JSON, not built yet: built in a background thread once `start()`ed (fastokens

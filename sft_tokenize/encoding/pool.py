@@ -47,10 +47,12 @@ from concurrent.futures.process import BrokenProcessPool
 from multiprocessing.connection import wait
 from typing import Any
 
+from sft_tokenize.chat.mask_settings import MaskSettings
 from sft_tokenize.encoding.chat_encoder import ChatEncoder, EncodedBatch
 from sft_tokenize.encoding.exact import rebuilt_encoder
 from sft_tokenize.encoding.memory import limit_malloc_arenas, trim_malloc
 from sft_tokenize.encoding.prepared import PartsTokenizer, TokenizerParts
+from sft_tokenize.encoding.vision import VisionFamily
 
 DEPTH = 2  # a slice's batches in flight: one being encoded while its thread reads the next
 # Below this much input to tokenize, starting the pool (~1 s of CPU a process) costs more than it saves.
@@ -75,7 +77,7 @@ _encoder: ChatEncoder | None = None  # in a pool process: the run's encoder
 _verdict: str | None = None  # in a pool process: the fast encoder's check, if the pool ran it ("" accepted)
 
 
-def _start(parts: TokenizerParts, settings: dict, tokenizer_threads: int) -> None:
+def _start(parts: TokenizerParts, masks: MaskSettings, vision: VisionFamily | None, tokenizer_threads: int) -> None:
     """In the process that forks the encoding processes: the encoder they share, fastokens' tables built (and,
     for a tokenizer seen for the first time, checked against HF's answers: `_ready` returns the verdict)."""
     global _encoder, _verdict
@@ -85,7 +87,7 @@ def _start(parts: TokenizerParts, settings: dict, tokenizer_threads: int) -> Non
     fast = rebuilt_encoder(parts.backend_json, *parts.fast, cases=parts.check) if parts.fast else None
     if fast is not None:
         fast.warm()  # its tables build while the encoder below is made
-    _encoder = ChatEncoder(PartsTokenizer(parts), fast=fast, **settings)
+    _encoder = ChatEncoder(PartsTokenizer(parts), masks, fast=fast, vision=vision)
     if fast is not None:
         _verdict = fast.verdict(say=False) if parts.check is not None else None  # refused: HF encodes every row
         if not fast.refused:
@@ -280,17 +282,19 @@ def _settle(fast, ready: Future) -> None:
 
 
 class EncodePool:
-    """`processes` processes that encode batches with the ChatEncoder of `settings` (its keyword arguments)."""
+    """`processes` processes that encode batches with a ChatEncoder like this process's: its mask settings and
+    vision family."""
 
-    def __init__(self, encoder: ChatEncoder, settings: dict, processes: int):
-        """`encoder`: this process's, made with `settings`. It checks the processes' first rows of each slice, and
+    def __init__(self, encoder: ChatEncoder, processes: int):
+        """`encoder`: this process's. It checks the processes' first rows of each slice, and
         lends them what its template learned with HF's tokenizer: they build HF's only for a row the fast encoder
         cannot place."""
         self.processes = processes
         threads = max(1, available_cores() // processes)
         self._checker = encoder
         learned = encoder.template.learned_boundaries if encoder.template else {}
-        self._initargs = (TokenizerParts.of(encoder.tokenizer, encoder.fast, learned), settings, threads)
+        vision = encoder.images.vision if encoder.images is not None else None  # picklable, no tokenizer
+        self._initargs = (TokenizerParts.of(encoder.tokenizer, encoder.fast, learned), encoder.masks, vision, threads)
         if encoder.fast is not None:  # the processes encode: this one keeps no second copy of fastokens' tables
             encoder.fast.release()
             trim_malloc()  # the tables' pages go back to the system: glibc would keep most of them (~160 MB)

@@ -207,7 +207,7 @@ def test_a_first_runs_pool_checks_the_fast_encoder_and_the_planner_builds_no_tab
     from sft_tokenize.encoding.exact import PendingNative
 
     directory, encoder, examples, want = _first_preparation(tmp_path, monkeypatch)
-    pool = EncodePool(encoder, {}, 1)
+    pool = EncodePool(encoder, 1)
     try:
         assert pool.ready.result(timeout=120) == ""  # the pool ran the check: accepted
         assert _settled(directory) == {"accepted": True, "nfc": False}
@@ -230,7 +230,7 @@ def test_a_fast_encoder_wrong_on_purpose_is_refused_by_its_pools_check_and_hf_en
     plain = list(cases.ids[0])
     plain[5] = [*plain[5], 0]
     encoder.fast.cases = replace(cases, ids=(tuple(plain), cases.ids[1]))
-    pool = EncodePool(encoder, {}, 1)
+    pool = EncodePool(encoder, 1)
     try:
         refusal = pool.ready.result(timeout=120)
         assert refusal == f"fastokens gives other ids than tokenizers for {cases.strings[5]!r}"

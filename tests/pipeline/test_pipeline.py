@@ -13,6 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 from support.data import example_rows, write_jsonl
+from support.edge_merges import build_edge_merging_tokenizer
 from support.mask_oracle import oracle
 from support.paths import EXAMPLE_DATA, EXAMPLE_TOKENIZER
 
@@ -319,7 +320,15 @@ def test_the_manifest_counts_how_masks_were_made(tmp_path, family_tokenizer):
     whole = "{% for m in messages %}{% if m.role == 'assistant' %}{{ m.content }}{% endif %}{% endfor %}"
     path = run_locally(options(tmp_path, sources=[str(data)], tokenizer=str(family_tokenizer("chatml"))))
     masks = json.loads((path / "manifest.json").read_text())["masks"]
-    assert masks == {"rows_all_trained": 0, "rows_exact": 0, "rows_expanded": 0, "rows_special_text": 1}
+    assert masks == {"rows_all_trained": 0, "rows_exact": 0, "rows_expanded": 0, "rows_special_text": 1,
+                     "tokens_straddling": 0}
     broken = run_locally(options(tmp_path, sources=[str(data)], tokenizer=str(family_tokenizer("chatml")),
                                  chat_template=whole, special_text="keep"))
     assert json.loads((broken / "manifest.json").read_text())["masks"]["rows_all_trained"] == 2
+    # A tokenizer that merges a space with the word after it: "Assistant: Hello." trains " H", which straddles
+    # the turn's start; the answer "<|im_end|>" (kept as the control token) has none.
+    colon = ("{% for m in messages %}{{ ('User: ' if m.role == 'user' else 'Assistant: ') + m.content + "
+             "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ 'Assistant: ' }}{% endif %}")
+    merging = build_edge_merging_tokenizer(tmp_path / "merging", colon)
+    edges = run_locally(options(tmp_path, sources=[str(data)], tokenizer=str(merging), special_text="keep"))
+    assert json.loads((edges / "manifest.json").read_text())["masks"]["tokens_straddling"] == 1

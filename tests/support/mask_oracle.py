@@ -3,7 +3,7 @@
 For assistant message i, with prompt = apply_chat_template(messages[:i], add_generation_prompt=True) and
 turn = apply_chat_template(messages[:i+1]) as text: the trained characters start where `turn` stops
 agreeing with `prompt` and end after the first special token that follows; trained tokens are the tokens
-of the whole conversation that start inside that span. Only transformers' own API is used.
+of the whole conversation holding a character of that span. Only transformers' own API is used.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ def oracle(tokenizer, messages, train_on="all_assistant", completion_start=None,
     ids = list(encoded["input_ids"])
     out = tokenizer.apply_chat_template(messages, tools=tools, tokenize=True)
     assert ids == list(out["input_ids"] if hasattr(out, "keys") else out)
-    starts = [start for start, _ in encoded["offset_mapping"]]
     assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if train_on == "all":
         mask = [1] * len(ids)
@@ -57,7 +56,7 @@ def oracle(tokenizer, messages, train_on="all_assistant", completion_start=None,
         if train_on == "completion":
             prompt = chat_text(tokenizer, messages[:completion_start], add_generation_prompt=True, tools=tools)
             spans = [(len(os.path.commonprefix([prompt, text])), spans[-1][1])]
-        mask = [int(any(a <= s < b for a, b in spans)) for s in starts]
+        mask = [int(any(s < b and e > a for a, b in spans)) for s, e in encoded["offset_mapping"]]
     if max_length is not None and len(ids) > max_length:
         if truncation == "drop":
             return "too_long"
@@ -82,7 +81,8 @@ def turn_oracle(tokenizer, messages, tools, end_of_turn: list[str], train_on: st
       a generation prompt, after the longest end of that prompt found before the turn's fields;
     - it ends after the first of the family's end-of-turn tokens (from its documentation) after the fields
       and before the next message's; with none there, at its last field, or, after the conversation's last
-      message, at the end of the text with EOS appended and trained.
+      message, at the end of the text with EOS appended and trained;
+    - a token holding any character of a turn is trained.
 
     Texts are rendered by transformers' renderer as given: apply_chat_template would drop `content: None`,
     which DeepSeek-V3's template needs to render a tool call.
@@ -150,7 +150,7 @@ def turn_oracle(tokenizer, messages, tools, end_of_turn: list[str], train_on: st
             append_eos = True
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = list(encoded["input_ids"])
-    mask = [int(any(a <= s < b for a, b in spans)) for s, _ in encoded["offset_mapping"]]
+    mask = [int(any(s < b and e > a for a, b in spans)) for s, e in encoded["offset_mapping"]]
     if append_eos:
         ids.append(tokenizer.eos_token_id)
         mask.append(1)
@@ -188,7 +188,7 @@ def image_oracle(processor, messages, replacements: list[str], vision_tokens: li
     - an assistant turn starts where the prompt before it (`add_generation_prompt=True`) stops agreeing
       with the text, moved back to a token boundary of the generation prompt, and ends after the first
       end-of-turn token after that;
-    - a token is trained when it starts inside a turn, outside every replacement, and is not one of
+    - a token is trained when it holds a character of a turn outside every replacement, and is not one of
       `vision_tokens`.
     """
     tokenizer = processor.tokenizer
@@ -232,8 +232,9 @@ def image_oracle(processor, messages, replacements: list[str], vision_tokens: li
     encoded = tokenizer(expanded, add_special_tokens=False, return_offsets_mapping=True)
     ids = list(encoded["input_ids"])
     vision = set(tokenizer.convert_tokens_to_ids(vision_tokens))
-    mask = [int(any(a <= s < b for a, b in spans) and not any(a <= s < b for a, b in images) and t not in vision)
-            for t, (s, _) in zip(ids, encoded["offset_mapping"], strict=True)]
+    trained = {c for a, b in spans for c in range(a, b)} - {c for a, b in images for c in range(a, b)}
+    mask = [int(not trained.isdisjoint(range(s, e)) and t not in vision)
+            for t, (s, e) in zip(ids, encoded["offset_mapping"], strict=True)]
     return ids, mask
 
 

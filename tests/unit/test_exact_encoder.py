@@ -13,8 +13,10 @@ from support.data import COLUMNS, ROWS
 from support.families import MODERN_FAMILIES, build_modern_tokenizer, qwen3_with_generation_blocks
 from support.paths import EXAMPLE_DATA, EXAMPLE_TOKENIZER
 
-from sft_tokenize.encoding.chat_encoder import ChatEncoder, first_token_at_or_after
+from sft_tokenize.chat.mask_settings import MaskSettings
+from sft_tokenize.encoding.chat_encoder import ChatEncoder
 from sft_tokenize.encoding.exact import EncoderMismatch, choose_encoder
+from sft_tokenize.encoding.token_mask import encoding_spans
 from sft_tokenize.encoding.tokenizer import load_tokenizer
 from sft_tokenize.errors import BadInput
 from sft_tokenize.sources.conversations import ColumnMap, to_example
@@ -25,7 +27,7 @@ pytest.importorskip("fastokens")  # the `fast` extra; `make test` installs it
 def both(tokenizer, **options) -> tuple[ChatEncoder, ChatEncoder]:
     fast = choose_encoder(tokenizer, "fastokens")
     assert fast is not None
-    return ChatEncoder(tokenizer, **options), ChatEncoder(tokenizer, **options, fast=fast)
+    return ChatEncoder(tokenizer, MaskSettings(**options)), ChatEncoder(tokenizer, MaskSettings(**options), fast=fast)
 
 
 def assert_same(hf: ChatEncoder, fast: ChatEncoder, examples) -> None:
@@ -94,9 +96,10 @@ def test_token_positions_from_byte_lengths_equal_hfs_rule_at_every_character(fam
         return
     assert placed.ids == list(enc.ids)
     assert placed.offsets == [tuple(o) for o in enc.offsets]
-    positions = range(len(text) + 1)
-    assert placed.first_at_or_after(np.array(positions)).tolist() == [
-        first_token_at_or_after(enc, position, len(enc.ids), len(text)) for position in positions]
+    # The tokens trained for a span, from the token positions as from HF's Encoding: spans from every character.
+    spans = [(a, b) for a in range(len(text)) for b in sorted({a + 1, a + 2, len(text)}) if b <= len(text)]
+    assert [encoding_spans(placed, [span], len(text)) for span in spans] == [
+        encoding_spans(enc, [span], len(text)) for span in spans]
 
 
 _loaded = {}

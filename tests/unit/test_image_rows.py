@@ -15,6 +15,7 @@ import random
 import numpy as np
 from support.mask_oracle import image_oracle
 
+from sft_tokenize.chat.mask_settings import MaskSettings
 from sft_tokenize.encoding.chat_encoder import ChatEncoder
 from sft_tokenize.errors import BadRow
 from sft_tokenize.sources.conversations import Conversation
@@ -148,9 +149,9 @@ def test_a_cut_inside_an_image_run_drops_the_row_and_a_cut_after_it_truncates(vi
     ids = whole.input_ids.tolist()
     first, last = ids.index(vision.run(row.image_grids[0])[0]), len(ids) - 1 - ids[::-1].index(
         vision.run(row.image_grids[0])[-1])
-    inside = ChatEncoder(tokenizer, max_length=(first + last) // 2, vision=vision).encode_batch([row])
+    inside = ChatEncoder(tokenizer, MaskSettings(max_length=(first + last) // 2), vision=vision).encode_batch([row])
     assert inside.outcomes == ["image_truncated"]
-    after = ChatEncoder(tokenizer, max_length=len(ids) - 2, vision=vision).encode_batch([row])
+    after = ChatEncoder(tokenizer, MaskSettings(max_length=len(ids) - 2), vision=vision).encode_batch([row])
     assert after.row(0).input_ids.tolist() == ids[:len(ids) - 2]
 
 

@@ -9,6 +9,7 @@ from support.data import CONVERSATIONS, msg
 from support.families import FAMILIES
 from support.mask_oracle import oracle
 
+from sft_tokenize.chat.mask_settings import MaskSettings
 from sft_tokenize.encoding.chat_encoder import ChatEncoder, Encoded
 from sft_tokenize.encoding.tokenizer import load_tokenizer
 from sft_tokenize.sources.conversations import Conversation
@@ -17,7 +18,7 @@ MODES = ["all_assistant", "last_assistant", "completion", "all"]
 
 
 def check_against_oracle(tokenizer, conversations, mode, max_length=None, truncation="truncate"):
-    batch = ChatEncoder(tokenizer, mode, max_length, truncation).encode_batch(conversations)
+    batch = ChatEncoder(tokenizer, MaskSettings(mode, max_length, truncation)).encode_batch(conversations)
     results = batch.results()
     for row, (conv, got) in enumerate(zip(conversations, results, strict=True)):
         want = oracle(tokenizer, conv.messages, mode, conv.completion_start, max_length, truncation, conv.tools)
@@ -54,7 +55,8 @@ def test_max_length(tokenizers, family, max_length, truncation, mode):
 def test_truncation_can_drop_every_trained_token(tokenizers):
     tokenizer = tokenizers("chatml")
     long_prompt = [msg("user", "word " * 200), msg("assistant", "short")]
-    [result] = ChatEncoder(tokenizer, "all_assistant", 50).encode_batch([Conversation(long_prompt)]).results()
+    encoder = ChatEncoder(tokenizer, MaskSettings("all_assistant", 50))
+    [result] = encoder.encode_batch([Conversation(long_prompt)]).results()
     assert result == "truncated_away"
 
 
@@ -100,12 +102,12 @@ def test_all_zero_mask_is_a_drop_not_a_row(tokenizers):
     tokenizer = tokenizers("chatml")
     rows = [Conversation([msg("user", "Only a question.")])]
     for mode in ("all_assistant", "last_assistant", "completion"):
-        assert ChatEncoder(tokenizer, mode).encode_batch(rows).results() == ["no_assistant_turn"]
+        assert ChatEncoder(tokenizer, MaskSettings(mode)).encode_batch(rows).results() == ["no_assistant_turn"]
 
 
 def test_text_rows_train_every_token_and_end_with_eos():
     tokenizer = load_tokenizer("examples/tokenizer")
-    [encoded] = ChatEncoder(tokenizer, "all").encode_batch(["Plain text for pretraining."]).results()
+    [encoded] = ChatEncoder(tokenizer, MaskSettings("all")).encode_batch(["Plain text for pretraining."]).results()
     assert encoded.input_ids[-1] == tokenizer.eos_token_id
     assert encoded.input_ids[:-1].tolist() == tokenizer("Plain text for pretraining.")["input_ids"]
     assert encoded.loss_mask.tolist() == [1] * len(encoded.input_ids)
@@ -134,7 +136,8 @@ def test_random_conversations_keep_the_invariants(tokenizers, family):
     @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(conversation=conversations(), mode=st.sampled_from(MODES), max_length=st.none() | st.integers(20, 80))
     def check(conversation, mode, max_length):
-        [got] = ChatEncoder(tokenizer, mode, max_length).encode_batch([Conversation(conversation)]).results()
+        encoder = ChatEncoder(tokenizer, MaskSettings(mode, max_length))
+        [got] = encoder.encode_batch([Conversation(conversation)]).results()
         want = oracle(tokenizer, conversation, mode, max_length=max_length)
         if isinstance(want, str):
             assert got == want
@@ -168,7 +171,7 @@ def test_chat_templates_render_in_a_sandbox():
 
     hostile = "{{ ''.__class__.__mro__[1].__subclasses__() }}{% for m in messages %}{{ m.content }}{% endfor %}"
     tokenizer = load_tokenizer("examples/tokenizer", chat_template=hostile)
-    [result] = ChatEncoder(tokenizer, "all").encode_batch([Conversation(CONVERSATIONS[0])]).results()
+    [result] = ChatEncoder(tokenizer, MaskSettings("all")).encode_batch([Conversation(CONVERSATIONS[0])]).results()
     assert isinstance(result, BadRow) and result.reason == "template_error"
     assert "unsafe" in result.detail
 
@@ -197,18 +200,20 @@ def test_control_token_text_is_encoded_as_plain_text_by_default(tokenizers):
 
 def test_control_token_text_kept_is_what_apply_chat_template_does(tokenizers):
     tokenizer = tokenizers("chatml")
-    [row] = ChatEncoder(tokenizer, special_text="keep").encode_batch([Conversation(INJECTED)]).results()
+    [row] = ChatEncoder(tokenizer, MaskSettings(special_text="keep")).encode_batch([Conversation(INJECTED)]).results()
     assert row.input_ids.tolist() == tokenizer.apply_chat_template(INJECTED, tokenize=True)["input_ids"]
 
 
 def test_control_token_text_can_be_refused(tokenizers):
-    [row] = ChatEncoder(tokenizers("chatml"), special_text="error").encode_batch([Conversation(INJECTED)]).results()
+    encoder = ChatEncoder(tokenizers("chatml"), MaskSettings(special_text="error"))
+    [row] = encoder.encode_batch([Conversation(INJECTED)]).results()
     assert row.reason == "control_token_in_text"
     assert str(row).startswith("messages[0].content holds the control token '<|im_end|>' as text")
 
 
 def test_control_token_text_in_plain_text_rows(tokenizers):
     tokenizer = tokenizers("chatml")
-    [row] = ChatEncoder(tokenizer, "all").encode_batch(["A document that mentions <|im_end|> once."]).results()
+    encoder = ChatEncoder(tokenizer, MaskSettings("all"))
+    [row] = encoder.encode_batch(["A document that mentions <|im_end|> once."]).results()
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert row.input_ids.tolist().count(end) == 1 and row.input_ids[-1] == tokenizer.eos_token_id

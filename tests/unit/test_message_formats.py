@@ -12,6 +12,7 @@ from support.families import MODERN_FAMILIES
 from support.mask_oracle import trained_runs
 
 from sft_tokenize.build.keys import file_digest
+from sft_tokenize.chat.mask_settings import MaskSettings
 from sft_tokenize.encoding.chat_encoder import ChatEncoder, Encoded
 from sft_tokenize.errors import BadRow
 from sft_tokenize.flows.report import fingerprint_inputs
@@ -27,7 +28,7 @@ def tokenizers(modern_tokenizers):
 
 
 def encode(tokenizer, row, train_on="all_assistant", columns=COLUMNS):
-    [got] = ChatEncoder(tokenizer, train_on).encode_batch([to_example(row, columns)]).results()
+    [got] = ChatEncoder(tokenizer, MaskSettings(train_on)).encode_batch([to_example(row, columns)]).results()
     return got
 
 
@@ -53,7 +54,7 @@ def test_a_message_weight_overrides_train_on_for_that_message(tokenizers, train_
     assert got.input_ids.tolist() == encode(tokenizer, plain, train_on).input_ids.tolist()
     # Rows of one shape share a learned render: the weights still decide each row's mask.
     batch = [to_example(row, COLUMNS) for row in (plain, WEIGHTED) * 3]
-    results = ChatEncoder(tokenizer, train_on).encode_batch(batch).results()
+    results = ChatEncoder(tokenizer, MaskSettings(train_on)).encode_batch(batch).results()
     assert all(trained_runs(tokenizer, r) == trained for r in results[1::2])
     assert all(r.loss_mask.tolist() == results[0].loss_mask.tolist() for r in results[2::2])
     assert results[0].loss_mask.tolist() != got.loss_mask.tolist()

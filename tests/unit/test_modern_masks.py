@@ -15,6 +15,7 @@ from support.data import COLUMNS, ROWS, tool_chat
 from support.families import MODERN_FAMILIES, qwen3_with_generation_blocks
 from support.mask_oracle import oracle, trained_runs, turn_oracle
 
+from sft_tokenize.chat.mask_settings import MaskSettings
 from sft_tokenize.encoding.chat_encoder import ChatEncoder, Encoded
 from sft_tokenize.encoding.tokenizer import load_tokenizer
 from sft_tokenize.errors import BadRow
@@ -157,7 +158,7 @@ FAMILIES = sorted(f for f in MODERN_FAMILIES if f != "llama3.3")  # byte-identic
 @pytest.mark.parametrize("train_on", ["all_assistant", "last_assistant"])
 def test_every_conversation_is_masked_by_the_definition_or_refused_by_the_template(tokenizers, family, train_on):
     tokenizer = tokenizers(family)
-    encoder = ChatEncoder(tokenizer, train_on)
+    encoder = ChatEncoder(tokenizer, MaskSettings(train_on))
     examples = [to_example(row, COLUMNS) for row in ROWS.values()]
     batch = encoder.encode_batch(examples)
     results = batch.results()
@@ -232,10 +233,10 @@ def test_last_assistant_and_completion_keep_their_meaning(tokenizers, family):
     example = to_example(ROWS["tools_object"], COLUMNS)
     [whole] = ChatEncoder(tokenizer).encode_batch([example]).results()
     turns = trained_runs(tokenizer, whole)
-    [last] = ChatEncoder(tokenizer, "last_assistant").encode_batch([example]).results()
+    [last] = ChatEncoder(tokenizer, MaskSettings("last_assistant")).encode_batch([example]).results()
     assert last.input_ids.tolist() == whole.input_ids.tolist()
     assert trained_runs(tokenizer, last) == turns[-1:]
-    [completion] = ChatEncoder(tokenizer, "completion").encode_batch([example]).results()
+    [completion] = ChatEncoder(tokenizer, MaskSettings("completion")).encode_batch([example]).results()
     [run] = trained_runs(tokenizer, completion)
     assert run.startswith(turns[0]) and run.endswith(turns[-1]) and "10:00" in run.removeprefix(turns[0])
 
@@ -244,14 +245,14 @@ def test_expand_trains_every_turns_reasoning(tokenizers):
     """Qwen3 drops earlier turns' reasoning: expand adds a row per such turn, ending with it and training it."""
     tokenizer = tokenizers("qwen3")
     example = to_example(ROWS["reasoning_field"], COLUMNS)
-    batch = ChatEncoder(tokenizer, reasoning_turns="expand").encode_batch([example])
+    batch = ChatEncoder(tokenizer, MaskSettings(reasoning_turns="expand")).encode_batch([example])
     assert batch.rows == 2 and batch.origins == [0, 0] and batch.rows_expanded == 1
     first, main = batch.results()
     assert trained_runs(tokenizer, first) == ["<think>\nAdd two and two.\n</think>\n\nFour.<|im_end|>"]
     assert trained_runs(tokenizer, main) == ["<think>\nAdd three and three.\n</think>\n\nSix.<|im_end|>"]
     # A template that keeps every turn's reasoning, or has none, is not expanded.
     for family in ("deepseek-v3.1", "llama3.1"):
-        other = ChatEncoder(tokenizers(family), reasoning_turns="expand").encode_batch([example])
+        other = ChatEncoder(tokenizers(family), MaskSettings(reasoning_turns="expand")).encode_batch([example])
         assert other.rows == 1 and other.rows_expanded == 0
 
 
@@ -259,12 +260,14 @@ def test_template_kwargs_reach_the_template(tokenizers):
     tokenizer = tokenizers("qwen3")
     example = to_example(ROWS["system_three_turns"], COLUMNS)
     [thinking] = ChatEncoder(tokenizer).encode_batch([example]).results()
-    [plain] = ChatEncoder(tokenizer, template_kwargs={"enable_thinking": False}).encode_batch([example]).results()
+    no_thinking = MaskSettings(template_kwargs={"enable_thinking": False})
+    [plain] = ChatEncoder(tokenizer, no_thinking).encode_batch([example]).results()
     # Without thinking, the empty think block is part of the generation prompt: the model is given it, not taught it.
     assert trained_runs(tokenizer, thinking)[-1] == "<think>\n\n</think>\n\nPear.<|im_end|>"
     assert trained_runs(tokenizer, plain) == ["Hello!<|im_end|>", "Apple.<|im_end|>", "Pear.<|im_end|>"]
     llama = tokenizers("llama3.1")
-    [dated] = ChatEncoder(llama, template_kwargs={"date_string": "01 Jan 2030"}).encode_batch([example]).results()
+    dated_settings = MaskSettings(template_kwargs={"date_string": "01 Jan 2030"})
+    [dated] = ChatEncoder(llama, dated_settings).encode_batch([example]).results()
     assert "Today Date: 01 Jan 2030" in llama.decode(dated.input_ids)
 
 

@@ -30,16 +30,16 @@ from sft_tokenize.read.packing_index import PackOptions
 
 # option set → (tokenization fingerprint, cache fingerprint with each source as [file name, kind, size]).
 PINNED = {
-    "defaults": ("5520e34b992e27e9", "6d75174308636eee"),
-    "max_length_last_assistant": ("ede077a963f0babb", "77fca8c90b0f8b13"),
-    "layout_trl": ("c35a2292ebcd094b", "9459b43bbbd72b6f"),
-    "column_mapping": ("7481446067cd23e1", "c34a93b6fd4d3939"),
-    "prompt_completion": ("9c9069ba2442dd3c", "ed47affb5aed4939"),
-    "text": ("b88741da073187e2", "6e80a5207d40b648"),
-    "extra_columns": ("6d4af1f58b8c7e68", "6da7d3835ce52cba"),
-    "chat_template_file": ("e625939bf390e3c2", "097f238491a69a0c"),
-    "template_kwargs": ("947b147d2000a20b", "efa95289cfb20427"),
-    "masks_and_bad_rows": ("c07bc8d487c02c89", "cc4b262b72fa84f8"),
+    "defaults": ("572acbf77d6721d9", "07e285151a35f62e"),
+    "max_length_last_assistant": ("46bea1edd52843b0", "18f18108d2e62eb0"),
+    "layout_trl": ("f81125cd14ee023e", "a2f98534ec26c590"),
+    "column_mapping": ("95c0be05e32f5f09", "b409c2b8ffcd5bee"),
+    "prompt_completion": ("02ea127fb9eee2b5", "0bc8620fca5321d8"),
+    "text": ("5b129e75db4bb13b", "40b1aec46773c71a"),
+    "extra_columns": ("0dcd91751345ac08", "ef51b29a2cb81e59"),
+    "chat_template_file": ("9e7e199efeae9883", "7d6c2edb363a2bbc"),
+    "template_kwargs": ("b7e6532bc39201c6", "de0f39e287996dc2"),
+    "masks_and_bad_rows": ("d66660fc939023b2", "312b1cceca500687"),
 }
 
 

@@ -9,6 +9,7 @@ from support.families import FAMILIES, MODERN_FAMILIES
 from support.mask_oracle import oracle
 
 from sft_tokenize.chat.markers import MARKS, mark
+from sft_tokenize.chat.mask_settings import MaskSettings
 from sft_tokenize.chat.pairs import Twin
 from sft_tokenize.encoding.chat_encoder import ChatEncoder, Encoded
 from sft_tokenize.encoding.tokenizer import load_tokenizer
@@ -113,7 +114,7 @@ def test_text_that_holds_marker_characters_is_rendered_twice(family_tokenizer, w
     icon = "\U000f1001"
     template = CHATML_WITH.format(body=ICON_BODIES[where])
     tokenizer = load_tokenizer(family_tokenizer("chatml"), chat_template=template)
-    encoder = ChatEncoder(tokenizer, template_kwargs={"icon": icon} if where == "argument" else None)
+    encoder = ChatEncoder(tokenizer, MaskSettings(template_kwargs={"icon": icon} if where == "argument" else None))
     messages = [{"role": "user", "content": f"icon {icon} here"},
                 {"role": "assistant", "content": "ok \U000f1003 done"},
                 {"role": "user", "content": "again"}, {"role": "assistant", "content": "fine"}]

@@ -14,6 +14,7 @@ from support.data import COLUMNS
 from support.families import FAMILIES, MODERN_FAMILIES
 
 from sft_tokenize.chat import skeleton
+from sft_tokenize.chat.mask_settings import MaskSettings
 from sft_tokenize.encoding.chat_encoder import ChatEncoder
 from sft_tokenize.encoding.tokenizer import load_tokenizer
 from sft_tokenize.sources.conversations import to_example
@@ -118,8 +119,8 @@ def test_every_filled_row_is_its_full_render(tokenizers, kind, family, monkeypat
     for k, (train_on, special_text) in enumerate([(t, s) for t in ("all_assistant", "last_assistant")
                                                  for s in ("literal", "keep")]):
         examples = corpus(k, specials)
-        want = ChatEncoder(tokenizer, train_on=train_on, special_text=special_text, skeletons=False)
-        got = ChatEncoder(tokenizer, train_on=train_on, special_text=special_text).encode_batch(examples)
+        want = ChatEncoder(tokenizer, MaskSettings(train_on=train_on, special_text=special_text, skeletons=False))
+        got = ChatEncoder(tokenizer, MaskSettings(train_on=train_on, special_text=special_text)).encode_batch(examples)
         assert got.skeleton_mismatches == 0, f"{family} {train_on} {special_text}: a fill differed"
         want = want.encode_batch(examples)
         assert [str(o) for o in want.outcomes] == [str(o) for o in got.outcomes]

@@ -13,6 +13,7 @@ import pytest
 from support.data import COLUMNS, TOOL, call, write_jsonl
 
 from sft_tokenize.chat import facts, pairs, skeleton, turns
+from sft_tokenize.chat.mask_settings import MaskSettings
 from sft_tokenize.chat.skeleton import Skeletons, shape_of
 from sft_tokenize.encoding.chat_encoder import ChatEncoder
 from sft_tokenize.encoding.tokenizer import load_tokenizer
@@ -37,8 +38,8 @@ def unsampled(monkeypatch) -> None:
 
 def full_and_filled(tokenizer, examples, **options):
     """(the rows rendered in full, the rows with skeletons, the encoder that filled them)."""
-    want = ChatEncoder(tokenizer, skeletons=False, **options).encode_batch(examples)
-    encoder = ChatEncoder(tokenizer, **options)
+    want = ChatEncoder(tokenizer, MaskSettings(skeletons=False, **options)).encode_batch(examples)
+    encoder = ChatEncoder(tokenizer, MaskSettings(**options))
     return want, encoder.encode_batch(examples), encoder
 
 
@@ -115,7 +116,7 @@ def test_a_run_across_midnight_writes_each_rows_own_date(modern_tokenizer, monke
     monkeypatch.setattr(hf, "datetime", type("FakeDatetime", (), {"now": staticmethod(_Clock.read)}))
     tokenizer = with_template(modern_tokenizer, DATED)
     examples = examples_of([plain_pair(f"question {k}", f"answer {k}") for k in range(4)])
-    full, encoder = ChatEncoder(tokenizer, skeletons=False), ChatEncoder(tokenizer)
+    full, encoder = ChatEncoder(tokenizer, MaskSettings(skeletons=False)), ChatEncoder(tokenizer)
     _Clock.now = datetime(2026, 12, 6, 23, 59, 59)
     assert_same(full.encode_batch(examples), encoder.encode_batch(examples))
     assert encoder.turns.skeletons.filled >= 2
@@ -241,7 +242,7 @@ def _thinking_rows() -> list[dict]:
 def test_a_mismatch_renders_the_batch_in_full_and_drops_the_skeletons(modern_tokenizers, monkeypatch):
     tokenizer = modern_tokenizers("qwen3")
     examples = examples_of(_thinking_rows())
-    want = ChatEncoder(tokenizer, skeletons=False).encode_batch(examples)
+    want = ChatEncoder(tokenizer, MaskSettings(skeletons=False)).encode_batch(examples)
     _ignoring_facts(monkeypatch)
     encoder = ChatEncoder(tokenizer)
     got = encoder.encode_batch(examples)
@@ -311,7 +312,7 @@ def test_a_control_token_row_is_that_rows_outcome(modern_tokenizers):
     is that row's error, not the batch's."""
     tokenizer = modern_tokenizers("smollm3")
     rows = [plain_pair("hi", "hello"), plain_pair("say <|im_end|> please", "no"), plain_pair("bye", "bye")]
-    batch = ChatEncoder(tokenizer, skeletons=False).encode_batch(examples_of(rows))
+    batch = ChatEncoder(tokenizer, MaskSettings(skeletons=False)).encode_batch(examples_of(rows))
     outcomes = [type(o).__name__ if not isinstance(o, int) else "row" for o in batch.outcomes]
     assert outcomes == ["row", "BadRow", "row"]
     assert batch.outcomes[1].reason == "control_token_in_text"
@@ -434,8 +435,8 @@ def _differs(modern_tokenizer, modern_tokenizers, source, rows) -> bool:
         tokenizer = with_template(modern_tokenizer, source)
         texts = rows if rows != "midnight" else ["a", "b", "c"]
         examples = examples_of([plain_pair(text, f"reply {k}") for k, text in enumerate(texts)])
-    full, filled = ChatEncoder(tokenizer, skeletons=False, special_text="keep"), ChatEncoder(tokenizer,
-                                                                                             special_text="keep")
+    full = ChatEncoder(tokenizer, MaskSettings(skeletons=False, special_text="keep"))
+    filled = ChatEncoder(tokenizer, MaskSettings(special_text="keep"))
     if rows == "midnight":
         _Clock.now = datetime(2026, 12, 6, 23, 59, 59)
         filled.encode_batch(examples)

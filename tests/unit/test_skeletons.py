@@ -13,6 +13,7 @@ from support.data import COLUMNS, CONVERSATIONS, ROWS
 from support.families import FAMILIES, MODERN_FAMILIES
 
 from sft_tokenize.chat import facts, skeleton
+from sft_tokenize.chat.mask_settings import MaskSettings
 from sft_tokenize.encoding.chat_encoder import ChatEncoder
 from sft_tokenize.encoding.tokenizer import load_tokenizer
 from sft_tokenize.sources.conversations import to_example
@@ -58,7 +59,7 @@ REWORDED = EDITS[:2]  # the usual dataset: other words in the same places
 
 
 def encoded(tokenizer, examples, **options):
-    encoder = ChatEncoder(tokenizer, **options)
+    encoder = ChatEncoder(tokenizer, MaskSettings(**options))
     return encoder, encoder.encode_batch(examples)
 
 
@@ -151,7 +152,7 @@ def test_a_corrupted_constant_is_caught(tokenizers):
     encoder.turns.skeletons._uses.clear()  # every skeleton's next fill is a first one again
     batch = encoder.encode_batch(examples)
     assert batch.skeleton_mismatches == 1
-    assert_same(ChatEncoder(tokenizer, skeletons=False).encode_batch(examples), batch)
+    assert_same(ChatEncoder(tokenizer, MaskSettings(skeletons=False)).encode_batch(examples), batch)
 
 
 def test_rows_with_marker_characters_take_the_full_render(tokenizers):
