@@ -204,6 +204,7 @@ def test_an_endpoint_that_goes_quiet_or_refuses_mid_run_ends_it_naming_the_endpo
     reason = "no answer within 1 s (--request-timeout)" if fault == "silent" else "connection refused"
     assert "1 of 2 slices failed: tokenize-00001" in last, last
     assert f"{url} (endpoint {proxy.endpoint}): {reason}" in last, last
+    assert f"the 1 finished shard stays in the shard store {url}/.shards: run the same command again" in last, last
     # a request waits 1 s and is tried once more (10.5 and 4.5 min before): bounds with room to spare
     assert seconds < (120 if fault == "silent" else 60), run.stderr
 
