@@ -18,16 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from sft_tokenize.errors import BadInput, one_line
-from sft_tokenize.files import (
-    REQUEST_TIMEOUT,
-    bounded,
-    is_remote,
-    local_path,
-    unanswered,
-    user_cache,
-    with_timeouts,
-)
+from sft_tokenize.files import REQUEST_TIMEOUT, is_remote, local_path, user_cache, with_timeouts
 from sft_tokenize.format.layout import REMOTE_BUILDS, STAGING
+from sft_tokenize.remote_requests import bounded, unanswered
 
 # In-memory filesystems live in one process: workers would each see their own.
 UNSUPPORTED = frozenset({"memory"})

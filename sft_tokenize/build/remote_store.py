@@ -42,7 +42,7 @@ from sft_tokenize.build.remote_root import root_filesystem
 from sft_tokenize.build.shard_check import sidecar_path, sidecar_verdict
 from sft_tokenize.build.store import Collected
 from sft_tokenize.errors import Failed, one_line
-from sft_tokenize.files import REQUEST_TIMEOUT, unanswered
+from sft_tokenize.files import REQUEST_TIMEOUT
 from sft_tokenize.format.layout import (
     ETAG,
     LEASE_SUFFIX,
@@ -53,6 +53,7 @@ from sft_tokenize.format.layout import (
     SIDECAR_SUFFIX,
     STAGING,
 )
+from sft_tokenize.remote_requests import unanswered
 from sft_tokenize.sources.resolve import Slice
 
 logger = logging.getLogger("sft_tokenize")

@@ -33,7 +33,8 @@ from typing import Any, BinaryIO
 import xxhash
 
 from sft_tokenize.errors import BadInput
-from sft_tokenize.files import REQUEST_TIMEOUT, bounded_filesystem, built_directory, is_remote, local_path
+from sft_tokenize.files import REQUEST_TIMEOUT, built_directory, is_remote, local_path
+from sft_tokenize.remote_requests import bounded_filesystem
 
 EXPORT_RECORD = "export.json"  # written last: the export's target, options, source cache, files and digest
 

@@ -35,13 +35,11 @@ from sft_tokenize.errors import BadInput, CacheError, Failed, first_line
 from sft_tokenize.files import (
     REQUEST_TIMEOUT,
     atomic_path,
-    bounded_filesystem,
     built_directory,
     file_digest,
     is_remote,
     local_path,
     locked,
-    unanswered,
     user_cache,
 )
 from sft_tokenize.format.layout import (
@@ -58,6 +56,7 @@ from sft_tokenize.format.layout import (
     STATE,
 )
 from sft_tokenize.format.manifest import read_manifest
+from sft_tokenize.remote_requests import bounded_filesystem, unanswered
 
 _KEY = re.compile(r"^[0-9A-Za-z_-]{1,128}$")  # a content key names an object: never a path
 DOWNLOADS = 8  # shard objects fetched at once

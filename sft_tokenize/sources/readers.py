@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from sft_tokenize.errors import BadInput, BadRow, Failed
-from sft_tokenize.files import REQUEST_TIMEOUT, network_failure, unanswered
+from sft_tokenize.files import REQUEST_TIMEOUT, network_failure
+from sft_tokenize.remote_requests import unanswered
 from sft_tokenize.sources.arrow_reader import _Arrow
 from sft_tokenize.sources.conversations import ColumnMap, Conversation, to_example
 from sft_tokenize.sources.csv_reader import _Csv

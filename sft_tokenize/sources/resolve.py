@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import fsspec
 
 from sft_tokenize.errors import BadInput, one_line
-from sft_tokenize.files import REQUEST_TIMEOUT, bounded_filesystem, unanswered
+from sft_tokenize.files import REQUEST_TIMEOUT
+from sft_tokenize.remote_requests import bounded_filesystem, unanswered
 from sft_tokenize.sources.compressed import (
     COMPRESSIBLE,
     COMPRESSIONS,
