@@ -86,7 +86,7 @@ def offsets(slice_: Slice, storage_options: dict | None, count: int = SAMPLE_OFF
             aligned = offset - 1 + len(file.readline())  # the next line's start (the line holding offset - 1 ends)
             if starts[-1] < aligned < part.stop:
                 starts.append(aligned)
-    return [replace(slice_, parts=(replace(part, start=start),), nbytes=stop - start)
+    return [replace(slice_, parts=(replace(part, start=start, stop=stop),), nbytes=stop - start)
             for start, stop in zip(starts, [*starts[1:], part.stop], strict=True)]
 
 
