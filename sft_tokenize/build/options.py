@@ -73,8 +73,8 @@ VERSIONS = "versions, the server and logs"
 # --request-timeout's text: the run's option and each reading command's flag (flows/arguments.py) say this
 REQUEST_TIMEOUT_HELP = ("how long a request to object storage or an http(s) server (the cache root, a remote source, "
                         "a cache version read from a bucket) may wait to connect and for each answer; one that gets "
-                        "none, or is refused, is tried once more, then fails in one line naming the endpoint (in a "
-                        "run, its slice fails)")
+                        "none, or is refused, fails (on object storage after one more try) in one line naming the "
+                        "endpoint (in a run, its slice fails)")
 
 
 @dataclass(frozen=True)

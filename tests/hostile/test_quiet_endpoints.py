@@ -96,3 +96,24 @@ def test_reading_a_version_or_collecting_a_bucket_through_a_quiet_or_refusing_en
     assert f"{named}" in err and f"(endpoint {proxy.endpoint}): {REASONS[fault]}" in err, err
     assert seconds < 30, err
     assert not (tmp_path / "copy" / version.rsplit("/", 1)[-1]).exists()  # nothing published
+
+
+@pytest.mark.parametrize("fault", ["silent", "refuse"])
+def test_a_source_on_a_quiet_or_refusing_http_server_is_named_in_one_line_before_any_slice(tmp_path, fault):
+    from support.file_server import file_server
+
+    from sft_tokenize.build.plan import plan_slices
+    from sft_tokenize.errors import BadInput
+
+    data = (EXAMPLE_DATA / "chat-00001.jsonl").read_bytes()
+    with file_server({"/data/chat.jsonl": data}) as site, tcp_proxy(site.endpoint) as proxy:
+        getattr(proxy, fault)()
+        url = f"{proxy.endpoint}/data/chat.jsonl"
+        options = TokenizeOptions(sources=[url], tokenizer=EXAMPLE_SLICES["tokenizer"],
+                                  cache_dir=str(tmp_path / "c"), request_timeout=1)
+        started = time.monotonic()
+        with pytest.raises(BadInput) as raised:
+            plan_slices(options, dry=True)
+        seconds = time.monotonic() - started
+    assert str(raised.value) == f"{url}: {REASONS[fault]}; check that the endpoint is up and reachable from here"
+    assert seconds < 30  # aiohttp's own default waits 5 minutes for an answer
