@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import fsspec
 
 from sft_tokenize.errors import BadInput, one_line
-from sft_tokenize.files import REQUEST_TIMEOUT
+from sft_tokenize.files import REQUEST_TIMEOUT, network_failure
 from sft_tokenize.remote_requests import bounded_filesystem, unanswered
 from sft_tokenize.sources.compressed import (
     COMPRESSIBLE,
@@ -165,7 +165,8 @@ def resolve(specs: list[str], *, split: str = "train", subset: str | None = None
         except BadInput:
             raise
         except Exception as error:  # noqa: BLE001 - unreachable, no credentials, refused: one line naming it
-            if reason := unanswered(error, filesystem(spec, storage_options, timeout)[0], spec, timeout):
+            if network_failure(error):  # its filesystem was made, and names its endpoint
+                reason = unanswered(error, filesystem(spec, storage_options, timeout)[0], spec, timeout)
                 raise BadInput(f"{reason}; check that the endpoint is up and reachable from here") from None
             raise BadInput(f"{_shown(spec)}: cannot read it ({type(error).__name__}: {one_line(error)})") from None
     return found
