@@ -2,12 +2,13 @@
 
 It takes the run's plan (its slices, their bytes, their content keys, whether the cache is published), says
 which slices the shard store already holds, and estimates the tokens and the time from a sample: rows from
-up to SAMPLE_SLICES slices spread over the input, and within a slice of JSON lines from SAMPLE_OFFSETS places
-along it, tokenized exactly as the run would (the same encoder, template, max_length and drops). Each sampled
-chunk stands for the input bytes up to the next one: the estimate is its tokens per byte weighted by those bytes,
-times the input's bytes, and the chunks' lowest and highest rates give its spread (a file sorted by length, or
-whose rows change along it, shows a wide one). A JSON line's bytes are its own; rows of another format are known
-by their slice's bytes only, so such a slice is read whole (at most SAMPLE_WHOLE_SLICES of them).
+up to SAMPLE_SLICES slices spread over the input, and within a slice from SAMPLE_OFFSETS places along it (line
+starts of JSON lines, Parquet row groups), tokenized exactly as the run would (the same encoder, template,
+max_length and drops). Each sampled chunk stands for the input bytes up to the next one: the estimate is its
+tokens per byte weighted by those bytes, times the input's bytes, and the chunks' lowest and highest rates give
+its spread (a file sorted by length, or whose rows change along it, shows a wide one). A JSON line's bytes are its
+own, a Parquet row's its row group's share (its bytes over its rows); rows of another format are known by their
+slice's bytes only, so such a slice is read whole (at most SAMPLE_WHOLE_SLICES of them).
 """
 
 from __future__ import annotations
@@ -22,13 +23,13 @@ from sft_tokenize.build.shard_check import finished_shard
 from sft_tokenize.build.workers import encoder_for
 from sft_tokenize.encoding.chat_encoder import EncodedBatch
 from sft_tokenize.errors import BadRow
-from sft_tokenize.sources.readers import Rows, read_slice
+from sft_tokenize.sources.readers import Rows, read_slice, reader
 from sft_tokenize.sources.resolve import Slice, filesystem
 
 SAMPLE_SLICES = 32
 SAMPLE_ROWS = 256  # per sampled slice, of JSON lines, at most
 SAMPLE_BUDGET = 2048  # rows of JSON lines in all: more slices sampled, fewer rows from each
-SAMPLE_OFFSETS = 8  # places along a slice of JSON lines where its sample is read
+SAMPLE_OFFSETS = 8  # places along a slice (of JSON lines, of Parquet row groups) where its sample is read
 SAMPLE_WHOLE_SLICES = 2  # slices of other formats read whole (their bytes are known per slice only)
 
 
@@ -85,8 +86,30 @@ def offsets(slice_: Slice, storage_options: dict | None, count: int = SAMPLE_OFF
             aligned = offset - 1 + len(file.readline())  # the next line's start (the line holding offset - 1 ends)
             if starts[-1] < aligned < part.stop:
                 starts.append(aligned)
-    return [replace(slice_, parts=(replace(part, start=start),), nbytes=stop - start)
+    return [replace(slice_, parts=(replace(part, start=start, stop=stop),), nbytes=stop - start)
             for start, stop in zip(starts, [*starts[1:], part.stop], strict=True)]
+
+
+def row_groups(slice_: Slice, storage_options: dict | None, timeout: float,
+               count: int = SAMPLE_OFFSETS) -> list[tuple[Slice, float]] | None:
+    """For a slice of Parquet row groups, `count` of them spread over it, each as a slice of its own whose bytes are
+    those it stands for (its own and those of the row groups up to the next one sampled), with its bytes per row;
+    None for a slice of another format."""
+    if any(part.kind != "parquet" for part in slice_.parts):
+        return None
+    groups = []  # (part, row group, its bytes, its rows)
+    for part in slice_.parts:
+        meta = reader(part, storage_options, timeout=timeout).file.metadata
+        groups += [(part, g, meta.row_group(g).total_byte_size, meta.row_group(g).num_rows)
+                   for g in range(part.start, part.stop)]
+    picks = spread(len(groups), count)
+    chunks = []
+    for k, first in enumerate(picks):
+        part, group, nbytes, rows = groups[first]
+        stands_for = sum(g[2] for g in groups[first:picks[k + 1] if k + 1 < len(picks) else len(groups)])
+        chunks.append((replace(slice_, parts=(replace(part, start=group, stop=group + 1),), nbytes=stands_for),
+                       nbytes / max(rows, 1)))
+    return chunks
 
 
 def sample(job: Job, slices: list[Slice], rows_per_slice: int = SAMPLE_ROWS) -> Sample:
@@ -99,16 +122,22 @@ def sample(job: Job, slices: list[Slice], rows_per_slice: int = SAMPLE_ROWS) -> 
     picked = spread(len(slices), SAMPLE_SLICES)
     rows_per_slice = min(rows_per_slice, max(1, SAMPLE_BUDGET // max(len(picked), 1)))
     for index in picked:
-        chunks = offsets(slices[index], job.storage_options)
+        groups = row_groups(slices[index], job.storage_options, job.request_timeout)
+        chunks = [(chunk, None) for chunk in offsets(slices[index], job.storage_options)] if groups is None \
+            else groups
         per_chunk = max(1, rows_per_slice // len(chunks))
-        for chunk in chunks:
+        for chunk, row_bytes in chunks:
             rows, whole = [], True
-            for batch, _, _ in read_slice(chunk, job.columns.names, job.storage_options, job.max_row_bytes, raw=True):
+            for batch, _, _ in read_slice(chunk, job.columns.names, job.storage_options, job.max_row_bytes, raw=True,
+                                          timeout=job.request_timeout):
                 rows += batch
-                if len(rows) >= per_chunk and all(type(row) is bytes for row in batch):
-                    whole = False  # JSON lines count their own bytes: no need to read on
+                if len(rows) >= per_chunk and (row_bytes is not None or all(type(row) is bytes for row in batch)):
+                    whole = False  # JSON lines and Parquet rows know their bytes: no need to read on
                     break
-            if all(type(row) is bytes for row in rows):
+            if row_bytes is not None:
+                rows = rows[:per_chunk]
+                nbytes = row_bytes * len(rows)
+            elif all(type(row) is bytes for row in rows):
                 rows = rows[:per_chunk]
                 nbytes = float(sum(len(row) + 1 for row in rows))  # and its newline
             elif whole and whole_slices < SAMPLE_WHOLE_SLICES:

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sft_tokenize.files import atomic_write, file_digest
+from sft_tokenize.files import REQUEST_TIMEOUT, atomic_write, file_digest
 from sft_tokenize.fingerprint import fingerprint
 from sft_tokenize.sources.resolve import Part, Slice, file_identity, filesystem, is_local
 
@@ -106,10 +106,11 @@ def forget(book: Path, path: str) -> None:
         _write_book(book, entries)
 
 
-def part_identity(part: Part, storage_options: dict | None = None, digests: Digests | None = None) -> list[Any]:
+def part_identity(part: Part, storage_options: dict | None = None, digests: Digests | None = None,
+                  timeout: float = REQUEST_TIMEOUT) -> list[Any]:
     """What a part reads, as content: see the module's docstring."""
     digests = Digests() if digests is None else digests
-    fs, path = filesystem(part.url, storage_options)
+    fs, path = filesystem(part.url, storage_options, timeout)
     if not is_local(fs):
         return [part.kind, part.start, part.stop, *digests.remote(part.url, fs, path)]
     if part.kind == "jsonl":
@@ -118,8 +119,8 @@ def part_identity(part: Part, storage_options: dict | None = None, digests: Dige
 
 
 def slice_key(slice_: Slice, tokenization: str, storage_options: dict | None = None,
-              digests: Digests | None = None) -> str:
+              digests: Digests | None = None, timeout: float = REQUEST_TIMEOUT) -> str:
     """The key of the shard this slice's rows tokenize into, for this tokenization fingerprint."""
     digests = Digests() if digests is None else digests
-    parts = [part_identity(part, storage_options, digests) for part in slice_.parts]
+    parts = [part_identity(part, storage_options, digests, timeout) for part in slice_.parts]
     return fingerprint({"tokenization": tokenization, "parts": parts}, digits=KEY_DIGITS)

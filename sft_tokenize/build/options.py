@@ -70,6 +70,13 @@ SLICES = "slices, runners and retries"
 VERSIONS = "versions, the server and logs"
 
 
+# --request-timeout's text: the run's option and each reading command's flag (flows/arguments.py) say this
+REQUEST_TIMEOUT_HELP = ("how long a request to object storage or an http(s) server (the cache root, a remote source, "
+                        "a cache version read from a bucket) may wait to connect and for each answer; one that gets "
+                        "none, or is refused, fails (on object storage after one more try) in one line naming the "
+                        "endpoint (in a run, its slice fails)")
+
+
 @dataclass(frozen=True)
 class Option(Flag):
     """What an option's pydantic field does not say: its flag (Flag), and what the cache makes of it."""
@@ -193,9 +200,7 @@ class TokenizeOptions(BaseModel):
         description='fsspec options for remote sources, a JSON object (e.g. \'{"anon": true}\'); prefer '
                     "credentials from the environment: these are stored with the run's parameters")
     request_timeout: Annotated[float, Option(OUTPUT, metavar="SECONDS", parse=positive_seconds, job=True)] = Field(
-        REQUEST_TIMEOUT, gt=0, description="how long a request to a cache root on object storage may wait to connect "
-                                           "and for each answer; one that gets none, or is refused, is tried once "
-                                           "more, then its slice fails naming the endpoint")
+        REQUEST_TIMEOUT, gt=0, description=REQUEST_TIMEOUT_HELP)
     shard_size: Annotated[str, Option(SLICES, metavar="SIZE")] = Field(
         "256MB", description="input bytes per slice (one task and one shard each)")
     writer_batch_rows: Annotated[int, Option(job=True)] = Field(

@@ -109,7 +109,8 @@ def _read_columns(files: list[SourceFile], options: TokenizeOptions) -> list:
     thousands of objects waits on one request per object, not on the bytes."""
     def read(source: SourceFile) -> tuple | BaseException:
         try:
-            source_reader = reader(source, options.storage_options, parse_size(options.max_row_bytes))
+            source_reader = reader(source, options.storage_options, parse_size(options.max_row_bytes),
+                                   options.request_timeout)
             available = source_reader.columns(skip_bad_rows=options.on_bad_row == "skip")
             return available, source_reader.first_bad, source_reader.schemaless
         except Exception as error:  # noqa: BLE001 - raised by _columns in the files' order, as if read one by one
@@ -195,7 +196,8 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable
     template_override = read_chat_template(options.chat_template)
     ignored: list[str] = []
     files = resolve(options.sources, split=options.split, subset=options.subset, revision=options.revision,
-                    storage_options=options.storage_options, cache_root=str(root), ignored=ignored)
+                    storage_options=options.storage_options, cache_root=str(root), ignored=ignored,
+                    timeout=options.request_timeout)
     columns = _columns(files, options)
     if processor_dir is None and "images" in columns.columns:  # read only by image rows
         columns = replace(columns, columns={k: v for k, v in columns.columns.items() if k != "images"})
@@ -273,7 +275,8 @@ def plan_slices(options: TokenizeOptions, min_slices: int = 1, on_work: Callable
     slices = cut_slices(files, target, options.storage_options)
     if content_keys:
         digests = Digests(book=job.digest_book)
-        slices = [replace(s, key=slice_key(s, job.tokenization, options.storage_options, digests)) for s in slices]
+        slices = [replace(s, key=slice_key(s, job.tokenization, options.storage_options, digests,
+                                           options.request_timeout)) for s in slices]
         if not dry:
             digests.save()
     return Plan(job, slices, name, cache_path, inputs, cached=False, url=url)

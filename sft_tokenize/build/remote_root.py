@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from sft_tokenize.errors import BadInput, one_line
-from sft_tokenize.files import REQUEST_TIMEOUT, is_remote, local_path, network_failure, user_cache, with_timeouts
+from sft_tokenize.files import REQUEST_TIMEOUT, is_remote, local_path, user_cache, with_timeouts
 from sft_tokenize.format.layout import REMOTE_BUILDS, STAGING
+from sft_tokenize.remote_requests import bounded, unanswered
 
 # In-memory filesystems live in one process: workers would each see their own.
 UNSUPPORTED = frozenset({"memory"})
@@ -84,43 +85,10 @@ def root_filesystem(url: str, storage_options: dict | None = None,
     return fs, path
 
 
-def bounded(fs: Any) -> Any:
-    """An S3 filesystem whose requests the timeouts bound (with_timeouts sets botocore's), as every S3 filesystem
-    of this process is from now on (bound_s3_requests)."""
-    if hasattr(fs, "call_s3"):
-        bound_s3_requests()
-        fs.retries = 1
-    return fs
-
-
-def bound_s3_requests() -> None:
-    """Bound the S3 requests of this process, ours and Prefect's (its result records on a bucket root):
-    - no `Expect: 100-continue` header on uploads from clients made from now on: aiohttp's wait for the server's
-      go-ahead is bounded by no timeout, so an endpoint that accepts connections and never answers would hang an
-      upload for good (the body is sent at once instead: that costs bytes only when the server refuses it);
-    - s3fs does not try a timed-out request 5 times over botocore's own retry (with_timeouts: one more attempt):
-      a silent endpoint would hold each request for 10 timeouts."""
-    import s3fs
-    from botocore import handlers
-
-    handlers.BUILTIN_HANDLERS[:] = [spec for spec in handlers.BUILTIN_HANDLERS
-                                    if spec[1] is not handlers.add_expect_header]
-    s3fs.S3FileSystem.retries = 1
-
-
-def endpoint(fs: Any, url: str) -> str:
-    """The root's URL and, where the store's client names one, its endpoint: what a failed request names."""
-    client = getattr(fs, "s3", None)
-    where = getattr(getattr(client, "meta", None), "endpoint_url", None)
-    return f"{url} (endpoint {where})" if where else url
-
-
 def reach_problem(url: str, error: BaseException, fs: Any = None, timeout: float | None = None) -> str:
     """What a failed request to the root says, in one line."""
-    if reason := network_failure(error):
-        waited = f" within {timeout:g} s (--request-timeout)" if reason == "no answer" and timeout else ""
-        return f"cache dir {endpoint(fs, url) if fs is not None else url}: {reason}{waited}; check that the " \
-               "endpoint is up and reachable from here"
+    if reason := unanswered(error, fs, url, timeout):
+        return f"cache dir {reason}; check that the endpoint is up and reachable from here"
     if isinstance(error, FileNotFoundError):
         return f"cache dir {url}: the bucket does not exist or is not visible ({one_line(error)})"
     if isinstance(error, PermissionError):

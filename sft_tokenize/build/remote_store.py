@@ -38,11 +38,11 @@ from typing import Any, TypeVar
 
 from sft_tokenize.build.job import Job
 from sft_tokenize.build.ownership import FINGERPRINT, foreign_files, is_key, not_a_version, store_key
-from sft_tokenize.build.remote_root import endpoint, root_filesystem
+from sft_tokenize.build.remote_root import root_filesystem
 from sft_tokenize.build.shard_check import sidecar_path, sidecar_verdict
 from sft_tokenize.build.store import Collected
 from sft_tokenize.errors import Failed, one_line
-from sft_tokenize.files import network_failure
+from sft_tokenize.files import REQUEST_TIMEOUT
 from sft_tokenize.format.layout import (
     ETAG,
     LEASE_SUFFIX,
@@ -53,6 +53,7 @@ from sft_tokenize.format.layout import (
     SIDECAR_SUFFIX,
     STAGING,
 )
+from sft_tokenize.remote_requests import unanswered
 from sft_tokenize.sources.resolve import Slice
 
 logger = logging.getLogger("sft_tokenize")
@@ -64,12 +65,10 @@ GRACE_SECONDS = 3600.0  # gc's default: leases, shards and uploads younger than 
 def unreachable(error: BaseException, fs: Any, url: str, timeout: float) -> Failed | None:
     """What a request to the root that was refused or got no answer becomes: one line naming the root and its
     endpoint, and what to do; None for any other error."""
-    reason = network_failure(error)
+    reason = unanswered(error, fs, url, timeout)
     if reason is None:
         return None
-    waited = f" within {timeout:g} s (--request-timeout)" if reason == "no answer" else ""
-    return Failed(f"{endpoint(fs, url)}: {reason}{waited}; check that the endpoint is up and reachable from here, "
-                  "then run the same command again")
+    return Failed(f"{reason}; check that the endpoint is up and reachable from here, then run the same command again")
 
 
 def reaching(function: Callable[..., T]) -> Callable[..., T]:
@@ -343,13 +342,24 @@ def abort_stale_uploads(fs: Any, root: str, grace: float, now: float) -> int:
 
 
 def collect_remote_garbage(url: str, keep: int = 1, grace: float = GRACE_SECONDS, storage_options: dict | None = None,
-                           names: set[str] | None = None) -> Collected:
+                           names: set[str] | None = None, timeout: float = REQUEST_TIMEOUT) -> Collected:
     """Remove every version but the newest `keep` of each name (of `names` only, if given), each by deleting its
     manifest first (a reader sees a whole version or none); then every shard object that no kept version names
-    and no lease younger than `grace` seconds names; then stale leases and incomplete uploads (module doc)."""
+    and no lease younger than `grace` seconds names; then stale leases and incomplete uploads (module doc). A
+    request refused or unanswered within `timeout` seconds ends it in one line naming the endpoint."""
     if keep < 1:
         raise ValueError(f"keep must be at least 1, got {keep}")
-    fs, root = root_filesystem(url, storage_options)
+    fs, root = root_filesystem(url, storage_options, timeout)
+    try:
+        return _collect(fs, root, keep, grace, names)
+    except Exception as error:
+        if reason := unanswered(error, fs, url, timeout):
+            raise Failed(f"{reason}; check that the endpoint is up and reachable from here, then run gc again "
+                         "(what it removed is gone, the rest is as it was)") from error
+        raise
+
+
+def _collect(fs: Any, root: str, keep: int, grace: float, names: set[str] | None) -> Collected:
     now = time.time()
     done = Collected()
     live = _live_keys(fs, root, grace, now, done)

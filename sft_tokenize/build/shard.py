@@ -115,7 +115,7 @@ def _stream_rows_as(job: Job, slice_: Slice, stream) -> ShardStats:
 
     try:
         for rows, locate, part in read_slice(slice_, job.columns.names, job.storage_options, job.max_row_bytes,
-                                             raw=image_rows is None):
+                                             raw=image_rows is None, timeout=job.request_timeout):
             raise_if_stopping()
             if image_rows is None:  # rows become conversations where they are encoded: no per-row work here
                 submit(Rows(rows, job.columns, job.system_prompt), list(range(len(rows))), locate, [])
@@ -193,7 +193,7 @@ def _tokenize_into_store(job: Job, slice_: Slice) -> int:
                         raise BadInput(changed) from None
                     raise
             # A shard is stored under the key of the bytes the plan hashed: if they changed since, it must not be.
-            if slice_key(slice_, job.tokenization, job.storage_options) != slice_.key:
+            if slice_key(slice_, job.tokenization, job.storage_options, timeout=job.request_timeout) != slice_.key:
                 for part in slice_.parts:  # the plan's digest is not the bytes' now: the next plan hashes them
                     forget(job.digest_book, filesystem(part.url, job.storage_options)[1])
                 raise BadInput(change_while_read(slice_, appended_ok=False, always=True))

@@ -105,7 +105,8 @@ def _check_slice(job, encoder, manifest: dict, cache, k: int, first: int, stop: 
     slice_ = Slice(k, tuple(Part(url, kind, start, end) for url, kind, start, end in described), 0)
     columns = manifest["columns"]
     row = first
-    for rows, locate, _ in read_slice(slice_, job.columns.names, job.storage_options, job.max_row_bytes, raw=True):
+    for rows, locate, _ in read_slice(slice_, job.columns.names, job.storage_options, job.max_row_bytes, raw=True,
+                                      timeout=job.request_timeout):
         batch = encoder.encode_batch(Rows(rows, job.columns, job.system_prompt))
         for outcome, origin in zip(batch.outcomes, batch.origins, strict=True):
             if row >= stop:

@@ -26,7 +26,7 @@ from typing import Any
 
 from sft_tokenize.errors import BadInput
 from sft_tokenize.export.output import EXPORT_RECORD, ExportOutput
-from sft_tokenize.files import atomic_write
+from sft_tokenize.files import REQUEST_TIMEOUT, atomic_write
 from sft_tokenize.format.layout import MANIFEST, is_mixture
 from sft_tokenize.read.cache import TokenizedCache, open_cache
 from sft_tokenize.read.mixed_rows import MixedRows, open_mixture
@@ -59,12 +59,13 @@ def _write(cache: Rows, target: str, out: ExportOutput, options: dict[str, Any])
 def export_cache(cache: str | Path | Rows, target: str, out: str | Path, *,
                  pack_length: int | list[int] | None = None, pad_to_multiple_of: int = 1, pad_id: int | None = None,
                  batch_rows: int = DEFAULT_BATCH_ROWS, shard_bytes: int = 1 << 27, storage_options: dict | None = None,
-                 record: bool = True) -> dict[str, Any]:
+                 record: bool = True, request_timeout: float = REQUEST_TIMEOUT) -> dict[str, Any]:
     """Export `cache` (a published cache's path or URL, a mixture index, or either opened) as `target`, in its row
     order (a mixture's: its own; with `pack_length`, the bins of its packing index), into `out` (a directory
     or an fsspec URL); returns the export's record (EXPORT_RECORD). `pad_to_multiple_of` (context parallelism: 2 ×
     its size): each packed row padded, as Megatron-Bridge's `pad_seq_to_mult` pads it, with `pad_id` (default: the
     EOS id of the tokenizer the cache was built with, which Megatron-Bridge's collator takes for padding).
+    `request_timeout`: how long each request to a URL (the cache's, OUT's) may wait to connect and for each answer.
     `record`: also note it in the cache's manifest (skipped, with the reason in the returned record, where the
     cache cannot be written)."""
     if target not in TARGETS:
@@ -81,7 +82,7 @@ def export_cache(cache: str | Path | Rows, target: str, out: str | Path, *,
     if isinstance(cache, (str, Path)) and is_mixture(cache):
         cache = open_mixture(cache)
     elif not isinstance(cache, (TokenizedCache, MixedRows)):
-        cache = open_cache(cache, storage_options=storage_options)
+        cache = open_cache(cache, storage_options=storage_options, request_timeout=request_timeout)
     options = {"pack_length": lengths, "shard_bytes": shard_bytes if target != "megatron" else None}
     if pad_to_multiple_of > 1:
         from sft_tokenize.export.megatron import eos_id
@@ -89,7 +90,7 @@ def export_cache(cache: str | Path | Rows, target: str, out: str | Path, *,
         pad_id = eos_id(cache) if pad_id is None else pad_id
         options.update(pad_to_multiple_of=pad_to_multiple_of, pad_id=pad_id)
     identity = {"target": target, "cache": cache.path.name, "fingerprint": cache.fingerprint, "options": options}
-    output = ExportOutput(out, storage_options)
+    output = ExportOutput(out, storage_options, request_timeout)
     if not output.remote and (output.final == cache.path or cache.path in output.final.parents):
         raise BadInput(f"{output.final}: inside the cache {cache.path}, which is never written: export elsewhere")
     existing = output.existing_record()

@@ -33,7 +33,8 @@ from typing import Any, BinaryIO
 import xxhash
 
 from sft_tokenize.errors import BadInput
-from sft_tokenize.files import built_directory, is_remote, local_path
+from sft_tokenize.files import REQUEST_TIMEOUT, built_directory, is_remote, local_path
+from sft_tokenize.remote_requests import bounded_filesystem
 
 EXPORT_RECORD = "export.json"  # written last: the export's target, options, source cache, files and digest
 
@@ -62,7 +63,8 @@ def export_digest(files: list[dict[str, Any]]) -> str:
 class ExportOutput:
     """An export's directory (local path or fsspec URL), written file by file, published by `finish`."""
 
-    def __init__(self, location: str | Path, storage_options: dict | None = None):
+    def __init__(self, location: str | Path, storage_options: dict | None = None,
+                 request_timeout: float = REQUEST_TIMEOUT):
         self.location = str(location)
         self.remote = is_remote(self.location)
         self.storage_options = storage_options or {}
@@ -72,9 +74,7 @@ class ExportOutput:
         self.reuse_previous = False  # reuse same-named files of the export at this place (same target, options)
         self.reused = 0
         if self.remote:
-            import fsspec
-
-            self.fs, self.root = fsspec.core.url_to_fs(self.location, **self.storage_options)
+            self.fs, self.root = bounded_filesystem(self.location, self.storage_options, request_timeout)
             self.root = self.root.rstrip("/")
         else:
             self.final = Path(os.path.abspath(local_path(self.location)))

@@ -15,7 +15,8 @@ from typing import Annotated, Any, Literal, get_origin
 
 from pydantic import BaseModel, Field
 
-from sft_tokenize.build.options import INPUT, MASKS, OUTPUT, SLICES, VERSIONS
+from sft_tokenize.build.options import INPUT, MASKS, OUTPUT, REQUEST_TIMEOUT_HELP, SLICES, VERSIONS
+from sft_tokenize.files import REQUEST_TIMEOUT
 from sft_tokenize.flags import (
     Flag,
     choices,
@@ -26,6 +27,7 @@ from sft_tokenize.flags import (
     json_object,
     non_negative_seconds,
     positive_int,
+    positive_seconds,
     sequence_length,
     shown_default,
 )
@@ -82,6 +84,9 @@ READ_STORAGE_OPTIONS = Field(
     default_factory=dict, description='fsspec options for a cache URL\'s filesystem, a JSON object (e.g. \'{"profile": '
                                       '"training"}\'); credentials are better taken from the environment (AWS_* '
                                       "variables, a profile)")
+# The run's --request-timeout (build/options.py), for each command that reads a URL
+ReadRequestTimeout = Annotated[float, Flag(FLAGS, metavar="SECONDS", parse=positive_seconds)]
+READ_REQUEST_TIMEOUT = Field(REQUEST_TIMEOUT, gt=0, description=REQUEST_TIMEOUT_HELP)
 
 
 class InspectCommand(BaseModel):
@@ -112,6 +117,7 @@ class InspectCommand(BaseModel):
         False, description="read every data file whole and compare it with the digest recorded when it was written "
                            "(without it, only the files' sizes are checked)")
     storage_options: ReadStorageOptions = READ_STORAGE_OPTIONS
+    request_timeout: ReadRequestTimeout = READ_REQUEST_TIMEOUT
 
 
 class VerifyCommand(BaseModel):
@@ -131,6 +137,7 @@ class VerifyCommand(BaseModel):
     chat_template: Annotated[str | None, Flag(FLAGS, metavar="FILE")] = Field(
         None, description="the --chat-template file the cache was built with, if it was given one")
     storage_options: ReadStorageOptions = READ_STORAGE_OPTIONS
+    request_timeout: ReadRequestTimeout = READ_REQUEST_TIMEOUT
 
 
 class PullCommand(BaseModel):
@@ -143,6 +150,7 @@ class PullCommand(BaseModel):
         description="the local cache root to copy it into: the version becomes `DIR/<name>-<fingerprint>`, its "
                     "shards `DIR/.shards/<key>.arrow` (shared with the other versions pulled there)")
     storage_options: ReadStorageOptions = READ_STORAGE_OPTIONS
+    request_timeout: ReadRequestTimeout = READ_REQUEST_TIMEOUT
 
 
 class PackCommand(PackOptions):
@@ -152,6 +160,7 @@ class PackCommand(PackOptions):
         description="a published cache directory, a mixture index, or a cache version's URL on object storage "
                     "(copied to this machine first, as `pull` does to its default directory, and packed there)")
     storage_options: ReadStorageOptions = READ_STORAGE_OPTIONS
+    request_timeout: ReadRequestTimeout = READ_REQUEST_TIMEOUT
 
 
 class GcCommand(BaseModel):
@@ -165,6 +174,7 @@ class GcCommand(BaseModel):
         3600.0, ge=0, description="a remote root's leases, unreferenced shards and incomplete uploads younger than "
                                   "this may be a running build's: kept (a build must finish within it)")
     storage_options: ReadStorageOptions = READ_STORAGE_OPTIONS
+    request_timeout: ReadRequestTimeout = READ_REQUEST_TIMEOUT
 
 
 class ExportCommand(BaseModel):
@@ -191,6 +201,7 @@ class ExportCommand(BaseModel):
                           "cache was built with, which Megatron-Bridge's collator takes for padding)")
     storage_options: ReadStorageOptions = Field(
         default_factory=dict, description="fsspec options, a JSON object, for the cache's URL and OUT's filesystem")
+    request_timeout: ReadRequestTimeout = READ_REQUEST_TIMEOUT
 
 
 class DiffCommand(BaseModel):
@@ -204,6 +215,7 @@ class DiffCommand(BaseModel):
                              "decoded by its own tokenizer (where it is on this machine), trained tokens marked")
     as_json: Annotated[bool, Flag(FLAGS, flag="--json")] = Field(False, description="print the comparison as JSON")
     storage_options: ReadStorageOptions = READ_STORAGE_OPTIONS
+    request_timeout: ReadRequestTimeout = READ_REQUEST_TIMEOUT
 
 
 class VerifyTrainerFlags(BaseModel):

@@ -104,11 +104,12 @@ def inspect(args: argparse.Namespace) -> int:
 
     if is_remote(args.cache):
         if not (args.lengths or args.row or args.sample or args.verify):  # the manifest says it all: no download
-            manifest = remote_manifest(args.cache, args.storage_options)
+            manifest = remote_manifest(args.cache, args.storage_options, args.request_timeout)
             print(json.dumps(manifest, indent=2) if args.as_json
                   else text_table(summary(manifest, args.cache.rstrip("/")) + fingerprint_inputs(manifest)))
             return EXIT_OK
-        args.cache = str(materialize(args.cache, storage_options=args.storage_options))
+        args.cache = str(materialize(args.cache, storage_options=args.storage_options,
+                                     request_timeout=args.request_timeout))
     if args.lengths:
         return show_lengths(args)
     if is_mixture(args.cache):  # a mixture index: its per-source summary
@@ -170,7 +171,7 @@ def pull(args: argparse.Namespace) -> int:
     if not is_remote(args.url):
         raise BadInput(f"{args.url}: not a URL of object storage (s3://, gs://, …): a local cache is opened where "
                        "it is")
-    print(materialize(args.url, args.local_dir, args.storage_options))
+    print(materialize(args.url, args.local_dir, args.storage_options, args.request_timeout))
     return EXIT_OK
 
 
@@ -194,7 +195,8 @@ def pack(args: argparse.Namespace) -> int:
     options = PackOptions(length=args.length, data_parallel=args.data_parallel, algorithm=args.algorithm,
                           index_dir=args.index_dir)
     # A cache on object storage is packed where it is read: in its local copy, beside which the index is kept
-    index = pack_cache(cache_location(args.cache, storage_options=args.storage_options), options)
+    index = pack_cache(cache_location(args.cache, storage_options=args.storage_options,
+                                      request_timeout=args.request_timeout), options)
     print(text_table([("built", "now" if index.built_now else "earlier: reused")]
                      + packing_summary(index.meta, index.build, index.path)))
     print(index.path)
@@ -206,7 +208,7 @@ def export(args: argparse.Namespace) -> int:
 
     record = export_cache(args.cache, args.to, args.out, pack_length=args.pack_length,
                           pad_to_multiple_of=args.pad_to_multiple_of, pad_id=args.pad_id,
-                          storage_options=args.storage_options)
+                          storage_options=args.storage_options, request_timeout=args.request_timeout)
     reused = " (reused: already exported)" if record.get("reused") else ""
     print(f"{record['target']}: {record['rows']} rows, {record['tokens']} tokens, digest {record['digest']}{reused}",
           file=sys.stderr)
@@ -219,7 +221,8 @@ def diff(args: argparse.Namespace) -> int:
     from sft_tokenize.read.cache import open_cache
     from sft_tokenize.read.cache_diff import diff_caches
 
-    old, new = (open_cache(path, storage_options=args.storage_options) for path in (args.old, args.new))
+    old, new = (open_cache(path, storage_options=args.storage_options, request_timeout=args.request_timeout)
+                for path in (args.old, args.new))
     result = diff_caches(old, new)
     if args.as_json:
         print(json.dumps({**vars(result), "old": str(result.old), "new": str(result.new),
@@ -262,7 +265,7 @@ def verify_trainer_command(args: argparse.Namespace) -> int:
     from sft_tokenize.consumers.verify_trainer import verify_trainer
     from sft_tokenize.read.cache import open_cache
 
-    cache = open_cache(args.cache, storage_options=args.storage_options)
+    cache = open_cache(args.cache, storage_options=args.storage_options, request_timeout=args.request_timeout)
     check = verify_trainer(cache, args.trainer, args.batches, batch_size=args.batch_size, tokenizer=args.tokenizer,
                            export=args.export)
     if args.export:
@@ -315,8 +318,9 @@ def gc(args: argparse.Namespace) -> int:
 
     protocol, root = split_url(args.cache_dir)
     if protocol:
-        probe_root(root, args.storage_options)  # a bad URL or credentials: one line, before anything is removed
-        done = collect_remote_garbage(root, args.keep, args.grace, args.storage_options)
+        # a bad URL or credentials: one line, before anything is removed
+        probe_root(root, args.storage_options, args.request_timeout)
+        done = collect_remote_garbage(root, args.keep, args.grace, args.storage_options, timeout=args.request_timeout)
     else:
         root = os.path.abspath(os.path.expanduser(root))
         if not os.path.isdir(root):

@@ -97,10 +97,11 @@ def raise_failures(failures: dict[int, BaseException], plan: Plan, retries: int)
     """Report the failed slices (the failure artifact) and fail the run naming them all: as BadInput (exit 2)
     if any failed on bad input, since rerunning alone would fail the same way, else as SlicesFailed."""
     total, retry_in_ui = len(plan.slices), _is_deployment_run()
-    message = failure_message(failures, total, plan.store, retries, retry_in_ui)
+    store = plan.job.store  # a remote root's store is a URL, which a Path would cut to `s3:/bucket/...`
+    message = failure_message(failures, total, store, retries, retry_in_ui)
     by_index = {s.index: s for s in plan.slices}
     rows = [(f"tokenize-{i:05d}", describe_slice(by_index[i]), reason(e)) for i, e in sorted(failures.items())]
-    hint = rerun_hint(failures, total, plan.store, retry_in_ui)
+    hint = rerun_hint(failures, total, store, retry_in_ui)
     head = _failed(failures, total, retries)[0]
     try:
         create_markdown_artifact(

@@ -28,7 +28,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from sft_tokenize.errors import CacheError
-from sft_tokenize.files import file_digest
+from sft_tokenize.files import REQUEST_TIMEOUT, file_digest
 from sft_tokenize.format.layout import SHARD_STORE, SIDECAR_SUFFIX
 from sft_tokenize.format.manifest import read_manifest
 from sft_tokenize.read.remote_cache import cache_location
@@ -105,7 +105,8 @@ class TokenizedCache(Sequence):
 
 
 def open_cache(path: str | Path, local_dir: str | Path | None = None,
-               storage_options: dict | None = None, tokenizer: Any = None) -> TokenizedCache:
+               storage_options: dict | None = None, tokenizer: Any = None,
+               request_timeout: float = REQUEST_TIMEOUT) -> TokenizedCache:
     """The published cache at `path`, memory-mapped. Refused (CacheError naming the file) if its manifest or
     state.json is missing or incomplete, if a data file is missing, has another size than the manifest says or
     is not readable Arrow, or if the row count differs. The data files' bytes are not read: for that, see
@@ -113,11 +114,11 @@ def open_cache(path: str | Path, local_dir: str | Path | None = None,
 
     `path` may be a version's URL on object storage (`s3://bucket/root/<name>-<fingerprint>`): it is copied into
     `local_dir` first, once per machine, its shards checked against their digests (remote_cache.materialize,
-    which `storage_options` are for), and the local copy is opened.
+    which `storage_options` and `request_timeout` are for), and the local copy is opened.
 
     `tokenizer` (the trainer's tokenizer, or its directory): a TokenizerMismatch warning names what differs from
     the tokenizer files and chat template the cache was built with (read/tokenizer_check.py)."""
-    cache = TokenizedCache(cache_location(path, local_dir, storage_options))
+    cache = TokenizedCache(cache_location(path, local_dir, storage_options, request_timeout))
     if tokenizer is not None:
         differences = tokenizer_differences(cache.manifest, tokenizer)
         if differences:

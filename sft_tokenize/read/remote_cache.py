@@ -33,13 +33,13 @@ from typing import Any
 
 from sft_tokenize.errors import BadInput, CacheError, Failed, first_line
 from sft_tokenize.files import (
+    REQUEST_TIMEOUT,
     atomic_path,
     built_directory,
     file_digest,
     is_remote,
     local_path,
     locked,
-    network_failure,
     user_cache,
 )
 from sft_tokenize.format.layout import (
@@ -56,6 +56,7 @@ from sft_tokenize.format.layout import (
     STATE,
 )
 from sft_tokenize.format.manifest import read_manifest
+from sft_tokenize.remote_requests import bounded_filesystem, unanswered
 
 _KEY = re.compile(r"^[0-9A-Za-z_-]{1,128}$")  # a content key names an object: never a path
 DOWNLOADS = 8  # shard objects fetched at once
@@ -77,10 +78,12 @@ def default_local_dir(root: str) -> Path:
     return user_cache() / REMOTE_COPIES / f"{slug}-{hashlib.sha256(root.encode()).hexdigest()[:8]}"
 
 
-def materialize(url: str, local_dir: str | Path | None = None, storage_options: dict | None = None) -> Path:
+def materialize(url: str, local_dir: str | Path | None = None, storage_options: dict | None = None,
+                request_timeout: float = REQUEST_TIMEOUT) -> Path:
     """The published version at `url` as a local published cache, `LOCAL/<version>`; downloaded (and checked)
     unless a complete copy is there already. `storage_options`: fsspec's, for the URL's filesystem (credentials
-    are better taken from the environment, e.g. AWS_* variables)."""
+    are better taken from the environment, e.g. AWS_* variables); each request waits at most `request_timeout`
+    seconds to connect and for each answer."""
     url = url.rstrip("/")
     root, version = split_version(url)
     if root.split("://", 1)[0].lower() == "memory":
@@ -89,7 +92,7 @@ def materialize(url: str, local_dir: str | Path | None = None, storage_options: 
     final = local / version
     if _complete(final):
         return final
-    remote = Remote(url, storage_options)  # a URL no filesystem takes is refused before anything is made
+    remote = Remote(url, storage_options, request_timeout)  # a URL no filesystem takes is refused before anything
     staging = local / STAGING / version
     staging.parent.mkdir(parents=True, exist_ok=True)
     with locked(staging.with_name(version + LOCK_SUFFIX), remove=True,
@@ -111,13 +114,13 @@ def _complete(path: Path) -> bool:
 class Remote:
     """One version on object storage, read through fsspec; every failure is one line naming the URL."""
 
-    def __init__(self, url: str, storage_options: dict | None = None):
+    def __init__(self, url: str, storage_options: dict | None = None, timeout: float = REQUEST_TIMEOUT):
         self.url = url
         self.root, self.version = split_version(url)
+        self.timeout = timeout
         try:
-            import fsspec
-
-            self.fs, self.path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+            # its own client: one the process made earlier may name another endpoint (AWS_ENDPOINT_URL)
+            self.fs, self.path = bounded_filesystem(url, storage_options, timeout, skip_instance_cache=True)
         except ImportError as error:
             raise BadInput(f"{url}: its filesystem is not installed ({first_line(error)})") from None
         except (ValueError, TypeError) as error:
@@ -127,8 +130,8 @@ class Remote:
     def _failed(self, error: BaseException, what: str, missing: str | None = None) -> Exception:
         """The error a failed request becomes: CacheError (exit 2) for what the user must fix, Failed (exit 1)
         for a store that did not answer."""
-        if reason := network_failure(error):
-            return Failed(f"{what}: {reason}; try again")
+        if reason := unanswered(error, self.fs, what, self.timeout):
+            return Failed(f"{reason}; check that the endpoint is up and reachable from here, then try again")
         if isinstance(error, PermissionError):
             return CacheError(f"{what}: access denied: check the credentials ({first_line(error)})")
         if isinstance(error, FileNotFoundError):
@@ -227,14 +230,15 @@ class Remote:
 
 
 def cache_location(location: str | Path, local_dir: str | Path | None = None,
-                   storage_options: dict | None = None) -> str | Path:
+                   storage_options: dict | None = None, request_timeout: float = REQUEST_TIMEOUT) -> str | Path:
     """Where a reader opens `location`: a remote version materialized first (its local path); a local path as
     it is (`file://` removed)."""
     if is_remote(location):
-        return materialize(str(location), local_dir, storage_options)
+        return materialize(str(location), local_dir, storage_options, request_timeout)
     return local_path(location)
 
 
-def remote_manifest(url: str, storage_options: dict | None = None) -> dict[str, Any]:
+def remote_manifest(url: str, storage_options: dict | None = None,
+                    request_timeout: float = REQUEST_TIMEOUT) -> dict[str, Any]:
     """The manifest of the version at `url`, read from the store: nothing is downloaded but it."""
-    return Remote(url.rstrip("/"), storage_options).manifest()[1]
+    return Remote(url.rstrip("/"), storage_options, request_timeout).manifest()[1]

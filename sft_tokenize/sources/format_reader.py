@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from sft_tokenize.errors import BadRow
+from sft_tokenize.files import REQUEST_TIMEOUT
 from sft_tokenize.sources.compressed import compression_of, open_decompressed
 from sft_tokenize.sources.resolve import Part, SourceFile, filesystem
 
@@ -27,9 +28,10 @@ class _Reader:
     schemaless = False  # rows are JSON objects whose keys may differ from row to row
     first_bad: tuple[str, BadRow] | None = None  # after columns() found only bad rows: where the first is, and why
 
-    def __init__(self, source: SourceFile | Part, storage_options: dict | None, max_row_bytes: int | None = None):
+    def __init__(self, source: SourceFile | Part, storage_options: dict | None, max_row_bytes: int | None = None,
+                 timeout: float = REQUEST_TIMEOUT):
         self.url = source.url
-        self.fs, self.path = filesystem(source.url, storage_options)
+        self.fs, self.path = filesystem(source.url, storage_options, timeout)
         self.compressed = compression_of(source.url) is not None
         self.max_row_bytes = max_row_bytes
 

@@ -16,7 +16,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from sft_tokenize.errors import BadInput, BadRow
+from sft_tokenize.errors import BadInput, BadRow, Failed
+from sft_tokenize.files import REQUEST_TIMEOUT, network_failure
+from sft_tokenize.remote_requests import unanswered
 from sft_tokenize.sources.arrow_reader import _Arrow
 from sft_tokenize.sources.conversations import ColumnMap, Conversation, to_example
 from sft_tokenize.sources.csv_reader import _Csv
@@ -24,15 +26,15 @@ from sft_tokenize.sources.format_reader import _Reader
 from sft_tokenize.sources.json_reader import _JsonArray
 from sft_tokenize.sources.jsonl_reader import _JsonLines, _parse_line
 from sft_tokenize.sources.parquet_reader import _Parquet
-from sft_tokenize.sources.resolve import Part, Slice, SourceFile
+from sft_tokenize.sources.resolve import Part, Slice, SourceFile, filesystem
 
 READERS: dict[str, type[_Reader]] = {"jsonl": _JsonLines, "json": _JsonArray, "parquet": _Parquet, "arrow": _Arrow,
                                      "csv": _Csv}
 
 
 def reader(source: SourceFile | Part, storage_options: dict | None = None,
-           max_row_bytes: int | None = None) -> _Reader:
-    return READERS[source.kind](source, storage_options, max_row_bytes)
+           max_row_bytes: int | None = None, timeout: float = REQUEST_TIMEOUT) -> _Reader:
+    return READERS[source.kind](source, storage_options, max_row_bytes, timeout)
 
 
 def _change(part: Part, appended_ok: bool) -> str | None:
@@ -69,26 +71,36 @@ def change_while_read(slice_: Slice, appended_ok: bool = True, always: bool = Fa
 
 
 def read_slice(slice_: Slice, columns: list[str], storage_options: dict | None = None,
-               max_row_bytes: int | None = None, raw: bool = False
+               max_row_bytes: int | None = None, raw: bool = False, timeout: float = REQUEST_TIMEOUT
                ) -> Iterator[tuple[list[Any], Callable[[int], str], Part]]:
     """The slice's rows in batches, each with the part it comes from, holding the run's columns that each file
     has (an optional one may be in some files only); a JSON line over `max_row_bytes` comes as a BadRow
     `row_too_large`. With `raw`, a JSON line comes as its bytes (see `Rows`). Each local file's size and mtime
     are checked against the plan's before and after its part is read (two stats): a file changed under the
-    slice fails it with one line instead of giving it a mix of old and new rows."""
+    slice fails it with one line instead of giving it a mix of old and new rows. A remote file's request waits
+    at most `timeout` seconds to connect and for each answer; one refused or unanswered fails the slice in one
+    line naming the file and its endpoint."""
     for part in slice_.parts:
-        if change := _change(part, appended_ok=True):
-            raise BadInput(_changed(part.url, change))
-        part_reader = reader(part, storage_options, max_row_bytes)
-        if not part_reader.schemaless:
-            present = set(part_reader.columns(skip_bad_rows=True))
-            columns = [name for name in columns if name in present]
-        batches = part_reader.read(part, columns, raw=True) if raw and isinstance(part_reader, _JsonLines) \
-            else part_reader.read(part, columns)
-        for rows, locate in batches:
-            yield rows, locate, part
-        if change := _change(part, appended_ok=True):
-            raise BadInput(_changed(part.url, change))
+        part_reader = None
+        try:
+            if change := _change(part, appended_ok=True):
+                raise BadInput(_changed(part.url, change))
+            part_reader = reader(part, storage_options, max_row_bytes, timeout)
+            if not part_reader.schemaless:
+                present = set(part_reader.columns(skip_bad_rows=True))
+                columns = [name for name in columns if name in present]
+            batches = part_reader.read(part, columns, raw=True) if raw and isinstance(part_reader, _JsonLines) \
+                else part_reader.read(part, columns)
+            for rows, locate in batches:
+                yield rows, locate, part
+            if change := _change(part, appended_ok=True):
+                raise BadInput(_changed(part.url, change))
+        except Exception as error:
+            if network_failure(error):
+                fs = part_reader.fs if part_reader is not None else filesystem(part.url, storage_options, timeout)[0]
+                raise Failed(f"{unanswered(error, fs, part.url, timeout)}; check that the endpoint is up and reachable "
+                             "from here, then run the same command again") from error
+            raise
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import fsspec
 
 from sft_tokenize.errors import BadInput, one_line
+from sft_tokenize.files import REQUEST_TIMEOUT, network_failure
+from sft_tokenize.remote_requests import bounded_filesystem, unanswered
 from sft_tokenize.sources.compressed import (
     COMPRESSIBLE,
     COMPRESSIONS,
@@ -63,8 +65,11 @@ class Slice:
         return [[p.url, p.kind, p.start, p.stop] for p in self.parts]
 
 
-def filesystem(url: str, storage_options: dict | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
-    return fsspec.core.url_to_fs(url, **(storage_options or {}))
+def filesystem(url: str, storage_options: dict | None = None,
+               timeout: float = REQUEST_TIMEOUT) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The URL's filesystem and path; a remote one's requests each wait at most `timeout` seconds to connect and
+    for each answer (--request-timeout)."""
+    return bounded_filesystem(url, storage_options, timeout)
 
 
 def is_local(fs: fsspec.AbstractFileSystem) -> bool:
@@ -146,7 +151,7 @@ def _hub_files(name: str, subset: str | None, split: str, revision: str | None) 
 
 def resolve(specs: list[str], *, split: str = "train", subset: str | None = None, revision: str | None = None,
             storage_options: dict | None = None, cache_root: str | None = None,
-            ignored: list[str] | None = None) -> list[SourceFile]:
+            ignored: list[str] | None = None, timeout: float = REQUEST_TIMEOUT) -> list[SourceFile]:
     """Every input file, in the order given (globs and directories sorted by path). Nothing under
     `cache_root` is read; files of a directory that are not data (README.md) are appended to `ignored`."""
     found: list[SourceFile] = []
@@ -155,10 +160,14 @@ def resolve(specs: list[str], *, split: str = "train", subset: str | None = None
             found += _hub_files(spec[4:], subset, split, revision)
             continue
         try:
-            found += _resolve_one(spec, split, storage_options, cache_root, ignored if ignored is not None else [])
+            found += _resolve_one(spec, split, storage_options, cache_root, ignored if ignored is not None else [],
+                                  timeout)
         except BadInput:
             raise
         except Exception as error:  # noqa: BLE001 - unreachable, no credentials, refused: one line naming it
+            if network_failure(error):  # its filesystem was made, and names its endpoint
+                reason = unanswered(error, filesystem(spec, storage_options, timeout)[0], spec, timeout)
+                raise BadInput(f"{reason}; check that the endpoint is up and reachable from here") from None
             raise BadInput(f"{_shown(spec)}: cannot read it ({type(error).__name__}: {one_line(error)})") from None
     return found
 
@@ -169,8 +178,8 @@ def _shown(spec: str) -> str:
 
 
 def _resolve_one(spec: str, split: str, storage_options: dict | None, cache_root: str | None,
-                 ignored: list[str]) -> list[SourceFile]:
-    fs, path = filesystem(spec, storage_options)
+                 ignored: list[str], timeout: float) -> list[SourceFile]:
+    fs, path = filesystem(spec, storage_options, timeout)
     local = is_local(fs)
     # A literal name wins over a glob: `data[1].jsonl` that exists is that file.
     if any(ch in spec for ch in "*?[") and not fs.exists(path):

@@ -36,6 +36,13 @@ def test_plan_only_cuts_the_slices_the_run_cut_and_finds_their_shards(prefect_ha
     assert f"{cut} slices' shards are in the store and would be reused" in out, out
 
 
+def sorted_rows(count: int = 1200) -> list[dict]:
+    """Rows sorted by length; with max_length 256 and truncation drop, the longer half is dropped."""
+    words = "the model answer river stone seven light careful token data question a".split()
+    return [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": " ".join(
+        words[(i + k) % len(words)] for k in range(2 + i // 3))}]} for i in range(count)]
+
+
 def test_plan_only_samples_along_a_length_sorted_file_and_shows_its_spread(tmp_path):
     from sft_tokenize.build.dry_run import dry_run
     from sft_tokenize.build.options import TokenizeOptions
@@ -43,13 +50,9 @@ def test_plan_only_samples_along_a_length_sorted_file_and_shows_its_spread(tmp_p
     from sft_tokenize.build.protocol import run_locally
     from sft_tokenize.read.cache import open_cache
 
-    words = "the model answer river stone seven light careful token data question a".split()
     data = tmp_path / "sorted.jsonl"
-    with data.open("w") as out:  # rows sorted by length; the longer half is past max_length and dropped
-        for i in range(1200):
-            text = " ".join(words[(i + k) % len(words)] for k in range(2 + i // 3))
-            out.write(json.dumps({"messages": [{"role": "user", "content": "q"},
-                                               {"role": "assistant", "content": text}]}) + "\n")
+    with data.open("w") as out:
+        out.writelines(json.dumps(row) + "\n" for row in sorted_rows())
     run = TokenizeOptions(sources=[str(data)], tokenizer=EXAMPLE_SLICES["tokenizer"], cache_dir=str(tmp_path / "c"),
                           shard_size="100MB", max_length=256, truncation="drop")
     plan = plan_slices(run, dry=True)
@@ -59,3 +62,29 @@ def test_plan_only_samples_along_a_length_sorted_file_and_shows_its_spread(tmp_p
     assert abs(report["estimated_tokens"] - truth) <= 0.35 * truth, (report["estimated_tokens"], truth)
     low, high = report["estimated_tokens_spread"]
     assert low < truth < high  # the spread says how far apart the file's parts are
+
+
+def test_plan_only_samples_row_groups_along_each_slice_of_a_length_sorted_parquet_file(tmp_path, capsys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from sft_tokenize.build.dry_run import dry_run
+    from sft_tokenize.build.options import TokenizeOptions
+    from sft_tokenize.build.plan import plan_slices
+    from sft_tokenize.build.protocol import run_locally
+    from sft_tokenize.read.cache import open_cache
+
+    data = tmp_path / "sorted.parquet"
+    pq.write_table(pa.Table.from_pylist(sorted_rows()), data, row_group_size=40)  # 30 row groups
+    run = TokenizeOptions(sources=[str(data)], tokenizer=EXAMPLE_SLICES["tokenizer"], cache_dir=str(tmp_path / "c"),
+                          shard_size="150KB", max_length=256, truncation="drop")
+    plan = plan_slices(run, dry=True)
+    assert len(plan.slices) >= 4 and all(s.parts[0].stop - s.parts[0].start > 1 for s in plan.slices[:-1])
+    report = dry_run(plan.job, plan.slices, workers=1)
+    truth = int(open_cache(run_locally(run)).lengths.sum())
+    assert abs(report["estimated_tokens"] - truth) <= 0.35 * truth, (report["estimated_tokens"], truth)
+    low, high = report["estimated_tokens_spread"]
+    assert low < truth < high
+    assert main(["run", str(data), "--tokenizer", EXAMPLE_SLICES["tokenizer"], "--cache-dir", str(tmp_path / "c"),
+                 "--shard-size", "150KB", "--max-length", "256", "--truncation", "drop", "--plan-only"]) == 0
+    assert f"{low:,}" in capsys.readouterr().out  # the spread is printed

@@ -46,8 +46,10 @@ def estimate_and_truth(tmp_path, sources: list[str], **options) -> tuple[dict, i
 
 
 def test_the_bundled_example(tmp_path):
-    report, truth = estimate_and_truth(tmp_path, [str(EXAMPLE_DATA)])
+    report, truth = estimate_and_truth(tmp_path, [str(EXAMPLE_DATA)], shard_size="100KB")
     assert abs(report["estimated_tokens"] - truth) <= 0.10 * truth, (report, truth)
+    # each place sampled along a slice reads its own rows only: no row is sampled twice
+    assert report["sample"]["rows"] <= 240 and report["sample"]["bytes"] <= report["input_bytes"], report
     assert report["stored_slices"] == [] and report["input_bytes"] == sum(
         p.stat().st_size for p in EXAMPLE_DATA.glob("*.jsonl"))
 

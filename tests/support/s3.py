@@ -24,10 +24,12 @@ class S3Server:
                 "AWS_ENDPOINT_URL": self.endpoint}
 
     def filesystem(self):
-        """A new s3fs filesystem on this server (no instance cache: a test sees the objects as they are now)."""
+        """A new s3fs filesystem on this server (no instance or listings cache: a test sees the objects as they
+        are now, however often it looks)."""
         import s3fs
 
-        return s3fs.S3FileSystem(endpoint_url=self.endpoint, key="test", secret="test", skip_instance_cache=True)
+        return s3fs.S3FileSystem(endpoint_url=self.endpoint, key="test", secret="test", skip_instance_cache=True,
+                                 use_listings_cache=False)
 
     def puts(self, prefix: str = "") -> int:
         """PUT requests (single uploads and multipart parts) to paths under `/prefix`."""

@@ -15,7 +15,8 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "sft_tokenize"
 DATA_PLANE = ("sources", "chat", "encoding", "build", "read", "export", "consumers", "format")
-BASE = ("errors", "files", "fingerprint", "version", "format", "flags")  # the base layer, which every layer may use
+# the base layer, which every layer may use
+BASE = ("errors", "files", "remote_requests", "fingerprint", "version", "format", "flags")
 
 
 def modules(subpackage: str | None = None) -> list[str]:

@@ -197,3 +197,8 @@ def test_a_ragged_csv_row_is_a_bad_row_at_its_line_and_the_others_are_read(tmp_p
     assert len(good) == len(lines) - 2
     # Every other row is located at its own line, before the ragged one and after it.
     assert all(where == f"{tmp_path}/rows.csv:{prompt.split()[1]}" for prompt, where in good.items())
+
+
+def test_a_source_url_of_an_unknown_protocol_is_one_line_naming_it():
+    with pytest.raises(BadInput, match=r"^foo://x/y\.jsonl: cannot read it \(ValueError: Protocol not known: foo\)$"):
+        resolve(["foo://x/y.jsonl"])
