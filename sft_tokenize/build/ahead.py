@@ -38,9 +38,9 @@ _in_ahead = threading.local()  # set in the threads that tokenize ahead: their o
 class Ahead:
     """Threads that tokenize a plan's slices, in order, until a task claims one (module docstring)."""
 
-    def __init__(self, job: Job, slices: list[Slice], threads: int, tokenize: Tokenize | None = None) -> None:
-        """`tokenize`: how a slice is tokenized (default: shard.tokenize_slice, as the tasks call it)."""
-        self.job, self.tokenize = job, tokenize or _tokenize_slice
+    def __init__(self, job: Job, slices: list[Slice], threads: int, tokenize: Tokenize) -> None:
+        """`tokenize`: how a slice is tokenized (shard.tokenize_slice, as the tasks call it)."""
+        self.job, self.tokenize = job, tokenize
         self.pending: deque[Slice] = deque(slices)
         self.outcomes: dict[str, Future] = {}  # shard path -> its slice's outcome, until a task claims it
         self.written: set[str] = set()  # shard paths whose slice a thread here tokenized
@@ -51,8 +51,6 @@ class Ahead:
                         for i in range(max(1, min(threads, len(slices))))]
 
     def start(self) -> None:
-        from sft_tokenize.build import shard  # noqa: F401 - imported here, not by two threads at once
-
         with _registry_lock:
             _aheads.append(self)
         for thread in self.threads:
@@ -115,12 +113,6 @@ class Ahead:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _tokenize_slice(job: Job, slice_: Slice) -> int:
-    from sft_tokenize.build import shard  # imports this module
-
-    return shard.tokenize_slice(job, slice_)
 
 
 _aheads: list[Ahead] = []  # this process's runs tokenizing ahead

@@ -27,13 +27,13 @@ from sft_tokenize.errors import BadInput, Failed, first_line
 from sft_tokenize.files import write_problem
 from sft_tokenize.flows.run_options import RUN_OPTIONS  # tokenize()'s options beyond TokenizeOptions
 
-# What a run imports after its plan: its flow's modules, Prefect's engines and what they import on first use, datasets'
-# writer, transformers' template compiler and the tokenizer libraries (fastokens is an optional extra).
+# What a run imports after its plan: its flow's modules, Prefect's engines and what they import on first use,
+# transformers' template compiler and the tokenizer libraries (fastokens is an optional extra).
 RUN_MODULES = ("sft_tokenize.flows.tokenize_dataset", "sft_tokenize.flows.embedded_server",
                "sft_tokenize.flows.interrupts", "sft_tokenize.build.workers", "sft_tokenize.build.shard",
-               "sft_tokenize.build.shard_writer", "sft_tokenize.build.publish", "datasets.arrow_writer",
-               "prefect.flow_engine", "prefect.task_engine", "fastapi.encoders", "transformers",
-               "transformers.utils.chat_template_utils", "tokenizers", "fastokens")
+               "sft_tokenize.build.shard_writer", "sft_tokenize.build.publish", "prefect.flow_engine",
+               "prefect.task_engine", "fastapi.encoders", "transformers", "transformers.utils.chat_template_utils",
+               "tokenizers", "fastokens")
 
 
 def import_run_modules() -> None:
@@ -48,7 +48,7 @@ def import_run_modules() -> None:
 @contextmanager
 def _importing_run_modules() -> Iterator[None]:
     """While the body waits (a first run, for its server's boot), this process imports what its flow and slices will
-    (~1 s of a core on a first run: datasets alone ~0.5 s, which the first slice would wait for). Joined when the
+    (~1 s of a core on a first run). Joined when the
     body ends, so that no two threads ever import at once; an import that fails fails again where it is needed."""
     def run() -> None:
         with suppress(Exception):
@@ -143,7 +143,11 @@ def run_tokenize(settings: dict[str, Any], progress: Callable[[Any], Any] | None
     if plan.cached:  # --force of a published cache: the plan did not check the root it will write under
         check_writable(checked.cache_root)
     options = run or _checked(TokenizeRun, settings)
+    from sft_tokenize.build import shard
     from sft_tokenize.build.ahead import Ahead
+
+    def tokenize_slice(job: Any, slice_: Any) -> int:  # what the tasks call, looked up as they look it up
+        return shard.tokenize_slice(job, slice_)
 
     try:
         # The threads runner's encode pool, if the input may need one, starts now: its processes build their
@@ -153,7 +157,7 @@ def run_tokenize(settings: dict[str, Any], progress: Callable[[Any], Any] | None
         with ExitStack() as stack:
             if ahead and not plan.cached:  # the slices are tokenized while the server boots, and found by the tasks
                 stack.enter_context(encoding_early(plan.job, processes))
-                stack.enter_context(Ahead(plan.job, plan.slices, options.worker_count))
+                stack.enter_context(Ahead(plan.job, plan.slices, options.worker_count, tokenize_slice))
             return _run_flow(options, server, progress, cli_process)
     finally:
         close_early()  # a pool the flow did not take (its slices were in the store already)

@@ -99,7 +99,7 @@ def test_a_bad_row_found_ahead_is_the_tasks_error_naming_its_line(tmp_path):
     rows = example_rows() + ["{not json"]
     plan = four_slices(tmp_path, rows)
     last = plan.slices[-1]
-    with ahead.Ahead(plan.job, plan.slices, 2) as early:
+    with ahead.Ahead(plan.job, plan.slices, 2, shard.tokenize_slice) as early:
         for thread in early.threads:
             thread.join()
         with pytest.raises(BadInput, match=rf"rows.jsonl:{len(rows)}: ") as raised:
