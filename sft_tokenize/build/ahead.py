@@ -45,6 +45,7 @@ class Ahead:
         self.outcomes: dict[str, Future] = {}  # shard path -> its slice's outcome, until a task claims it
         self.written: set[str] = set()  # shard paths whose slice a thread here tokenized
         self.started: float | None = None  # time.monotonic() as the first slice started
+        self.ended: float | None = None  # and as the last one ended
         self.taking = True
         self.lock = threading.Lock()
         self.threads = [threading.Thread(target=self._work, name=f"tokenize-ahead-{i}", daemon=True)
@@ -83,6 +84,7 @@ class Ahead:
                 continue
             with self.lock:
                 self.written.add(str(self.job.shard_path(slice_)))
+                self.ended = time.monotonic()
             future.set_result(rows)
 
     def claim(self, path: str) -> Future | None:
@@ -149,9 +151,10 @@ def tokenized_ahead(job: Job, slices: list[Slice]) -> set[int]:
     return {s.index for s in slices if str(job.shard_path(s)) in written}
 
 
-def ahead_started(job: Job) -> float | None:
-    """When this process began tokenizing the build's slices ahead (time.monotonic()), or None."""
+def ahead_span(job: Job) -> tuple[float, float] | None:
+    """When this process began tokenizing the build's slices ahead and when the last it wrote ended
+    (time.monotonic()), or None if it wrote none."""
     with _registry_lock:
-        starts = [ahead.started for ahead in _aheads if _same_build(ahead, job) and ahead.started is not None]
-    return min(starts, default=None)
-
+        spans = [(ahead.started, ahead.ended) for ahead in _aheads
+                 if _same_build(ahead, job) and ahead.started is not None and ahead.ended is not None]
+    return (min(a for a, _ in spans), max(b for _, b in spans)) if spans else None

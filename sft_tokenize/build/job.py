@@ -152,6 +152,13 @@ def dataset_info(job: Job) -> bytes:
                        "features": job_feature_dict(job)}).encode()
 
 
+def features(extra_columns: tuple[str, ...] = (), layout: str = "skyrl", images: bool = False):
+    """feature_dict as `datasets` Features (imports datasets: for the peers a benchmark compares, not for a run)."""
+    from datasets import Features
+
+    return Features.from_dict(feature_dict(extra_columns, layout, images))
+
+
 def job_feature_dict(job: Job) -> dict:
     """feature_dict of the job's cache: what its shards hold and its dataset_info.json says."""
     return feature_dict(job.extra_columns, job.layout, images=bool(job.processor_config))

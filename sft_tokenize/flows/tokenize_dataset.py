@@ -15,7 +15,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.futures import PrefectFuture, as_completed
 
-from sft_tokenize.build.ahead import ahead_started, tokenized_ahead
+from sft_tokenize.build.ahead import ahead_span, tokenized_ahead
 from sft_tokenize.build.plan import Plan
 from sft_tokenize.build.protocol import build_cache
 from sft_tokenize.build.remote_store import collect_remote_garbage, finished_remote
@@ -130,8 +130,7 @@ def _tokenize_on_runner(plan: Plan, options: TokenizeRun, staged: set[int], proc
                 f", in {len(groups)} tasks of about {size} slices" if size > 1 else "")
     progress = Progress(plan.name, total)
     _notify(0, total, 0)
-    # Slices this process tokenized while its server booted (build/ahead.py) count from their start.
-    started = min(time.monotonic(), ahead_started(plan.job) or float("inf"))
+    started = time.monotonic()
     rows, finished, failures = 0, 0, {}
     with started_task_runner(options.runner, workers, options.cluster_address) as runner, \
             stopping_workers(runner, [plan.job.shard_path(s) for s in plan.slices]):
@@ -159,6 +158,9 @@ def _tokenize_on_runner(plan: Plan, options: TokenizeRun, staged: set[int], proc
             progress.update(finished, rows, len(failures))
             _notify(finished, total, rows)
     seconds = time.monotonic() - started
+    if (span := ahead_span(plan.job)) is not None and span[0] < started:
+        # Slices this process tokenized while its server booted (build/ahead.py): the time they took too, not the wait.
+        seconds += min(span[1], started) - span[0]
     if failures:
         raise_failures(failures, plan, options.retries)
     finished = finished_remote if plan.job.remote_root else finished_shard
