@@ -137,3 +137,15 @@ def test_only_the_threads_runners_local_runs_tokenize_ahead(tmp_path, settings, 
     if "remote_root" in settings:
         base["cache_dir"] = settings.pop("remote_root")
     assert tokenizes_ahead(TokenizeRun(**base, **settings)) is expected
+
+
+def test_a_shard_removed_after_it_was_tokenized_ahead_is_tokenized_again_by_its_task(tmp_path):
+    """A gc between the slice's end and the run's lease removes its shard: the task finds none and tokenizes it."""
+    plan = four_slices(tmp_path)
+    calls: list[int] = []
+    with ahead.Ahead(plan.job, plan.slices[:1], 1, counting(calls)) as early:
+        for thread in early.threads:
+            thread.join()
+        plan.job.shard_path(plan.slices[0]).unlink()
+        assert shard.tokenize_slice(plan.job, plan.slices[0]) > 0
+    assert calls == [0] and plan.job.shard_path(plan.slices[0]).exists()
