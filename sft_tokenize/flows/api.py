@@ -155,7 +155,10 @@ def run_tokenize(settings: dict[str, Any], progress: Callable[[Any], Any] | None
         processes = options.encode_process_count(sum(s.nbytes for s in plan.slices), ready_processes(plan.job))
         start_early(plan.job, processes)
         with ExitStack() as stack:
-            if ahead and not plan.cached:  # the slices are tokenized while the server boots, and found by the tasks
+            # While a server this run launched boots, the slices are tokenized, and found by the tasks. A server that
+            # is up already (a run right after another) leaves nothing to overlap: tokenizing here would only take
+            # the cores and this process's GIL from the flow's start.
+            if ahead and not plan.cached and server is not None and server.process is not None:
                 stack.enter_context(encoding_early(plan.job, processes))
                 stack.enter_context(Ahead(plan.job, plan.slices, options.worker_count, tokenize_slice))
             return _run_flow(options, server, progress, cli_process)
