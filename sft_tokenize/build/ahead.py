@@ -5,17 +5,17 @@ start. As soon as its plan exists, the run's process tokenizes slices into the s
 its own, with the encoder (and the encode pool) the run's tasks will use. The flow then runs as ever: every slice
 is still a task run it records, and each task finds its shard:
 
-    claimed(job, slice_)   called by shard.tokenize_slice before anything else: None if no thread here took
-                           the slice (the task tokenizes it; no thread here takes it after this call), else the
-                           outcome of the thread that did, waited for: its row count, or its error, raised once (a
-                           retry of the task tokenizes the slice again, as any retry does)
+    claimed(job, slice_)   called by shard.tokenize_slice before anything else: if a thread here took the slice,
+                           waits for it and raises its error, once (a retry of the task tokenizes the slice again,
+                           as any retry does); else makes sure no thread here takes it. The task then finds the
+                           shard in the store as any finished one (or, had something removed it, tokenizes it)
 
 so no slice is tokenized twice, and a slice that failed ahead fails its task with the same error. The threads stop
 taking slices at the first claim: from then on the flow's own workers tokenize. `build_cache` counts the slices
 tokenized here as this run's work (tokenized_ahead), not as shards the store held already.
 
-Only the threads runner's local runs tokenize ahead (flows/api.py): the other runners' workers are other
-processes, which find the shards in the store as they would any finished shard.
+Only the threads runner's local runs tokenize ahead, and only while a server the run launched boots
+(flows/api.py): the other runners' workers are other processes, and a server already up leaves nothing to overlap.
 """
 
 from __future__ import annotations
@@ -127,7 +127,8 @@ def _same_build(ahead: Ahead, job: Job) -> bool:
 
 def claimed(job: Job, slice_: Slice) -> int | None:
     """The rows of the slice if a thread here tokenized it ahead (waited for if it is still at it), its error raised
-    if it failed there; None if none took it: the caller tokenizes it, and no thread here will."""
+    if it failed there; None if none took it (the caller tokenizes it, and no thread here will). The caller checks
+    the store either way."""
     if getattr(_in_ahead, "active", False):
         return None
     path = str(job.shard_path(slice_))
