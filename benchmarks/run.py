@@ -20,6 +20,8 @@ that subprocess's whole process tree (see measure.py):
                   its own process (no resident), the same run into another cache root started as the first exits,
                   with its server up and its homes (back to back); then the first command again (a cache hit)
     project-hf    the same with `--encoder hf`: the project without its fast encoder, a control
+    project-before  with --before DIR (a checkout of the code before a change): the same runs as project, with DIR
+                  first on PYTHONPATH, in the same invocation, so that before and after meet the same load
 
 Cold (`--prefect fresh`, the default) is a user's first run: each project run gets a fresh, empty PREFECT_HOME
 and SFT_TOKENIZE_HOME, and nothing is prepared before any clock starts. `--prefect warm` lets the project's runs
@@ -59,14 +61,15 @@ sys.path.insert(0, str(HERE))
 from build_inputs import SHAPES, TOKENIZERS, CorpusSpec, build, tokenizer_for  # noqa: E402
 from measure import TRACE_VARIABLE, git_state, measure, read_trace  # noqa: E402
 
-PIPELINES = ("ceiling", "hf", "hf-fastokens", "spawn", "project", "project-hf", "limits", "stages")
-DEFAULT_PIPELINES = PIPELINES
+PIPELINES = ("ceiling", "hf", "hf-fastokens", "spawn", "project-before", "project", "project-hf", "limits", "stages")
+DEFAULT_PIPELINES = tuple(name for name in PIPELINES if name != "project-before")  # it needs --before
 PEERS = ("hf", "hf-fastokens", "spawn")  # what the project is judged against (the ceiling writes nothing)
 BIG = 8  # units (~222M tokens of the short corpus): from this size on, only the project and BIG_PEERS run
 BIG_PEERS = ("hf-fastokens",)  # the strongest peer at large sizes; the others take minutes more there
 LABELS = {"ceiling": "ceiling (render + encode, 1 process)", "hf": "HF datasets map",
           "hf-fastokens": "HF datasets map + fastokens.patch_transformers()",
           "spawn": "spawn pool (SkyRL #1971)", "project": "sft-tokenize",
+          "project-before": "sft-tokenize, the code before (--before)",
           "project-hf": "sft-tokenize --encoder hf", "limits": "fastest exact encoder alone, pre-rendered",
           "stages": "project's data plane, 1 process, 1 thread"}
 MODE_LABELS = {"fresh": "cold: a fresh PREFECT_HOME and SFT_TOKENIZE_HOME per project run, nothing prepared",
@@ -230,7 +233,7 @@ def mib(processes: list[tuple[str, int]] | None) -> list:
 
 
 def run_pipeline(name: str, size: int, files: list[Path], rows: int, tokenizer: Path, workers: int, work: Path,
-                 env: dict[str, str], project_args: list[str], mode: str = "fresh") -> Run:
+                 env: dict[str, str], project_args: list[str], mode: str = "fresh", before: Path | None = None) -> Run:
     from pipelines import cache_digest
 
     scratch = work / f"{size}x-{name}"
@@ -248,6 +251,8 @@ def run_pipeline(name: str, size: int, files: list[Path], rows: int, tokenizer: 
                        measured.peak_pss_mib, peak_processes=mib(measured.peak_processes),
                        peak_pss_processes=mib(measured.peak_pss_processes), details=reported)
         if name.startswith("project"):
+            if name == "project-before":  # the same CLI, importing the checkout --before names first
+                env = {**env, "PYTHONPATH": str(before)}
             encoder = ["--encoder", "hf"] if name == "project-hf" else []
             resident = ["--resident"] if mode == "warm" else []
             command = project_command(files, tokenizer, scratch / "cache", workers,
@@ -481,7 +486,8 @@ def markdown(report: dict) -> str:
             lines.append(f"| {run['size']}x | {LABELS[run['pipeline']]} | {run['seconds']:.1f} | {run['rows']:,} | "
                          f"{run['tokens']:,} | {run['tokens_per_second']:,.0f} | {ratio} | "
                          f"{run.get('peak_pss_mib', 0):,.0f} | {run['peak_anon_mib']:,.0f} | {same} | {load} |")
-    projects = [r["runs"][name] for r in report["results"] for name in ("project", "project-hf") if name in r["runs"]]
+    projects = [r["runs"][name] for r in report["results"] for name in ("project-before", "project", "project-hf")
+                if name in r["runs"]]
     if projects:
         lines += ["", "| size | run | wall s | first slice s | tokenize s | slices | publish s | back to back s | "
                       "its first slice s | cache hit s | hit / cold | cache hit peak PSS MiB |",
@@ -528,7 +534,7 @@ def limit_lines(report: dict) -> list[str]:
                       "| stage | s | share |", "|---|---:|---:|"]
             lines += [f"| {k} | {v:.2f} | {v / total:.0%} |" for k, v in stages["seconds"].items()]
             lines.append(f"| all | {total:.2f} | |")
-        for name in ("project", "project-hf"):
+        for name in ("project-before", "project", "project-hf"):
             run = runs.get(name)
             if run and run.get("project_timings"):
                 timings = run["project_timings"]
@@ -636,6 +642,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prefect", choices=PREFECT_MODES, default="fresh",
                         help="fresh: each project run boots the embedded Prefect server (default); warm: the runs "
                              "find it up, as runs a few minutes apart do (--server-idle)")
+    parser.add_argument("--before", type=Path, default=None, metavar="DIR",
+                        help="a checkout of the project's code before a change (`git archive REV | tar -x -C DIR`): "
+                             "the pipeline project-before runs the same CLI with DIR first on PYTHONPATH, beside "
+                             "project, in the same invocation")
     parser.add_argument("--project-args", default="", metavar="ARGS",
                         help="extra flags for `sft-tokenize run`, e.g. '--shard-size 64MB' (default none)")
     args = parser.parse_args(argv)
@@ -647,6 +657,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = set(args.only) - set(PIPELINES)
     if unknown or not args.only:
         parser.error(f"--only: unknown pipeline(s) {sorted(unknown)}; choose from {', '.join(PIPELINES)}")
+    if ("project-before" in args.only) != (args.before is not None):
+        parser.error("--before DIR and the pipeline project-before go together")
     if not args.sizes or args.workers < 1 or args.scale <= 0:
         parser.error("--sizes, --workers and --scale must be positive")
     if args.out is None:
@@ -691,7 +703,7 @@ def main(argv: list[str] | None = None) -> None:
             files, rows = inputs[size]
             load = os.getloadavg()[0]
             run = run_pipeline(name, size, files, rows, tokenizer, args.workers, work, env,
-                               shlex.split(args.project_args), args.prefect)
+                               shlex.split(args.project_args), args.prefect, args.before)
             run.tokens_per_second, run.load_average = run.tokens / run.seconds, round(load, 2)
             runs[name] = run
             extra = f", cache hit {run.cache_hit_seconds:.1f} s" if run.cache_hit_seconds is not None else ""

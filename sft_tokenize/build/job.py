@@ -8,6 +8,7 @@ option table declares them (options.py), written out so that editors and type ch
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, fields
 from functools import cached_property
 from pathlib import Path
@@ -113,22 +114,61 @@ class Job(_JobPaths):
         return MaskSettings(**named, skeletons=self.render == "skeleton")
 
 
-def features(extra_columns: tuple[str, ...] = (), layout: str = "skyrl", images: bool = False):
-    """The cache's row schema as `datasets` Features: the layout's columns (see layouts.py), extras on request,
-    and with a processor each row's images (FORMAT.md, "Image rows")."""
-    from datasets import Features, List, Value
+def feature_dict(extra_columns: tuple[str, ...] = (), layout: str = "skyrl", images: bool = False) -> dict:
+    """The cache's row schema as `datasets` writes its Features (`Features.to_dict()`): the layout's columns (see
+    layouts.py), extras on request, and with a processor each row's images (FORMAT.md, "Image rows"). Plain data,
+    so that writing a shard imports no `datasets` (nor pandas, which it imports)."""
+    def value(dtype: str) -> dict:
+        return {"dtype": dtype, "_type": "Value"}
 
-    columns = {name: List(Value(COLUMN_TYPES[name])) for name in layout_columns(layout, extra_columns)}
+    def listed(feature: dict) -> dict:
+        return {"feature": feature, "_type": "List"}
+
+    columns = {name: listed(value(COLUMN_TYPES[name])) for name in layout_columns(layout, extra_columns)}
     if images:
-        columns["images"] = List({"bytes": Value("binary"), "path": Value("string"), "hash": Value("string"),
-                                  "size": Value("int64")})
-        columns["image_grid_thw"] = List(List(Value("int32")))
-        columns["image_sizes"] = List(List(Value("int32")))
+        columns["images"] = listed({"bytes": value("binary"), "path": value("string"), "hash": value("string"),
+                                    "size": value("int64")})
+        columns["image_grid_thw"] = listed(listed(value("int32")))
+        columns["image_sizes"] = listed(listed(value("int32")))
         if "pixel_values" in extra_columns:  # each image's patches, one row of floats each, as SkyRL reads them
-            columns["pixel_values"] = List(List(Value("float32")))
-    return Features(columns)
+            columns["pixel_values"] = listed(listed(value("float32")))
+    return columns
 
 
-def job_features(job: Job):
-    """The row schema of the job's cache: what its shards hold and its dataset_info.json says."""
-    return features(job.extra_columns, job.layout, images=bool(job.processor_config))
+def _arrow_type(feature: dict):
+    import pyarrow as pa
+
+    if feature.get("_type") == "Value":
+        return pa.binary() if feature["dtype"] == "binary" else pa.type_for_alias(feature["dtype"])
+    if feature.get("_type") == "List":
+        return pa.list_(_arrow_type(feature["feature"]))
+    return pa.struct([(name, _arrow_type(inner)) for name, inner in feature.items()])
+
+
+def arrow_schema(extra_columns: tuple[str, ...] = (), layout: str = "skyrl", images: bool = False):
+    """The shards' Arrow schema, with the metadata `datasets.ArrowWriter` gives it (`load_from_disk` reads the
+    features back from it): the same bytes as that writer's."""
+    import pyarrow as pa
+
+    columns = feature_dict(extra_columns, layout, images)
+    metadata = {"huggingface": json.dumps({"info": {"features": columns}})}
+    return pa.schema([(name, _arrow_type(feature)) for name, feature in columns.items()], metadata=metadata)
+
+
+def dataset_info(job: Job) -> bytes:
+    """The cache's dataset_info.json, as `datasets.DatasetInfo(features=...).write_to_directory` writes it."""
+    return json.dumps({"description": "", "citation": "", "homepage": "", "license": "",
+                       "features": job_feature_dict(job)}).encode()
+
+
+def features(extra_columns: tuple[str, ...] = (), layout: str = "skyrl", images: bool = False):
+    """feature_dict as `datasets` Features (imports datasets: for the peers a benchmark compares, not for a run)."""
+    from datasets import Features
+
+    return Features.from_dict(feature_dict(extra_columns, layout, images))
+
+
+def job_feature_dict(job: Job) -> dict:
+    """feature_dict of the job's cache: what its shards hold and its dataset_info.json says."""
+    return feature_dict(job.extra_columns, job.layout, images=bool(job.processor_config))
+

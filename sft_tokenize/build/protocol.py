@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Literal
 
 from sft_tokenize.build import shard
+from sft_tokenize.build.ahead import tokenized_ahead
 from sft_tokenize.build.options import TokenizeOptions
 from sft_tokenize.build.plan import Plan, plan_slices
 from sft_tokenize.build.publish import building, is_published, publish_cache
@@ -56,7 +57,8 @@ def build_cache(plan: Plan, tokenize_slices: TokenizeSlices, publish: Publish | 
                 is_published(plan.cache_path, plan.job.storage_options, plan.job.image_timeout):
             return Built(plan, "published meanwhile")
         # gc keeps these shards until the cache is published
-        with (remote_leased if remote else leased)(plan.job, plan.slices) as reused:
+        with (remote_leased if remote else leased)(plan.job, plan.slices) as stored:
+            reused = stored - tokenized_ahead(plan.job, plan.slices)  # this run's own work, done before its flow
             timings = tokenize_slices(plan, reused)
             publish(plan.job, plan.slices, plan.url or plan.cache_path, plan.inputs, plan.name, timings, len(reused))
     return Built(plan, "published", len(reused))

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from sft_tokenize.build.job import Job, job_features
+from sft_tokenize.build.job import Job, dataset_info, job_feature_dict
 from sft_tokenize.build.shard_check import finished_shard
 from sft_tokenize.build.workers import vision_family
 from sft_tokenize.errors import BadInput, CacheError, OutOfSpace
@@ -32,6 +32,7 @@ from sft_tokenize.files import built_directory, locked
 from sft_tokenize.fingerprint import fingerprint
 from sft_tokenize.format import CACHE_FORMAT_VERSION
 from sft_tokenize.format.layout import (
+    DATASET_INFO,
     IMAGE_FILES,
     LOCK_SUFFIX,
     MANIFEST,
@@ -110,7 +111,7 @@ def build_manifest(job: Job, slices: list[Slice], shards: list[dict], files: lis
         "tokenizer": job.tokenizer_url or job.tokenizer_dir,
         "tokenization_fingerprint": job.tokenization,
         "layout": job.layout,
-        "columns": list(job_features(job)),
+        "columns": list(job_feature_dict(job)),
         "rows": sum(s["rows"] for s in shards),
         "tokens": sum(s["tokens"] for s in shards),
         "trained_tokens": sum(s["trained_tokens"] for s in shards),
@@ -252,9 +253,7 @@ def publish_cache(job: Job, slices: list[Slice], cache_path: Path, inputs: dict,
             if read_from:
                 (building / IMAGE_FILES).write_text(json.dumps(read_from))
             (building / STATE).write_text(state_text(job, files, read_from))
-            from datasets import DatasetInfo
-
-            DatasetInfo(features=job_features(job)).write_to_directory(str(building))
+            (building / DATASET_INFO).write_bytes(dataset_info(job))
             manifest = build_manifest(job, slices, shards, files, inputs, name)
             stamp(manifest, len(slices), reused, timings, started)
             (building / MANIFEST).write_text(json.dumps(manifest, indent=2))

@@ -7,11 +7,9 @@ cache root"). A version exists when its manifest.json does, so a reader sees a w
 from __future__ import annotations
 
 import json
-import tempfile
 import time
-from pathlib import Path
 
-from sft_tokenize.build.job import Job, job_features
+from sft_tokenize.build.job import Job, dataset_info
 from sft_tokenize.build.publish import build_manifest, image_files, refuse_empty, stamp, state_text
 from sft_tokenize.build.remote_root import root_filesystem
 from sft_tokenize.build.remote_store import changed_shards, finished_all, reaching
@@ -53,11 +51,7 @@ def publish_remote(job: Job, slices: list[Slice], url: str, inputs: dict, name: 
     files = [{"name": data_file(k, len(kept)), "key": slice_.key, "bytes": meta["bytes"], "digest": meta["digest"],
               "rows": meta["rows"], "tokens": meta["tokens"]} for k, (meta, slice_) in enumerate(kept)]
     read_from = image_files(shards)
-    with tempfile.TemporaryDirectory() as scratch:  # datasets writes its dataset_info.json only to a directory
-        from datasets import DatasetInfo
-
-        DatasetInfo(features=job_features(job)).write_to_directory(scratch)
-        info = (Path(scratch) / DATASET_INFO).read_bytes()
+    info = dataset_info(job)
     fs, path = root_filesystem(url, job.storage_options, job.request_timeout)
     fs.pipe_file(f"{path}/{STATE}", state_text(job, files, read_from).encode())
     fs.pipe_file(f"{path}/{DATASET_INFO}", info)

@@ -18,6 +18,7 @@ from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any
 
+from sft_tokenize.build.ahead import claimed
 from sft_tokenize.build.image_rows import ImageRows, held_bytes, pixel_bytes
 from sft_tokenize.build.job import Job
 from sft_tokenize.build.keys import forget, slice_key
@@ -158,7 +159,10 @@ def _stream_rows_as(job: Job, slice_: Slice, stream) -> ShardStats:
 def tokenize_slice(job: Job, slice_: Slice) -> int:
     """Tokenize one slice into `<key>.arrow` in the store (reusing a finished one); return its row count. On a
     remote root, the shard object is checked first, and a new shard is written into this process's working
-    store, uploaded, and removed there (remote_store.py)."""
+    store, uploaded, and removed there (remote_store.py). A slice this process is tokenizing ahead of its task
+    (ahead.py) is waited for, its error raised; its shard is then found in the store like any finished one (or
+    tokenized again, had something removed it meanwhile)."""
+    claimed(job, slice_)
     if not job.remote_root:
         return _tokenize_into_store(job, slice_)
     done, damaged = checked_remote(job, slice_)

@@ -6,7 +6,7 @@ import numpy as np
 import pyarrow as pa
 
 from sft_tokenize.build.image_rows import held_bytes
-from sft_tokenize.build.job import features
+from sft_tokenize.build.job import arrow_schema
 from sft_tokenize.encoding.chat_encoder import EncodedBatch
 from sft_tokenize.encoding.memory import trim_malloc
 from sft_tokenize.read.layouts import COLUMN_TYPES, column_values, layout_columns
@@ -14,14 +14,22 @@ from sft_tokenize.read.layouts import COLUMN_TYPES, column_values, layout_column
 _IMAGE_FIELDS = ("bytes", "path", "hash", "size")  # a stored image (FORMAT.md); beside it its grid and size
 
 
+def _flat(values: np.ndarray) -> pa.Array:
+    """A numeric numpy array as an Arrow array on the same memory: what `pa.array` makes of it, without the check for
+    a pandas object that imports pandas (~0.5 s of a first run's CPU)."""
+    values = np.ascontiguousarray(values)
+    return pa.Array.from_buffers(pa.from_numpy_dtype(values.dtype), len(values), [None, pa.py_buffer(values)])
+
+
 def _list_array(lengths: np.ndarray, values: np.ndarray) -> pa.ListArray:
     offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
     np.cumsum(lengths, out=offsets[1:])
-    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
+    return pa.ListArray.from_arrays(_flat(offsets), _flat(values))
 
 
 class ShardWriter:
-    """Streams rows into one Arrow IPC stream file through `datasets.ArrowWriter`.
+    """Streams rows into one Arrow IPC stream file, as `datasets.ArrowWriter` writes it (its schema metadata, a
+    record batch of at most `batch_rows` rows at a time): `load_from_disk` opens it, and its bytes are that writer's.
 
     Rows are buffered as slices of encoded batches (numpy arrays, no per-row objects) and written as one
     record batch every `batch_rows` rows or `batch_bytes` bytes, whichever comes first. The buffer never
@@ -30,13 +38,12 @@ class ShardWriter:
 
     def __init__(self, stream, extra_columns: tuple[str, ...], batch_rows: int, batch_bytes: int,
                  layout: str = "skyrl", images: bool = False):
-        from datasets.arrow_writer import ArrowWriter
-
         self.columns = layout_columns(layout, extra_columns)
         self._token_bytes = sum(np.dtype(COLUMN_TYPES[name]).itemsize for name in self.columns)
         self.batch_rows, self.batch_bytes = batch_rows, batch_bytes
-        self.schema = features(extra_columns, layout, images)
-        self._writer = ArrowWriter(stream=stream, features=self.schema, writer_batch_size=batch_rows)
+        self.schema = arrow_schema(extra_columns, layout, images)
+        self._stream = stream
+        self._writer: pa.ipc.RecordBatchStreamWriter | None = None  # started at the first batch, as ArrowWriter's
         self._chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (ids, mask, lengths)
         self._images: list[list[dict]] | None = [] if images else None  # each buffered row's stored images
         self._rows = self._bytes = 0
@@ -78,14 +85,14 @@ class ShardWriter:
         if self._images is not None:
             stored = self._images
             columns["images"] = pa.array([[{k: v for k, v in image.items() if k in _IMAGE_FIELDS} for image in row]
-                                          for row in stored], type=self.schema.arrow_schema.field("images").type)
+                                          for row in stored], type=self.schema.field("images").type)
             for name in ("image_grid_thw", "image_sizes"):
                 columns[name] = pa.array([[image[name] for image in row] for row in stored],
-                                         type=self.schema.arrow_schema.field(name).type)
-            if "pixel_values" in self.schema:
+                                         type=self.schema.field(name).type)
+            if "pixel_values" in self.schema.names:
                 columns["pixel_values"] = self._pixel_values(stored)
             self._images = []
-        self._writer.write_table(pa.table(columns))
+        self._write(pa.table(columns).cast(self.schema))
         self._chunks, self._rows, self._bytes = [], 0, 0
 
     def _pixel_values(self, stored: list[list[dict]]) -> pa.Array:
@@ -98,10 +105,16 @@ class ShardWriter:
         inner = _list_array(np.full(len(values), width), values.reshape(-1))
         offsets = np.zeros(len(stored) + 1, dtype=np.int32)
         np.cumsum(patches, out=offsets[1:])
-        return pa.ListArray.from_arrays(pa.array(offsets), inner).cast(self.schema.arrow_schema.field(
-            "pixel_values").type)
+        return pa.ListArray.from_arrays(pa.array(offsets), inner).cast(self.schema.field("pixel_values").type)
+
+    def _write(self, table: pa.Table) -> None:
+        if self._writer is None:
+            self._writer = pa.ipc.new_stream(self._stream, self.schema)
+        self._writer.write_table(table.combine_chunks(), self.batch_rows)
 
     def close(self) -> None:
-        """Write what is buffered and the end of stream; an empty shard is still a valid Arrow file."""
+        """Write what is buffered and the end of stream; an empty shard is still a valid Arrow file (its schema)."""
         self.flush()
-        self._writer.finalize(close_stream=False)
+        if self._writer is None:
+            self._writer = pa.ipc.new_stream(self._stream, self.schema)
+        self._writer.close()

@@ -15,6 +15,7 @@ T = TypeVar("T")
 POLL_SECONDS = 0.2
 
 _stop = threading.Event()
+_stopped_threads: set[int] = set()  # threads told to stop alone (stop_threads): the rest of the process goes on
 
 
 class Stopped(RuntimeError):
@@ -25,8 +26,16 @@ def request_stop() -> None:
     _stop.set()
 
 
+def stop_threads(idents: set[int], stop: bool = True) -> None:
+    """Stop these threads' slices only (`stop=False`: forget them again, once they have ended)."""
+    if stop:
+        _stopped_threads.update(idents)
+    else:
+        _stopped_threads.difference_update(idents)
+
+
 def raise_if_stopping() -> None:
-    if _stop.is_set():
+    if _stop.is_set() or threading.get_ident() in _stopped_threads:
         raise Stopped("the run was interrupted")
 
 

@@ -230,6 +230,23 @@ def next_pools() -> list[tuple[Job, int]] | None:
     return [(replace(job, storage_options={}), processes) for job, processes in _next_pool if not job.tokenizer_url]
 
 
+@contextmanager
+def encoding_early(job: Job, processes: int) -> Iterator[None]:
+    """While in it, this process's slices of `job` have their batches encoded by the pool start_early started for it,
+    if there is one (slices tokenized ahead of their tasks: ahead.py); the pool stays for encoding_processes to
+    take, with the run's job."""
+    pool = _early.get((_encoder_key(job), processes))
+    if pool is None:
+        yield
+        return
+    entry = (job, pool)
+    _pools.append(entry)
+    try:
+        yield
+    finally:
+        _pools.remove(entry)
+
+
 def close_early() -> None:
     while _early:
         _early.popitem()[1].close(now=True)

@@ -7,7 +7,8 @@
 The options are checked and the plan is cut before Prefect is imported, so bad input fails at once and a
 cache hit returns its path without Prefect. When there is work, the shared embedded server is joined
 (started if need be, in its own process, while the slices are cut) unless PREFECT_API_URL names a server,
-and the tokenize_dataset flow builds the cache.
+and the tokenize_dataset flow builds the cache. On the threads runner, this process tokenizes slices into the
+shard store while it waits for the server (build/ahead.py): the flow's tasks find them there.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +27,13 @@ from sft_tokenize.errors import BadInput, Failed, first_line
 from sft_tokenize.files import write_problem
 from sft_tokenize.flows.run_options import RUN_OPTIONS  # tokenize()'s options beyond TokenizeOptions
 
-# What a run imports after its plan: its flow's modules, Prefect's engines and what they import on first use, datasets'
-# writer, transformers' template compiler and the tokenizer libraries (fastokens is an optional extra).
+# What a run imports after its plan: its flow's modules, Prefect's engines and what they import on first use,
+# transformers' template compiler and the tokenizer libraries (fastokens is an optional extra).
 RUN_MODULES = ("sft_tokenize.flows.tokenize_dataset", "sft_tokenize.flows.embedded_server",
                "sft_tokenize.flows.interrupts", "sft_tokenize.build.workers", "sft_tokenize.build.shard",
-               "sft_tokenize.build.shard_writer", "sft_tokenize.build.publish", "datasets.arrow_writer",
-               "prefect.flow_engine", "prefect.task_engine", "fastapi.encoders", "transformers",
-               "transformers.utils.chat_template_utils", "tokenizers", "fastokens")
+               "sft_tokenize.build.shard_writer", "sft_tokenize.build.publish", "prefect.flow_engine",
+               "prefect.task_engine", "fastapi.encoders", "transformers", "transformers.utils.chat_template_utils",
+               "tokenizers", "fastokens")
 
 
 def import_run_modules() -> None:
@@ -47,7 +48,7 @@ def import_run_modules() -> None:
 @contextmanager
 def _importing_run_modules() -> Iterator[None]:
     """While the body waits (a first run, for its server's boot), this process imports what its flow and slices will
-    (~1 s of a core on a first run: datasets alone ~0.5 s, which the first slice would wait for). Joined when the
+    (~1 s of a core on a first run). Joined when the
     body ends, so that no two threads ever import at once; an import that fails fails again where it is needed."""
     def run() -> None:
         with suppress(Exception):
@@ -108,12 +109,18 @@ def run_tokenize(settings: dict[str, Any], progress: Callable[[Any], Any] | None
     """
     from sft_tokenize.build.options import TokenizeOptions
     from sft_tokenize.build.plan import check_writable, plan_slices
-    from sft_tokenize.build.workers import close_early, ready_processes, start_early
+    from sft_tokenize.build.workers import close_early, encoding_early, ready_processes, start_early
     from sft_tokenize.flows.cluster import require_extra
+    from sft_tokenize.flows.run_options import TokenizeRun
 
     # The data plane's options alone, before Prefect is even imported: a bad value, bad input and a cache hit
     # are settled in well under a second.
     checked = _checked(TokenizeOptions, settings)
+    try:
+        run: TokenizeRun | None = _checked(TokenizeRun, settings)
+    except BadInput:
+        run = None  # said once the plan is checked, as ever: a cache hit needs none of the run's options
+    ahead = run is not None and tokenizes_ahead(run)
     server = None
 
     def start_server() -> None:  # only when there is work: a cache hit needs no Prefect at all
@@ -128,21 +135,54 @@ def run_tokenize(settings: dict[str, Any], progress: Callable[[Any], Any] | None
 
     # Checked before the flow starts: bad input fails at once, and a cache hit needs no flow. When there is
     # work, the shared server is joined (started if need be: it boots in its own process) while this one cuts
-    # the slices.
+    # the slices, as the flow will cut them (its worker count) and, to tokenize them ahead, keyed by content.
     require_extra(settings.get("runner", "threads"))
-    plan = plan_slices(checked, on_work=start_server, content_keys=False)  # the flow hashes the inputs
+    plan = plan_slices(checked, min_slices=run.worker_count if run else 1, on_work=start_server, content_keys=ahead)
     if plan.cached and not settings.get("force"):
         return plan.url or plan.cache_path
     if plan.cached:  # --force of a published cache: the plan did not check the root it will write under
         check_writable(checked.cache_root)
+    options = run or _checked(TokenizeRun, settings)
+    from sft_tokenize.build import shard
+    from sft_tokenize.build.ahead import Ahead
 
+    def tokenize_slice(job: Any, slice_: Any) -> int:  # what the tasks call, looked up as they look it up
+        return shard.tokenize_slice(job, slice_)
+
+    try:
+        # The threads runner's encode pool, if the input may need one, starts now: its processes build their
+        # encoder while the flow starts. The flow takes it if it wants as many processes; else it is closed below.
+        processes = options.encode_process_count(sum(s.nbytes for s in plan.slices), ready_processes(plan.job))
+        start_early(plan.job, processes)
+        with ExitStack() as stack:
+            # While a server this run launched boots, the slices are tokenized, and found by the tasks. A server that
+            # is up already (a run right after another) leaves nothing to overlap: tokenizing here would only take
+            # the cores and this process's GIL from the flow's start.
+            if ahead and not plan.cached and server is not None and server.process is not None:
+                stack.enter_context(encoding_early(plan.job, processes))
+                stack.enter_context(Ahead(plan.job, plan.slices, options.worker_count, tokenize_slice))
+            return _run_flow(options, server, progress, cli_process)
+    finally:
+        close_early()  # a pool the flow did not take (its slices were in the store already)
+        if server is not None and server.lost:  # its watch thread silenced the flow's unwinding (embedded_server.py)
+            logging.disable(logging.NOTSET)
+
+
+def tokenizes_ahead(options: Any) -> bool:
+    """Whether a run tokenizes slices in its own process while its server boots (build/ahead.py): the threads
+    runner's, on a local root, unless it deletes the plan's shards first (--force)."""
+    return options.runner == "threads" and not options.remote_root and not options.force
+
+
+def _run_flow(options: Any, server: Any, progress: Callable[[Any], Any] | None, cli_process: bool) -> Path | str:
+    """The tokenize_dataset flow on the joined server (`server`: the embedded one, None for PREFECT_API_URL's)."""
+    from prefect.exceptions import TerminationSignal
     from prefect.settings import get_current_settings
 
     from sft_tokenize.flows.embedded_server import EmbeddedServer, ServerLost, ServerUnavailable, check_api_reachable
-    from sft_tokenize.flows.run_options import TokenizeRun
+    from sft_tokenize.flows.interrupts import Terminated
     from sft_tokenize.flows.tokenize_dataset import on_progress, tokenize_dataset
 
-    options = _checked(TokenizeRun, settings)
     if server is None and EmbeddedServer.needed():  # --force of a published cache: the plan did no work
         server = EmbeddedServer(fork=cli_process)
     if server is None:
@@ -150,15 +190,7 @@ def run_tokenize(settings: dict[str, Any], progress: Callable[[Any], Any] | None
             check_api_reachable(str(get_current_settings().api.url))
         except ServerUnavailable as error:
             raise RunFailed(str(error)) from None
-    from prefect.exceptions import TerminationSignal
-
-    from sft_tokenize.flows.interrupts import Terminated
-
     try:
-        # The threads runner's encode pool, if the input may need one, starts now: its processes build their
-        # encoder while the flow starts. The flow takes it if it wants as many processes; else it is closed below.
-        start_early(plan.job, options.encode_process_count(sum(s.nbytes for s in plan.slices),
-                                                           ready_processes(plan.job)))
         if server:
             with _importing_run_modules():
                 server.use()
@@ -178,10 +210,6 @@ def run_tokenize(settings: dict[str, Any], progress: Callable[[Any], Any] | None
         if server is not None and server.lost:  # what the calls to the lost server raised
             raise RunFailed(server.lost) from None
         raise RunFailed(f"{type(error).__name__}: {first_line(error)}") from error
-    finally:
-        close_early()  # a pool the flow did not take (its slices were in the store already)
-        if server is not None and server.lost:  # its watch thread silenced the flow's unwinding (embedded_server.py)
-            logging.disable(logging.NOTSET)
 
 
 _PASSED = ("sources", "tokenizer", "cache_dir")  # tokenize()'s own parameters

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 from prefect.context import get_run_context
 from prefect.filesystems import WritableFileSystem
@@ -13,6 +13,14 @@ from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_se
 from prefect.task_runners import ProcessPoolTaskRunner, TaskRunner, ThreadPoolTaskRunner
 
 from sft_tokenize.build.options import TokenizeOptions
+from sft_tokenize.build.plan import Plan
+from sft_tokenize.build.workers import (
+    encoding_processes,
+    keep_pool_ready,
+    ready_processes,
+    settle_encoder,
+    warm_encoder,
+)
 from sft_tokenize.encoding.memory import limit_malloc_arenas
 from sft_tokenize.encoding.pool import available_cores, tokenizer_env
 from sft_tokenize.files import with_timeouts
@@ -60,6 +68,25 @@ def started_task_runner(runner: str, workers: int, address: str | None = None) -
         pool = ray_runner(address, workers, tokenizer_threads)
     with workers_share_this_api(), pool:
         yield pool
+
+
+@contextmanager
+def slice_encoding(plan: Plan, options: TokenizeRun, staged: set[int]) -> Iterator[int]:
+    """Where the batches of the plan's slices are encoded, decided once for the run; yields the encode processes (0:
+    none). On the threads runner, by an encode pool of a process per core when the slices to tokenize (not in
+    `staged`) are large enough or a pool was started for the job already (workers.start_early), else by the
+    slices' threads, this process's fast encoder warmed now; on the other runners, by their workers, which read the
+    fast encoder's verdict that this process settles first. The pool ends with the block (terminated if it raised).
+    A resident process started after this run keeps the pool a run like it would take ready."""
+    processes = options.encode_process_count(sum(s.nbytes for s in plan.slices if s.index not in staged),
+                                             ready_processes(plan.job))
+    if options.runner == "threads" and not processes:
+        warm_encoder(plan.job)  # this process encodes: its fast encoder builds while the slices are submitted
+    elif options.runner != "threads":
+        settle_encoder(plan.job)
+    keep_pool_ready(plan.job, options.ready_pool_count)
+    with encoding_processes(plan.job, processes) if processes else nullcontext():
+        yield processes
 
 
 def where(options: TokenizeRun, workers: int) -> str:

@@ -9,32 +9,26 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.futures import PrefectFuture, as_completed
 
+from sft_tokenize.build.ahead import ahead_span, tokenized_ahead
 from sft_tokenize.build.plan import Plan
 from sft_tokenize.build.protocol import build_cache
 from sft_tokenize.build.remote_store import collect_remote_garbage, finished_remote
 from sft_tokenize.build.shard_check import finished_shard
 from sft_tokenize.build.store import collect_garbage, discard_shards, remove_cache
 from sft_tokenize.build.timeline import mark
-from sft_tokenize.build.workers import (
-    encoding_processes,
-    keep_pool_ready,
-    ready_processes,
-    settle_encoder,
-    warm_encoder,
-)
 from sft_tokenize.errors import BadInput, first_line
 from sft_tokenize.flows.artifacts import report, report_packing
 from sft_tokenize.flows.cluster import check_workers
 from sft_tokenize.flows.failures import raise_failures
 from sft_tokenize.flows.interrupts import stopping_workers
 from sft_tokenize.flows.run_options import TokenizeRun
-from sft_tokenize.flows.runners import result_storage, started_task_runner, where
+from sft_tokenize.flows.runners import result_storage, slice_encoding, started_task_runner, where
 from sft_tokenize.tasks.pack_cache import pack_cache
 from sft_tokenize.tasks.plan_slices import plan_slices
 from sft_tokenize.tasks.publish_cache import publish_cache
@@ -114,17 +108,14 @@ def _outcome(future: PrefectFuture, group: SliceGroup) -> tuple[dict[int, int], 
 def tokenize_all(plan: Plan, options: TokenizeRun, staged: set[int]) -> dict:
     """Tokenize every slice on the chosen runner (those in `staged` have a shard in the store already);
     raise naming every slice that failed (raise_failures)."""
+    with slice_encoding(plan, options, staged) as processes:
+        return _tokenize_on_runner(plan, options, staged, processes)
+
+
+def _tokenize_on_runner(plan: Plan, options: TokenizeRun, staged: set[int], processes: int) -> dict:
     logger = get_run_logger()
     total = len(plan.slices)
     workers = max(1, min(options.worker_count, total))
-    # Threads share one GIL: their batches are rendered, masked and encoded by a process per core instead.
-    processes = options.encode_process_count(sum(s.nbytes for s in plan.slices if s.index not in staged),
-                                             ready_processes(plan.job))
-    if options.runner == "threads" and not processes:
-        warm_encoder(plan.job)  # this process encodes: its fast encoder builds while the slices are submitted
-    elif options.runner != "threads":
-        settle_encoder(plan.job)
-    keep_pool_ready(plan.job, options.ready_pool_count)
     size = group_size(total, workers, options.slices_per_task, sum(s.nbytes for s in plan.slices) / total)
     groups = group_slices(plan.slices, size)
     if size == 1:
@@ -141,8 +132,7 @@ def tokenize_all(plan: Plan, options: TokenizeRun, staged: set[int]) -> dict:
     _notify(0, total, 0)
     started = time.monotonic()
     rows, finished, failures = 0, 0, {}
-    with encoding_processes(plan.job, processes) if processes else nullcontext(), \
-            started_task_runner(options.runner, workers, options.cluster_address) as runner, \
+    with started_task_runner(options.runner, workers, options.cluster_address) as runner, \
             stopping_workers(runner, [plan.job.shard_path(s) for s in plan.slices]):
         if options.runner in ("dask", "ray"):
             checked = check_workers(options.runner, runner, plan)
@@ -168,12 +158,15 @@ def tokenize_all(plan: Plan, options: TokenizeRun, staged: set[int]) -> dict:
             progress.update(finished, rows, len(failures))
             _notify(finished, total, rows)
     seconds = time.monotonic() - started
+    if (span := ahead_span(plan.job)) is not None and span[0] < started:
+        # Slices this process tokenized while its server booted (build/ahead.py): the time they took too, not the wait.
+        seconds += min(span[1], started) - span[0]
     if failures:
         raise_failures(failures, plan, options.retries)
     finished = finished_remote if plan.job.remote_root else finished_shard
     tokenized = [finished(plan.job, s) for s in plan.slices if s.index not in staged]
     return {"runner": options.runner, "workers": workers, "encode_processes": processes,
-            "tokenize_seconds": round(seconds, 3),
+            "tokenize_seconds": round(seconds, 3), "tokenized_ahead": len(tokenized_ahead(plan.job, plan.slices)),
             "tokens_tokenized": sum(meta["tokens"] for meta in tokenized if meta)}
 
 

@@ -211,7 +211,21 @@ def test_the_modules_a_run_imports_ahead_are_real_modules():
 
     installed = [name for name in RUN_MODULES if name != "fastokens" or _installed("fastokens")]
     assert set(installed) <= loaded_after_importing(installed)
-    assert any(name.startswith("datasets") for name in installed)  # the one the first slice would wait for
+
+
+def test_a_run_that_writes_and_publishes_shards_loads_neither_datasets_nor_pandas(tmp_path):
+    """The shards and dataset_info.json are written with pyarrow alone: datasets and the pandas it imports cost a
+    first run ~1 s of CPU (tests/unit/test_shard_schema.py checks that the bytes are datasets')."""
+    from support.paths import EXAMPLE_DATA, EXAMPLE_TOKENIZER
+
+    code = ("import json, sys\nfrom sft_tokenize.build.options import TokenizeOptions\n"
+            "from sft_tokenize.build.protocol import run_locally\n"
+            f"run_locally(TokenizeOptions(sources=[{str(EXAMPLE_DATA)!r}], tokenizer={str(EXAMPLE_TOKENIZER)!r}, "
+            f"cache_dir={str(tmp_path)!r}))\n"
+            "print(json.dumps(sorted(m for m in ('datasets', 'pandas') if m in sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert json.loads(out.strip().splitlines()[-1]) == []
+    assert any(path.name.startswith("data-") for path in tmp_path.iterdir())
 
 
 def _installed(name: str) -> bool:

@@ -133,6 +133,30 @@ def test_failed_slice_exits_1_and_the_same_command_resumes(tmp_path, prefect_hom
         assert (stat.st_ino, stat.st_mtime_ns) == staged[index]
 
 
+def test_slices_tokenized_while_the_server_boots_are_found_by_the_flows_tasks(tmp_path, prefect_home):
+    """The run's process tokenizes slices as soon as its plan exists (build/ahead.py); the flow still runs a task per
+    slice, each of which finds its shard: every slice tokenized once (the timeline marks each start), some before
+    the server answered, and every one a completed task run of the flow. A run that finds the server up does not."""
+    trace = tmp_path / "trace.jsonl"
+    result = run_example(tmp_path, prefect_home, "--server-idle", "60", env={"SFT_TOKENIZE_TRACE": str(trace)})
+    assert result.returncode == 0, result.stderr
+    # Right after it, the server is up: nothing to overlap, the flow's tasks tokenize every slice.
+    again = cli(*run_args([EXAMPLE_DATA], tmp_path / "again", "--server-idle", "0"), home=prefect_home)
+    assert again.returncode == 0, again.stderr
+    timings = json.loads((Path(again.stdout.splitlines()[-1]) / "manifest.json").read_text())["timings"]
+    assert timings["tokenized_ahead"] == 0
+    events = [json.loads(line) for line in trace.read_text().splitlines()]
+    server = next(event["t"] for event in events if event["event"] == "server")
+    starts = [event["t"] for event in events if event["event"] == "first_slice"]
+    assert len(starts) == 4 and min(starts) < server
+    with closing(sqlite3.connect(prefect_home / "prefect.db")) as db:
+        tasks = sorted(db.execute("SELECT name, state_type FROM task_run WHERE name LIKE 'tokenize-%'"))
+    assert tasks == sorted([(f"tokenize-{i:05d}", "COMPLETED") for i in range(4)] * 2)  # both runs' flows
+    manifest = json.loads((Path(result.stdout.splitlines()[-1]) / "manifest.json").read_text())
+    assert manifest["timings"]["tokenized_ahead"] >= 1
+    assert "(0 slices reused, 4 tokenized)" in result.stderr
+
+
 # `sft-tokenize run` in a subprocess that says, on its last stderr line, which of these modules it had loaded.
 PROBE = ("import json, sys\nfrom sft_tokenize.flows.cli import main\ncode = main(sys.argv[1:])\n"
          "print(json.dumps(sorted(m for m in ('torch', 'prefect', 'transformers', "
