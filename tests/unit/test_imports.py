@@ -134,6 +134,7 @@ def test_the_on_disk_format_depends_on_neither_side():
 # else), while build may use what read defines of a cache (its layouts, the mixtures a recipe asks for).
 LAYERS = {
     "base": (),  # BASE
+    "server": ("base",),  # the embedded Prefect server: the flows start it, the command line shows and stops it
     "sources": ("base",),
     "chat": ("base", "sources"),
     "encoding": ("base", "sources", "chat"),
@@ -142,9 +143,12 @@ LAYERS = {
     "consumers": ("base", "read"),  # the trainers' own data paths run over a cache (verify --trainer)
     "build": ("base", "sources", "chat", "encoding", "read"),
     "tasks": ("base", "sources", "chat", "encoding", "read", "build"),
-    "flows": ("base", "sources", "chat", "encoding", "read", "export", "consumers", "build", "tasks"),
+    "flows": ("base", "server", "sources", "chat", "encoding", "read", "export", "consumers", "build", "tasks"),
     # sft_tokenize/__init__.py
-    "api": ("base", "sources", "chat", "encoding", "read", "export", "consumers", "build", "tasks", "flows"),
+    "api": ("base", "server", "sources", "chat", "encoding", "read", "export", "consumers", "build", "tasks", "flows"),
+    # the command line, on top: nothing of the package imports it
+    "cli": ("base", "server", "sources", "chat", "encoding", "read", "export", "consumers", "build", "tasks", "flows",
+            "api"),
 }
 # The only imports allowed against the layers or around a circle, each with why. (importer, imported): why.
 BACK_EDGES = {
