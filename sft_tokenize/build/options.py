@@ -5,7 +5,7 @@ TokenizeOptions is the table. Each field says, in one place, the option's type, 
 pydantic description: the Prefect UI form and `sft-tokenize run --help` show the same words), its checks
 (pydantic constraints and validators) and, in an `Option` beside its type, what pydantic does not hold: where
 `--help` lists it and how the flag is parsed, whether it changes the cache's rows (the fingerprint hashes it)
-and whether the slices read it (a field of the Job). The command line (flows/arguments.py), the fingerprint
+and whether the slices read it (a field of the Job). The command line (cli/arguments.py), the fingerprint
 (plan.py) and the Job (job.py) are derived from it.
 """
 

@@ -119,7 +119,7 @@ def test_a_checkout_is_one_package_whose_flows_are_real_modules():
             "    assert load_flow_from_entrypoint(f'flows/{name}.py:{name}') is getattr(module, name), name\n")
     result = subprocess.run([sys.executable, "-c", code], cwd=PACKAGE.parent, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
-    for module in ("flows/cli.py", "flows/tokenize_dataset.py", "tasks/tokenize_slice.py"):
+    for module in ("cli/main.py", "flows/tokenize_dataset.py", "tasks/tokenize_slice.py"):
         assert (PACKAGE / module).is_file()  # what an editor or a type checker resolves `sft_tokenize.<module>` to
 
 

@@ -358,7 +358,7 @@ def test_verify_names_the_rows_a_wrong_skeleton_filled(modern_tokenizer, tmp_pat
     from sft_tokenize.build.options import TokenizeOptions
     from sft_tokenize.build.protocol import run_locally
     from sft_tokenize.build.verify import verify_cache
-    from sft_tokenize.flows import cli
+    from sft_tokenize.cli import main as cli
 
     data = write_jsonl(tmp_path / "data.jsonl", _thinking_rows())
     tokenizer = str(modern_tokenizer("qwen3"))

@@ -1,4 +1,4 @@
-"""Finding a PREFECT_HOME's resident process (flows/resident.py) from /proc, for the command that hands itself to
+"""Finding a PREFECT_HOME's resident process (cli/resident.py) from /proc, for the command that hands itself to
 it or replaces it, `sft-tokenize server status`, tests and benchmarks. A light module: the resident's entry point
 and the embedded server's status both import it.
 """
@@ -11,7 +11,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-SERVE = "from sft_tokenize.flows.resident import serve; serve"  # in a resident's command line
+SERVE = "from sft_tokenize.cli.resident import serve; serve"  # in a resident's command line
 SOCKET_PREFIX = "sft-tokenize-resident-"  # its abstract socket's name, after the leading NUL
 
 
