@@ -53,7 +53,7 @@ from sft_tokenize.format.layout import (
     SIDECAR_SUFFIX,
     STAGING,
 )
-from sft_tokenize.sources.resolve import Slice
+from sft_tokenize.sources.records import Slice
 
 logger = logging.getLogger("sft_tokenize")
 T = TypeVar("T")

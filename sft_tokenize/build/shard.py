@@ -34,7 +34,7 @@ from sft_tokenize.files import atomic_path, atomic_write
 from sft_tokenize.sources.conversations import to_example
 from sft_tokenize.sources.images import image_base
 from sft_tokenize.sources.readers import Rows, change_while_read, read_slice
-from sft_tokenize.sources.resolve import Slice, filesystem
+from sft_tokenize.sources.records import Slice, filesystem
 
 logger = logging.getLogger("sft_tokenize")
 

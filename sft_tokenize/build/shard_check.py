@@ -10,7 +10,7 @@ from sft_tokenize.build.job import Job
 from sft_tokenize.build.keys import Digests
 from sft_tokenize.format.layout import SIDECAR_SUFFIX
 from sft_tokenize.sources.images import changed_file
-from sft_tokenize.sources.resolve import Slice
+from sft_tokenize.sources.records import Slice
 
 
 def sidecar_path(shard: Path) -> Path:

@@ -13,7 +13,7 @@ from sft_tokenize.build.publish import describe_drops
 from sft_tokenize.files import human_size
 
 if TYPE_CHECKING:
-    from sft_tokenize.sources.resolve import Slice
+    from sft_tokenize.sources.records import Slice
 
 
 def _count(n: int) -> str:
@@ -178,7 +178,7 @@ def markdown_table(title: str, rows: list[tuple[str, ...]], header: tuple[str, .
     return "\n".join(lines) + "\n"
 
 
-UNITS = {"jsonl": ("byte", "bytes"), "parquet": ("row group", "row groups"), "arrow": ("row", "rows")}  # resolve.Part
+UNITS = {"jsonl": ("byte", "bytes"), "parquet": ("row group", "row groups"), "arrow": ("row", "rows")}  # records.Part
 
 
 def describe_slice(slice_: Slice) -> str:

@@ -17,14 +17,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from sft_tokenize.errors import BadInput, BadRow
-from sft_tokenize.sources.arrow_reader import _Arrow
 from sft_tokenize.sources.conversations import ColumnMap, Conversation, to_example
-from sft_tokenize.sources.csv_reader import _Csv
-from sft_tokenize.sources.format_reader import _Reader
-from sft_tokenize.sources.json_reader import _JsonArray
-from sft_tokenize.sources.jsonl_reader import _JsonLines, _parse_line
-from sft_tokenize.sources.parquet_reader import _Parquet
-from sft_tokenize.sources.resolve import Part, Slice, SourceFile
+from sft_tokenize.sources.formats.arrow_reader import _Arrow
+from sft_tokenize.sources.formats.csv_reader import _Csv
+from sft_tokenize.sources.formats.format_reader import _Reader
+from sft_tokenize.sources.formats.json_reader import _JsonArray
+from sft_tokenize.sources.formats.jsonl_reader import _JsonLines, _parse_line
+from sft_tokenize.sources.formats.parquet_reader import _Parquet
+from sft_tokenize.sources.records import Part, Slice, SourceFile
 
 READERS: dict[str, type[_Reader]] = {"jsonl": _JsonLines, "json": _JsonArray, "parquet": _Parquet, "arrow": _Arrow,
                                      "csv": _Csv}

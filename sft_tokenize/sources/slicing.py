@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 
 from sft_tokenize.sources.readers import reader
-from sft_tokenize.sources.resolve import Part, Slice, SourceFile
+from sft_tokenize.sources.records import Part, Slice, SourceFile
 
 
 def _ends_group(source: SourceFile, target: int) -> bool:

@@ -8,7 +8,7 @@ from typing import Any
 
 from sft_tokenize.errors import BadRow
 from sft_tokenize.sources.compressed import compression_of, open_decompressed
-from sft_tokenize.sources.resolve import Part, SourceFile, filesystem
+from sft_tokenize.sources.records import Part, SourceFile, filesystem
 
 # Rows handed to the tokenizer at a time: at most this many, and (JSONL) at most this much input. A batch's
 # tokenizer output (~100 bytes a token until it is packed into numpy) is what sets a worker's peak memory.

@@ -7,9 +7,9 @@ from collections.abc import Iterator
 from functools import cached_property
 
 from sft_tokenize.errors import BadInput, BadRow
-from sft_tokenize.sources.format_reader import READ_BATCH_ROWS, RowBatch, _Reader
-from sft_tokenize.sources.jsonl_reader import _SURROGATE_ESCAPE, TOO_DEEP, _unicode_checked
-from sft_tokenize.sources.resolve import Part
+from sft_tokenize.sources.formats.format_reader import READ_BATCH_ROWS, RowBatch, _Reader
+from sft_tokenize.sources.formats.jsonl_reader import _SURROGATE_ESCAPE, TOO_DEEP, _unicode_checked
+from sft_tokenize.sources.records import Part
 
 
 class _JsonArray(_Reader):

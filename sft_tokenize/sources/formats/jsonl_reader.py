@@ -13,8 +13,14 @@ from typing import Any
 import orjson
 
 from sft_tokenize.errors import BadInput, BadRow
-from sft_tokenize.sources.format_reader import READ_BATCH_BYTES, READ_BATCH_ROWS, READ_CHUNK_BYTES, RowBatch, _Reader
-from sft_tokenize.sources.resolve import Part
+from sft_tokenize.sources.formats.format_reader import (
+    READ_BATCH_BYTES,
+    READ_BATCH_ROWS,
+    READ_CHUNK_BYTES,
+    RowBatch,
+    _Reader,
+)
+from sft_tokenize.sources.records import Part
 
 
 class _JsonLines(_Reader):

@@ -7,8 +7,8 @@ from collections.abc import Iterator
 import pyarrow as pa
 
 from sft_tokenize.errors import BadInput, one_line
-from sft_tokenize.sources.format_reader import READ_BATCH_ROWS, RowBatch, _Reader
-from sft_tokenize.sources.resolve import Part, is_local
+from sft_tokenize.sources.formats.format_reader import READ_BATCH_ROWS, RowBatch, _Reader
+from sft_tokenize.sources.records import Part, is_local
 
 
 class _Arrow(_Reader):

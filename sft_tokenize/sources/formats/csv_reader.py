@@ -8,8 +8,8 @@ import pyarrow as pa
 import pyarrow.csv as pa_csv
 
 from sft_tokenize.errors import BadInput, BadRow, one_line
-from sft_tokenize.sources.format_reader import READ_BATCH_BYTES, READ_BATCH_ROWS, RowBatch, _Reader
-from sft_tokenize.sources.resolve import Part
+from sft_tokenize.sources.formats.format_reader import READ_BATCH_BYTES, READ_BATCH_ROWS, RowBatch, _Reader
+from sft_tokenize.sources.records import Part
 
 
 class _Csv(_Reader):
