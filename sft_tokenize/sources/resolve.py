@@ -1,8 +1,8 @@
-"""Sources: find the input files and check them; the picklable descriptions of files, parts and slices.
+"""Sources: find the input files and check them, each file's format found by its suffix (formats/table.py).
 
 Every file is reached through fsspec, so local paths and s3://, gs://, hf://, http(s):// URLs take the
-same code. A slice is a small picklable description (file URLs and ranges), never data; how each format is
-cut into pieces and read is readers.py, how pieces are packed into slices slicing.py.
+same code. A file, a part of one and a slice are small picklable descriptions (records.py), never data; how
+each format is cut into pieces and read is sources/formats/, how pieces are packed into slices slicing.py.
 
 A compressed file (`.gz`, `.bz2`, `.zst`, `.xz` after the format's extension) is decompressed as it is
 read, by fsspec's codecs; it cannot be read from an offset, so it is one piece, read whole by one slice.
@@ -18,28 +18,21 @@ import os
 import fsspec
 
 from sft_tokenize.errors import BadInput, one_line
-from sft_tokenize.sources.compressed import (
-    COMPRESSIBLE,
-    COMPRESSIONS,
-    compression_of,
-    format_extension,
-    open_decompressed,
-)
+from sft_tokenize.sources.compressed import COMPRESSIONS, compression_of, format_extension, open_decompressed
+from sft_tokenize.sources.formats.table import by_suffix, suffixes
 from sft_tokenize.sources.listing import check_regular_file, is_under, list_directory
 from sft_tokenize.sources.records import SourceFile, file_identity, filesystem, is_local
-
-EXTENSIONS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv",
-              ".arrow": "arrow"}
 
 
 def _kind(url: str, fs: fsspec.AbstractFileSystem, path: str) -> str:
     ext = format_extension(url)
-    kind = EXTENSIONS.get(ext)
-    if kind is None:
+    found = by_suffix(ext)
+    if found is None:
         raise BadInput(f"{url}: unknown file format {ext or '(no extension)'!r}; "
-                       f"supported: {', '.join(sorted(EXTENSIONS))}, each also compressed "
-                       f"({', '.join(COMPRESSIONS)}) except .parquet and .arrow")
-    if compression_of(url) and kind not in COMPRESSIBLE:
+                       f"supported: {', '.join(sorted(suffixes()))}, each also compressed "
+                       f"({', '.join(COMPRESSIONS)}) except {' and '.join(suffixes(compressible=False))}")
+    kind = found.kind
+    if compression_of(url) and not found.compressible:
         raise BadInput(f"{url}: {ext} files cannot be read compressed ({ext} compresses inside the file); "
                        "decompress it first")
     if kind == "json":  # many .json files are JSON lines: an object on the first line tells
@@ -147,7 +140,7 @@ def _resolve_one(spec: str, split: str, storage_options: dict | None, cache_root
         if not files:
             inside = " (the cache dir inside it is never read)" if local and cache_root and \
                 is_under(cache_root, path) else ""
-            raise BadInput(f"{_shown(spec)}: no data files ({', '.join(sorted(EXTENSIONS))}) in this directory"
+            raise BadInput(f"{_shown(spec)}: no data files ({', '.join(sorted(suffixes()))}) in this directory"
                            f"{inside}")
         return [_source(fs, p) for p in files]
     if local:

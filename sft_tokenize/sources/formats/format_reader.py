@@ -21,8 +21,9 @@ READ_CHUNK_BYTES = 1 << 20  # one read (one range request remotely) of a JSONL s
 RowBatch = tuple[list[Any], Callable[[int], str]]
 
 
-class _Reader:
-    """One file format: its columns, its pieces (cut points with byte weights) and how to read a part."""
+class FormatReader:
+    """One file format: its columns, its pieces (cut points with byte weights) and how to read a part. A new
+    format subclasses it in a module of its own and adds its row to FORMATS (table.py)."""
 
     schemaless = False  # rows are JSON objects whose keys may differ from row to row
     first_bad: tuple[str, BadRow] | None = None  # after columns() found only bad rows: where the first is, and why
