@@ -51,7 +51,7 @@ from sft_tokenize.build.timeline import TRACE_ENV, count_from, process_start
 from sft_tokenize.flows.console import CONSOLE_ENV
 from sft_tokenize.server.resident_processes import (
     SERVE,
-    _bound_sockets,
+    bound_sockets,
     prefect_home,
     resident_processes,
     socket_name,
@@ -259,7 +259,7 @@ def _ready_by(address: str, key: str) -> float | None:
     listen yet (importing); None if there is none or it would not be ready sooner than this process's imports.
     It waits when the resident's expected time left (the last resident's time to ready, in PREFECT_HOME, less its
     age) is under 80 % of the time the last one took to import and prepare, which this process would spend."""
-    if not _bound_sockets(address[1:]):
+    if not bound_sockets(address[1:]):
         return None
     home = prefect_home(os.environ)
     try:
@@ -342,7 +342,7 @@ def _replace(address: str, key: str) -> bool:
     for found in holders:
         _pass_on(found["pid"], signal.SIGTERM)
     deadline = time.monotonic() + REPLACE_TIMEOUT
-    while _bound_sockets(address[1:]):
+    while bound_sockets(address[1:]):
         if time.monotonic() > deadline:
             return False
         time.sleep(0.02)

@@ -33,7 +33,7 @@ def socket_name(uid: int, home: str) -> str:
     return f"{SOCKET_PREFIX}{uid}-{hashlib.sha256(home.encode()).hexdigest()[:24]}"
 
 
-def _bound_sockets(name: str | None = None) -> dict[str, bool]:
+def bound_sockets(name: str | None = None) -> dict[str, bool]:
     """The inodes (as /proc/PID/fd shows them: socket:[N]) of the bound resident sockets, `name`'s only if given,
     each with whether it listens."""
     found = {}
@@ -58,7 +58,7 @@ def resident_processes(home: str | os.PathLike, uid: int | None = None) -> list[
     socket name), "key" (what it serves: resident.resident_key)}."""
     uid = os.getuid() if uid is None else uid
     wanted = os.path.abspath(os.path.expanduser(os.fspath(home)))
-    sockets = _bound_sockets()
+    sockets = bound_sockets()
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         with contextlib.suppress(OSError, ValueError):

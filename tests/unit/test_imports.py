@@ -221,3 +221,12 @@ def _installed(name: str) -> bool:
     import importlib.util
 
     return importlib.util.find_spec(name) is not None
+
+
+def test_no_private_name_crosses_a_module():
+    """A name another module imports is a seam, and public: an underscore name stays in its own module."""
+    crossing = sorted(f"{module} imports {node.module}.{alias.name}" for module in modules()
+                      for node in ast.walk(_source(module)) if isinstance(node, ast.ImportFrom)
+                      and (node.module or "").startswith("sft_tokenize") for alias in node.names
+                      if alias.name.startswith("_") and not alias.name.startswith("__"))
+    assert crossing == []
