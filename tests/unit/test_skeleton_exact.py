@@ -323,7 +323,7 @@ def test_a_mismatch_after_rows_were_filled_renders_the_slice_again(modern_tokeni
     from sft_tokenize.build.options import TokenizeOptions
     from sft_tokenize.build.protocol import run_locally
     from sft_tokenize.read.cache import open_cache
-    from sft_tokenize.sources import jsonl_reader
+    from sft_tokenize.sources.formats import jsonl_reader
 
     monkeypatch.setattr(jsonl_reader, "READ_BATCH_ROWS", 8)
     plain, thinking = _thinking_rows()[:2]

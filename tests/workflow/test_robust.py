@@ -502,9 +502,10 @@ def test_output_to_a_closed_pipe_is_no_traceback(tmp_path, cli_home):
 @pytest.mark.parametrize("chunk", [1, 3, 7, 64])
 def test_lines_over_the_limit_are_never_decoded_wherever_the_chunks_end(tmp_path, monkeypatch, chunk):
     from sft_tokenize.errors import BadRow
-    from sft_tokenize.sources import jsonl_reader, slicing
     from sft_tokenize.sources import readers as source_formats
     from sft_tokenize.sources import resolve as sources
+    from sft_tokenize.sources import slicing
+    from sft_tokenize.sources.formats import jsonl_reader
 
     monkeypatch.setattr(jsonl_reader, "READ_CHUNK_BYTES", chunk)
     lines = ['{"text": "a"}', '{"text": "' + "b" * 30 + '"}', "", '{"text": "' + "c" * 7 + '"}',
