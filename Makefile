@@ -69,5 +69,5 @@ docs: $(BIN)/python
 
 # docs/cli.md's flag tables, made again from the options' declarations (tests/unit/test_options.py checks them).
 cli-docs:
-	$(BIN)/python -c "import pathlib; from sft_tokenize.flows.arguments import with_flag_tables as made; \
+	$(BIN)/python -c "import pathlib; from sft_tokenize.cli.arguments import with_flag_tables as made; \
 	page = pathlib.Path('docs/cli.md'); page.write_text(made(page.read_text()))"

@@ -78,7 +78,7 @@ class Constants:
     # checked and linked at publishing).
     flow_ms_per_slice: float = 1.4
     input_file_bytes: float = 1e9  # the model's inputs: 1 GB files
-    read_request_bytes: float = 2**20  # sources/format_reader.py READ_CHUNK_BYTES: one ranged GET
+    read_request_bytes: float = 2**20  # sources/formats/format_reader.py READ_CHUNK_BYTES: one ranged GET
     shard_bytes_per_token: float = 5.0  # int32 ids + int8 mask (the default schema), offsets aside
     upload_part_bytes: float = 50 * 2**20  # s3fs put_file's multipart chunk
 

@@ -238,7 +238,7 @@ def run_skyrl(files: list[Path], processor: Path, out: Path, max_length: int, wo
 def project_command(files: list[Path], processor: Path, cache_dir: Path, workers: int, max_length: int,
                     extra: list[str]) -> list[str]:
     script = Path(sys.executable).with_name("sft-tokenize")
-    base = [str(script)] if script.exists() else [sys.executable, "-m", "sft_tokenize.flows.cli"]
+    base = [str(script)] if script.exists() else [sys.executable, "-m", "sft_tokenize.cli.main"]
     return [*base, "run", *map(str, files), "--processor", str(processor), "--cache-dir", str(cache_dir),
             "--workers", str(workers), "--train-on", "last_assistant", "--max-length", str(max_length),
             "--truncation", "drop", "--image-access", "local", *extra]  # its own inputs name their images by path

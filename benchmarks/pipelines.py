@@ -39,7 +39,7 @@ from sft_tokenize.build.job import features  # noqa: E402
 from sft_tokenize.encoding.chat_encoder import ChatEncoder, EncodedBatch  # noqa: E402
 from sft_tokenize.encoding.tokenizer import load_tokenizer  # noqa: E402
 from sft_tokenize.sources.conversations import Conversation  # noqa: E402
-from sft_tokenize.sources.format_reader import READ_BATCH_BYTES, READ_BATCH_ROWS  # noqa: E402
+from sft_tokenize.sources.formats.format_reader import READ_BATCH_BYTES, READ_BATCH_ROWS  # noqa: E402
 
 WRITER_BATCH_ROWS = 1000  # SkyRL's _TOKENIZE_WRITER_BATCH_ROWS
 

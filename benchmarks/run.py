@@ -26,7 +26,7 @@ that subprocess's whole process tree (see measure.py):
 Cold (`--prefect fresh`, the default) is a user's first run: each project run gets a fresh, empty PREFECT_HOME
 and SFT_TOKENIZE_HOME, and nothing is prepared before any clock starts. `--prefect warm` lets the project's runs
 (given `--resident`) find the embedded server up, its database migrated, the tokenizer prepared and the resident
-process ready with the encode pool of the job (one untimed run per variant first; sft_tokenize/flows/resident.py);
+process ready with the encode pool of the job (one untimed run per variant first; sft_tokenize/cli/resident.py);
 the peers have no such state. A size of BIG units or more (8: ~222M tokens of the short corpus) runs only the
 project and the strongest peer there, `map` + fastokens. Either way every
 pipeline's input files are read once, untimed, just before it runs, so that each finds them in the page cache.
@@ -52,7 +52,7 @@ from dataclasses import asdict, dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from sft_tokenize.flows.resident_processes import residents
+from sft_tokenize.server.resident_processes import residents
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -122,7 +122,7 @@ class Run:
 
 def project_command(files: list[Path], tokenizer: Path, cache_dir: Path, workers: int, extra: list[str]) -> list[str]:
     script = Path(sys.executable).with_name("sft-tokenize")
-    base = [str(script)] if script.exists() else [sys.executable, "-m", "sft_tokenize.flows.cli"]
+    base = [str(script)] if script.exists() else [sys.executable, "-m", "sft_tokenize.cli.main"]
     return [*base, "run", *map(str, files), "--tokenizer", str(tokenizer), "--cache-dir", str(cache_dir),
             "--workers", str(workers), *extra]
 
@@ -146,7 +146,7 @@ def project_env(env: dict[str, str], mode: str, work: Path, scratch: Path) -> di
 
 def server_pids(env: dict[str, str]):
     """The embedded server recorded in the run's PREFECT_HOME and the resident process beside it (which runs a warm
-    run: sft_tokenize/flows/resident.py), as a callable for measure(): neither is the run's child, yet their memory
+    run: sft_tokenize/cli/resident.py), as a callable for measure(): neither is the run's child, yet their memory
     is the run's cost."""
     home = env["PREFECT_HOME"]
     state = Path(home) / "sft-tokenize-server.json"

@@ -58,7 +58,7 @@ def project_command(args: argparse.Namespace) -> list[str]:
     if args.project_cmd:
         return shlex.split(args.project_cmd)
     script = Path(sys.executable).with_name("sft-tokenize")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "sft_tokenize.flows.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "sft_tokenize.cli.main"]
 
 
 def capabilities(project: list[str], env: dict[str, str], cwd: Path) -> dict[str, bool]:

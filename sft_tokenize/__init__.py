@@ -17,8 +17,10 @@ The code follows the pipeline, one subpackage per step (docs/architecture.md is 
     read/      open_cache, layouts, trainer loaders, the packing index and its sampler, the mixture index
     export/    a published cache in other trainers' formats: Megatron, MDS, litdata (export_cache)
     format/    FORMAT.md, the on-disk format (beside the code that writes and checks it)
-    flows/     the Prefect flows, the `sft-tokenize` command line and the ad-hoc runs' Prefect server
+    server/    the ad-hoc runs' embedded Prefect server: its process, state, schema, and the resident finder
+    flows/     the Prefect flows, their runners and what they report
     tasks/     thin Prefect tasks over the build's plain functions
+    cli/       the `sft-tokenize` command line: entry point, arguments, the resident process
 """
 
 from __future__ import annotations

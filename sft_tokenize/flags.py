@@ -2,7 +2,7 @@
 form shows) with a `Flag` beside its type, which says what the field does not: how the command line gives it.
 
 Both sides' option models use it (build/options.py, read/packing_index.py, flows/run_options.py), and the command
-line (flows/arguments.py), its `--help` and the tables of docs/cli.md are made from their declarations, so a flag's
+line (cli/arguments.py), its `--help` and the tables of docs/cli.md are made from their declarations, so a flag's
 help text, default and choices are those of the field and nowhere else.
 """
 

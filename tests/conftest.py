@@ -302,7 +302,7 @@ def cli_home(tmp_path) -> Path:
 
 @pytest.fixture
 def server_home(tmp_path) -> Iterator[Path]:
-    """A PREFECT_HOME for the embedded servers a test starts itself (sft_tokenize.flows.embedded_server), in this
+    """A PREFECT_HOME for the embedded servers a test starts itself (sft_tokenize.server.embedded_server), in this
     process, where it is the current setting while the test runs, or in subprocesses it names it to."""
     from prefect.settings import PREFECT_HOME, temporary_settings
 

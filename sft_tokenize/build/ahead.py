@@ -29,7 +29,7 @@ from concurrent.futures import Future
 from sft_tokenize.build.job import Job
 from sft_tokenize.build.shard_check import finished_shard
 from sft_tokenize.build.stopping import Stopped, stop_threads
-from sft_tokenize.sources.resolve import Slice
+from sft_tokenize.sources.records import Slice
 
 Tokenize = Callable[[Job, Slice], int]
 _in_ahead = threading.local()  # set in the threads that tokenize ahead: their own calls claim nothing

@@ -24,7 +24,7 @@ from sft_tokenize.build.workers import encoder_for
 from sft_tokenize.encoding.chat_encoder import EncodedBatch
 from sft_tokenize.errors import BadRow
 from sft_tokenize.sources.readers import Rows, read_slice, reader
-from sft_tokenize.sources.resolve import Slice, filesystem
+from sft_tokenize.sources.records import Slice, filesystem
 
 SAMPLE_SLICES = 32
 SAMPLE_ROWS = 256  # per sampled slice, of JSON lines, at most

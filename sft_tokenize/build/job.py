@@ -30,7 +30,7 @@ from sft_tokenize.files import REMOTE_TIMEOUT, REQUEST_TIMEOUT
 from sft_tokenize.format.layout import DIGEST_BOOK, SHARD_STORE, SHARD_SUFFIX
 from sft_tokenize.read.layouts import COLUMN_TYPES, Layout, layout_columns
 from sft_tokenize.sources.conversations import ColumnMap
-from sft_tokenize.sources.resolve import Slice
+from sft_tokenize.sources.records import Slice
 
 
 class _JobPaths:

@@ -30,7 +30,7 @@ from typing import Any
 
 from sft_tokenize.files import REQUEST_TIMEOUT, atomic_write, file_digest
 from sft_tokenize.fingerprint import fingerprint
-from sft_tokenize.sources.resolve import Part, Slice, file_identity, filesystem, is_local
+from sft_tokenize.sources.records import Part, Slice, file_identity, filesystem, is_local
 
 KEY_DIGITS = 32
 RACY_NS = 2 * 10**9  # a file changed this close before its hashing is hashed again by the next plan

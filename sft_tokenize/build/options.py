@@ -5,7 +5,7 @@ TokenizeOptions is the table. Each field says, in one place, the option's type, 
 pydantic description: the Prefect UI form and `sft-tokenize run --help` show the same words), its checks
 (pydantic constraints and validators) and, in an `Option` beside its type, what pydantic does not hold: where
 `--help` lists it and how the flag is parsed, whether it changes the cache's rows (the fingerprint hashes it)
-and whether the slices read it (a field of the Job). The command line (flows/arguments.py), the fingerprint
+and whether the slices read it (a field of the Job). The command line (cli/arguments.py), the fingerprint
 (plan.py) and the Job (job.py) are derived from it.
 """
 
@@ -70,7 +70,7 @@ SLICES = "slices, runners and retries"
 VERSIONS = "versions, the server and logs"
 
 
-# --request-timeout's text: the run's option and each reading command's flag (flows/arguments.py) say this
+# --request-timeout's text: the run's option and each reading command's flag (cli/arguments.py) say this
 REQUEST_TIMEOUT_HELP = ("how long a request to object storage or an http(s) server (the cache root, a remote source, "
                         "a cache version read from a bucket) may wait to connect and for each answer; one that gets "
                         "none, or is refused, fails (on object storage after one more try) in one line naming the "

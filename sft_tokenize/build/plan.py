@@ -40,7 +40,8 @@ from sft_tokenize.format import CACHE_FORMAT_VERSION
 from sft_tokenize.format.layout import SHARD_STORE, STAGING
 from sft_tokenize.sources.conversations import DEFAULT_COLUMNS, REQUIRED, ColumnMap, resolve_columns
 from sft_tokenize.sources.readers import reader
-from sft_tokenize.sources.resolve import Slice, SourceFile, resolve
+from sft_tokenize.sources.records import Slice, SourceFile
+from sft_tokenize.sources.resolve import resolve
 from sft_tokenize.sources.slicing import cut_slices
 
 logger = logging.getLogger("sft_tokenize")

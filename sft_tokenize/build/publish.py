@@ -45,7 +45,7 @@ from sft_tokenize.format.layout import (
 )
 from sft_tokenize.format.manifest import read_manifest
 from sft_tokenize.sources.images import changed_file, image_base
-from sft_tokenize.sources.resolve import Slice
+from sft_tokenize.sources.records import Slice
 from sft_tokenize.version import __version__
 
 PERCENTILES = (50, 90, 99)

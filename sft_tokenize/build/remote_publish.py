@@ -16,7 +16,7 @@ from sft_tokenize.build.remote_store import changed_shards, finished_all, reachi
 from sft_tokenize.errors import CacheError
 from sft_tokenize.format.layout import DATASET_INFO, IMAGE_FILES, MANIFEST, STATE, data_file
 from sft_tokenize.read.remote_cache import Remote
-from sft_tokenize.sources.resolve import Slice
+from sft_tokenize.sources.records import Slice
 
 
 def version_url(root_url: str, name: str, fingerprint: str) -> str:

@@ -54,7 +54,7 @@ from sft_tokenize.format.layout import (
     STAGING,
 )
 from sft_tokenize.remote_requests import unanswered
-from sft_tokenize.sources.resolve import Slice
+from sft_tokenize.sources.records import Slice
 
 logger = logging.getLogger("sft_tokenize")
 T = TypeVar("T")

@@ -23,7 +23,7 @@ from sft_tokenize.build.image_rows import ImageRows, held_bytes, pixel_bytes
 from sft_tokenize.build.job import Job
 from sft_tokenize.build.keys import forget, slice_key
 from sft_tokenize.build.remote_store import checked_remote, upload_shard
-from sft_tokenize.build.shard_check import _SHARD_DIGESTS, _checked_shard, sidecar_path
+from sft_tokenize.build.shard_check import SHARD_DIGESTS, checked_shard, sidecar_path
 from sft_tokenize.build.shard_stats import ShardStats
 from sft_tokenize.build.shard_writer import ShardWriter
 from sft_tokenize.build.stopping import Stopped, raise_if_stopping
@@ -35,7 +35,7 @@ from sft_tokenize.files import atomic_path, atomic_write
 from sft_tokenize.sources.conversations import to_example
 from sft_tokenize.sources.images import image_base
 from sft_tokenize.sources.readers import Rows, change_while_read, read_slice
-from sft_tokenize.sources.resolve import Slice, filesystem
+from sft_tokenize.sources.records import Slice, filesystem
 
 logger = logging.getLogger("sft_tokenize")
 
@@ -176,7 +176,7 @@ def tokenize_slice(job: Job, slice_: Slice) -> int:
 
 
 def _tokenize_into_store(job: Job, slice_: Slice) -> int:
-    done, damaged = _checked_shard(job, slice_)
+    done, damaged = checked_shard(job, slice_)
     if done is not None:
         return done["rows"]
     if damaged:
@@ -203,7 +203,7 @@ def _tokenize_into_store(job: Job, slice_: Slice) -> int:
                 raise BadInput(change_while_read(slice_, appended_ok=False, always=True))
         # One read of a file just written (from the page cache); remembered, so this process's later checks
         # of it (publish, the threads runner's lease) do not read it again.
-        digest = _SHARD_DIGESTS.local(str(shard))
+        digest = SHARD_DIGESTS.local(str(shard))
         meta = {"key": slice_.key, "slice": slice_.describe(), "bytes": shard.stat().st_size, "digest": digest,
                 **stats.as_json(), "seconds": round(time.monotonic() - started, 3)}
         atomic_write(sidecar_path(shard), json.dumps(meta).encode())

@@ -10,7 +10,7 @@ from sft_tokenize.build.job import Job
 from sft_tokenize.build.keys import Digests
 from sft_tokenize.format.layout import SIDECAR_SUFFIX
 from sft_tokenize.sources.images import changed_file
-from sft_tokenize.sources.resolve import Slice
+from sft_tokenize.sources.records import Slice
 
 
 def sidecar_path(shard: Path) -> Path:
@@ -24,7 +24,7 @@ NOT_BAD_ROWS = frozenset({"no_assistant_turn", "too_long", "truncated_away", "no
 
 # Digests of the store's shards this process has read (or written), under each shard's stat: a shard checked
 # once is not read again in this process until its stat changes (a write, a truncation or a rename does).
-_SHARD_DIGESTS = Digests()
+SHARD_DIGESTS = Digests()
 
 
 def sidecar_verdict(job: Job, slice_: Slice, meta: object, where: str) -> tuple[bool, str | None]:
@@ -42,7 +42,7 @@ def sidecar_verdict(job: Job, slice_: Slice, meta: object, where: str) -> tuple[
     return True, None
 
 
-def _checked_shard(job: Job, slice_: Slice) -> tuple[dict | None, str | None]:
+def checked_shard(job: Job, slice_: Slice) -> tuple[dict | None, str | None]:
     """(the sidecar of a complete shard of this slice's key, None), or (None, why a stored shard is not one:
     None when there is nothing to trust, a message when what is there is damaged)."""
     shard = job.shard_path(slice_)
@@ -60,7 +60,7 @@ def _checked_shard(job: Job, slice_: Slice) -> tuple[dict | None, str | None]:
     if meta["bytes"] != size:
         return None, f"{shard}: {size:,} bytes, its sidecar says {meta['bytes']:,}: the stored shard is corrupt"
     try:
-        digest = _SHARD_DIGESTS.local(str(shard))
+        digest = SHARD_DIGESTS.local(str(shard))
     except OSError as error:
         return None, f"{shard}: cannot read the stored shard ({error.strerror})"
     if digest != meta["digest"]:
@@ -71,4 +71,4 @@ def _checked_shard(job: Job, slice_: Slice) -> tuple[dict | None, str | None]:
 def finished_shard(job: Job, slice_: Slice) -> dict | None:
     """The sidecar of a complete shard of this slice's key, its size and digest checked against the file; None
     if it must be (re)written."""
-    return _checked_shard(job, slice_)[0]
+    return checked_shard(job, slice_)[0]

@@ -59,7 +59,7 @@ from sft_tokenize.format.layout import (
     beside,
 )
 from sft_tokenize.format.manifest import read_manifest
-from sft_tokenize.sources.resolve import Slice
+from sft_tokenize.sources.records import Slice
 
 logger = logging.getLogger("sft_tokenize")
 

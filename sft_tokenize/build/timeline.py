@@ -29,7 +29,7 @@ _STARTED = process_start() if os.environ.get(TRACE_ENV) else 0.0
 
 def count_from(started: float) -> None:
     """Count this process's events from `started` (process_start's scale): a resident process runs a command
-    that started before it (flows/resident.py)."""
+    that started before it (cli/resident.py)."""
     global _STARTED
     _STARTED = started
 

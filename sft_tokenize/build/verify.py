@@ -25,7 +25,7 @@ from sft_tokenize.format.manifest import read_manifest
 from sft_tokenize.read.cache import open_cache
 from sft_tokenize.read.layouts import column_values
 from sft_tokenize.sources.readers import Rows, read_slice
-from sft_tokenize.sources.resolve import Part, Slice
+from sft_tokenize.sources.records import Part, Slice
 
 SHOWN = 5  # differing rows named, at most
 

@@ -54,7 +54,7 @@ def process_encoding(tokenizer_dir: str, chat_template: str | None, trust_remote
 
 def encodings_made(forget: bool = False) -> list[tuple]:
     """The arguments of this process's last four process_encoding calls that made an encoding: what a resident
-    process prepares for the next run (flows/resident.py). `forget`: and start the list again (a resident that
+    process prepares for the next run (cli/resident.py). `forget`: and start the list again (a resident that
     begins a command, so that the next one prepares what that command used, not what this one prepared)."""
     made = list(_made)
     if forget:
@@ -217,7 +217,7 @@ def ready_processes(job: Job) -> int:
 
 def keep_pool_ready(job: Job, processes: int) -> None:
     """Say that a next run of `job` would take a pool of `processes` processes, whatever its size: a resident
-    process started after this run starts that pool while it waits (flows/resident.py)."""
+    process started after this run starts that pool while it waits (cli/resident.py)."""
     global _next_pool
     _next_pool = [(job, processes)] if processes else []
 

@@ -33,7 +33,7 @@ def fetch_tokenizer(url: str, storage_options: dict | None = None) -> Path:
     """A tokenizer directory on object storage (`s3://bucket/tokenizers/qwen`) copied into this user's cache, once
     per machine and version of its files: the copy is named by the URL and the files' identities (size and ETag),
     so an edited file gives a new copy, and a worker that shares only the bucket fetches its own."""
-    from sft_tokenize.sources.resolve import file_identity, filesystem
+    from sft_tokenize.sources.records import file_identity, filesystem
 
     try:
         fs, path = filesystem(url, storage_options)

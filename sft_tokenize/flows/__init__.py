@@ -1,1 +1,1 @@
-"""The Prefect flow that builds a tokenized SFT cache, and the `sft-tokenize` command line."""
+"""The Prefect flows that build a cache and a recipe, the runners they run on, and what they report."""

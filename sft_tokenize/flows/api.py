@@ -29,7 +29,7 @@ from sft_tokenize.flows.run_options import RUN_OPTIONS  # tokenize()'s options b
 
 # What a run imports after its plan: its flow's modules, Prefect's engines and what they import on first use,
 # transformers' template compiler and the tokenizer libraries (fastokens is an optional extra).
-RUN_MODULES = ("sft_tokenize.flows.tokenize_dataset", "sft_tokenize.flows.embedded_server",
+RUN_MODULES = ("sft_tokenize.flows.tokenize_dataset", "sft_tokenize.server.embedded_server",
                "sft_tokenize.flows.interrupts", "sft_tokenize.build.workers", "sft_tokenize.build.shard",
                "sft_tokenize.build.shard_writer", "sft_tokenize.build.publish", "prefect.flow_engine",
                "prefect.task_engine", "fastapi.encoders", "transformers", "transformers.utils.chat_template_utils",
@@ -125,7 +125,7 @@ def run_tokenize(settings: dict[str, Any], progress: Callable[[Any], Any] | None
 
     def start_server() -> None:  # only when there is work: a cache hit needs no Prefect at all
         nonlocal server
-        from sft_tokenize.flows.embedded_server import EmbeddedServer
+        from sft_tokenize.server.embedded_server import EmbeddedServer
 
         if EmbeddedServer.needed():
             if problem := prefect_home_problem():
@@ -179,9 +179,9 @@ def _run_flow(options: Any, server: Any, progress: Callable[[Any], Any] | None, 
     from prefect.exceptions import TerminationSignal
     from prefect.settings import get_current_settings
 
-    from sft_tokenize.flows.embedded_server import EmbeddedServer, ServerLost, ServerUnavailable, check_api_reachable
     from sft_tokenize.flows.interrupts import Terminated
     from sft_tokenize.flows.tokenize_dataset import on_progress, tokenize_dataset
+    from sft_tokenize.server.embedded_server import EmbeddedServer, ServerLost, ServerUnavailable, check_api_reachable
 
     if server is None and EmbeddedServer.needed():  # --force of a published cache: the plan did no work
         server = EmbeddedServer(fork=cli_process)

@@ -13,7 +13,7 @@ from sft_tokenize.build.publish import describe_drops
 from sft_tokenize.files import human_size
 
 if TYPE_CHECKING:
-    from sft_tokenize.sources.resolve import Slice
+    from sft_tokenize.sources.records import Slice
 
 
 def _count(n: int) -> str:
@@ -178,14 +178,13 @@ def markdown_table(title: str, rows: list[tuple[str, ...]], header: tuple[str, .
     return "\n".join(lines) + "\n"
 
 
-UNITS = {"jsonl": ("byte", "bytes"), "parquet": ("row group", "row groups"), "arrow": ("row", "rows")}  # resolve.Part
-
-
 def describe_slice(slice_: Slice) -> str:
     """What a slice reads: each part's file and, where it has one, its range (first to last, counted from 0)."""
+    from sft_tokenize.sources.formats.table import FORMATS
+
     parts = []
     for part in slice_.parts:
-        one, many = UNITS.get(part.kind, ("", ""))
+        one, many = FORMATS[part.kind].unit or ("", "")
         if not one or part.stop < 0:  # a whole file: JSON, CSV, a compressed file
             parts.append(part.url)
         elif part.stop - part.start == 1:

@@ -43,13 +43,13 @@ from sft_tokenize.read.index_arrays import mapped_arrays, write_npy
 from sft_tokenize.read.mixture_options import MixtureOptions
 from sft_tokenize.read.mixture_selection import (
     SourceRows,
-    _summary,
-    _units,
     check_index_size,
     choose_rows,
     interleave,
     planned_rows,
+    row_units,
     share_warnings,
+    source_summary,
 )
 from sft_tokenize.version import __version__
 
@@ -83,7 +83,7 @@ def _open_sources(options: MixtureOptions) -> list[SourceRows]:
     opened = []
     for spec in options.sources:
         cache = open_cache(spec.cache)
-        opened.append(SourceRows(spec, cache, _units(cache, options.unit)))
+        opened.append(SourceRows(spec, cache, row_units(cache, options.unit)))
     return opened
 
 
@@ -144,7 +144,7 @@ def mix_caches(options: MixtureOptions) -> MixtureIndex:
                      "rows.npy": write_npy(building / "rows.npy", rows)}
             meta = {"mixture_version": MIXTURE_VERSION, "key": key, "unit": options.unit, "budget": options.budget,
                     "seed": options.seed, "order": options.order, "rows": int(len(rows)),
-                    "sources": _summary(sources, chosen, options),
+                    "sources": source_summary(sources, chosen, options),
                     "warnings": share_warnings(sources, chosen, options),
                     "source_caches": [str(s.cache.path) for s in sources], "files": files}
             (building / MIXTURE_INDEX).write_text(json.dumps(meta, indent=2) + "\n")

@@ -68,7 +68,7 @@ def trained_lengths(cache: TokenizedCache) -> np.ndarray:
     return row_tokens(cache.table, ()).trained
 
 
-def _units(cache: TokenizedCache, unit: str) -> np.ndarray:
+def row_units(cache: TokenizedCache, unit: str) -> np.ndarray:
     if unit == "rows":
         return np.ones(len(cache), dtype=np.int64)
     if unit == "tokens":
@@ -276,7 +276,7 @@ def _planned(sources: list[SourceRows], chosen: list[np.ndarray], options: Mixtu
     return weighted_targets(sources, (options.budget or 0) - _absolute(sources, chosen), options)
 
 
-def _summary(sources: list[SourceRows], chosen: list[np.ndarray], options: MixtureOptions) -> list[dict]:
+def source_summary(sources: list[SourceRows], chosen: list[np.ndarray], options: MixtureOptions) -> list[dict]:
     """Per source: what was asked (and its caps: which one bounded it, and the share planned after the caps),
     what was achieved (rows, tokens, trained tokens, share, epochs)."""
     unit = options.unit

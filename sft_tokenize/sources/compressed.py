@@ -17,7 +17,6 @@ from sft_tokenize.errors import BadInput
 
 # Compression suffixes after the format's extension, as fsspec names their codecs.
 COMPRESSIONS = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd", ".xz": "xz"}
-COMPRESSIBLE = ("jsonl", "json", "csv")  # Parquet and Arrow compress inside the file
 DECOMPRESSION_ERRORS = (EOFError, OSError, zlib.error, lzma.LZMAError)
 try:  # fsspec's zstd codec (the standard library's from Python 3.14)
     from compression.zstd import ZstdError

@@ -36,7 +36,7 @@ import xxhash
 
 from sft_tokenize.errors import BadRow
 from sft_tokenize.files import image_access_refusal, is_chained, network_failure, with_timeouts
-from sft_tokenize.sources.resolve import file_identity, filesystem
+from sft_tokenize.sources.records import file_identity, filesystem
 
 PLACEHOLDER = "<image>"
 IMAGE_PART_TYPES = ("image", "image_url", "input_image")
@@ -77,7 +77,7 @@ class ImageRef:
 
     def load(self, max_bytes: int | None = None, *, index: int | None = None,
              storage_options: dict | None = None, timeout: float | None = None) -> tuple[bytes, tuple]:
-        """The image's encoded bytes and its file's identity (resolve.file_identity; () for inline bytes),
+        """The image's encoded bytes and its file's identity (records.file_identity; () for inline bytes),
         refusing more than `max_bytes`, a remote one waiting at most `timeout` seconds for its connection and
         for each read; errors are BadRows saying "image <index>"."""
         if self.data is not None:
@@ -415,7 +415,7 @@ class LoadedImage:
     data: bytes = field(repr=False)
     digest: str  # content_hash(data)
     header: ImageHeader
-    identity: tuple = ()  # its file's (resolve.file_identity) when it was read from one
+    identity: tuple = ()  # its file's (records.file_identity) when it was read from one
 
 
 def load_images(refs: Sequence[ImageRef], max_bytes: int | None = None, *,

@@ -1,5 +1,7 @@
-"""The reader of each source format, and a slice's rows read from them. Each reader (format_reader.py says what
-it gives: columns, pieces, the rows of one part in bounded batches) is a module of its own:
+"""A slice's rows, read by each part's format reader and checked for changes before and after.
+
+Each format is a module of sources/formats/ (format_reader.py says what a reader gives: columns, pieces, the
+rows of one part in bounded batches), and formats/table.py the one table that names its reader:
 
     jsonl    jsonl_reader.py: byte ranges aligned to line starts; a slice seeks to its range and reads only it
     parquet  parquet_reader.py: row groups; a slice reads only its row groups and only the columns it needs
@@ -19,22 +21,16 @@ from typing import Any
 from sft_tokenize.errors import BadInput, BadRow, Failed
 from sft_tokenize.files import REQUEST_TIMEOUT, network_failure
 from sft_tokenize.remote_requests import unanswered
-from sft_tokenize.sources.arrow_reader import _Arrow
 from sft_tokenize.sources.conversations import ColumnMap, Conversation, to_example
-from sft_tokenize.sources.csv_reader import _Csv
-from sft_tokenize.sources.format_reader import _Reader
-from sft_tokenize.sources.json_reader import _JsonArray
-from sft_tokenize.sources.jsonl_reader import _JsonLines, _parse_line
-from sft_tokenize.sources.parquet_reader import _Parquet
-from sft_tokenize.sources.resolve import Part, Slice, SourceFile, filesystem
-
-READERS: dict[str, type[_Reader]] = {"jsonl": _JsonLines, "json": _JsonArray, "parquet": _Parquet, "arrow": _Arrow,
-                                     "csv": _Csv}
+from sft_tokenize.sources.formats.format_reader import FormatReader
+from sft_tokenize.sources.formats.jsonl_reader import JsonLinesReader, parse_line
+from sft_tokenize.sources.formats.table import FORMATS
+from sft_tokenize.sources.records import Part, Slice, SourceFile, filesystem
 
 
 def reader(source: SourceFile | Part, storage_options: dict | None = None,
-           max_row_bytes: int | None = None, timeout: float = REQUEST_TIMEOUT) -> _Reader:
-    return READERS[source.kind](source, storage_options, max_row_bytes, timeout)
+           max_row_bytes: int | None = None, timeout: float = REQUEST_TIMEOUT) -> FormatReader:
+    return FORMATS[source.kind].reader(source, storage_options, max_row_bytes, timeout)
 
 
 def _change(part: Part, appended_ok: bool) -> str | None:
@@ -89,7 +85,7 @@ def read_slice(slice_: Slice, columns: list[str], storage_options: dict | None =
             if not part_reader.schemaless:
                 present = set(part_reader.columns(skip_bad_rows=True))
                 columns = [name for name in columns if name in present]
-            batches = part_reader.read(part, columns, raw=True) if raw and isinstance(part_reader, _JsonLines) \
+            batches = part_reader.read(part, columns, raw=True) if raw and isinstance(part_reader, JsonLinesReader) \
                 else part_reader.read(part, columns)
             for rows, locate in batches:
                 yield rows, locate, part
@@ -116,7 +112,7 @@ class Rows:
     def examples(self) -> list[Conversation | str | BadRow]:
         out: list[Conversation | str | BadRow] = []
         for raw in self.rows:
-            row = _parse_line(raw) if type(raw) is bytes else raw
+            row = parse_line(raw) if type(raw) is bytes else raw
             if not isinstance(row, BadRow):
                 try:
                     row = to_example(row, self.columns, self.system_prompt)

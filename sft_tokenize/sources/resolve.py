@@ -1,8 +1,8 @@
-"""Sources: find the input files and check them; the picklable descriptions of files, parts and slices.
+"""Sources: find the input files and check them, each file's format found by its suffix (formats/table.py).
 
 Every file is reached through fsspec, so local paths and s3://, gs://, hf://, http(s):// URLs take the
-same code. A slice is a small picklable description (file URLs and ranges), never data; how each format is
-cut into pieces and read is readers.py, how pieces are packed into slices slicing.py.
+same code. A file, a part of one and a slice are small picklable descriptions (records.py), never data; how
+each format is cut into pieces and read is sources/formats/, how pieces are packed into slices slicing.py.
 
 A compressed file (`.gz`, `.bz2`, `.zst`, `.xz` after the format's extension) is decompressed as it is
 read, by fsspec's codecs; it cannot be read from an offset, so it is one piece, read whole by one slice.
@@ -14,87 +14,27 @@ from __future__ import annotations
 import codecs
 import json
 import os
-from dataclasses import dataclass
 
 import fsspec
 
 from sft_tokenize.errors import BadInput, one_line
 from sft_tokenize.files import REQUEST_TIMEOUT, network_failure
-from sft_tokenize.remote_requests import bounded_filesystem, unanswered
-from sft_tokenize.sources.compressed import (
-    COMPRESSIBLE,
-    COMPRESSIONS,
-    compression_of,
-    format_extension,
-    open_decompressed,
-)
+from sft_tokenize.remote_requests import unanswered
+from sft_tokenize.sources.compressed import COMPRESSIONS, compression_of, format_extension, open_decompressed
+from sft_tokenize.sources.formats.table import by_suffix, suffixes
 from sft_tokenize.sources.listing import check_regular_file, is_under, list_directory
-
-EXTENSIONS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet", ".csv": "csv",
-              ".arrow": "arrow"}
-
-
-@dataclass(frozen=True)
-class SourceFile:
-    url: str  # an absolute local path or a full fsspec URL
-    kind: str
-    size: int
-    identity: tuple  # what changes when the content changes: (size, mtime_ns), or an ETag / version id
-
-
-@dataclass(frozen=True)
-class Part:
-    """Rows [start, stop) of one file, in the file's unit: bytes (jsonl), row groups (parquet), rows."""
-
-    url: str
-    kind: str
-    start: int
-    stop: int
-    identity: tuple = ()  # its file's SourceFile.identity when planned: the slice checks that it still holds
-
-
-@dataclass(frozen=True)
-class Slice:
-    index: int
-    parts: tuple[Part, ...]
-    nbytes: int
-    key: str = ""  # the content key of its shard in the store (see build/keys.py); set by the plan
-
-    def describe(self) -> list[list]:
-        """A JSON-able description; a staged shard is reused only for the same description."""
-        return [[p.url, p.kind, p.start, p.stop] for p in self.parts]
-
-
-def filesystem(url: str, storage_options: dict | None = None,
-               timeout: float = REQUEST_TIMEOUT) -> tuple[fsspec.AbstractFileSystem, str]:
-    """The URL's filesystem and path; a remote one's requests each wait at most `timeout` seconds to connect and
-    for each answer (--request-timeout)."""
-    return bounded_filesystem(url, storage_options, timeout)
-
-
-def is_local(fs: fsspec.AbstractFileSystem) -> bool:
-    """The filesystem is this machine's (paths can be stat'ed, memory-mapped)."""
-    return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
-
-
-def file_identity(fs: fsspec.AbstractFileSystem, path: str, info: dict) -> tuple:
-    """What names a file's version without reading it: size and mtime here, size and ETag-like keys remotely."""
-    if is_local(fs):
-        st = os.stat(path)
-        return ("local", st.st_size, st.st_mtime_ns)
-    keys = ("VersionId", "version_id", "ETag", "etag", "md5Hash", "generation", "LastModified", "mtime",
-            "last_modified")
-    return ("remote", info.get("size"), *(f"{k}={info[k]}" for k in keys if info.get(k) is not None))
+from sft_tokenize.sources.records import SourceFile, file_identity, filesystem, is_local
 
 
 def _kind(url: str, fs: fsspec.AbstractFileSystem, path: str) -> str:
     ext = format_extension(url)
-    kind = EXTENSIONS.get(ext)
-    if kind is None:
+    found = by_suffix(ext)
+    if found is None:
         raise BadInput(f"{url}: unknown file format {ext or '(no extension)'!r}; "
-                       f"supported: {', '.join(sorted(EXTENSIONS))}, each also compressed "
-                       f"({', '.join(COMPRESSIONS)}) except .parquet and .arrow")
-    if compression_of(url) and kind not in COMPRESSIBLE:
+                       f"supported: {', '.join(sorted(suffixes()))}, each also compressed "
+                       f"({', '.join(COMPRESSIONS)}) except {' and '.join(suffixes(compressible=False))}")
+    kind = found.kind
+    if compression_of(url) and not found.compressible:
         raise BadInput(f"{url}: {ext} files cannot be read compressed ({ext} compresses inside the file); "
                        "decompress it first")
     if kind == "json":  # many .json files are JSON lines: an object on the first line tells
@@ -206,7 +146,7 @@ def _resolve_one(spec: str, split: str, storage_options: dict | None, cache_root
         if not files:
             inside = " (the cache dir inside it is never read)" if local and cache_root and \
                 is_under(cache_root, path) else ""
-            raise BadInput(f"{_shown(spec)}: no data files ({', '.join(sorted(EXTENSIONS))}) in this directory"
+            raise BadInput(f"{_shown(spec)}: no data files ({', '.join(sorted(suffixes()))}) in this directory"
                            f"{inside}")
         return [_source(fs, p) for p in files]
     if local:

@@ -1,7 +1,7 @@
 """Cutting the input into slices whose boundaries stay put while the dataset grows.
 
 A slice's boundaries depend on its own file and the target size only (FORMAT.md, Slices): a large file is
-cut on its own, at the format's cut points (`_Reader.pieces`); small files are grouped whole, and a group
+cut on its own, at the format's cut points (`FormatReader.pieces`); small files are grouped whole, and a group
 ends after a file whose name hashes below size / target, so a new file disturbs only the group it lands in.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 
 from sft_tokenize.sources.readers import reader
-from sft_tokenize.sources.resolve import Part, Slice, SourceFile
+from sft_tokenize.sources.records import Part, Slice, SourceFile
 
 
 def _ends_group(source: SourceFile, target: int) -> bool:

@@ -9,7 +9,7 @@ from prefect.cache_policies import NO_CACHE
 
 from sft_tokenize.build import protocol
 from sft_tokenize.build.job import Job
-from sft_tokenize.sources.resolve import Slice
+from sft_tokenize.sources.records import Slice
 
 
 # Never cached: publishing checks every shard on disk and must see the state it leaves behind.

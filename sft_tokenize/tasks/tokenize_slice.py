@@ -19,7 +19,7 @@ from sft_tokenize.build import shard
 from sft_tokenize.build.job import Job
 from sft_tokenize.build.stopping import Stopped
 from sft_tokenize.errors import BadInput, OutOfSpace
-from sft_tokenize.sources.resolve import Slice
+from sft_tokenize.sources.records import Slice
 from sft_tokenize.tasks import RETRIES
 
 TAG = "sft-tokenize"  # cap parallel slices across runs with `prefect concurrency-limit create sft-tokenize N`

@@ -24,7 +24,7 @@ from prefect import task
 from sft_tokenize.build import shard
 from sft_tokenize.build.job import Job
 from sft_tokenize.build.stopping import Stopped
-from sft_tokenize.sources.resolve import Slice
+from sft_tokenize.sources.records import Slice
 from sft_tokenize.tasks import GROUP_ABOVE, GROUP_SIZE
 from sft_tokenize.tasks.tokenize_slice import NOT_RETRIED, TASK_SETTINGS
 

@@ -10,7 +10,7 @@ from support.caches import EXAMPLE_SLICES
 
 from sft_tokenize.build.options import TokenizeOptions
 from sft_tokenize.build.protocol import run_locally
-from sft_tokenize.flows.cli import main
+from sft_tokenize.cli.main import main
 from sft_tokenize.read.length_costs import length_costs
 from sft_tokenize.read.packing_index import PackOptions
 

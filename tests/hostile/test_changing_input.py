@@ -23,7 +23,7 @@ from sft_tokenize.build.plan import Plan, plan_slices
 from sft_tokenize.build.protocol import build_cache, run_locally
 from sft_tokenize.build.shard import tokenize_slice
 from sft_tokenize.errors import BadInput
-from sft_tokenize.sources import jsonl_reader
+from sft_tokenize.sources.formats import jsonl_reader
 
 FIRST = EXAMPLE_DATA / "chat-00000.jsonl"  # 212,963 bytes: slices [0, 100180) and [100180, 212963) at 100KB
 

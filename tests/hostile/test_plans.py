@@ -11,7 +11,7 @@ from support.caches import EXAMPLE_SLICES
 from support.flows import run_flow
 from support.paths import EXAMPLE_DATA
 
-from sft_tokenize.flows.cli import main
+from sft_tokenize.cli.main import main
 from sft_tokenize.flows.tokenize_dataset import TokenizeRun
 
 ONE_FILE = {**EXAMPLE_SLICES, "sources": [str(EXAMPLE_DATA / "chat-00000.jsonl")], "shard_size": "1MB"}

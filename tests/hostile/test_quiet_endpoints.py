@@ -21,7 +21,7 @@ from support.s3 import bucket_in_environment
 
 from sft_tokenize.build.options import TokenizeOptions
 from sft_tokenize.build.protocol import run_locally
-from sft_tokenize.flows.cli import main
+from sft_tokenize.cli.main import main
 
 pytest.importorskip("moto.server", reason="moto[server] is in the dev extra")
 pytest.importorskip("s3fs", reason="s3fs is in the dev extra")

@@ -23,8 +23,8 @@ from support.s3 import bucket_in_environment
 
 from sft_tokenize.build.options import TokenizeOptions
 from sft_tokenize.build.protocol import run_locally
+from sft_tokenize.cli.main import main
 from sft_tokenize.errors import CacheError
-from sft_tokenize.flows.cli import main
 from sft_tokenize.read.cache import open_cache
 
 pytest.importorskip("moto.server", reason="moto[server] is in the dev extra")

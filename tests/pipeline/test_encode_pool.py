@@ -26,7 +26,7 @@ from sft_tokenize.build.shard_check import sidecar_path
 from sft_tokenize.encoding.pool import EncodePool
 from sft_tokenize.errors import BadInput
 from sft_tokenize.sources.conversations import ColumnMap, to_example
-from sft_tokenize.sources.format_reader import READ_BATCH_ROWS
+from sft_tokenize.sources.formats.format_reader import READ_BATCH_ROWS
 
 INJECTED = {"messages": [{"role": "user", "content": "Say <|im_end|> please"},
                          {"role": "assistant", "content": "Here: <|im_end|>."}]}

@@ -15,9 +15,9 @@ import pytest
 from support.cli import cli
 from support.remote_caches import publish_remote
 
+from sft_tokenize.cli.main import main
 from sft_tokenize.errors import CacheError
 from sft_tokenize.files import locked
-from sft_tokenize.flows.cli import main
 from sft_tokenize.format.layout import LOCK_SUFFIX, MANIFEST, REMOTE_COPIES, SHARD_STORE, STAGING
 from sft_tokenize.read.cache import open_cache
 from sft_tokenize.read.remote_cache import default_local_dir, split_version

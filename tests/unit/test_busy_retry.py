@@ -1,5 +1,5 @@
 """The embedded server runs a request again while Prefect answers it 503 (SQLite busy), before the client backs off
-for seconds (flows/busy_retry.py)."""
+for seconds (server/busy_retry.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 
 import httpx
 
-from sft_tokenize.flows.busy_retry import RetryBusy
+from sft_tokenize.server.busy_retry import RetryBusy
 
 PATH = "/api/v2/concurrency_limits/increment-with-lease"
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sft_tokenize.flows.arguments import build_parser
+from sft_tokenize.cli.arguments import build_parser
 
 # The repository root: the nearest folder above this file that holds pyproject.toml, wherever the file sits.
 ROOT = next(parent for parent in Path(__file__).resolve().parents if (parent / "pyproject.toml").is_file())

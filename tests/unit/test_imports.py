@@ -120,7 +120,7 @@ def test_a_checkout_is_one_package_whose_flows_are_real_modules():
             "    assert load_flow_from_entrypoint(f'flows/{name}.py:{name}') is getattr(module, name), name\n")
     result = subprocess.run([sys.executable, "-c", code], cwd=PACKAGE.parent, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
-    for module in ("flows/cli.py", "flows/tokenize_dataset.py", "tasks/tokenize_slice.py"):
+    for module in ("cli/main.py", "flows/tokenize_dataset.py", "tasks/tokenize_slice.py"):
         assert (PACKAGE / module).is_file()  # what an editor or a type checker resolves `sft_tokenize.<module>` to
 
 
@@ -135,6 +135,7 @@ def test_the_on_disk_format_depends_on_neither_side():
 # else), while build may use what read defines of a cache (its layouts, the mixtures a recipe asks for).
 LAYERS = {
     "base": (),  # BASE
+    "server": ("base",),  # the embedded Prefect server: the flows start it, the command line shows and stops it
     "sources": ("base",),
     "chat": ("base", "sources"),
     "encoding": ("base", "sources", "chat"),
@@ -143,9 +144,12 @@ LAYERS = {
     "consumers": ("base", "read"),  # the trainers' own data paths run over a cache (verify --trainer)
     "build": ("base", "sources", "chat", "encoding", "read"),
     "tasks": ("base", "sources", "chat", "encoding", "read", "build"),
-    "flows": ("base", "sources", "chat", "encoding", "read", "export", "consumers", "build", "tasks"),
+    "flows": ("base", "server", "sources", "chat", "encoding", "read", "export", "consumers", "build", "tasks"),
     # sft_tokenize/__init__.py
-    "api": ("base", "sources", "chat", "encoding", "read", "export", "consumers", "build", "tasks", "flows"),
+    "api": ("base", "server", "sources", "chat", "encoding", "read", "export", "consumers", "build", "tasks", "flows"),
+    # the command line, on top: nothing of the package imports it
+    "cli": ("base", "server", "sources", "chat", "encoding", "read", "export", "consumers", "build", "tasks", "flows",
+            "api"),
 }
 # The only imports allowed against the layers or around a circle, each with why. (importer, imported): why.
 BACK_EDGES = {
@@ -232,3 +236,12 @@ def _installed(name: str) -> bool:
     import importlib.util
 
     return importlib.util.find_spec(name) is not None
+
+
+def test_no_private_name_crosses_a_module():
+    """A name another module imports is a seam, and public: an underscore name stays in its own module."""
+    crossing = sorted(f"{module} imports {node.module}.{alias.name}" for module in modules()
+                      for node in ast.walk(_source(module)) if isinstance(node, ast.ImportFrom)
+                      and (node.module or "").startswith("sft_tokenize") for alias in node.names
+                      if alias.name.startswith("_") and not alias.name.startswith("__"))
+    assert crossing == []

@@ -8,7 +8,7 @@ from support.paths import EXAMPLE_DATA, EXAMPLE_TOKENIZER
 
 from sft_tokenize.build.options import TokenizeOptions
 from sft_tokenize.build.protocol import run_locally
-from sft_tokenize.flows.cli import main
+from sft_tokenize.cli.main import main
 from sft_tokenize.read.cache import open_cache
 from sft_tokenize.read.layouts import IGNORE_INDEX, LAYOUTS
 

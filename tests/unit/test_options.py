@@ -22,9 +22,9 @@ from support.paths import EXAMPLE_DATA, EXAMPLE_TOKENIZER
 from sft_tokenize.build.job import Job
 from sft_tokenize.build.options import TokenizeOptions, declared, job_options
 from sft_tokenize.build.plan import Plan, plan_slices
+from sft_tokenize.cli.arguments import COMMANDS, SECTIONS, build_parser, options_from, with_flag_tables
 from sft_tokenize.fingerprint import fingerprint
 from sft_tokenize.flags import declared as declared_in
-from sft_tokenize.flows.arguments import COMMANDS, SECTIONS, build_parser, options_from, with_flag_tables
 from sft_tokenize.flows.run_options import TokenizeRun
 from sft_tokenize.read.packing_index import PackOptions
 

@@ -31,12 +31,12 @@ def wheel(tmp_path_factory) -> Path:
 def test_the_wheel_installs_one_top_level_package_and_its_console_script(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     assert {name.split("/")[0] for name in names if not name.split("/")[0].endswith(".dist-info")} == {"sft_tokenize"}
-    for expected in ("sft_tokenize/flows/tokenize_dataset.py", "sft_tokenize/flows/cli.py",
+    for expected in ("sft_tokenize/flows/tokenize_dataset.py", "sft_tokenize/cli/main.py",
                      "sft_tokenize/tasks/tokenize_slice.py", "sft_tokenize/format/FORMAT.md",
                      "sft_tokenize/read/cache.py"):
         assert expected in names
     (entry_points,) = [name for name in names if name.endswith(".dist-info/entry_points.txt")]
-    script = "sft-tokenize = sft_tokenize.flows.resident:console_main"
+    script = "sft-tokenize = sft_tokenize.cli.resident:console_main"
     assert script in zipfile.ZipFile(wheel).read(entry_points).decode()
 
 
@@ -47,12 +47,12 @@ def test_the_installed_copy_runs_the_quickstart_outside_the_checkout(wheel, tmp_
     env = {**os.environ, "PYTHONPATH": str(target), "PREFECT_HOME": str(prefect_home),
            "SFT_TOKENIZE_SERVER_IDLE": "0"}
     env.pop("PREFECT_API_URL", None)
-    code = "import sft_tokenize.flows.cli as c, sys; print(c.__file__, file=sys.stderr); sys.exit(c.main(sys.argv[1:]))"
+    code = "import sft_tokenize.cli.main as c, sys; print(c.__file__, file=sys.stderr); sys.exit(c.main(sys.argv[1:]))"
     done = subprocess.run([sys.executable, "-c", code, "run", str(EXAMPLE_DATA), "--tokenizer", str(EXAMPLE_TOKENIZER),
                            "--cache-dir", str(tmp_path / "cache")], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert str(target / "sft_tokenize" / "flows" / "cli.py") in done.stderr
+    assert str(target / "sft_tokenize" / "cli" / "main.py") in done.stderr
     cache = Path(done.stdout.strip().splitlines()[-1])
     assert cache.parent == tmp_path / "cache" and (cache / "manifest.json").is_file()
 

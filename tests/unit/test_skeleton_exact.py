@@ -324,7 +324,7 @@ def test_a_mismatch_after_rows_were_filled_renders_the_slice_again(modern_tokeni
     from sft_tokenize.build.options import TokenizeOptions
     from sft_tokenize.build.protocol import run_locally
     from sft_tokenize.read.cache import open_cache
-    from sft_tokenize.sources import jsonl_reader
+    from sft_tokenize.sources.formats import jsonl_reader
 
     monkeypatch.setattr(jsonl_reader, "READ_BATCH_ROWS", 8)
     plain, thinking = _thinking_rows()[:2]
@@ -359,7 +359,7 @@ def test_verify_names_the_rows_a_wrong_skeleton_filled(modern_tokenizer, tmp_pat
     from sft_tokenize.build.options import TokenizeOptions
     from sft_tokenize.build.protocol import run_locally
     from sft_tokenize.build.verify import verify_cache
-    from sft_tokenize.flows import cli
+    from sft_tokenize.cli import main as cli
 
     data = write_jsonl(tmp_path / "data.jsonl", _thinking_rows())
     tokenizer = str(modern_tokenizer("qwen3"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 
-from sft_tokenize.sources.resolve import Slice
+from sft_tokenize.sources.records import Slice
 from sft_tokenize.tasks import GROUP_ABOVE, GROUP_SIZE
 from sft_tokenize.tasks.tokenize_slices import GroupFailed, group_size, group_slices
 

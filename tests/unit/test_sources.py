@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import datasets
@@ -13,7 +14,11 @@ from support.data import example_rows, write_jsonl
 from support.paths import EXAMPLE_DATA
 
 from sft_tokenize.errors import BadInput, BadRow
+from sft_tokenize.flows.report import describe_slice
 from sft_tokenize.sources.conversations import resolve_columns, to_example
+from sft_tokenize.sources.formats.format_reader import FormatReader
+from sft_tokenize.sources.formats.jsonl_reader import JsonLinesReader
+from sft_tokenize.sources.formats.table import FORMATS, Format
 from sft_tokenize.sources.readers import read_slice
 from sft_tokenize.sources.resolve import resolve
 from sft_tokenize.sources.slicing import cut_slices
@@ -83,6 +88,24 @@ def test_every_format_reads_the_same_rows(tmp_path, rows):
     # A hub name goes through datasets.load_dataset; a local dataset directory stands in for the hub here.
     files = resolve([f"hub:{tmp_path / 'hubdir'}"], split="train")
     assert {f.kind for f in files} == {"arrow"} and rows_of(files, 20_000) == rows
+
+
+def test_a_format_is_its_reader_and_one_row_of_the_table(tmp_path, rows, monkeypatch):
+    """Resolving finds a format by the table's suffixes, a slice reads it with the table's reader, a compressed
+    file is refused as the table says, and a run's report names a part in the table's unit."""
+    assert all(issubclass(row.reader, FormatReader) and row.suffixes for row in FORMATS.values())
+    monkeypatch.setitem(FORMATS, "lines", Format("lines", (".lines",), JsonLinesReader, compressible=False,
+                                                 unit=("line byte", "line bytes")))
+    write_jsonl(tmp_path / "rows.lines", rows)
+    files = resolve([str(tmp_path / "rows.lines")])
+    assert [f.kind for f in files] == ["lines"]
+    assert rows_of(files, 20_000) == rows
+    assert describe_slice(cut_slices(files, 20_000)[0]).startswith(f"{files[0].url} (line bytes 0-")
+    (tmp_path / "rows.lines.gz").write_bytes(gzip.compress((tmp_path / "rows.lines").read_bytes()))
+    with pytest.raises(BadInput, match=r"rows\.lines\.gz: \.lines files cannot be read compressed"):
+        resolve([str(tmp_path / "rows.lines.gz")])
+    with pytest.raises(BadInput, match=r"supported: .*\.lines.*except \.parquet and \.arrow and \.lines$"):
+        resolve([str(write_jsonl(tmp_path / "rows.txt", rows))])
 
 
 def test_parquet_slices_are_row_groups(tmp_path, rows):

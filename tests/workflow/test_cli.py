@@ -26,9 +26,9 @@ from support.servers import servers_of
 
 from sft_tokenize.build.options import TokenizeOptions
 from sft_tokenize.build.protocol import run_locally
+from sft_tokenize.cli.main import ERRORS
 from sft_tokenize.errors import BadInput, CacheError, Failed
-from sft_tokenize.flows.cli import ERRORS
-from sft_tokenize.flows.server_state import server_paths, start_time
+from sft_tokenize.server.server_state import server_paths, start_time
 
 # A test that uses prefect_home starts Prefect's embedded server in its subprocess: about ten seconds on two cores.
 
@@ -158,7 +158,7 @@ def test_slices_tokenized_while_the_server_boots_are_found_by_the_flows_tasks(tm
 
 
 # `sft-tokenize run` in a subprocess that says, on its last stderr line, which of these modules it had loaded.
-PROBE = ("import json, sys\nfrom sft_tokenize.flows.cli import main\ncode = main(sys.argv[1:])\n"
+PROBE = ("import json, sys\nfrom sft_tokenize.cli.main import main\ncode = main(sys.argv[1:])\n"
          "print(json.dumps(sorted(m for m in ('torch', 'prefect', 'transformers', "
          "'transformers.models.auto.tokenization_auto') if sys.modules.get(m))), file=sys.stderr)\nsys.exit(code)\n")
 
@@ -225,7 +225,7 @@ AS_NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]  # r
 def _nobody_runs_the_cli() -> bool:
     """Whether the user nobody can run this checkout's command line (CI's clone may sit where only root reaches)."""
     try:
-        probe = subprocess.run([*AS_NOBODY, str(BIN / "python"), "-c", "import sft_tokenize.flows.cli"],
+        probe = subprocess.run([*AS_NOBODY, str(BIN / "python"), "-c", "import sft_tokenize.cli.main"],
                                capture_output=True, cwd="/", timeout=120)
     except OSError:  # no setpriv
         return False

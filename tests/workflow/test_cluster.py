@@ -31,8 +31,8 @@ from sft_tokenize.build.options import TokenizeOptions
 from sft_tokenize.build.protocol import run_locally
 from sft_tokenize.build.store import collect_garbage
 from sft_tokenize.build.workers import process_encoding
-from sft_tokenize.flows.arguments import build_parser, options_from
-from sft_tokenize.flows.cli import main
+from sft_tokenize.cli.arguments import build_parser, options_from
+from sft_tokenize.cli.main import main
 from sft_tokenize.flows.console import CONSOLE_ENV
 from sft_tokenize.flows.tokenize_dataset import TokenizeRun, tokenize_dataset
 from sft_tokenize.format.layout import DIGEST_BOOK

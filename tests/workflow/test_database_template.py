@@ -1,5 +1,5 @@
 """A new PREFECT_HOME's database starts as a copy of the template this Prefect made once, or is made from the schema
-this package ships for these migrations (flows/server_process.py, flows/prefect_migrations.py): each used only when
+this package ships for these migrations (server/server_process.py, server/prefect_migrations.py): each used only when
 made by this very Prefect, never over a database that is there."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from support.cli import environment
 
-from sft_tokenize.flows import prefect_migrations
-from sft_tokenize.flows.prefect_migrations import create_from_schema, migrate_sqlite, migrations_key
-from sft_tokenize.flows.server_process import (
+from sft_tokenize.server import prefect_migrations
+from sft_tokenize.server.prefect_migrations import create_from_schema, migrate_sqlite, migrations_key
+from sft_tokenize.server.server_process import (
     BOOT_RECORD,
     TEMPLATE_DATABASE,
     TEMPLATE_RECORD,
@@ -96,7 +96,7 @@ def test_a_damaged_template_is_not_used(template, tmp_path):
 
 BOOT = """
 import sys
-from sft_tokenize.flows.embedded_server import EmbeddedServer
+from sft_tokenize.server.embedded_server import EmbeddedServer
 server = EmbeddedServer(idle=float(sys.argv[1]))
 server.start()
 server.wait_until_ready()
@@ -142,7 +142,7 @@ def test_a_fresh_home_is_made_from_the_schema_and_its_block_types_registered_aft
 def test_the_template_is_a_migrated_registered_database_and_fresh_homes_copy_it(tmp_path, monkeypatch, server_home):
     user_cache = tmp_path / "user-cache"
     monkeypatch.setenv("SFT_TOKENIZE_HOME", str(user_cache))
-    made = subprocess.run([sys.executable, "-c", "from sft_tokenize.flows import server_process as s; "
+    made = subprocess.run([sys.executable, "-c", "from sft_tokenize.server import server_process as s; "
                            "s.make_template(s._database_file())"],
                           env=environment(server_home, SFT_TOKENIZE_HOME=str(user_cache)), capture_output=True,
                           text=True, timeout=300)
@@ -194,7 +194,7 @@ def test_the_shipped_schema_is_the_one_this_prefects_migrations_build(tmp_path, 
     header = prefect_migrations.SCHEMA.read_text()[:2000]
     assert f"-- migrations: {migrations_key()}\n" in header, (
         "prefect_schema.sql is not this Prefect's: fresh homes migrate (~2 s of each first boot) until "
-        "`python -m sft_tokenize.flows.prefect_migrations` writes it again")
+        "`python -m sft_tokenize.server.prefect_migrations` writes it again")
     database = tmp_path / "prefect.db"
     assert create_from_schema(database)
     ours, prefects = _contents(database), _contents(migrated_prefect_home / "prefect.db")

@@ -31,7 +31,7 @@ from support.s3 import bucket_in_environment
 from sft_tokenize.build.options import TokenizeOptions
 from sft_tokenize.build.plan import plan_slices
 from sft_tokenize.build.protocol import run_locally
-from sft_tokenize.flows.cli import main
+from sft_tokenize.cli.main import main
 from sft_tokenize.flows.tokenize_dataset import TokenizeRun
 from sft_tokenize.read.cache import open_cache
 

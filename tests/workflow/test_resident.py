@@ -1,4 +1,4 @@
-"""The resident process (sft_tokenize/flows/resident.py), on request only: after a `run --resident` that leaves the
+"""The resident process (sft_tokenize/cli/resident.py), on request only: after a `run --resident` that leaves the
 embedded server up, the next `sft-tokenize run --resident` of that environment runs in a process whose imports
 are done, and a user sees the same command: its output, its error lines and exit codes, Ctrl-C. It ends with
 the server, is one per PREFECT_HOME, and neither side talks to another user."""
@@ -20,8 +20,8 @@ from support.data import example_rows, write_jsonl
 from support.paths import BIN, EXAMPLE_DATA
 from support.servers import running
 
-from sft_tokenize.flows.resident import RECORD
-from sft_tokenize.flows.resident_processes import _home_of, resident_processes, residents, socket_name
+from sft_tokenize.cli.resident import RECORD
+from sft_tokenize.server.resident_processes import _home_of, resident_processes, residents, socket_name
 
 pytestmark = pytest.mark.skipif(os.uname().sysname != "Linux", reason="the resident process is Linux's")
 
@@ -310,7 +310,7 @@ def test_a_residents_home_is_its_prefect_home_or_the_default_one():
 def test_only_a_run_that_asks_goes_to_a_resident(monkeypatch):
     """`run --resident` or SFT_TOKENIZE_RESIDENT=1 asks; a `--resident` after `--`, another command, or a path
     that is one of the command's own descriptors does not go."""
-    from sft_tokenize.flows.resident import _hands_over, requested
+    from sft_tokenize.cli.resident import _hands_over, requested
 
     monkeypatch.delenv("SFT_TOKENIZE_RESIDENT", raising=False)
     assert requested(["sft-tokenize", "run", "a.jsonl", "--resident"])

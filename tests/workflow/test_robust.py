@@ -84,7 +84,7 @@ def test_eight_runs_at_once_beside_a_cpu_burner_all_succeed(tmp_path, start):
 def test_a_server_just_launched_is_the_one_the_next_run_joins(server_home):
     """The next run must recognise the server that the previous one launched a moment ago, while its process may
     still be exec'ing (it once launched a second server on the same database, which failed migrating it)."""
-    from sft_tokenize.flows.embedded_server import EmbeddedServer
+    from sft_tokenize.server.embedded_server import EmbeddedServer
 
     burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
     try:
@@ -109,8 +109,8 @@ def test_only_the_recorded_process_itself_counts_as_the_running_server(tmp_path)
     one that is gone, died before its start was read, or whose pid now names another process is replaced."""
     from prefect.settings import PREFECT_HOME, temporary_settings
 
-    from sft_tokenize.flows.embedded_server import EmbeddedServer
-    from sft_tokenize.flows.server_state import start_time
+    from sft_tokenize.server.embedded_server import EmbeddedServer
+    from sft_tokenize.server.server_state import start_time
 
     with temporary_settings(updates={PREFECT_HOME: tmp_path}):
         server = EmbeddedServer()
@@ -128,8 +128,8 @@ def test_a_server_that_ends_itself_keeps_new_runs_out_until_it_is_gone(server_ho
     waits, rather than launching a second server on the database that the first still writes to."""
     import fcntl
 
-    from sft_tokenize.flows.embedded_server import EmbeddedServer
-    from sft_tokenize.flows.server_state import start_time
+    from sft_tokenize.server.embedded_server import EmbeddedServer
+    from sft_tokenize.server.server_state import start_time
 
     server = EmbeddedServer()
     server.start()
@@ -156,8 +156,8 @@ def test_a_server_that_ends_itself_keeps_new_runs_out_until_it_is_gone(server_ho
 def test_a_server_whose_home_is_moved_away_ends_instead_of_serving_on(server_home, tmp_path):
     """A PREFECT_HOME moved or deleted under its server (a temporary directory cleaned up) leaves no run able to
     find that server: it ends, where its idle thread used to die on the missing lock file and leave it serving."""
-    from sft_tokenize.flows.embedded_server import EmbeddedServer
-    from sft_tokenize.flows.server_state import start_time
+    from sft_tokenize.server.embedded_server import EmbeddedServer
+    from sft_tokenize.server.server_state import start_time
 
     server = EmbeddedServer()
     server.start()
@@ -214,7 +214,7 @@ def test_a_warm_server_serves_the_next_run_until_server_stop_stops_it(tmp_path, 
         # not the server's own, yet its command line is the server's and it holds none of the run's files.
         server = psutil.Process(pid)
         assert "PREFECT__SERVER_FINAL" not in server.environ()
-        assert f"-m sft_tokenize.flows.server_process prefect.server.api.server:create_app --port {state['port']}" in \
+        assert f"-m sft_tokenize.server.server_process prefect.server.api.server:create_app --port {state['port']}" in \
             " ".join(server.cmdline())
         assert {Path(file.path).name for file in server.open_files()}.isdisjoint({
             "sft-tokenize-server.lock", "sft-tokenize-server.lease", *os.listdir(EXAMPLE_DATA)})
@@ -502,9 +502,10 @@ def test_output_to_a_closed_pipe_is_no_traceback(tmp_path, cli_home):
 @pytest.mark.parametrize("chunk", [1, 3, 7, 64])
 def test_lines_over_the_limit_are_never_decoded_wherever_the_chunks_end(tmp_path, monkeypatch, chunk):
     from sft_tokenize.errors import BadRow
-    from sft_tokenize.sources import jsonl_reader, slicing
     from sft_tokenize.sources import readers as source_formats
     from sft_tokenize.sources import resolve as sources
+    from sft_tokenize.sources import slicing
+    from sft_tokenize.sources.formats import jsonl_reader
 
     monkeypatch.setattr(jsonl_reader, "READ_CHUNK_BYTES", chunk)
     lines = ['{"text": "a"}', '{"text": "' + "b" * 30 + '"}', "", '{"text": "' + "c" * 7 + '"}',

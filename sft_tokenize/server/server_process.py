@@ -1,5 +1,5 @@
-"""The embedded Prefect server's own process (`python -m sft_tokenize.flows.server_process`, launched by
-flows/embedded_server.py, or the CLI's process forked to be it, flows/server_fork.py): Prefect's app under uvicorn
+"""The embedded Prefect server's own process (`python -m sft_tokenize.server.server_process`, launched by
+server/embedded_server.py, or the CLI's process forked to be it, server/server_fork.py): Prefect's app under uvicorn
 (behind busy_retry.py), a thread that ends it once no run has held a lease for its idle time, and the record that
 lets a boot on a known database skip its migrations and block checks (see server_state.py's docstring for the
 protocol, docs/performance.md for the figures).
@@ -46,9 +46,9 @@ from prefect.context import refresh_global_settings_context
 from prefect.settings import get_current_settings
 
 from sft_tokenize.files import atomic_path, atomic_write, is_locked, temp_path
-from sft_tokenize.flows import busy_retry
-from sft_tokenize.flows.prefect_migrations import create_from_schema, migrate_sqlite
-from sft_tokenize.flows.server_state import SHUTDOWN_TIMEOUT, recorded_server, server_paths, write_state
+from sft_tokenize.server import busy_retry
+from sft_tokenize.server.prefect_migrations import create_from_schema, migrate_sqlite
+from sft_tokenize.server.server_state import SHUTDOWN_TIMEOUT, recorded_server, server_paths, write_state
 
 BOOT_RECORD = "sft-tokenize-server-boot.json"
 DATABASE_TEMPLATES = "prefect-databases"  # under the user cache

@@ -7,10 +7,10 @@ machine), and every run boots its own server on the same SQLite database. Runs s
 busy machine then time out one after another.
 
 Instead, the CLI launches Prefect's own server app (`prefect.server.api.server:create_app` under uvicorn,
-ephemeral mode, no UI; `python -m sft_tokenize.flows.server_process` adds only the idle end) once per
+ephemeral mode, no UI; `python -m sft_tokenize.server.server_process` adds only the idle end) once per
 PREFECT_HOME and lets every run on that home use it. The CLI's process forks it rather than start a new
-interpreter, which would import Prefect again (flows/server_fork.py). This module launches it, joins it, waits for
-it and leaves it; flows/server_state.py holds the files that record it and the runs using it (lock, state, lease).
+interpreter, which would import Prefect again (server/server_fork.py). This module launches it, joins it, waits for
+it and leaves it; server/server_state.py holds the files that record it and the runs using it (lock, state, lease).
 
 A warm server: once its last run has left, the server stays up for an idle time (`run --server-idle SECONDS`,
 default 300, or SFT_TOKENIZE_SERVER_IDLE), so that run, inspect, edit, run pays the boot once; a run that joins
@@ -23,7 +23,7 @@ next run. `sft-tokenize server status` reports it, `sft-tokenize server stop` st
 it, unless --force).
 
 A server that dies under a run (killed, out of memory) is noticed within a second by the run's watch thread, as is
-`server stop --force`, which records the stop (flows/server_state.py) before it signals the server: Prefect's client
+`server stop --force`, which records the stop (server/server_state.py) before it signals the server: Prefect's client
 stops retrying and drops the logs and events it can no longer send, logging stops (the flow engine's crash report
 and its unrecordable final state would follow the run's line), and the flow is unwound with ServerLost as Ctrl-C
 unwinds it (its slices stop, flows/interrupts.py). The run ends with one line saying what happened to the server
@@ -69,9 +69,9 @@ from prefect.settings import (
 
 from sft_tokenize.errors import Failed, first_line
 from sft_tokenize.files import is_locked, locked
-from sft_tokenize.flows.resident_processes import resident_processes, tree_pss
-from sft_tokenize.flows.server_fork import ForkedServer, single_threaded
-from sft_tokenize.flows.server_state import (
+from sft_tokenize.server.resident_processes import resident_processes, tree_pss
+from sft_tokenize.server.server_fork import ForkedServer, single_threaded
+from sft_tokenize.server.server_state import (
     DEFAULT_SERVER_IDLE,
     SERVER_APP,
     SERVER_IDLE_ENV,
@@ -229,7 +229,7 @@ class EmbeddedServer:
         port = _free_port()
         env = {**SERVER_CUTS, **os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1",
                "PREFECT__SERVER_FINAL": "1", **get_current_settings().to_environment_variables(exclude_unset=True)}
-        command = [sys.executable, "-m", "sft_tokenize.flows.server_process", SERVER_APP, "--port", str(port)]
+        command = [sys.executable, "-m", "sft_tokenize.server.server_process", SERVER_APP, "--port", str(port)]
         with self._open_log(port) as log:  # the child keeps its own copy of the descriptor
             if self.fork and single_threaded():
                 self.process = ForkedServer(command, env, log.fileno())

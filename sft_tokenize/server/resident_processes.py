@@ -1,4 +1,4 @@
-"""Finding a PREFECT_HOME's resident process (flows/resident.py) from /proc, for the command that hands itself to
+"""Finding a PREFECT_HOME's resident process (cli/resident.py) from /proc, for the command that hands itself to
 it or replaces it, `sft-tokenize server status`, tests and benchmarks. A light module: the resident's entry point
 and the embedded server's status both import it.
 """
@@ -11,7 +11,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-SERVE = "from sft_tokenize.flows.resident import serve; serve"  # in a resident's command line
+SERVE = "from sft_tokenize.cli.resident import serve; serve"  # in a resident's command line
 SOCKET_PREFIX = "sft-tokenize-resident-"  # its abstract socket's name, after the leading NUL
 
 
@@ -33,7 +33,7 @@ def socket_name(uid: int, home: str) -> str:
     return f"{SOCKET_PREFIX}{uid}-{hashlib.sha256(home.encode()).hexdigest()[:24]}"
 
 
-def _bound_sockets(name: str | None = None) -> dict[str, bool]:
+def bound_sockets(name: str | None = None) -> dict[str, bool]:
     """The inodes (as /proc/PID/fd shows them: socket:[N]) of the bound resident sockets, `name`'s only if given,
     each with whether it listens."""
     found = {}
@@ -58,7 +58,7 @@ def resident_processes(home: str | os.PathLike, uid: int | None = None) -> list[
     socket name), "key" (what it serves: resident.resident_key)}."""
     uid = os.getuid() if uid is None else uid
     wanted = os.path.abspath(os.path.expanduser(os.fspath(home)))
-    sockets = _bound_sockets()
+    sockets = bound_sockets()
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         with contextlib.suppress(OSError, ValueError):

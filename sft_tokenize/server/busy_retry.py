@@ -72,6 +72,6 @@ def create_app() -> ASGIApp:
     """Prefect's server app (server_state.SERVER_APP, made as uvicorn's factory mode makes it) behind RetryBusy."""
     from uvicorn.importer import import_from_string
 
-    from sft_tokenize.flows.server_state import SERVER_APP
+    from sft_tokenize.server.server_state import SERVER_APP
 
     return RetryBusy(import_from_string(SERVER_APP)())

@@ -1,4 +1,4 @@
--- Prefect's SQLite schema as its migrations build it: made by `python -m sft_tokenize.flows.prefect_migrations`,
+-- Prefect's SQLite schema as its migrations build it: made by `python -m sft_tokenize.server.prefect_migrations`,
 -- read by prefect_migrations.py while the hash of the migrations below is the installed Prefect's.
 -- migrations: 27b31c171f33cdbdf93cf2a9c414daca
 -- revision: 27d8f4e1a6c9

@@ -1,4 +1,4 @@
-"""The embedded server's process forked from the CLI's instead of started anew (flows/embedded_server.py decides).
+"""The embedded server's process forked from the CLI's instead of started anew (server/embedded_server.py decides).
 
 A first run launches its server as soon as it knows there is work, by which time its own process has imported
 Prefect. A new interpreter for the server would import Prefect again, ~0.9 s of CPU on a first run whose two cores
@@ -98,7 +98,7 @@ def serve_forked(command: list[str], env: dict[str, str], log: int) -> NoReturn:
         from prefect.context import refresh_global_settings_context
 
         refresh_global_settings_context()
-        from sft_tokenize.flows.server_process import serve
+        from sft_tokenize.server.server_process import serve
 
         serve(int(command[command.index("--port") + 1]))
         code = 0

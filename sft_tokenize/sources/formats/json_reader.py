@@ -7,19 +7,19 @@ from collections.abc import Iterator
 from functools import cached_property
 
 from sft_tokenize.errors import BadInput, BadRow
-from sft_tokenize.sources.format_reader import READ_BATCH_ROWS, RowBatch, _Reader
-from sft_tokenize.sources.jsonl_reader import _SURROGATE_ESCAPE, TOO_DEEP, _unicode_checked
-from sft_tokenize.sources.resolve import Part
+from sft_tokenize.sources.formats.format_reader import READ_BATCH_ROWS, FormatReader, RowBatch
+from sft_tokenize.sources.formats.jsonl_reader import SURROGATE_ESCAPE, TOO_DEEP, unicode_checked
+from sft_tokenize.sources.records import Part
 
 
-class _JsonArray(_Reader):
+class JsonArrayReader(FormatReader):
     schemaless = True
 
     @cached_property
     def items(self) -> list:
         with self.open() as f:
             raw = f.read()
-        self.may_hold_surrogates = bool(_SURROGATE_ESCAPE.search(raw))
+        self.may_hold_surrogates = bool(SURROGATE_ESCAPE.search(raw))
         try:
             data = json.loads(raw.decode("utf-8-sig"))  # with or without a byte order mark
         except UnicodeDecodeError as error:
@@ -46,7 +46,7 @@ class _JsonArray(_Reader):
     def read(self, part: Part, columns: list[str]) -> Iterator[RowBatch]:
         items = self.items
         for start in range(0, len(items), READ_BATCH_ROWS):
-            rows = [(_unicode_checked(item) if self.may_hold_surrogates else item) if isinstance(item, dict) else
+            rows = [(unicode_checked(item) if self.may_hold_surrogates else item) if isinstance(item, dict) else
                     BadRow("malformed_json", f"expected a JSON object, got {type(item).__name__}")
                     for item in items[start:start + READ_BATCH_ROWS]]
             yield rows, (lambda i, s=start: f"{self.url}: item {s + i + 1}")

@@ -49,14 +49,14 @@ from typing import NoReturn
 
 from sft_tokenize.build.timeline import TRACE_ENV, count_from, process_start
 from sft_tokenize.flows.console import CONSOLE_ENV
-from sft_tokenize.flows.resident_processes import (
+from sft_tokenize.server.resident_processes import (
     SERVE,
-    _bound_sockets,
+    bound_sockets,
     prefect_home,
     resident_processes,
     socket_name,
 )
-from sft_tokenize.flows.server_state import SERVER_IDLE_ENV, is_running
+from sft_tokenize.server.server_state import SERVER_IDLE_ENV, is_running
 
 RESIDENT_ENV = "SFT_TOKENIZE_RESIDENT"  # 1: every `run` asks for the resident, as --resident does
 RESIDENT_FLAG = "--resident"
@@ -259,7 +259,7 @@ def _ready_by(address: str, key: str) -> float | None:
     listen yet (importing); None if there is none or it would not be ready sooner than this process's imports.
     It waits when the resident's expected time left (the last resident's time to ready, in PREFECT_HOME, less its
     age) is under 80 % of the time the last one took to import and prepare, which this process would spend."""
-    if not _bound_sockets(address[1:]):
+    if not bound_sockets(address[1:]):
         return None
     home = prefect_home(os.environ)
     try:
@@ -293,7 +293,7 @@ def _start_beside_server() -> None:
     if "prefect" not in sys.modules:  # a cache hit, or a run that ended before it needed a server
         return
     from sft_tokenize.build.workers import encodings_made, next_pools
-    from sft_tokenize.flows.embedded_server import idle_server
+    from sft_tokenize.server.embedded_server import idle_server
 
     with contextlib.suppress(Exception):  # best effort: the next run simply runs in its own process
         if server := idle_server():  # the command's tokenizers and pool, or (a cache hit) this resident's
@@ -342,7 +342,7 @@ def _replace(address: str, key: str) -> bool:
     for found in holders:
         _pass_on(found["pid"], signal.SIGTERM)
     deadline = time.monotonic() + REPLACE_TIMEOUT
-    while _bound_sockets(address[1:]):
+    while bound_sockets(address[1:]):
         if time.monotonic() > deadline:
             return False
         time.sleep(0.02)
@@ -363,7 +363,7 @@ def console_main() -> None:
         if code is not None:
             sys.exit(code)
         atexit.register(_start_beside_server)  # run after the server is left (atexit runs the last-registered first)
-    from sft_tokenize.flows.cli import console_main
+    from sft_tokenize.cli.main import console_main
 
     console_main()
 
@@ -372,8 +372,8 @@ def console_main() -> None:
 
 def _preload() -> None:
     """What a run imports, so that its command does not (api.RUN_MODULES)."""
+    from sft_tokenize.cli.main import keep_torch_out, process_environment
     from sft_tokenize.flows.api import import_run_modules
-    from sft_tokenize.flows.cli import keep_torch_out, process_environment
 
     process_environment()
     keep_torch_out()
@@ -518,7 +518,7 @@ def _run_command(conn: socket.socket, request: dict, fds: list[int]) -> NoReturn
         from sft_tokenize.build.workers import encodings_made
 
         _prepared[:] = encodings_made(forget=True)
-        from sft_tokenize.flows.cli import console_main
+        from sft_tokenize.cli.main import console_main
 
         count_from(request["started"])
         threading.Thread(target=watch, name="resident-command", daemon=True).start()

@@ -13,7 +13,7 @@ Even so, migrating is most of a user's first boot. The schema those scripts buil
 `prefect_schema.sql` beside this module holds it, as SQLite's own dump of a database `migrate_sqlite` made, headed
 by a hash of the scripts (`migrations_key`): a new database made from it takes ~10 ms. It is used only while that
 hash is the installed Prefect's; otherwise databases are migrated as above. After a Prefect upgrade that changes its
-migrations, `python -m sft_tokenize.flows.prefect_migrations` writes it again (a test fails until then). Block types
+migrations, `python -m sft_tokenize.server.prefect_migrations` writes it again (a test fails until then). Block types
 are not in it: they depend on the installed collections, and server_process.py registers them once the first run
 is over.
 """

@@ -8,11 +8,11 @@ from functools import cached_property
 import pyarrow.parquet as pq
 
 from sft_tokenize.errors import BadInput, one_line
-from sft_tokenize.sources.format_reader import READ_BATCH_ROWS, RowBatch, _Reader
-from sft_tokenize.sources.resolve import Part, is_local
+from sft_tokenize.sources.formats.format_reader import READ_BATCH_ROWS, FormatReader, RowBatch
+from sft_tokenize.sources.records import Part, is_local
 
 
-class _Parquet(_Reader):
+class ParquetReader(FormatReader):
     @cached_property
     def file(self) -> pq.ParquetFile:
         try:

@@ -7,11 +7,11 @@ from collections.abc import Iterator
 import pyarrow as pa
 
 from sft_tokenize.errors import BadInput, one_line
-from sft_tokenize.sources.format_reader import READ_BATCH_ROWS, RowBatch, _Reader
-from sft_tokenize.sources.resolve import Part, is_local
+from sft_tokenize.sources.formats.format_reader import READ_BATCH_ROWS, FormatReader, RowBatch
+from sft_tokenize.sources.records import Part, is_local
 
 
-class _Arrow(_Reader):
+class ArrowReader(FormatReader):
     def _open(self) -> pa.ipc.RecordBatchFileReader | pa.ipc.RecordBatchStreamReader:
         source = pa.memory_map(self.path) if is_local(self.fs) else self.open()
         try:

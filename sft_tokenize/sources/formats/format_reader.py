@@ -9,7 +9,7 @@ from typing import Any
 from sft_tokenize.errors import BadRow
 from sft_tokenize.files import REQUEST_TIMEOUT
 from sft_tokenize.sources.compressed import compression_of, open_decompressed
-from sft_tokenize.sources.resolve import Part, SourceFile, filesystem
+from sft_tokenize.sources.records import Part, SourceFile, filesystem
 
 # Rows handed to the tokenizer at a time: at most this many, and (JSONL) at most this much input. A batch's
 # tokenizer output (~100 bytes a token until it is packed into numpy) is what sets a worker's peak memory.
@@ -22,8 +22,9 @@ READ_CHUNK_BYTES = 1 << 20  # one read (one range request remotely) of a JSONL s
 RowBatch = tuple[list[Any], Callable[[int], str]]
 
 
-class _Reader:
-    """One file format: its columns, its pieces (cut points with byte weights) and how to read a part."""
+class FormatReader:
+    """One file format: its columns, its pieces (cut points with byte weights) and how to read a part. A new
+    format subclasses it in a module of its own and adds its row to FORMATS (table.py)."""
 
     schemaless = False  # rows are JSON objects whose keys may differ from row to row
     first_bad: tuple[str, BadRow] | None = None  # after columns() found only bad rows: where the first is, and why

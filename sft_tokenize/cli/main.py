@@ -30,11 +30,11 @@ import warnings
 from collections.abc import Callable
 
 from sft_tokenize.build.timeline import mark
+from sft_tokenize.cli.arguments import EXIT_BAD_INPUT, PROG, build_parser, options_from, run_settings
 from sft_tokenize.errors import BadInput, CacheError, Failed, first_line
-from sft_tokenize.flows.arguments import EXIT_BAD_INPUT, PROG, build_parser, options_from, run_settings
 from sft_tokenize.flows.console import CONSOLE_ENV, ProgressBar, progress_console
-from sft_tokenize.flows.server_state import SERVER_IDLE_ENV
 from sft_tokenize.format.layout import SHARD_STORE, is_mixture
+from sft_tokenize.server.server_state import SERVER_IDLE_ENV
 
 EXIT_OK, EXIT_FAILED = 0, 1
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a writer whose reader left
@@ -50,7 +50,7 @@ def keep_torch_out() -> None:
 
 
 def process_environment() -> None:
-    """Before transformers and prefect are imported (here, or in the resident process: flows/resident.py)."""
+    """Before transformers and prefect are imported (here, or in the resident process: cli/resident.py)."""
     # No "PyTorch was not found" advisory, no telemetry noise.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -346,7 +346,7 @@ def gc(args: argparse.Namespace) -> int:
 
 def server(args: argparse.Namespace) -> int:
     """`server status` / `server stop`: the embedded Prefect server of this PREFECT_HOME."""
-    from sft_tokenize.flows.embedded_server import server_status, stop_server
+    from sft_tokenize.server.embedded_server import server_status, stop_server
 
     if args.action == "status":
         for name, value in server_status():
@@ -432,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
         process_environment()
         if args.command == "run":  # inherited by process-pool workers, which print their own logs
             os.environ[CONSOLE_ENV] = "quiet" if args.quiet else "verbose" if args.verbose else "plain"
-            os.environ[SERVER_IDLE_ENV] = str(args.server_idle)  # read by flows.embedded_server.EmbeddedServer
+            os.environ[SERVER_IDLE_ENV] = str(args.server_idle)  # read by server.embedded_server.EmbeddedServer
         mark("imports")
         code = SUBCOMMANDS[args.command](args)
         sys.stdout.flush()
@@ -446,7 +446,7 @@ def console_main(ended: Callable[[int], None] | None = None) -> None:
     """The `sft-tokenize` command. A run that published its cache ends at once: Prefect's logs and events sent,
     the embedded server left (atexit), and no interpreter teardown after that (joining Prefect's service threads
     and freeing every module took ~0.4 s of every run). `ended`, if given, hears the exit code then (a resident
-    process tells the command it runs: flows/resident.py)."""
+    process tells the command it runs: cli/resident.py)."""
     code = main()
     if code == EXIT_OK and "prefect" in sys.modules:
         from prefect.events.worker import EventsWorker

@@ -8,11 +8,11 @@ import pyarrow as pa
 import pyarrow.csv as pa_csv
 
 from sft_tokenize.errors import BadInput, BadRow, one_line
-from sft_tokenize.sources.format_reader import READ_BATCH_BYTES, READ_BATCH_ROWS, RowBatch, _Reader
-from sft_tokenize.sources.resolve import Part
+from sft_tokenize.sources.formats.format_reader import READ_BATCH_BYTES, READ_BATCH_ROWS, FormatReader, RowBatch
+from sft_tokenize.sources.records import Part
 
 
-class _Csv(_Reader):
+class CsvReader(FormatReader):
     def _reader(self, column_types: dict | None = None, ragged: list | None = None):
         """A streaming CSV reader; a row with the wrong number of fields is recorded in `ragged` as
         (line, fields, expected) and left out (single-threaded, so the line number is known)."""

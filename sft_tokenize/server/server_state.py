@@ -1,6 +1,6 @@
 """The files that record a PREFECT_HOME's shared embedded server, and who uses it.
 
-Every run on one PREFECT_HOME, and the server's own process (flows/server_process.py), agree through three files:
+Every run on one PREFECT_HOME, and the server's own process (server/server_process.py), agree through three files:
 
     sft-tokenize-server.lock   an flock held while a run joins or leaves (guards the two files below), and by
                                a server that ends itself until its process is gone: no second server ever

@@ -13,11 +13,17 @@ from typing import Any
 import orjson
 
 from sft_tokenize.errors import BadInput, BadRow
-from sft_tokenize.sources.format_reader import READ_BATCH_BYTES, READ_BATCH_ROWS, READ_CHUNK_BYTES, RowBatch, _Reader
-from sft_tokenize.sources.resolve import Part
+from sft_tokenize.sources.formats.format_reader import (
+    READ_BATCH_BYTES,
+    READ_BATCH_ROWS,
+    READ_CHUNK_BYTES,
+    FormatReader,
+    RowBatch,
+)
+from sft_tokenize.sources.records import Part
 
 
-class _JsonLines(_Reader):
+class JsonLinesReader(FormatReader):
     schemaless = True
 
     def columns(self, skip_bad_rows: bool = False) -> list[str] | None:
@@ -28,7 +34,7 @@ class _JsonLines(_Reader):
             if not isinstance(line, int) and not line.strip():
                 continue
             # A row over max_row_bytes is not decoded, even to find the columns.
-            row = _too_large(line, self.max_row_bytes) if isinstance(line, int) else _parse_line(line)
+            row = _too_large(line, self.max_row_bytes) if isinstance(line, int) else parse_line(line)
             if isinstance(row, BadRow):
                 if skip_bad_rows:
                     self.first_bad = self.first_bad or (f"{self.url}:{number}", row)
@@ -103,7 +109,7 @@ class _JsonLines(_Reader):
                 lines.append(index)
                 pending += READ_BATCH_BYTES  # alone in its batch: the rows before it need not wait
             elif line.strip():
-                rows.append(line if raw else _parse_line(line))
+                rows.append(line if raw else parse_line(line))
                 lines.append(index)
                 pending += len(line)
                 if len(rows) >= READ_BATCH_ROWS or pending >= READ_BATCH_BYTES:
@@ -116,7 +122,7 @@ class _JsonLines(_Reader):
 class _LazyLineNumber:
     """The 1-based line number of a byte offset, counted only when an error needs it."""
 
-    def __init__(self, reader: _Reader, offset: int):
+    def __init__(self, reader: FormatReader, offset: int):
         self.reader, self.offset = reader, offset
 
     @cached_property
@@ -137,7 +143,7 @@ def _line_locator(url: str, first: _LazyLineNumber, lines: list[int]) -> Callabl
 
 
 # A \\uD800-\\uDFFF escape: JSON can spell a lone surrogate, which is not Unicode and no tokenizer can encode.
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 TOO_DEEP = BadRow("malformed_json", "not valid JSON: nested too deeply (more than about 1,000 levels)")
 
 
@@ -146,7 +152,7 @@ def _too_large(size: int, limit: int) -> BadRow:
                                    "--on-bad-row skip drops such rows)")
 
 
-def _parse_line(line: bytes) -> dict | BadRow:
+def parse_line(line: bytes) -> dict | BadRow:
     line = line.removeprefix(codecs.BOM_UTF8)  # a byte order mark opens files written by some Windows tools
     try:
         row = orjson.loads(line)  # faster, and stricter: no lone surrogate, NaN, invalid UTF-8 or huge integer
@@ -167,10 +173,10 @@ def _parse_line(line: bytes) -> dict | BadRow:
         return TOO_DEEP
     if not isinstance(row, dict):
         return BadRow("malformed_json", f"expected a JSON object, got {type(row).__name__}")
-    return _unicode_checked(row) if _SURROGATE_ESCAPE.search(line) else row
+    return unicode_checked(row) if SURROGATE_ESCAPE.search(line) else row
 
 
-def _unicode_checked(row: dict) -> dict | BadRow:
+def unicode_checked(row: dict) -> dict | BadRow:
     """The row, or a BadRow if one of its strings holds a lone surrogate."""
     try:
         json.dumps(row, ensure_ascii=False).encode("utf-8")

@@ -1,0 +1,1 @@
+"""The input formats: a reader each, behind the public base `FormatReader`."""
