@@ -40,6 +40,7 @@ from sft_tokenize.build.job import Job
 from sft_tokenize.build.ownership import FINGERPRINT, foreign_files, is_key, not_a_version, store_key
 from sft_tokenize.build.remote_root import root_filesystem
 from sft_tokenize.build.shard_check import sidecar_path, sidecar_verdict
+from sft_tokenize.build.stopping import in_background
 from sft_tokenize.build.store import Collected
 from sft_tokenize.errors import Failed, one_line
 from sft_tokenize.files import REQUEST_TIMEOUT
@@ -239,13 +240,8 @@ def _renewing(fs: Any, lease: str, keys: list[str]) -> Iterator[None]:
                                    fs.unstrip_protocol(lease), type(error).__name__, one_line(error))
                 failed = True
 
-    thread = threading.Thread(target=renew, name="lease-renewal", daemon=True)
-    thread.start()
-    try:
+    with in_background(renew, "lease-renewal", stop):
         yield
-    finally:
-        stop.set()
-        thread.join()
 
 
 @contextlib.contextmanager

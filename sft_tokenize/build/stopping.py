@@ -7,8 +7,9 @@ last (a remote image's read, bounded only by its timeout) runs `interruptible`, 
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -59,3 +60,17 @@ def interruptible(work: Callable[[], T]) -> T:
     if "error" in outcome:
         raise outcome["error"]
     return outcome["value"]
+
+
+@contextlib.contextmanager
+def in_background(work: Callable[[], None], name: str, stop: threading.Event | None = None) -> Iterator[None]:
+    """Run `work` in a daemon thread while the block runs; at its end, set `stop` (the work's signal to end) if
+    given, and join the thread, so that nothing it does outlives the block."""
+    thread = threading.Thread(target=work, name=name, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        if stop is not None:
+            stop.set()
+        thread.join()

@@ -16,12 +16,12 @@ from __future__ import annotations
 import importlib
 import logging
 import os
-import threading
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
+from sft_tokenize.build.stopping import in_background
 from sft_tokenize.build.timeline import mark
 from sft_tokenize.errors import BadInput, Failed, first_line
 from sft_tokenize.files import write_problem
@@ -54,12 +54,8 @@ def _importing_run_modules() -> Iterator[None]:
         with suppress(Exception):
             import_run_modules()
 
-    thread = threading.Thread(target=run, name="run-imports", daemon=True)
-    thread.start()
-    try:
+    with in_background(run, "run-imports"):
         yield
-    finally:
-        thread.join()
 
 
 class RunFailed(Failed):
