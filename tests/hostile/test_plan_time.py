@@ -151,7 +151,8 @@ PLAN_TIME_ERRORS: dict[str, tuple[Callable[[Path], list[str]], str]] = {
                              "tool_use), and one template is used for every row"),
     "s3-without-credentials": (lambda d: ["s3://sft-tokenize-no-such-bucket/data.jsonl"],
                                "s3://sft-tokenize-no-such-bucket/data.jsonl: cannot read it (NoCredentialsError"),
-    "https-unreachable": (_closed_port_url, "/data.jsonl: cannot read it (ClientConnectorError: Cannot connect"),
+    "https-unreachable": (_closed_port_url,
+                          "/data.jsonl: connection refused; check that the endpoint is up and reachable from here"),
     "unwritable-prefect-home": (lambda d: [file_with(d / "not-a-directory", "x") and str(EXAMPLE_DATA)],
                                 "PREFECT_HOME {d}/not-a-directory/home: Prefect's embedded server cannot keep its "
                                 "database there (Not a directory)"),
@@ -173,8 +174,10 @@ PLAN_TIME_ENV = {"s3-without-credentials": NO_AWS, "tokenizer-message-in-full": 
 @pytest.fixture(scope="module")
 def plan_time_errors(cli_homes) -> dict[str, tuple[Path, subprocess.CompletedProcess, float]]:
     """Each case's CLI run in its own directory, two at a time: (directory, result, seconds) by case."""
+    homes = {case: cli_homes(case) for case in PLAN_TIME_ERRORS}  # made here: pytest's mktemp is not thread-safe
+
     def run(case: str) -> tuple[Path, subprocess.CompletedProcess, float]:
-        d = cli_homes(case)
+        d = homes[case]
         args = PLAN_TIME_ERRORS[case][0](d)
         if args[0] != "inspect":
             args = ["run", args[0], "--tokenizer", str(EXAMPLE_TOKENIZER), "--cache-dir", str(d / "cache"), *args[1:]]
