@@ -202,7 +202,8 @@ class TokenizeOptions(BaseModel):
     request_timeout: Annotated[float, Option(OUTPUT, metavar="SECONDS", parse=positive_seconds, job=True)] = Field(
         REQUEST_TIMEOUT, gt=0, description=REQUEST_TIMEOUT_HELP)
     shard_size: Annotated[str, Option(SLICES, metavar="SIZE")] = Field(
-        "256MB", description="input bytes per slice (one task and one shard each)")
+        "256MB", description="input bytes per slice (one shard each, and one task each unless a run of many slices "
+                          "groups them: --slices-per-task)")
     writer_batch_rows: Annotated[int, Option(job=True)] = Field(
         1000, gt=0, description="rows per record batch written to a shard, at most")
     # A slice's thread holds about three of these of image bytes (the batch buffered, the next one loading, its
