@@ -5,7 +5,6 @@ request, and the run or command ends in one line naming the URL and its endpoint
 
 from __future__ import annotations
 
-import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -53,11 +52,8 @@ def test_a_remote_source_whose_endpoint_goes_quiet_or_refuses_mid_run_fails_its_
         getattr(proxy, fault)()
         faults.write_text("")
         started = time.monotonic()
-        try:
-            code = run.wait(timeout=120)  # without a bound: 10 or more minutes (botocore's and s3fs's retries)
-        except subprocess.TimeoutExpired:
-            run.kill()
-            pytest.fail(f"still running 120 s after the endpoint went:\n{run.stderr}")
+        # without a bound: 10 or more minutes (botocore's and s3fs's retries)
+        code = run.ended_within(120, "the endpoint went")
         seconds = time.monotonic() - started
     last = run.stderr.strip().splitlines()[-1]
     assert code == 1, run.stderr

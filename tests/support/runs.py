@@ -50,6 +50,14 @@ class Background:
     def wait(self, timeout: float = TIMEOUT) -> int:
         return self.process.wait(timeout=timeout)
 
+    def ended_within(self, timeout: float, since: str) -> int:
+        """The exit code, once the run ends; killed and failed if it is still running `timeout` seconds on."""
+        try:
+            return self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"still running {timeout:g} s after {since}:\n{self.stderr}")
+
     def tree(self) -> list[psutil.Process]:
         """The CLI and every process under it, while it runs."""
         try:
