@@ -8,7 +8,19 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, HTTPServer, ThreadingHTTPServer
+
+
+@contextmanager
+def serving(server: HTTPServer) -> Iterator[None]:
+    """`server` answers from a daemon thread while the block runs; then it stops and its socket is closed."""
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 @dataclass
@@ -36,10 +48,5 @@ def file_server(files: dict[str, bytes]) -> Iterator[FileServer]:
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     served = FileServer(f"http://127.0.0.1:{server.server_address[1]}", files)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
+    with serving(server):
         yield served
-    finally:
-        server.shutdown()
-        server.server_close()

@@ -4,11 +4,12 @@ reach it through `environment`, as a user's do through AWS_* variables."""
 
 from __future__ import annotations
 
-import threading
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+
+from support.file_server import serving
 
 
 @dataclass
@@ -61,12 +62,8 @@ def s3_server() -> Iterator[S3Server]:
 
     server = make_server("127.0.0.1", 0, counting, threaded=True)
     state.endpoint = f"http://127.0.0.1:{server.server_port}"
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
+    with serving(server):
         yield state
-    finally:
-        server.shutdown()
 
 
 @contextmanager
