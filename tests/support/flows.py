@@ -12,16 +12,17 @@ from sft_tokenize.flows.tokenize_dataset import TokenizeRun, tokenize_dataset
 
 
 def run_flow(options: TokenizeRun | dict, settled: int | None = None):
-    """Run tokenize_dataset to its end: (its final state, its task runs by name). With `settled`, wait until that
-    many tokenize task runs are in a final state: their states reach the API as events, a moment after the flow
-    returns."""
+    """Run tokenize_dataset to its end: (its final state, its task runs by name). Task run states reach the API as
+    events, a moment after the flow returns, so this waits (up to 10 s) until every tokenize task run it reads is
+    in a final state; with `settled`, also until there are that many."""
     state = tokenize_dataset(options, return_state=True)
     flow_runs = FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id]))
     with get_client(sync_client=True) as client:
-        for _ in range(50 if settled else 1):
+        for _ in range(50):
             runs = {run.name: run for run in client.read_task_runs(flow_run_filter=flow_runs)}
             tokenize = [run for name, run in runs.items() if name.startswith("tokenize-")]
-            if settled is None or len(tokenize) == settled and all(r.state and r.state.is_final() for r in tokenize):
+            counted = settled is None or len(tokenize) == settled
+            if counted and all(run.state and run.state.is_final() for run in tokenize):
                 break
             time.sleep(0.2)
     return state, runs
