@@ -126,12 +126,21 @@ def torch_kept_out_only_for_its_test() -> Iterator[None]:
 @pytest.fixture(scope="session")
 def migrated_prefect_home(tmp_path_factory) -> Path:
     """A PREFECT_HOME whose database is migrated once, copied wherever a run or a server needs one: migrating a
-    new database takes several seconds of every first run."""
-    home = tmp_path_factory.mktemp("prefect-home-template")
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    subprocess.run([str(Path(sys.executable).parent / "prefect"), "server", "database", "upgrade", "-y"],
-                   env={**environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"},
-                   check=True, capture_output=True, timeout=300)
+    new database takes several seconds of every first run. Once for the whole run: pytest-xdist's workers share
+    the directory their temporary directories are in, and the first to get there migrates it."""
+    from sft_tokenize.files import locked
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    home, done = shared / "prefect-home-template", shared / "prefect-home-template.done"
+    with locked(shared / "prefect-home-template.lock"):
+        if not done.exists():
+            home.mkdir(exist_ok=True)
+            environ = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+            subprocess.run([str(Path(sys.executable).parent / "prefect"), "server", "database", "upgrade", "-y"],
+                           env={**environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"},
+                           check=True, capture_output=True, timeout=300)
+            done.touch()
     return home
 
 
@@ -227,10 +236,13 @@ def prefect_harness(tmp_path_factory):
     from prefect.settings import PREFECT_HOME, temporary_settings
     from prefect.testing.utilities import prefect_test_harness
 
+    from sft_tokenize.server.embedded_server import SERVER_CUTS
+
     home = tmp_path_factory.mktemp("prefect-home")
     with pytest.MonkeyPatch.context() as env:
         env.setenv("PREFECT_HOME", str(home))
-        env.setenv("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+        for name, value in SERVER_CUTS.items():  # the services an embedded server cuts: no test here needs them
+            env.setenv(name, value)
         env.setenv("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
         # Its 30 s default to start is too short on a busy 2-core machine (as the CLI's runs get 90 s: support.cli).
         with temporary_settings(updates={PREFECT_HOME: home}), prefect_test_harness(server_startup_timeout=120):
