@@ -31,7 +31,7 @@ from support.postgres import INSTALL, Postgres, bindir, postgres
 from support.reference_templates import HOW_TO_GET, SKIP_PREFIX, USERS_OFFLINE
 from support.remote_caches import RemoteCache, publish_remote
 from support.runs import Background
-from support.servers import prefect_server
+from support.servers import shared_prefect_server, stop_shared_server
 
 # The project's own hub access is offline in every test and every process a test starts; whether the reference
 # templates may be downloaded is the user's HF_HUB_OFFLINE, kept first (workers inherit both).
@@ -123,6 +123,13 @@ def torch_kept_out_only_for_its_test() -> Iterator[None]:
         del sys.modules["torch"]
 
 
+def shared_directory(tmp_path_factory) -> Path:
+    """The directory this run's pytest-xdist workers keep their temporary directories in (a run without workers:
+    its own): what they build once for the whole run goes there."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session")
 def migrated_prefect_home(tmp_path_factory) -> Path:
     """A PREFECT_HOME whose database is migrated once, copied wherever a run or a server needs one: migrating a
@@ -130,8 +137,7 @@ def migrated_prefect_home(tmp_path_factory) -> Path:
     the directory their temporary directories are in, and the first to get there migrates it."""
     from sft_tokenize.files import locked
 
-    base = tmp_path_factory.getbasetemp()
-    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    shared = shared_directory(tmp_path_factory)
     home, done = shared / "prefect-home-template", shared / "prefect-home-template.done"
     with locked(shared / "prefect-home-template.lock"):
         if not done.exists():
@@ -286,11 +292,16 @@ def metaspace_tokenizer(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def api_url(tmp_path_factory, migrated_prefect_home) -> Iterator[str]:
-    """One Prefect server for the session's CLI runs that talk to a server (PREFECT_API_URL, as with a team
-    server): it saves the embedded server's start-up, seconds a run. Yields its API URL."""
-    home = Path(shutil.copytree(migrated_prefect_home, tmp_path_factory.mktemp("server") / "home"))
-    with prefect_server(home) as url:
+    """One Prefect server for the run's CLI runs that talk to a server (PREFECT_API_URL, as with a team server),
+    shared by every pytest-xdist worker as a team's server is by its users: it saves the embedded server's
+    start-up, seconds a run. Yields its API URL; stopped when the run ends (pytest_sessionfinish)."""
+    with shared_prefect_server(shared_directory(tmp_path_factory), migrated_prefect_home) as url:
         yield url
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if not hasattr(session.config, "workerinput"):  # the controller (or a run without workers): the run has ended
+        stop_shared_server(shared_directory(session.config._tmp_path_factory))
 
 
 @pytest.fixture(scope="session")

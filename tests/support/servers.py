@@ -5,19 +5,23 @@ home. And a server that accepts and never answers, for the tests of remote reads
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import threading
 import time
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import pytest
 
+from sft_tokenize.files import locked
 from support import lanes
 from support.cli import environment, free_port
 from support.paths import BIN
@@ -88,6 +92,46 @@ def prefect_server(home: Path, **env: str) -> Iterator[str]:
         yield f"http://127.0.0.1:{port}/api"
     finally:
         stop(process)
+
+
+SHARED_SERVER = "prefect-server.json"  # in the run's shared directory: the one server the whole run's workers use
+
+
+@contextlib.contextmanager
+def shared_prefect_server(shared: Path, template: Path) -> Iterator[str]:
+    """One Prefect server for the whole test run, whichever pytest-xdist worker asks first: its home is a copy of
+    `template` in `shared` (the directory the workers' temporary directories are in); later callers find its
+    record there. It outlives the block: `stop_shared_server(shared)` ends it once the run ends."""
+    record = shared / SHARED_SERVER
+    with locked(shared / (SHARED_SERVER + ".lock")):
+        found = json.loads(record.read_text()) if record.exists() else None
+        if found is None or not running(found["pid"]):
+            home = shared / f"prefect-server-{uuid.uuid4().hex[:8]}"
+            shutil.copytree(template, home)
+            for _ in range(3):  # another process may bind the free port first
+                port = free_port()
+                if process := start_server(home, port):
+                    break
+            else:
+                pytest.fail(f"the Prefect server did not start:\n{(home / 'server.log').read_text()[-3000:]}")
+            found = {"pid": process.pid, "url": f"http://127.0.0.1:{port}/api"}
+            record.write_text(json.dumps(found))
+    yield found["url"]
+
+
+def stop_shared_server(shared: Path) -> None:
+    """SIGTERM, then SIGKILL, to the shared server's process group, if one was started in `shared`."""
+    record = shared / SHARED_SERVER
+    if not record.exists():
+        return
+    pid = json.loads(record.read_text())["pid"]
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while running(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os.killpg(pid, signal.SIGKILL)
+    record.unlink()
 
 
 class SilentServer:
