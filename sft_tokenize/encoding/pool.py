@@ -197,7 +197,14 @@ class _Processes:
         self.forking = context.Process(target=_fork_processes,
                                        args=(initargs, processes, self.tasks, self.results, started_by),
                                        name="sft-tokenize-encode-pool")  # not daemonic: it has children
-        self.forking.start()
+        # Python's forkserver, started by this process's first pool, imports for a moment before it ignores SIGINT:
+        # a Ctrl-C then printed its traceback on the user's terminal. Spawned with SIGINT blocked, it keeps it
+        # blocked, as does every process it forks (they ignore it anyway); here a Ctrl-C waits until the unblock.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            self.forking.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         started_by.close()
         # Only the processes hold these ends now: once they are all gone, a read here sees the end of the stream
         # and a write a broken pipe, rather than waiting for ever.

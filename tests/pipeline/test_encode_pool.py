@@ -127,6 +127,27 @@ def test_pool_processes_carry_no_torch_and_a_killed_one_is_replaced(tmp_path):
     assert [pid for pid in replaced if Path(f"/proc/{pid}").exists()] == []  # closed with the run
 
 
+def _blocked_signals(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line for line in status.splitlines() if line.startswith("SigBlk:")).split()[1], 16)
+
+
+def test_a_ctrl_c_reaches_no_pool_process_not_even_the_forkserver_as_it_starts(tmp_path):
+    """A terminal's Ctrl-C reaches the whole process group. Python's forkserver ignores SIGINT only once its imports
+    are done: it is spawned with SIGINT blocked, so no traceback of it reaches the terminal, and this process gets
+    the signal as ever."""
+    import multiprocessing.forkserver
+
+    plan, examples, want = thirty_rows(tmp_path)
+    with workers.encoding_processes(plan.job, 2):
+        [(_, pool)] = [entry for entry in workers._pools if entry[0] == plan.job]
+        assert pool.submit(examples, 0).result().input_ids.tolist() == want.input_ids.tolist()
+        forkserver = multiprocessing.forkserver._forkserver._forkserver_pid
+        for pid in (forkserver, *_pool_processes(pool)):
+            assert _blocked_signals(pid) & (1 << (signal.SIGINT - 1)), f"process {pid}"
+    assert not _blocked_signals(os.getpid()) & (1 << (signal.SIGINT - 1))  # this one takes Ctrl-C
+
+
 def _built_hf_tokenizer() -> bool:
     """In a pool process: whether its encoder has built HF's tokenizer."""
     from sft_tokenize.encoding import pool as encode_pool
