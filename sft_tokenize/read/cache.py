@@ -31,6 +31,7 @@ from sft_tokenize.errors import CacheError
 from sft_tokenize.files import REQUEST_TIMEOUT, file_digest
 from sft_tokenize.format.layout import SHARD_STORE, SIDECAR_SUFFIX
 from sft_tokenize.format.manifest import read_manifest
+from sft_tokenize.read.numpy_views import numpy_of
 from sft_tokenize.read.remote_cache import cache_location
 from sft_tokenize.read.tokenizer_check import TokenizerMismatch, mismatch_message, tokenizer_differences
 
@@ -73,7 +74,7 @@ class TokenizedCache(Sequence):
         column = self.table.column("input_ids") if self.table is not None else None
         for start in range(0, len(self), LENGTH_CHUNK_ROWS):
             chunk = column.slice(start, LENGTH_CHUNK_ROWS)
-            out[start:start + len(chunk)] = pc.list_value_length(chunk).to_numpy()
+            out[start:start + len(chunk)] = numpy_of(pc.list_value_length(chunk))
         return out
 
     @property

@@ -24,6 +24,7 @@ import pyarrow.compute as pc
 from sft_tokenize.flags import MAX_SEQUENCE_TOKENS
 from sft_tokenize.read.bin_packing import ALGORITHMS
 from sft_tokenize.read.layouts import IGNORE_INDEX
+from sft_tokenize.read.numpy_views import numpy_of
 
 SMALLEST_CANDIDATE = 512
 CHUNK_TOKENS = 1 << 20  # mask values per pass: 8 MB of running counts, reused, whatever the rows' lengths
@@ -63,7 +64,7 @@ def candidate_lengths(longest: int, extra: Iterable[int] = ()) -> list[int]:
 
 
 def _trained_flags(values: pa.Array, name: str) -> np.ndarray:
-    flat = values.to_numpy(zero_copy_only=False)
+    flat = numpy_of(values)
     return flat != IGNORE_INDEX if name == "labels" else flat.astype(bool, copy=False)
 
 
@@ -71,7 +72,7 @@ def _list_chunks(column: pa.ChunkedArray, tokens: int) -> Iterator[tuple[np.ndar
     """(offsets from 0, flat values) of runs of rows of about `tokens` values: the column's own record batches
     (no copy), a large one cut by rows."""
     for chunk in column.chunks:
-        offsets = chunk.offsets.to_numpy()
+        offsets = numpy_of(chunk.offsets)
         start = 0
         while start < len(chunk):
             # the last row boundary within `tokens` values from here (at least one row)
@@ -169,7 +170,7 @@ def report_of(rows: RowTokens, candidates: list[int], truncation: Literal["trunc
 def length_costs(table: pa.Table, at: Iterable[int] = (), truncation: Literal["truncate", "drop"] = "truncate",
                  pack: bool = True) -> dict[str, Any]:
     """The histograms and the table of candidate lengths for a cache's rows."""
-    lengths = pc.list_value_length(table.column(table.column_names[0])).to_numpy(zero_copy_only=False)
+    lengths = numpy_of(pc.list_value_length(table.column(table.column_names[0])))
     candidates = candidate_lengths(int(lengths.max(initial=0)), at)
     return report_of(row_tokens(table, candidates), candidates, truncation, pack)
 

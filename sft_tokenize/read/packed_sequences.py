@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from sft_tokenize.read.cache import TokenizedCache
+from sft_tokenize.read.numpy_views import numpy_of
 from sft_tokenize.read.packing_index import PackingIndex, PackOptions, open_rows, pack_cache
 
 if TYPE_CHECKING:
@@ -31,8 +32,8 @@ class _Column:
     """One list column as numpy views per Arrow chunk: (offsets, values), found by row through chunk starts."""
 
     def __init__(self, chunked):
-        self.offsets = [chunk.offsets.to_numpy() for chunk in chunked.chunks]
-        self.values = [chunk.values.to_numpy(zero_copy_only=False) for chunk in chunked.chunks]
+        self.offsets = [numpy_of(chunk.offsets) for chunk in chunked.chunks]
+        self.values = [numpy_of(chunk.values) for chunk in chunked.chunks]
         self.starts = np.cumsum([0] + [len(chunk) for chunk in chunked.chunks])
 
     def row(self, row: int, keep: int) -> np.ndarray:

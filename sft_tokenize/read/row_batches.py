@@ -19,6 +19,7 @@ import pyarrow as pa
 from sft_tokenize.errors import CacheError
 from sft_tokenize.read.cache import TokenizedCache
 from sft_tokenize.read.mixed_rows import MixedRows
+from sft_tokenize.read.numpy_views import numpy_of
 
 IGNORE_INDEX = -100
 DEFAULT_BATCH_ROWS = 1 << 16
@@ -45,9 +46,9 @@ class RowBatch:
 
 def _flat(column: pa.ListArray) -> tuple[np.ndarray, np.ndarray]:
     """A list column's offsets (from 0, int64) and its values in those rows (a view, no copy)."""
-    offsets = column.offsets.to_numpy()
+    offsets = numpy_of(column.offsets)
     start, stop = int(offsets[0]), int(offsets[-1])
-    return (offsets - start).astype(np.int64), column.values.slice(start, stop - start).to_numpy(zero_copy_only=False)
+    return (offsets - start).astype(np.int64), numpy_of(column.values.slice(start, stop - start))
 
 
 def _mask_column(cache: TokenizedCache | MixedRows) -> str:

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from sft_tokenize.read.cache import open_cache
+
 PACKAGE = Path(__file__).resolve().parents[2] / "sft_tokenize"
 DATA_PLANE = ("sources", "chat", "encoding", "build", "read", "export", "consumers", "format")
 # the base layer, which every layer may use
@@ -230,6 +232,21 @@ def test_a_run_that_writes_and_publishes_shards_loads_neither_datasets_nor_panda
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert json.loads(out.strip().splitlines()[-1]) == []
     assert any(path.name.startswith("data-") for path in tmp_path.iterdir())
+
+
+def test_a_runs_length_report_and_a_trainers_batches_load_no_pandas(example_cache):
+    """pyarrow's `to_numpy` imports pandas (~0.2 s) even for a view: the report a run writes after publishing and
+    a trainer's batches read the cache's columns as views of their buffers instead (read/numpy_views.py)."""
+    code = ("import json, sys\nfrom sft_tokenize.flows.length_report import cache_costs\n"
+            "from sft_tokenize.read.cache import open_cache\nfrom sft_tokenize.read.row_batches import row_batches\n"
+            f"report = cache_costs({str(example_cache)!r})\ncache = open_cache({str(example_cache)!r})\n"
+            "batch = next(iter(row_batches(cache, 8)))\n"
+            "print(json.dumps([report['tokens'], int(cache.lengths.sum()), 'pandas' in sys.modules]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    tokens, lengths, pandas = json.loads(out.strip().splitlines()[-1])
+    cache = open_cache(example_cache)
+    expected = sum(len(row["input_ids"]) for row in cache)
+    assert (tokens, lengths, pandas) == (expected, expected, False)
 
 
 def _installed(name: str) -> bool:
