@@ -17,14 +17,9 @@ from sft_tokenize.chat.mask_settings import MaskSettings
 from sft_tokenize.chat.skeleton import SkeletonMismatch
 from sft_tokenize.chat.template import ChatTemplate, special_pattern
 from sft_tokenize.chat.turns import Rendered, TurnFinder
-from sft_tokenize.encoding.exact import (
-    VERIFY_ROWS,
-    EncoderMismatch,
-    FastEncoder,
-    FlatPlacement,
-    running_totals,
-)
+from sft_tokenize.encoding.exact import VERIFY_ROWS, EncoderMismatch, FastEncoder
 from sft_tokenize.encoding.image_runs import ImageRuns
+from sft_tokenize.encoding.placement import FlatPlacement, running_totals
 from sft_tokenize.encoding.token_mask import encoding_spans, flat_mask
 from sft_tokenize.encoding.vision import VisionFamily
 from sft_tokenize.errors import BadInput, BadRow
@@ -73,15 +68,6 @@ class EncodedBatch:
     def results(self) -> list[Encoded | str | BadRow]:
         """Per candidate: an Encoded row, a drop reason, or a BadRow."""
         return [self.row(o) if isinstance(o, int) else o for o in self.outcomes]
-
-
-def _kept(placement: FlatPlacement) -> FlatPlacement:
-    """The placed rows of a placement only."""
-    counts = np.diff(placement.bounds)
-    tokens = np.repeat(placement.placed, counts)
-    bounds = running_totals(counts[placement.placed])
-    return FlatPlacement(placement.ids[tokens], bounds, placement.starts[tokens], placement.ends[tokens],
-                         np.ones(int(placement.placed.sum()), dtype=bool))
 
 
 class _Segments:
@@ -318,9 +304,7 @@ class ChatEncoder:
                    ) -> tuple[np.ndarray, np.ndarray]:
         """The loss mask of the flat placement's rows, for all rows at once (token_mask.py), and the tokens
         trained for straddling an edge (positions in the placement's ids)."""
-        texts = np.fromiter((len(rows[k][1].text) for k in chosen), dtype=np.int64, count=len(chosen))
-        return flat_mask([rows[k][1].regions for k in chosen], texts, placed.starts, placed.ends,
-                         np.diff(placed.bounds))
+        return flat_mask([rows[k][1].regions for k in chosen], placed)
 
     def verify(self, batch: EncodedBatch) -> EncodedBatch:
         """Check the rows another process's encoder deferred (see encode_batch) against HF's."""
@@ -392,10 +376,10 @@ class ChatEncoder:
                 verified += verify
                 if not add_special and all(rows[k][1].token_rule == "spans" for k in chosen):
                     flat = ([k for j, k in enumerate(chosen) if placement.placed[j]],
-                            placement if placement.placed.all() else _kept(placement))
+                            placement.kept())
                 else:
-                    for j, k in enumerate(chosen):
-                        encodings[k] = placement.row(j)
+                    for k, encoding in zip(chosen, placement.rows(), strict=True):
+                        encodings[k] = encoding
                 placed = set(flat[0]) if flat is not None and not add_special else set()
                 chosen = [k for k in chosen if encodings[k] is None and k not in placed]  # rows it could not place
             if chosen:
