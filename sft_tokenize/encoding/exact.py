@@ -230,7 +230,7 @@ class FastEncoder:
         flat, bounds = native.encode_batch_flat(texts, add_special_tokens=add_special_tokens)
         ids = np.frombuffer(flat, dtype=np.uint32)
         bounds = np.frombuffer(bounds, dtype=np.uint64).astype(np.int64)
-        lengths = np.take(self._lengths, ids, mode="clip")  # an id past the table: the last, -1, unknown
+        lengths = self._lengths[np.minimum(ids, len(self._lengths) - 1)]  # an id past the table: -1, unknown
         text = TextBytes.of(texts)
         byte_ends = running_totals(lengths)
         # The tokens cover the text byte for byte,
