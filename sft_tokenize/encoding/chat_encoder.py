@@ -17,14 +17,9 @@ from sft_tokenize.chat.mask_settings import MaskSettings
 from sft_tokenize.chat.skeleton import SkeletonMismatch
 from sft_tokenize.chat.template import ChatTemplate, special_pattern
 from sft_tokenize.chat.turns import Rendered, TurnFinder
-from sft_tokenize.encoding.exact import (
-    VERIFY_ROWS,
-    EncoderMismatch,
-    FastEncoder,
-    FlatPlacement,
-    running_totals,
-)
+from sft_tokenize.encoding.exact import VERIFY_ROWS, EncoderMismatch, FastEncoder
 from sft_tokenize.encoding.image_runs import ImageRuns
+from sft_tokenize.encoding.placement import FlatPlacement, running_totals
 from sft_tokenize.encoding.token_mask import encoding_spans, flat_mask
 from sft_tokenize.encoding.vision import VisionFamily
 from sft_tokenize.errors import BadInput, BadRow
@@ -73,15 +68,6 @@ class EncodedBatch:
     def results(self) -> list[Encoded | str | BadRow]:
         """Per candidate: an Encoded row, a drop reason, or a BadRow."""
         return [self.row(o) if isinstance(o, int) else o for o in self.outcomes]
-
-
-def _kept(placement: FlatPlacement) -> FlatPlacement:
-    """The placed rows of a placement only."""
-    counts = np.diff(placement.bounds)
-    tokens = np.repeat(placement.placed, counts)
-    bounds = running_totals(counts[placement.placed])
-    return FlatPlacement(placement.ids[tokens], bounds, placement.starts[tokens], placement.ends[tokens],
-                         np.ones(int(placement.placed.sum()), dtype=bool))
 
 
 class _Segments:
@@ -156,6 +142,29 @@ class ChatEncoder:
             detail = (str(error).strip().splitlines() or [type(error).__name__])[0]
             return [BadRow("template_error", f"chat template failed: {detail}")]
 
+    def _may_hold_control_text(self, examples: Sequence[Conversation | str | BadRow]) -> bool:
+        """Whether a row of the batch may hold a control token's text: one search over the usual fields of them
+        all (no control token holds NUL); False only where none does, True where a row is to be looked at."""
+        special = self.special
+        if special is None:
+            return False
+        texts: list[str] = []
+        for example in examples:
+            if isinstance(example, BadRow):
+                continue
+            if isinstance(example, str):
+                texts.append(example)
+                continue
+            for message in example.messages:
+                content = message.get("content")
+                if type(content) is str:
+                    texts.append(content)
+                elif content is not None:
+                    return True  # parts: _control_text walks them
+                if len(message) > 2:
+                    texts += [value for key in REASONING_FIELDS if type(value := message.get(key)) is str]
+        return special.search("\0".join(texts)) is not None
+
     def _control_text(self, example: Conversation | str) -> tuple[str, str] | None:
         """(where, token) of the first control token's text inside the example's own text, if any."""
         special = self.special
@@ -215,13 +224,14 @@ class ChatEncoder:
         outcomes: list[int | str | BadRow | None] = []
         origins: list[int] = []
         rows: list[tuple[int, Rendered, bool]] = []  # (candidate, row, encode control-token text literally)
+        look = self.masks.special_text != "keep" and self._may_hold_control_text(examples)
         for index, example in enumerate(examples):
             if isinstance(example, BadRow):
                 outcomes.append(example)
                 origins.append(index)
                 continue
             literal, control = False, None
-            if self.masks.special_text != "keep":
+            if look:
                 control = self._control_text(example)
                 if control and self.masks.special_text == "error":
                     where, token = control
@@ -318,9 +328,7 @@ class ChatEncoder:
                    ) -> tuple[np.ndarray, np.ndarray]:
         """The loss mask of the flat placement's rows, for all rows at once (token_mask.py), and the tokens
         trained for straddling an edge (positions in the placement's ids)."""
-        texts = np.fromiter((len(rows[k][1].text) for k in chosen), dtype=np.int64, count=len(chosen))
-        return flat_mask([rows[k][1].regions for k in chosen], texts, placed.starts, placed.ends,
-                         np.diff(placed.bounds))
+        return flat_mask([rows[k][1].regions for k in chosen], placed)
 
     def verify(self, batch: EncodedBatch) -> EncodedBatch:
         """Check the rows another process's encoder deferred (see encode_batch) against HF's."""
@@ -345,30 +353,38 @@ class ChatEncoder:
     def _apply_max_length(self, outcomes, origins, candidates, input_ids, loss_mask, starts, straddling
                           ) -> EncodedBatch:
         """Truncate or drop rows over max_length, drop rows left with no trained token; `straddling`: the
-        positions of tokens trained for straddling an edge, counted where kept."""
+        positions of tokens trained for straddling an edge, counted where kept. Per row only where a row is cut
+        or dropped: numpy over the batch otherwise."""
         lengths = np.diff(starts)
         keep = lengths if self.masks.max_length is None else np.minimum(lengths, self.masks.max_length)
-        trained_before = running_totals(loss_mask)
-        trained = trained_before[starts[:-1] + keep] - trained_before[starts[:-1]]
-        kept_offsets = [0]
-        selection = np.zeros(len(input_ids), dtype=bool)
-        for row, candidate in enumerate(candidates):
-            if keep[row] < lengths[row] and self.masks.truncation == "drop":
-                outcomes[candidate] = "too_long"
-            elif (keep[row] < lengths[row] and self.images is not None
-                  and self.images.cuts_a_run(input_ids[starts[row]:starts[row] + keep[row]])):
-                outcomes[candidate] = "image_truncated"  # an image's run is never cut: its pixels need all of it
-            elif trained[row] == 0:
-                outcomes[candidate] = "truncated_away" if keep[row] < lengths[row] else "no_trained_tokens"
-            else:
-                outcomes[candidate] = len(kept_offsets) - 1
-                selection[starts[row]:starts[row] + keep[row]] = True
-                kept_offsets.append(kept_offsets[-1] + int(keep[row]))
-        kept_straddling = int(np.count_nonzero(selection[straddling]))
-        if not selection.all():
-            input_ids, loss_mask = input_ids[selection], loss_mask[selection]
-        return EncodedBatch(input_ids, loss_mask, np.array(kept_offsets, dtype=np.int64), outcomes, origins,
-                            tokens_straddling=kept_straddling)
+        cut = keep < lengths
+        if cut.any():
+            trained_before = running_totals(loss_mask)
+            trained = trained_before[starts[:-1] + keep] - trained_before[starts[:-1]]
+        else:  # each row's trained tokens, summed where rows have tokens (rows without any have none)
+            trained = np.zeros(len(lengths), dtype=np.int64)
+            if (filled := lengths > 0).any():
+                trained[filled] = np.add.reduceat(loss_mask, starts[:-1][filled], dtype=np.int64)
+        dropped: dict[int, str] = {}
+        for row in np.flatnonzero(cut).tolist():
+            if self.masks.truncation == "drop":
+                dropped[row] = "too_long"
+            elif self.images is not None and self.images.cuts_a_run(input_ids[starts[row]:starts[row] + keep[row]]):
+                dropped[row] = "image_truncated"  # an image's run is never cut: its pixels need all of it
+        for row in np.flatnonzero(trained == 0).tolist():
+            dropped.setdefault(row, "truncated_away" if cut[row] else "no_trained_tokens")
+        if not dropped and not cut.any():  # every row kept whole
+            for row, candidate in enumerate(candidates):
+                outcomes[candidate] = row
+            return EncodedBatch(input_ids, loss_mask, starts, outcomes, origins, tokens_straddling=len(straddling))
+        kept = np.ones(len(lengths), dtype=bool)
+        kept[list(dropped)] = False
+        for row, (candidate, number) in enumerate(zip(candidates, (np.cumsum(kept) - 1).tolist(), strict=True)):
+            outcomes[candidate] = dropped.get(row, number)
+        taken = np.where(kept, keep, 0)  # each row's tokens kept: its first `taken`
+        selection = np.arange(len(input_ids)) - np.repeat(starts[:-1], lengths) < np.repeat(taken, lengths)
+        return EncodedBatch(input_ids[selection], loss_mask[selection], running_totals(taken[kept]), outcomes, origins,
+                            tokens_straddling=int(np.count_nonzero(selection[straddling])))
 
     def _encode(self, rows: list[tuple[int, Rendered, bool]], verify_rows: int, deferred: list[tuple] | None = None
                 ) -> tuple[list[Any], int, tuple[list[int], FlatPlacement] | None]:
@@ -392,10 +408,10 @@ class ChatEncoder:
                 verified += verify
                 if not add_special and all(rows[k][1].token_rule == "spans" for k in chosen):
                     flat = ([k for j, k in enumerate(chosen) if placement.placed[j]],
-                            placement if placement.placed.all() else _kept(placement))
+                            placement.kept())
                 else:
-                    for j, k in enumerate(chosen):
-                        encodings[k] = placement.row(j)
+                    for k, encoding in zip(chosen, placement.rows(), strict=True):
+                        encodings[k] = encoding
                 placed = set(flat[0]) if flat is not None and not add_special else set()
                 chosen = [k for k in chosen if encodings[k] is None and k not in placed]  # rows it could not place
             if chosen:

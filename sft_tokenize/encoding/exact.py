@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from sft_tokenize.encoding.placement import FlatPlacement, IdsEncoding, TextBytes, running_totals
 from sft_tokenize.errors import BadInput
 
 logger = logging.getLogger("sft_tokenize")
@@ -111,19 +112,6 @@ def _token_byte_lengths(backend, config: dict) -> np.ndarray:
     for index, token in added.items():
         lengths[index] = len(token.content.encode("utf-8")) or -1
     return lengths
-
-
-@dataclass(frozen=True)
-class IdsEncoding:
-    """One row's ids and each token's character span, from byte lengths alone; the mask code's interface."""
-
-    ids: list[int]
-    starts: np.ndarray  # int64, character where each token starts
-    ends: np.ndarray
-
-    @property
-    def offsets(self) -> list[tuple[int, int]]:
-        return list(zip(self.starts.tolist(), self.ends.tolist(), strict=True))
 
 
 class PendingNative:
@@ -229,15 +217,13 @@ class FastEncoder:
             self._native.start()
 
     def encode(self, texts: list[str], add_special_tokens: bool) -> list[IdsEncoding | None]:
-        placed = self.encode_flat(texts, add_special_tokens)
-        return [placed.row(k) for k in range(len(texts))]
+        return self.encode_flat(texts, add_special_tokens).rows()
 
     def encode_flat(self, texts: list[str], add_special_tokens: bool) -> FlatPlacement:
-        """Every row's ids end to end and each token's first character, for the whole batch at once (numpy over
-        the batch, no per-row work where the batch is ASCII). A refused encoder places none of them."""
+        """Every row's ids end to end and where each token falls in the row's bytes, for the whole batch at once
+        (numpy over the batch, no per-row work where the batch is ASCII). A refused encoder places none of them."""
         if self.verdict():
-            none = np.zeros(len(texts) + 1, dtype=np.int64)
-            return FlatPlacement(np.zeros(0, np.int32), none, none[:0], none[:0], np.zeros(len(texts), dtype=bool))
+            return FlatPlacement.none(len(texts))
         return self._place(self.native, texts, add_special_tokens)
 
     def _place(self, native, texts: list[str], add_special_tokens: bool) -> FlatPlacement:
@@ -245,64 +231,16 @@ class FastEncoder:
         ids = np.frombuffer(flat, dtype=np.uint32)
         bounds = np.frombuffer(bounds, dtype=np.uint64).astype(np.int64)
         lengths = self._lengths[np.minimum(ids, len(self._lengths) - 1)]  # an id past the table: -1, unknown
-        counts = np.diff(bounds)
-        ascii_ = all(map(str.isascii, texts))  # O(1) a text in CPython (no copy of the batch)
-        chars = np.fromiter(map(len, texts), dtype=np.int64, count=len(texts))
-        encoded = None if ascii_ else [t.encode("utf-8") for t in texts]
-        row_bytes = chars if ascii_ else np.fromiter(map(len, encoded), dtype=np.int64, count=len(texts))
-        covered = running_totals(lengths)
-        placed = covered[bounds[1:]] - covered[bounds[:-1]] == row_bytes  # the tokens cover the text byte for byte
+        text = TextBytes.of(texts)
+        byte_ends = running_totals(lengths)
+        # The tokens cover the text byte for byte,
+        placed = byte_ends[bounds[1:]] - byte_ends[bounds[:-1]] == text.row_bytes
         if (unknown := lengths <= 0).any():  # and none of them is of unknown length
             unknown_before = running_totals(unknown)
             placed &= unknown_before[bounds[1:]] == unknown_before[bounds[:-1]]
-        if self.nfc and not ascii_:  # the tokens cover the normalized text, not this one
+        if self.nfc and not text.ascii:  # the tokens cover the normalized text, not this one
             placed &= np.fromiter((unicodedata.is_normalized("NFC", t) for t in texts), dtype=bool, count=len(texts))
-        row_of = np.repeat(np.arange(len(texts)), counts)
-        byte_starts = covered[:-1] - covered[bounds[:-1]][row_of]  # each token's first byte in its row
-        token_placed = np.repeat(placed, counts)
-        if ascii_:
-            starts, ends = byte_starts, byte_starts + lengths
-        else:  # a token's characters are its bytes less its UTF-8 continuation bytes (0x80-0xBF), which are few
-            data = np.frombuffer(b"".join(encoded), dtype=np.int8)  # the batch's texts end to end
-            continuation = np.flatnonzero(data < -64)
-            row_start = running_totals(row_bytes)
-            continuation = continuation[placed[np.searchsorted(row_start, continuation, side="right") - 1]]
-            first = np.where(token_placed, byte_starts, 0) + row_start[:-1][row_of]  # in the batch: sorted
-            token = np.searchsorted(first, continuation, side="right") - 1  # the token each byte is in
-            characters = running_totals(lengths - np.bincount(token, minlength=len(ids)))
-            row_characters = characters[bounds[:-1]][row_of]
-            ends = characters[1:] - row_characters
-            starts = np.subtract(characters[:-1], row_characters, out=row_characters)
-            # A token that starts inside a character (byte-level BPE splits some) starts at that character.
-            starts[token[first[token] == continuation]] -= 1
-        starts[~token_placed] = 0  # unplaced rows' tokens: never read
-        return FlatPlacement(ids.astype(np.int32), bounds, starts, ends, placed)
-
-
-def running_totals(values: np.ndarray) -> np.ndarray:
-    """0, then the running total after each value (int64): without a concatenated copy."""
-    totals = np.empty(len(values) + 1, dtype=np.int64)
-    totals[0] = 0
-    np.cumsum(values, out=totals[1:])
-    return totals
-
-
-@dataclass(frozen=True)
-class FlatPlacement:
-    """A batch's ids end to end (`bounds`: row k is [bounds[k], bounds[k+1])), each token's first and past-last
-    character in its row, and whether each row was placed (the tokens cover its text byte for byte)."""
-
-    ids: np.ndarray  # int32
-    bounds: np.ndarray  # int64
-    starts: np.ndarray  # int64
-    ends: np.ndarray  # int64
-    placed: np.ndarray  # bool, per row
-
-    def row(self, k: int) -> IdsEncoding | None:
-        if not self.placed[k]:
-            return None
-        a, b = self.bounds[k], self.bounds[k + 1]
-        return IdsEncoding(self.ids[a:b].tolist(), self.starts[a:b], self.ends[a:b])
+        return FlatPlacement(ids.astype(np.int32), bounds, byte_ends, placed, text)
 
 
 def rebuilt_encoder(tokenizer_json: str, byte_lengths: np.ndarray, nfc: bool,

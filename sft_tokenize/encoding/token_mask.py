@@ -14,8 +14,11 @@ span edges.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from itertools import chain
 
 import numpy as np
+
+from sft_tokenize.encoding.placement import FlatPlacement
 
 
 def trained_regions(regions: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -32,37 +35,64 @@ def trained_regions(regions: Iterable[tuple[int, int]]) -> list[tuple[int, int]]
     return joined
 
 
-def span_edges(starts: np.ndarray, ends: np.ndarray, regions: Sequence[tuple[int, int]]
+def joined_regions(row_regions: Sequence[Sequence[tuple[int, int]]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every row's spans joined as trained_regions joins them, for all rows at once: the row of each joined
+    span, its first character and its end, in order of row and then of character."""
+    counts = np.fromiter(map(len, row_regions), dtype=np.int64, count=len(row_regions))
+    edges = np.fromiter(chain.from_iterable(chain.from_iterable(row_regions)), dtype=np.int64,
+                        count=2 * int(counts.sum())).reshape(-1, 2)
+    rows = np.repeat(np.arange(len(counts)), counts)
+    begins, ends = edges[:, 0], edges[:, 1]
+    if not (filled := ends > begins).all():
+        rows, begins, ends = rows[filled], begins[filled], ends[filled]
+    if not len(rows):
+        return rows, begins, ends
+    same_row = rows[1:] == rows[:-1]
+    if (same_row & (begins[1:] < begins[:-1])).any():
+        order = np.lexsort((begins, rows))
+        rows, begins, ends = rows[order], begins[order], ends[order]
+    # Each row's ends, shifted past every end of the rows before it: one running maximum for all rows.
+    shift = rows * (int(ends.max()) + 1)
+    reach = np.maximum.accumulate(ends + shift)[:-1] - shift[1:]  # the furthest end before each span, its row's
+    opens = np.flatnonzero(np.concatenate(([True], ~same_row | (begins[1:] > reach))))
+    return rows[opens], begins[opens], np.maximum.reduceat(ends, opens)
+
+
+def span_edges(starts: np.ndarray, ends: np.ndarray, begins: np.ndarray, stops: np.ndarray
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """For each region (joined, see trained_regions): the first token holding one of its characters and the
-    first token after it, as arrays; and the tokens that straddle an edge (hold characters on both sides)."""
-    if not regions:
+    """For each region [begins[i], stops[i]) (joined, see trained_regions): the first token holding one of its
+    characters and the first token after it, as arrays; and the tokens that straddle an edge (hold characters on
+    both sides). Tokens are given by where each starts and ends (non-decreasing), in the regions' unit."""
+    if not len(begins):
         empty = np.zeros(0, dtype=np.int64)
         return empty, empty, empty
-    at = np.asarray(regions, dtype=np.int64)
-    first = np.searchsorted(ends, at[:, 0], side="right")  # the first token ending past the region's start
-    stop = np.maximum(np.searchsorted(starts, at[:, 1], side="left"), first)  # the first starting at its end
+    first = np.searchsorted(ends, begins, side="right")  # the first token ending past the region's start
+    stop = np.maximum(np.searchsorted(starts, stops, side="left"), first)  # the first starting at its end
     held = stop > first
     last = len(starts) - 1
-    before = held & (starts[np.minimum(first, last)] < at[:, 0])
-    after = held & (ends[np.maximum(stop - 1, 0)] > at[:, 1])
+    before = held & (starts[np.minimum(first, last)] < begins)
+    after = held & (ends[np.maximum(stop - 1, 0)] > stops)
     return first, stop, np.unique(np.concatenate([first[before], stop[after] - 1]))
 
 
-def flat_mask(row_regions: Sequence[Sequence[tuple[int, int]]], text_lengths: np.ndarray, starts: np.ndarray,
-              ends: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The loss mask of rows placed end to end (`counts` tokens each, their `starts` and `ends` in their own
-    row), for all rows at once, and the tokens trained for straddling an edge."""
-    base = np.zeros(len(text_lengths) + 1, dtype=np.int64)
-    np.cumsum(text_lengths, out=base[1:])  # each row's first character, rows end to end
-    shift = np.repeat(base[:-1], counts)
-    regions = [(begin + int(base[j]), end + int(base[j])) for j, spans in enumerate(row_regions)
-               for begin, end in trained_regions(spans)]
-    first, stop, straddling = span_edges(starts + shift, ends + shift, regions)
-    delta = np.zeros(len(starts) + 1, dtype=np.int32)
-    np.add.at(delta, first, 1)
-    np.add.at(delta, stop, -1)
-    return (np.cumsum(delta[:-1]) > 0).astype(np.int8), straddling
+def flat_mask(row_regions: Sequence[Sequence[tuple[int, int]]], placement: FlatPlacement
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """The loss mask of a placement's rows (every one placed), for all rows at once, and the tokens trained for
+    straddling an edge. Found in bytes: each trained span's edges become bytes, and the tokens' byte ends say
+    which tokens hold them (the same tokens as in characters: placement.py)."""
+    rows, begins, ends = joined_regions(row_regions)
+    byte_ends = placement.byte_ends
+    first, stop, straddling = span_edges(byte_ends[:-1], byte_ends[1:], placement.token_bytes(rows, begins),
+                                         placement.token_bytes(rows, ends))
+    # Spans in order, so their token ranges are too (a token may end one and start the next): the mask is runs
+    # of 0 and 1 between those edges.
+    edges = np.empty(2 * len(first) + 2, dtype=np.int64)
+    edges[0], edges[-1] = 0, len(placement.ids)
+    edges[1:-1:2] = np.maximum(first, np.concatenate(([0], stop[:-1])))
+    edges[2:-1:2] = stop
+    runs = np.zeros(len(edges) - 1, dtype=np.int8)
+    runs[1::2] = 1
+    return np.repeat(runs, np.diff(edges)), straddling
 
 
 def _first_holding(enc, position: int, n_tokens: int, n_chars: int) -> int:
@@ -90,7 +120,8 @@ def encoding_spans(enc, regions: Sequence[tuple[int, int]], n_chars: int) -> tup
     straddling an edge: from a tokenizers `Encoding`, or anything with `starts` and `ends` arrays."""
     regions = trained_regions(regions)
     if hasattr(enc, "starts"):
-        first, stop, straddling = span_edges(enc.starts, enc.ends, regions)
+        at = np.asarray(regions, dtype=np.int64).reshape(-1, 2)
+        first, stop, straddling = span_edges(enc.starts, enc.ends, at[:, 0], at[:, 1])
         return [(a, b) for a, b in zip(first.tolist(), stop.tolist(), strict=True) if b > a], straddling.tolist()
     n_tokens, spans, straddling = len(enc.ids), [], set()
     for begin, end in regions:

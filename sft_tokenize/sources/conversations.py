@@ -281,12 +281,27 @@ def _messages(raw: Any, column: str, images: bool = False) -> tuple[list[dict[st
         raise BadRow("bad_messages", f"{column!r} must be a list of messages, got {_type_name(raw)}")
     if not raw:
         raise BadRow("bad_messages", f"{column!r} is an empty list")
+    if (plain := _plain_messages(raw)) is not None:
+        return plain, [None] * len(plain)
     messages = [_message(m, i, images) for i, m in enumerate(raw)]
     return messages, [_weight(m, message, i) for i, (m, message) in enumerate(zip(raw, messages, strict=True))]
 
 
+def _plain_messages(raw: list) -> list[dict[str, Any]] | None:
+    """Copies of the messages if every one is {role, content} with a known role and a string, as most are (what
+    _message returns of each, and none has a weight); None otherwise."""
+    messages = []
+    for m in raw:
+        if type(m) is not dict or len(m) != 2 or type(m.get("content")) is not str or m.get("role") not in ROLES:
+            return None
+        messages.append(m.copy())
+    return messages
+
+
 def _trained(*flags: list[bool | None]) -> tuple[bool | None, ...]:
     """Conversation.trained of messages in these groups: empty where no message has a weight."""
+    if all(group.count(None) == len(group) for group in flags):  # none has a weight, as in most rows
+        return ()
     joined = tuple(flag for group in flags for flag in group)
     return joined if any(flag is not None for flag in joined) else ()
 
