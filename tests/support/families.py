@@ -154,6 +154,18 @@ def build_metaspace_tokenizer(out_dir: Path) -> Path:
     return out_dir
 
 
+def build_swallowing_sep_tokenizer(out_dir: Path) -> Path:
+    """The example tokenizer with an added token `<sep>` that swallows the spaces around it (lstrip, rstrip): its
+    ids cover fewer bytes than the text, so the fast encoder cannot place a row holding it."""
+    from tokenizers import AddedToken
+    from transformers import AutoTokenizer
+
+    base = AutoTokenizer.from_pretrained(str(EXAMPLE_TOKENIZER))
+    base.add_tokens([AddedToken("<sep>", lstrip=True, rstrip=True)])
+    base.save_pretrained(str(out_dir))
+    return out_dir
+
+
 def build_large_vocab_tokenizer(out_dir: Path, size: int = 150_000) -> Path:
     """The example BPE grown to `size` tokens (a Qwen-sized vocabulary) by merges of its own tokens: a tokenizer
     whose fast encoder takes seconds to build, as real ones do."""

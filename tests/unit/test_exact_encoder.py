@@ -10,7 +10,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.data import COLUMNS, ROWS
-from support.families import MODERN_FAMILIES, build_modern_tokenizer, qwen3_with_generation_blocks
+from support.families import (
+    MODERN_FAMILIES,
+    build_modern_tokenizer,
+    build_swallowing_sep_tokenizer,
+    qwen3_with_generation_blocks,
+)
 from support.paths import EXAMPLE_DATA, EXAMPLE_TOKENIZER
 
 from sft_tokenize.chat.mask_settings import MaskSettings
@@ -147,13 +152,7 @@ def test_a_fast_encoder_that_disagrees_on_a_slices_first_rows_fails_loudly(famil
 
 def test_rows_whose_tokens_do_not_cover_their_bytes_are_encoded_by_hf(tmp_path):
     """An added token that swallows the spaces around it (lstrip/rstrip): ids cover fewer bytes than the text."""
-    from tokenizers import AddedToken
-    from transformers import AutoTokenizer
-
-    base = AutoTokenizer.from_pretrained(str(EXAMPLE_TOKENIZER))
-    base.add_tokens([AddedToken("<sep>", lstrip=True, rstrip=True)])
-    base.save_pretrained(str(tmp_path))
-    tokenizer = load_tokenizer(tmp_path)
+    tokenizer = load_tokenizer(build_swallowing_sep_tokenizer(tmp_path))
     fast = choose_encoder(tokenizer, "fastokens")
     assert fast is not None
     assert fast.encode(["a  <sep>  b"], add_special_tokens=False) == [None]

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from support.paths import EXAMPLE_TOKENIZER
+from support.families import build_swallowing_sep_tokenizer
 
 from sft_tokenize.encoding.exact import choose_encoder
 from sft_tokenize.encoding.token_mask import encoding_spans, flat_mask, joined_regions, trained_regions
@@ -19,14 +19,7 @@ pytest.importorskip("fastokens")  # the `fast` extra; `make test` installs it
 def tokenizer_and_fast(tmp_path_factory):
     """The example tokenizer with an added token that swallows the spaces around it: a row holding it is one
     the fast encoder cannot place (its ids cover fewer bytes than the text), so batches mix placed rows and not."""
-    from tokenizers import AddedToken
-    from transformers import AutoTokenizer
-
-    where = tmp_path_factory.mktemp("sep-tokenizer")
-    base = AutoTokenizer.from_pretrained(str(EXAMPLE_TOKENIZER))
-    base.add_tokens([AddedToken("<sep>", lstrip=True, rstrip=True)])
-    base.save_pretrained(str(where))
-    tokenizer = load_tokenizer(where)
+    tokenizer = load_tokenizer(build_swallowing_sep_tokenizer(tmp_path_factory.mktemp("sep-tokenizer")))
     fast = choose_encoder(tokenizer, "fastokens")
     assert fast is not None
     return tokenizer, fast
