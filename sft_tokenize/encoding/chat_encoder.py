@@ -70,6 +70,21 @@ class EncodedBatch:
         return [self.row(o) if isinstance(o, int) else o for o in self.outcomes]
 
 
+def _usual_texts(example: Conversation, texts: list[str]) -> bool:
+    """Add the example's string contents and reasoning fields to `texts`; False if a message's content is not a
+    string (an image row's parts), whose text this leaves out."""
+    plain = True
+    for message in example.messages:
+        content = message.get("content")
+        if type(content) is str:
+            texts.append(content)
+        elif content is not None:
+            plain = False
+        if len(message) > 2:
+            texts += [value for key in REASONING_FIELDS if type(value := message.get(key)) is str]
+    return plain
+
+
 class _Segments:
     """A row encoded piece by piece (control-token text inside messages encoded as plain text): ids and where
     each token starts and ends, as the mask code reads them (token_mask.py)."""
@@ -155,14 +170,8 @@ class ChatEncoder:
             if isinstance(example, str):
                 texts.append(example)
                 continue
-            for message in example.messages:
-                content = message.get("content")
-                if type(content) is str:
-                    texts.append(content)
-                elif content is not None:
-                    return True  # parts: _control_text walks them
-                if len(message) > 2:
-                    texts += [value for key in REASONING_FIELDS if type(value := message.get(key)) is str]
+            if not _usual_texts(example, texts):
+                return True  # parts: _control_text walks them
         return special.search("\0".join(texts)) is not None
 
     def _control_text(self, example: Conversation | str) -> tuple[str, str] | None:
@@ -174,16 +183,8 @@ class ChatEncoder:
             found = special.search(example)
             return ("text", found.group()) if found else None
         # One search over the usual fields joined (no control token holds NUL); the walk below says where.
-        texts, plain = [], True
-        for message in example.messages:
-            content = message.get("content")
-            if type(content) is str:
-                texts.append(content)
-            elif content is not None:
-                plain = False
-            if len(message) > 2:
-                texts += [value for key in REASONING_FIELDS if type(value := message.get(key)) is str]
-        if plain and not special.search("\0".join(texts)):
+        texts: list[str] = []
+        if _usual_texts(example, texts) and not special.search("\0".join(texts)):
             return None
         for i, message in enumerate(example.messages):
             for key in ("content", *REASONING_FIELDS):
