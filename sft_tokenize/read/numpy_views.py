@@ -23,16 +23,13 @@ def _dtype(kind: pa.DataType) -> np.dtype | None:
 
 
 def numpy_of(array: pa.Array | pa.ChunkedArray) -> np.ndarray:
-    """The values of `array`: a read-only view of its buffer for integers or floats with no nulls (a chunked
-    array of several chunks is concatenated), else what `to_numpy(zero_copy_only=False)` gives."""
+    """The values of `array`: a read-only view of its buffer for integers or floats with no nulls, else what
+    `to_numpy(zero_copy_only=False)` gives (a chunked array's chunks each so, then concatenated)."""
     if isinstance(array, pa.ChunkedArray):
-        if array.num_chunks == 1:
-            return numpy_of(array.chunk(0))
-        dtype = _dtype(array.type)
-        if dtype is None or array.null_count:
+        if not array.num_chunks:
             return array.to_numpy()
-        return np.concatenate([numpy_of(chunk) for chunk in array.chunks]) if array.num_chunks else \
-            np.empty(0, dtype)
+        views = [numpy_of(chunk) for chunk in array.chunks]
+        return views[0] if len(views) == 1 else np.concatenate(views)
     dtype = _dtype(array.type)
     if dtype is None or array.null_count:
         return array.to_numpy(zero_copy_only=False)

@@ -302,8 +302,7 @@ def _trained(*flags: list[bool | None]) -> tuple[bool | None, ...]:
     """Conversation.trained of messages in these groups: empty where no message has a weight."""
     if all(group.count(None) == len(group) for group in flags):  # none has a weight, as in most rows
         return ()
-    joined = tuple(flag for group in flags for flag in group)
-    return joined if any(flag is not None for flag in joined) else ()
+    return tuple(flag for group in flags for flag in group)
 
 
 def _history(raw: Any, column: str) -> list[dict[str, Any]]:
