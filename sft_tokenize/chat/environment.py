@@ -123,7 +123,7 @@ _OUTSIDE_FILTERS = ("random",)
 
 
 def _row_globals(globals_: dict) -> dict:
-    """The environment's globals, as a new dict (the base environment's is transformers' cached one)."""
+    """The environment's globals, as a new dict (the base environment's may be shared between templates)."""
     out = {}
     for name, value in globals_.items():
         if name == "strftime_now":

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from sft_tokenize.chat import pairs
+from sft_tokenize.chat import hf_jinja, pairs
 from sft_tokenize.chat.environment import compile_template
 from sft_tokenize.chat.markers import MARK_BASE, MARKS, Marked, holds_marks, mark
 from sft_tokenize.errors import BadInput, BadRow
@@ -67,12 +67,10 @@ class ChatTemplate:
     """One chat template with its render arguments, compiled once; see the module docstring."""
 
     def __init__(self, source: str, tokenizer, template_kwargs: Mapping[str, Any] | None = None):
-        from transformers.utils.chat_template_utils import _compile_jinja_template
-
         self.source = source
         self.kwargs = {**tokenizer.special_tokens_map, **(template_kwargs or {})}
         try:
-            environment = _compile_jinja_template(source).environment
+            environment = hf_jinja.new_environment()
             self.compiled = compile_template(environment, source)
             # A template that writes characters of the markers' range would diverge on every row: skip Twins.
             self.compiled_for_twins = None if holds_marks(source) else compile_template(environment, source, True)
@@ -110,9 +108,7 @@ class ChatTemplate:
 
     def render_generation(self, messages: Sequence[dict], tools: list | None = None) -> tuple[str, list]:
         """The text and the character spans of its `{% generation %}` blocks, as transformers records them."""
-        from transformers.utils.chat_template_utils import _render_with_assistant_indices
-
-        return _render_with_assistant_indices(self.compiled, messages, tools, None, False, **self.kwargs)
+        return hf_jinja.render_with_generation_spans(self.compiled, messages, tools, **self.kwargs)
 
     def _try(self, messages: list[dict], tools: list | None = None, add_generation_prompt: bool = False) -> str | None:
         try:

@@ -73,16 +73,16 @@ def compiled_mark(template: str) -> Path:
 
 
 def _compile(template: str) -> None:
-    """Compile `template` as transformers does, unless it compiled before (compiled_mark): importing transformers
-    is most of a warm run's plan, ~0.6 s. Only a success is remembered."""
+    """Compile `template` as transformers does, unless it compiled before (compiled_mark): a long template takes
+    tens of milliseconds to compile, here and again in the encoder. Only a success is remembered."""
     from sft_tokenize.files import atomic_write
 
     mark = compiled_mark(template)
     if mark.is_file():
         return
-    from transformers.utils.chat_template_utils import _compile_jinja_template
+    from sft_tokenize.chat import hf_jinja
 
-    _compile_jinja_template(template)
+    hf_jinja.compile_template(template)
     try:
         mark.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(mark, "", durable=False)

@@ -28,12 +28,11 @@ from sft_tokenize.files import write_problem
 from sft_tokenize.flows.run_options import RUN_OPTIONS  # tokenize()'s options beyond TokenizeOptions
 
 # What a run imports after its plan: its flow's modules, Prefect's engines and what they import on first use,
-# transformers' template compiler and the tokenizer libraries (fastokens is an optional extra).
+# and the tokenizer libraries (fastokens is an optional extra). Not transformers: see chat/hf_jinja.py.
 RUN_MODULES = ("sft_tokenize.flows.tokenize_dataset", "sft_tokenize.server.embedded_server",
                "sft_tokenize.flows.interrupts", "sft_tokenize.build.workers", "sft_tokenize.build.shard",
                "sft_tokenize.build.shard_writer", "sft_tokenize.build.publish", "prefect.flow_engine",
-               "prefect.task_engine", "fastapi.encoders", "transformers", "transformers.utils.chat_template_utils",
-               "tokenizers", "fastokens")
+               "prefect.task_engine", "fastapi.encoders", "tokenizers", "fastokens")
 
 
 def import_run_modules() -> None:

@@ -11,6 +11,7 @@ from support.families import FAMILIES, MODERN_FAMILIES
 from transformers.utils.chat_template_utils import _compile_jinja_template, render_jinja_template
 
 from sft_tokenize.chat import environment as sandbox
+from sft_tokenize.chat import hf_jinja
 from sft_tokenize.encoding.chat_encoder import ChatEncoder
 from sft_tokenize.encoding.tokenizer import load_tokenizer
 from sft_tokenize.sources.conversations import Conversation, to_example
@@ -25,10 +26,12 @@ def outcome(render):
 
 
 def compiled(source: str) -> dict:
-    """transformers' compiled template and the two fast ones, by name."""
-    stock = _compile_jinja_template(source)
-    return {"transformers": stock, "fast": sandbox.compile_template(stock.environment, source),
-            "fast_for_twins": sandbox.compile_template(stock.environment, source, for_twins=True)}
+    """transformers' compiled template, the same compiled from its source (chat/hf_jinja.py) and the two fast ones
+    in the environment the encoder uses, by name."""
+    stock, environment = _compile_jinja_template(source), hf_jinja.new_environment()
+    return {"transformers": stock, "from_source": hf_jinja.compile_template(source),
+            "fast": sandbox.compile_template(environment, source),
+            "fast_for_twins": sandbox.compile_template(environment, source, for_twins=True)}
 
 
 TREE = [{"name": "a", "children": [{"name": "b", "children": []}, {"name": "c"}]}, {"name": "d"}]
@@ -65,6 +68,10 @@ SNIPPETS = {
     "unsafe_chain": ("{{ s.__class__.__mro__ }}", {}),
     "string_test": ("{{ s is string }}{{ n is string }}{{ nothing is string }}{{ xs is string }}{{ m.role is string }}"
                     "{{ xs|select('string')|list }}", {}),
+    "transformers_filters_and_globals": ("{{ m|tojson }}|{{ {'é': s}|tojson(indent=1, sort_keys=true) }}|"
+                                         "{{ dict(a=1, b=xs) }}|{{ dict.fromkeys(xs) }}|{{ strftime_now('%Y')|length }}"
+                                         "{% generation %}{{ s }}{% endgeneration %}", {}),
+    "raise_exception": ("{{ raise_exception('no ' ~ s) }}", {}),
 }
 CONTEXT = {"m": {"role": "user", "content": "hi"}, "k": {"items": "x", "get": "y", "role": "r"}, "xs": [1, 2, 3],
            "s": "a,b,a ", "n": 12}
@@ -75,8 +82,7 @@ def test_each_shortcut_renders_what_the_sandbox_renders(snippet):
     source, extra = SNIPPETS[snippet]
     renders = {name: outcome(lambda t=template: t.render(**CONTEXT, it=iter([5, 6, 7]), **extra))
                for name, template in compiled(source).items()}
-    assert renders["fast"] == renders["transformers"], snippet
-    assert renders["fast_for_twins"] == renders["transformers"], snippet
+    assert renders["from_source"] == renders["fast"] == renders["fast_for_twins"] == renders["transformers"], snippet
 
 
 def test_the_namespace_and_loop_shortcuts_are_taken():
