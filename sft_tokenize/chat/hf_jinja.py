@@ -67,10 +67,11 @@ def _from_source() -> dict[str, Callable[..., Any]]:
     defined = {node.name for node in kept if isinstance(node, ast.FunctionDef)}
     if defined != {COMPILE, RENDER_GENERATION}:
         raise LookupError(f"{path} defines {sorted(defined)}")
-    source = ast.unparse(ast.Module(kept, type_ignores=[]))
+    module = ast.Module(kept, type_ignores=[])
     namespace: dict[str, Any] = {"__name__": "transformers.utils.chat_template_utils", **STANDING_IN}
-    exec(compile(source, str(path), "exec"), namespace)  # noqa: S102 - transformers' own code, installed
-    missing = _globals_read(source) - namespace.keys() - set(dir(builtins))
+    # Compiled from the tree, so that a traceback names the installed file's own lines.
+    exec(compile(module, str(path), "exec"), namespace)  # noqa: S102 - transformers' own code, installed
+    missing = _globals_read(ast.unparse(module)) - namespace.keys() - set(dir(builtins))
     if missing:
         raise NameError(f"{path}: the chat template functions read {sorted(missing)}")
     return {name: namespace[name] for name in defined}
@@ -88,7 +89,7 @@ def _kept(node: ast.stmt) -> bool:
 def _globals_read(source: str) -> set[str]:
     """Every global name a function of `source` (or a function or class inside one) reads."""
     names: set[str] = set()
-    tables = [t for t in symtable.symtable(source, "<transformers>", "exec").get_children()]
+    tables = list(symtable.symtable(source, "<transformers>", "exec").get_children())
     while tables:
         table = tables.pop()
         names |= {s.get_name() for s in table.get_symbols() if s.is_global() and s.is_referenced()}
