@@ -7,7 +7,6 @@ from __future__ import annotations
 import ast
 import functools
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -220,26 +219,19 @@ def test_the_modules_a_run_imports_ahead_are_real_modules():
     assert set(installed) <= loaded_after_importing(installed)
 
 
-def test_a_run_loads_neither_datasets_nor_pandas_and_once_its_tokenizer_is_prepared_no_transformers(tmp_path):
+def test_a_run_that_writes_and_publishes_shards_loads_neither_datasets_nor_pandas(tmp_path):
     """The shards and dataset_info.json are written with pyarrow alone: datasets and the pandas it imports cost a
-    first run ~1 s of CPU (tests/unit/test_shard_schema.py checks that the bytes are datasets'). The chat template
-    compiles with transformers' functions run from its source (chat/hf_jinja.py), so a run whose tokenizer was
-    prepared by an earlier one does not pay transformers' ~0.35 s import either."""
+    first run ~1 s of CPU (tests/unit/test_shard_schema.py checks that the bytes are datasets')."""
     from support.paths import EXAMPLE_DATA, EXAMPLE_TOKENIZER
 
-    def run(cache: str) -> list[str]:
-        code = ("import json, sys\nfrom sft_tokenize.build.options import TokenizeOptions\n"
-                "from sft_tokenize.build.protocol import run_locally\n"
-                f"run_locally(TokenizeOptions(sources=[{str(EXAMPLE_DATA)!r}], tokenizer={str(EXAMPLE_TOKENIZER)!r}, "
-                f"cache_dir={str(tmp_path / cache)!r}))\n"
-                "print(json.dumps(sorted(m for m in ('datasets', 'pandas', 'transformers') if m in sys.modules)))")
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                             env={**os.environ, "SFT_TOKENIZE_HOME": str(tmp_path / "home")}).stdout
-        assert any(path.name.startswith("data-") for path in (tmp_path / cache).iterdir())
-        return json.loads(out.strip().splitlines()[-1])
-
-    assert run("first") == ["transformers"]  # it prepares the tokenizer with AutoTokenizer
-    assert run("second") == []
+    code = ("import json, sys\nfrom sft_tokenize.build.options import TokenizeOptions\n"
+            "from sft_tokenize.build.protocol import run_locally\n"
+            f"run_locally(TokenizeOptions(sources=[{str(EXAMPLE_DATA)!r}], tokenizer={str(EXAMPLE_TOKENIZER)!r}, "
+            f"cache_dir={str(tmp_path)!r}))\n"
+            "print(json.dumps(sorted(m for m in ('datasets', 'pandas') if m in sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert json.loads(out.strip().splitlines()[-1]) == []
+    assert any(path.name.startswith("data-") for path in tmp_path.iterdir())
 
 
 def test_a_runs_length_report_and_a_trainers_batches_load_no_pandas(example_cache):

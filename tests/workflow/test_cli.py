@@ -172,7 +172,7 @@ def probed_run(tmp_path: Path, home: Path, *extra: str) -> tuple[subprocess.Comp
     return result, json.loads(result.stderr.strip().splitlines()[-1])
 
 
-def test_a_run_loads_no_torch_a_later_one_no_tokenizer_classes_and_a_cache_hit_no_prefect(tmp_path, prefect_home):
+def test_a_run_loads_no_torch_a_later_one_no_transformers_and_a_cache_hit_no_prefect(tmp_path, prefect_home):
     first, loaded = probed_run(tmp_path, prefect_home)
     assert "torch" not in loaded and "transformers.models.auto.tokenization_auto" in loaded, loaded
     prepared = list((tmp_path / "sft-home" / "tokenizers").iterdir())
@@ -182,7 +182,7 @@ def test_a_run_loads_no_torch_a_later_one_no_tokenizer_classes_and_a_cache_hit_n
 
     rebuilt, loaded = probed_run(tmp_path, prefect_home, "--force")  # tokenized again, from the prepared entry
     assert rebuilt.stdout == first.stdout and "tokenizing" in rebuilt.stderr
-    assert loaded == ["prefect", "transformers"], loaded  # the chat template's environment; no tokenizer classes
+    assert loaded == ["prefect"], loaded  # no transformers: chat/hf_jinja.py
     assert load_from_disk(str(cache))["input_ids"] == ids
 
     hit, loaded = probed_run(tmp_path, prefect_home)
