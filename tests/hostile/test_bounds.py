@@ -22,15 +22,17 @@ def cache(tmp_path_factory) -> str:
 
 
 @pytest.mark.parametrize("args", [["pack", "{cache}", "--length", "1000000000000"],
-                                  ["inspect", "{cache}", "--lengths", "--at", "1000000000000"]])
-def test_a_length_of_a_trillion_tokens_is_refused_in_one_line(cache, args, capsys):
+                                  ["inspect", "{cache}", "--lengths", "--at", "1000000000000"],
+                                  ["export", "{cache}", "{out}", "--to", "megatron", "--pack-length", "1000000000000"]])
+def test_a_length_of_a_trillion_tokens_is_refused_in_one_line(cache, args, tmp_path, capsys):
     grown_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    code = main([a.format(cache=cache) for a in args])
+    code = main([a.format(cache=cache, out=tmp_path / "out") for a in args])
     err = capsys.readouterr().err
     assert code == 2, err
     assert "1,000,000,000,000 tokens is past the longest sequence this tool packs or costs (4,194,304)" in err, err
-    assert "Traceback" not in err and err.strip().splitlines()[-1].count("\n") == 0
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - grown_before < 200_000  # KiB: nothing was built
+    assert not (tmp_path / "out").exists()  # nothing was exported
 
 
 def test_the_python_api_bounds_the_same_lengths(cache):
