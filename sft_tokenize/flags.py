@@ -110,6 +110,20 @@ def sequence_length(text: str) -> int:
     return value
 
 
+# The most data-parallel ranks packing arranges bins for (1,048,576): past any cluster, and a bound on what packing
+# allocates per rank (read/bin_packing.py gives every rank as many bins as the others, empty ones where rows run out).
+MAX_DATA_PARALLEL = 2**20
+
+
+def data_parallel_ranks(text: str) -> int:
+    """A number of data-parallel ranks from the command line: a whole number from 1 to MAX_DATA_PARALLEL."""
+    value = positive_int(text)
+    if value > MAX_DATA_PARALLEL:
+        raise argparse.ArgumentTypeError(f"{value:,} data-parallel ranks is past the most this tool packs for "
+                                         f"({MAX_DATA_PARALLEL:,}); ask for the ranks that train on the cache")
+    return value
+
+
 def _seconds(text: str, zero: bool) -> float:
     try:
         value = float(text)

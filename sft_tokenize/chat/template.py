@@ -178,7 +178,8 @@ class ChatTemplate:
             return None
         return (f"the chat template used with {name} starts an assistant turn in history with {header!r}, its "
                 f"generation prompt with {prompt!r}: {extra!r} is trained at the start of every assistant turn, as "
-                "the model's own output")
+                "the model's own output; if the model should not learn to write it, pass --chat-template a template "
+                "whose generation prompt ends as its turns in history start")
 
     def warn_header_difference(self, name: str) -> None:
         """Log `header_difference` as a warning, if there is one (a run's encoder says it once)."""

@@ -189,7 +189,7 @@ class ExportCommand(BaseModel):
     out: Annotated[str, Flag(FLAGS, metavar="OUT", positional=True)] = Field(
         description="the export's directory (new, empty, or an earlier export, replaced whole) or an fsspec URL "
                     "(new: objects are never written over)")
-    pack_length: Annotated[list[int], Flag(FLAGS, metavar="N", parse=positive_int, repeat=True)] = Field(
+    pack_length: Annotated[list[int], Flag(FLAGS, metavar="N", parse=sequence_length, repeat=True)] = Field(
         default_factory=list, description="megatron: also write the cache's packing index for N tokens as "
                                           "Megatron-Bridge's packed SFT file (training_N.npy, N_metadata.jsonl)")
     pad_to_multiple_of: Annotated[int, Flag(FLAGS, metavar="M", parse=positive_int)] = Field(

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from sft_tokenize.errors import BadInput, CacheError
 from sft_tokenize.files import built_directory, locked, write_problem
-from sft_tokenize.flags import MAX_SEQUENCE_TOKENS, Flag, positive_int, sequence_length
+from sft_tokenize.flags import MAX_DATA_PARALLEL, MAX_SEQUENCE_TOKENS, Flag, data_parallel_ranks, sequence_length
 from sft_tokenize.format.layout import (
     BUILDING_SUFFIX,
     INDEX_BUILD,
@@ -57,9 +57,9 @@ class PackOptions(BaseModel):
 
     length: Annotated[int, Flag(PACK, metavar="N", parse=sequence_length)] = Field(
         gt=0, le=MAX_SEQUENCE_TOKENS, description="tokens per packed sequence: no bin holds more")
-    data_parallel: Annotated[int, Flag(PACK, metavar="R", parse=positive_int)] = Field(
-        1, ge=1, description="data-parallel ranks: every rank gets the same number of bins, and the bins of one "
-                             "step hold nearly the same number of tokens")
+    data_parallel: Annotated[int, Flag(PACK, metavar="R", parse=data_parallel_ranks)] = Field(
+        1, ge=1, le=MAX_DATA_PARALLEL, description="data-parallel ranks: every rank gets the same number of bins, "
+                                                   "and the bins of one step hold nearly the same number of tokens")
     algorithm: Annotated[Algorithm, Flag(PACK)] = Field(
         "bfd", description="bfd: best-fit decreasing; ffd: first-fit decreasing")
     index_dir: Annotated[str | None, Flag(PACK, metavar="DIR")] = Field(

@@ -1,7 +1,8 @@
 """Endpoints that stop answering or refuse, met where a cache root is not involved: a run reading its sources
 from a bucket, a published version read back (pull, inspect), and gc. A real S3 API (moto's server,
 support/s3.py) behind a TCP proxy (support/proxy.py) that goes silent or refuses; --request-timeout bounds each
-request, and the run or command ends in one line naming the URL and its endpoint."""
+request, and the run or command ends in one line naming the URL and its endpoint. A request answered late once is
+tried again, and the command succeeds."""
 
 from __future__ import annotations
 
@@ -113,3 +114,20 @@ def test_a_source_on_a_quiet_or_refusing_http_server_is_named_in_one_line_before
         seconds = time.monotonic() - started
     assert str(raised.value) == f"{url}: {REASONS[fault]}; check that the endpoint is up and reachable from here"
     assert seconds < 30  # aiohttp's own default waits 5 minutes for an answer
+
+
+@pytest.mark.parametrize("command", ["pull", "inspect"])
+def test_a_request_answered_late_once_is_tried_again_and_the_command_succeeds(s3, version, tmp_path, monkeypatch,
+                                                                             capsys, command):
+    monkeypatch.setenv("SFT_TOKENIZE_HOME", str(tmp_path / "home"))
+    args = {"pull": ["pull", version, str(tmp_path / "copy")], "inspect": ["inspect", version]}[command]
+    with tcp_proxy(s3.endpoint) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        proxy.delay(30.0)  # the first request is answered 30 s late; the one tried again at once
+        started = time.monotonic()
+        code = main([*args, "--request-timeout", "2"])
+        seconds = time.monotonic() - started
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert not proxy.delays and seconds < 30  # the late request was given up after 2 s, not waited for
+    assert command != "pull" or (tmp_path / "copy" / version.rsplit("/", 1)[-1] / "manifest.json").exists()

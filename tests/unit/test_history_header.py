@@ -39,6 +39,9 @@ def test_a_generation_prompt_without_the_role_separator_is_warned_about_once(tmp
     assert "\n" not in line
     assert str(EXAMPLE_TOKENIZER) in line  # the template's tokenizer, named
     assert "'<|im_start|>assistant\\n'" in line and "'<|im_start|>assistant'" in line and "'\\n' is trained" in line
+    # and what to do about it, if the model should not learn to write that text
+    assert line.endswith("pass --chat-template a template whose generation prompt ends as its turns in history "
+                         "start"), line
 
 
 def test_a_generation_prompt_that_heads_turns_as_history_does_is_not_warned_about(tmp_path, caplog):
