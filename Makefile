@@ -50,6 +50,7 @@ test: $(BIN)/python
 	$(BIN)/pip install -q --no-deps --upgrade --target .cache/consumers/megatron-bridge '$(MEGATRON_BRIDGE)'
 	$(BIN)/ruff check .
 	$(MAKE) docs
+	$(BIN)/python -m compileall -q sft_tokenize  # hundreds of test subprocesses import it, PYTHONDONTWRITEBYTECODE or not
 	$(BIN)/python -m pytest -n 3 --dist loadgroup --no-loadscope-reorder --junitxml=.cache/pytest-junit.xml
 
 # The data plane's lane, for a change in progress: no Prefect server or harness, no cluster, no CLI subprocess, no
