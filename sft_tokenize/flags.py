@@ -103,11 +103,8 @@ MAX_SEQUENCE_TOKENS = 2**22
 
 def sequence_length(text: str) -> int:
     """A length in tokens from the command line: a whole number from 1 to MAX_SEQUENCE_TOKENS."""
-    value = positive_int(text)
-    if value > MAX_SEQUENCE_TOKENS:
-        raise argparse.ArgumentTypeError(f"{value:,} tokens is past the longest sequence this tool packs or costs "
-                                         f"({MAX_SEQUENCE_TOKENS:,}); ask for a model's context length")
-    return value
+    return _at_most(text, MAX_SEQUENCE_TOKENS, "tokens is past the longest sequence this tool packs or costs",
+                    "ask for a model's context length")
 
 
 # The most data-parallel ranks packing arranges bins for (1,048,576): past any cluster, and a bound on what packing
@@ -117,10 +114,15 @@ MAX_DATA_PARALLEL = 2**20
 
 def data_parallel_ranks(text: str) -> int:
     """A number of data-parallel ranks from the command line: a whole number from 1 to MAX_DATA_PARALLEL."""
+    return _at_most(text, MAX_DATA_PARALLEL, "data-parallel ranks is past the most this tool packs for",
+                    "ask for the ranks that train on the cache")
+
+
+def _at_most(text: str, most: int, past: str, instead: str) -> int:
+    """A whole number from 1 to `most`, or an error saying the number is `past` the bound and what to ask `instead`."""
     value = positive_int(text)
-    if value > MAX_DATA_PARALLEL:
-        raise argparse.ArgumentTypeError(f"{value:,} data-parallel ranks is past the most this tool packs for "
-                                         f"({MAX_DATA_PARALLEL:,}); ask for the ranks that train on the cache")
+    if value > most:
+        raise argparse.ArgumentTypeError(f"{value:,} {past} ({most:,}); {instead}")
     return value
 
 
