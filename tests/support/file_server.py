@@ -3,6 +3,7 @@ requests it gets: a stand-in for the Hugging Face hub (`HF_ENDPOINT`) or any oth
 
 from __future__ import annotations
 
+import ssl
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -31,7 +32,8 @@ class FileServer:
 
 
 @contextmanager
-def file_server(files: dict[str, bytes]) -> Iterator[FileServer]:
+def file_server(files: dict[str, bytes], tls: ssl.SSLContext | None = None) -> Iterator[FileServer]:
+    """Serve `files` on 127.0.0.1, over HTTPS with `tls` (a server context) if given."""
     served: FileServer
 
     class Handler(BaseHTTPRequestHandler):
@@ -47,6 +49,8 @@ def file_server(files: dict[str, bytes]) -> Iterator[FileServer]:
             pass
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    served = FileServer(f"http://127.0.0.1:{server.server_address[1]}", files)
+    if tls is not None:
+        server.socket = tls.wrap_socket(server.socket, server_side=True)
+    served = FileServer(f"{'https' if tls else 'http'}://127.0.0.1:{server.server_address[1]}", files)
     with serving(server):
         yield served
