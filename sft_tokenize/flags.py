@@ -86,14 +86,18 @@ def role_column(spec: str) -> tuple[str, str]:
     return role, name
 
 
-def positive_int(text: str) -> int:
+def whole_number(text: str, least: int = 0) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be at least {least}, got {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return whole_number(text, 1)
 
 
 # The longest sequence a packing length or a cost report's length may ask for (4,194,304 tokens): past any model's
@@ -103,8 +107,8 @@ MAX_SEQUENCE_TOKENS = 2**22
 
 def sequence_length(text: str) -> int:
     """A length in tokens from the command line: a whole number from 1 to MAX_SEQUENCE_TOKENS."""
-    return _at_most(text, MAX_SEQUENCE_TOKENS, "tokens is past the longest sequence this tool packs or costs",
-                    "ask for a model's context length")
+    return _at_most(positive_int(text), MAX_SEQUENCE_TOKENS,
+                    "tokens is past the longest sequence this tool packs or costs", "ask for a model's context length")
 
 
 # The most data-parallel ranks packing arranges bins for (1,048,576): past any cluster, and a bound on what packing
@@ -114,13 +118,22 @@ MAX_DATA_PARALLEL = 2**20
 
 def data_parallel_ranks(text: str) -> int:
     """A number of data-parallel ranks from the command line: a whole number from 1 to MAX_DATA_PARALLEL."""
-    return _at_most(text, MAX_DATA_PARALLEL, "data-parallel ranks is past the most this tool packs for",
+    return _at_most(positive_int(text), MAX_DATA_PARALLEL, "data-parallel ranks is past the most this tool packs for",
                     "ask for the ranks that train on the cache")
 
 
-def _at_most(text: str, most: int, past: str, instead: str) -> int:
-    """A whole number from 1 to `most`, or an error saying the number is `past` the bound and what to ask `instead`."""
-    value = positive_int(text)
+# The most encode processes a run starts (--encode-processes): its pool forks them all at once.
+MAX_ENCODE_PROCESSES = 256
+
+
+def process_count(text: str) -> int:
+    """A number of encode processes from the command line: a whole number from 0 to MAX_ENCODE_PROCESSES."""
+    return _at_most(whole_number(text), MAX_ENCODE_PROCESSES, "encode processes is past the most a run starts",
+                    "the default is one per core")
+
+
+def _at_most(value: int, most: int, past: str, instead: str) -> int:
+    """`value`, or an error saying it is `past` the bound `most` and what to ask `instead`."""
     if value > most:
         raise argparse.ArgumentTypeError(f"{value:,} {past} ({most:,}); {instead}")
     return value

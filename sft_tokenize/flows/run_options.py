@@ -10,7 +10,7 @@ from pydantic import Field, ValidationInfo, field_validator
 
 from sft_tokenize.build.options import SLICES, VERSIONS, TokenizeOptions
 from sft_tokenize.encoding.pool import POOL_MIN_BYTES, available_cores
-from sft_tokenize.flags import Flag, positive_int
+from sft_tokenize.flags import MAX_ENCODE_PROCESSES, Flag, positive_int, process_count
 from sft_tokenize.read.packing_index import PackOptions
 from sft_tokenize.tasks import GROUP_ABOVE, GROUP_SIZE, RETRIES
 
@@ -34,11 +34,12 @@ class TokenizeRun(TokenizeOptions):
     workers: Annotated[int | None, Flag(SLICES, metavar="N", parse=positive_int)] = Field(
         None, ge=1, description="slices tokenized at once (default: the number of cores); on a cluster at an address "
                                 "the cluster decides, and at least this many slices are cut")
-    encode_processes: Annotated[int | None, Flag(SLICES, metavar="N", parse=int)] = Field(
-        None, ge=0, description="runner threads: processes that render, mask and encode the slices' batches "
-                                f"(default: one per core when the slices to tokenize hold {POOL_MIN_BYTES // 10**6} MB "
-                                "or more or a resident process has a pool ready for the job, else 0: the slices' "
-                                "threads encode)")
+    encode_processes: Annotated[int | None, Flag(SLICES, metavar="N", parse=process_count)] = Field(
+        None, ge=0, le=MAX_ENCODE_PROCESSES,
+        description="runner threads: processes that render, mask and encode the slices' batches (default: one per "
+                    f"core when the slices to tokenize hold {POOL_MIN_BYTES // 10**6} MB or more or a resident process "
+                    "has a pool ready for the job, else 0: the slices' threads encode; at most "
+                    f"{MAX_ENCODE_PROCESSES})")
     slices_per_task: Annotated[int | None, Flag(SLICES, metavar="N", parse=positive_int)] = Field(
         None, ge=1, description="slices one Prefect task tokenizes, each into its own shard, on average (groups cut "
                                 f"by content; 1: a task per slice); default: 1 up to {GROUP_ABOVE} slices, then up "

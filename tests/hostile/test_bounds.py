@@ -1,6 +1,6 @@
 """User-given sizes past what makes sense are refused in one line before anything is allocated: a packing length
 or a cost report's length of a trillion tokens grew to 22 GB, or ended in an OverflowError traceback; a trillion
-data-parallel ranks ended in a MemoryError traceback."""
+data-parallel ranks ended in a MemoryError traceback; a hundred thousand encode processes were asked of the pool."""
 
 from __future__ import annotations
 
@@ -57,3 +57,17 @@ def test_data_parallel_ranks_past_any_cluster_are_refused_in_one_line(cache, cap
     with pytest.raises(ValueError, match="less than or equal to 1048576"):
         PackOptions(length=4096, data_parallel=10**12)
     assert PackOptions(length=4096, data_parallel=2**20).data_parallel == 2**20  # the bound itself is allowed
+
+
+def test_encode_processes_past_the_bound_are_refused_before_any_is_started(tmp_path, capsys):
+    """The encode pool forks every process it is asked for at once: a slip of the keyboard would fork thousands."""
+    code = main(["run", EXAMPLE_SLICES["sources"][0], "--tokenizer", EXAMPLE_SLICES["tokenizer"],
+                 "--cache-dir", str(tmp_path), "--encode-processes", "100000"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "--encode-processes: 100,000 encode processes is past the most a run starts (256)" in err, err
+    assert len(err.strip().splitlines()) == 1 and not any(tmp_path.iterdir()), err
+    from sft_tokenize import tokenize
+
+    with pytest.raises(Exception, match="encode-processes: .*less than or equal to 256"):
+        tokenize(**EXAMPLE_SLICES, cache_dir=str(tmp_path), encode_processes=100_000)
