@@ -126,8 +126,8 @@ def data_parallel_ranks(text: str) -> int:
 MAX_ENCODE_PROCESSES = 256
 
 
-def process_count(text: str) -> int:
-    """A number of encode processes from the command line: a whole number from 0 to MAX_ENCODE_PROCESSES."""
+def encode_pool_size(text: str) -> int:
+    """--encode-processes from the command line: a whole number from 0 to MAX_ENCODE_PROCESSES."""
     return _at_most(whole_number(text), MAX_ENCODE_PROCESSES, "encode processes is past the most a run starts",
                     "the default is one per core")
 

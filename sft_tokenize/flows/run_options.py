@@ -10,7 +10,7 @@ from pydantic import Field, ValidationInfo, field_validator
 
 from sft_tokenize.build.options import SLICES, VERSIONS, TokenizeOptions
 from sft_tokenize.encoding.pool import POOL_MIN_BYTES, available_cores
-from sft_tokenize.flags import MAX_ENCODE_PROCESSES, Flag, positive_int, process_count
+from sft_tokenize.flags import MAX_ENCODE_PROCESSES, Flag, encode_pool_size, positive_int
 from sft_tokenize.read.packing_index import PackOptions
 from sft_tokenize.tasks import GROUP_ABOVE, GROUP_SIZE, RETRIES
 
@@ -34,7 +34,7 @@ class TokenizeRun(TokenizeOptions):
     workers: Annotated[int | None, Flag(SLICES, metavar="N", parse=positive_int)] = Field(
         None, ge=1, description="slices tokenized at once (default: the number of cores); on a cluster at an address "
                                 "the cluster decides, and at least this many slices are cut")
-    encode_processes: Annotated[int | None, Flag(SLICES, metavar="N", parse=process_count)] = Field(
+    encode_processes: Annotated[int | None, Flag(SLICES, metavar="N", parse=encode_pool_size)] = Field(
         None, ge=0, le=MAX_ENCODE_PROCESSES,
         description="runner threads: processes that render, mask and encode the slices' batches (default: one per "
                     f"core when the slices to tokenize hold {POOL_MIN_BYTES // 10**6} MB or more or a resident process "
