@@ -69,8 +69,8 @@ class ChatTemplate:
     def __init__(self, source: str, tokenizer, template_kwargs: Mapping[str, Any] | None = None):
         self.source = source
         self.kwargs = {**tokenizer.special_tokens_map, **(template_kwargs or {})}
+        environment = hf_jinja.new_environment()
         try:
-            environment = hf_jinja.new_environment()
             self.compiled = compile_template(environment, source)
             # A template that writes characters of the markers' range would diverge on every row: skip Twins.
             self.compiled_for_twins = None if holds_marks(source) else compile_template(environment, source, True)
