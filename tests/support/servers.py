@@ -82,16 +82,20 @@ def start_server(home: Path, port: int, **env: str) -> subprocess.Popen | None:
 def prefect_server(home: Path, **env: str) -> Iterator[str]:
     """A Prefect server with its database in `home`, running while the block runs; yields its API URL."""
     home.mkdir(parents=True, exist_ok=True)
+    process, url = _started_server(home, **env)
+    try:
+        yield url
+    finally:
+        stop(process)
+
+
+def _started_server(home: Path, **env: str) -> tuple[subprocess.Popen, str]:
+    """start_server on a free port, tried again on another if it did not come up; the process and its API URL."""
     for _ in range(3):  # another process may bind the free port first
         port = free_port()
         if process := start_server(home, port, **env):
-            break
-    else:
-        pytest.fail(f"the Prefect server did not start:\n{(home / 'server.log').read_text()[-3000:]}")
-    try:
-        yield f"http://127.0.0.1:{port}/api"
-    finally:
-        stop(process)
+            return process, f"http://127.0.0.1:{port}/api"
+    pytest.fail(f"the Prefect server did not start:\n{(home / 'server.log').read_text()[-3000:]}")
 
 
 SHARED_SERVER = "prefect-server.json"  # in the run's shared directory: the one server the whole run's workers use
@@ -108,13 +112,8 @@ def shared_prefect_server(shared: Path, template: Path) -> Iterator[str]:
         if found is None or not running(found["pid"]):
             home = shared / f"prefect-server-{uuid.uuid4().hex[:8]}"
             shutil.copytree(template, home)
-            for _ in range(3):  # another process may bind the free port first
-                port = free_port()
-                if process := start_server(home, port):
-                    break
-            else:
-                pytest.fail(f"the Prefect server did not start:\n{(home / 'server.log').read_text()[-3000:]}")
-            found = {"pid": process.pid, "url": f"http://127.0.0.1:{port}/api"}
+            process, url = _started_server(home)
+            found = {"pid": process.pid, "url": url}
             record.write_text(json.dumps(found))
     yield found["url"]
 
