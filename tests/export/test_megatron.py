@@ -3,6 +3,7 @@ its GPTSFTPackedDataset reads it: the cache's ids and masks, every row once."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -16,8 +17,25 @@ from sft_tokenize.errors import BadInput
 from sft_tokenize.export import EXPORT_RECORD, export_cache
 from sft_tokenize.read.cache import open_cache
 
-indexed_dataset = pytest.importorskip("megatron.core.datasets.indexed_dataset",
-                                      reason="megatron-core is in the export extra")
+
+def installed(distribution: str) -> bool:
+    """Asked of the distribution's metadata, not by importing it: megatron-core imports torch, seconds of every
+    pytest-xdist worker that collects this module, most of which run none of its tests."""
+    try:
+        return bool(importlib.metadata.distribution(distribution))
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+pytestmark = pytest.mark.skipif(not installed("megatron-core"), reason="megatron-core is in the export extra")
+
+
+@pytest.fixture(scope="module")
+def indexed_dataset():
+    """Megatron-Core's reader of .bin/.idx pairs."""
+    from megatron.core.datasets import indexed_dataset
+
+    return indexed_dataset
 
 
 @pytest.fixture
@@ -26,7 +44,7 @@ def cache(example_cache, tmp_path) -> Path:
     return Path(shutil.copytree(example_cache.parent, tmp_path / "root", symlinks=True)) / example_cache.name
 
 
-def test_indexed_datasets_hold_each_rows_ids_and_mask(cache, tmp_path):
+def test_indexed_datasets_hold_each_rows_ids_and_mask(cache, tmp_path, indexed_dataset):
     record = export_cache(cache, "megatron", tmp_path / "out", batch_rows=7)  # batches end mid-file
     rows = open_cache(cache)
     tokens = indexed_dataset.IndexedDataset(str(tmp_path / "out" / "tokens"))
@@ -142,7 +160,7 @@ def test_the_packed_file_holds_what_megatron_bridges_own_packer_writes_for_the_s
     assert segments(theirs) == segments(ours)
 
 
-def test_a_mixture_is_exported_in_its_own_order(example_cache, tmp_path):
+def test_a_mixture_is_exported_in_its_own_order(example_cache, tmp_path, indexed_dataset):
     from support.paths import EXAMPLE_DATA, EXAMPLE_TOKENIZER
 
     from sft_tokenize.build.options import TokenizeOptions

@@ -22,10 +22,6 @@ from sft_tokenize.errors import CacheError
 from sft_tokenize.read.image_collator import ImageCollator
 from sft_tokenize.read.layouts import IGNORE_INDEX
 
-torch = pytest.importorskip("torch", reason="needs the trainers extra: pip install -e '.[trainers]'")
-pytest.importorskip("trl", reason="needs the trainers extra: pip install -e '.[trainers]'")
-
-
 ROWS = 20
 BATCH = 4
 WORDS = "the cat sat on a mat and looked at what was there Über naïve 12 34 ,".split()
@@ -154,6 +150,8 @@ def test_labels_are_ignored_exactly_where_nothing_is_trained(cache, layout):
 
 
 def test_reference_mode_reads_the_files_and_refuses_one_that_changed(cache, image_files, tmp_path):
+    import torch
+
     _, tokenizer, _, vision, chats, dataset, record = cache
     moved = {}  # copies the test may change
     for path in image_files.values():
@@ -207,6 +205,7 @@ def test_a_row_whose_grids_do_not_fit_its_tokens_is_refused(cache):
 
 def tiny_qwen2_5_vl(tokenizer, vision):
     """A random Qwen2.5-VL of 1 text layer and a 1-block vision tower, wired to this tokenizer's vision ids."""
+    import torch
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     heads, hidden = 4, 64
@@ -229,6 +228,8 @@ def tiny_qwen2_5_vl(tokenizer, vision):
 
 @pytest.mark.parametrize("vision_family", ["qwen2.5-vl"], indirect=True)
 def test_trl_sft_trainer_trains_a_qwen2_5_vl_through_the_collator(cache, tmp_path):
+    import torch
+
     _, tokenizer, processor, vision, _, dataset, record = cache
     from trl import SFTConfig, SFTTrainer
 
@@ -275,6 +276,7 @@ def published(dataset, directory: Path, images: dict | None) -> Path:
 
 
 def test_the_collator_reads_its_record_from_a_cache_path(cache, tmp_path):
+    import torch
     from datasets import load_from_disk
 
     _, tokenizer, _, _, _, dataset, record = cache

@@ -23,10 +23,6 @@ from sft_tokenize.read.cache import open_cache
 from sft_tokenize.read.layouts import IGNORE_INDEX
 from sft_tokenize.read.trainers import for_axolotl, for_trl, work_view
 
-torch = pytest.importorskip("torch", reason="needs the trainers extra: pip install -e '.[trainers]'")
-pytest.importorskip("trl", reason="needs the trainers extra: pip install -e '.[trainers]'")
-
-
 
 @pytest.fixture(scope="module")
 def caches(tmp_path_factory) -> dict[str, Path]:
@@ -98,6 +94,7 @@ TRL_MODES = {
 
 def train_trl(dataset, tokenizer, out: Path, **config) -> list[dict]:
     """Train a tiny random Llama for 2 steps with SFTTrainer; returns the batches the model received."""
+    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
     from trl import SFTConfig, SFTTrainer
 
@@ -380,6 +377,8 @@ def collate_in_worker(row: dict) -> dict:
 
 
 def test_rows_are_writable_tensors_without_a_warning(caches):
+    import torch
+
     cache = open_cache(caches["skyrl"])
     row = cache[5]
     with warnings.catch_warnings():
@@ -393,6 +392,7 @@ def test_rows_are_writable_tensors_without_a_warning(caches):
 def test_dataloader_with_two_spawn_workers_reads_every_row(caches):
     from multiprocessing.reduction import ForkingPickler
 
+    import torch
     from torch.utils.data import DataLoader
 
     cache = open_cache(caches["skyrl"])
