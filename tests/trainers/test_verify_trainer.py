@@ -20,7 +20,6 @@ from sft_tokenize.consumers.verify_trainer import verify_trainer
 from sft_tokenize.errors import BadInput
 from sft_tokenize.read.cache import open_cache
 
-pytest.importorskip("trl", reason="needs the trainers extra: pip install -e '.[trainers]'")
 EPOCH = 1000  # batches: more than an epoch of the example's 240 rows, so every row is drawn and checked
 
 

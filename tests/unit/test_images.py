@@ -16,9 +16,6 @@ import pytest
 from PIL import Image
 from support.images import encoded, sample_images
 from support.paths import EXAMPLE_TOKENIZER
-from transformers.image_utils import load_image
-from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil, smart_resize
 
 from sft_tokenize.encoding.vision import Gemma3, QwenVL, family_for, load_family, processor_settings
 from sft_tokenize.errors import BadInput, BadRow, CacheError
@@ -46,6 +43,8 @@ def images() -> dict[str, bytes]:
 @pytest.fixture(scope="module")
 def loaded(images) -> dict[str, Image.Image]:
     """Each image as transformers loads it: opened, EXIF orientation applied, RGB."""
+    from transformers.image_utils import load_image
+
     return {name: load_image(Image.open(io.BytesIO(data))) for name, data in images.items()}
 
 
@@ -70,7 +69,9 @@ def qwen_tokenizer():
 
 
 @pytest.fixture(scope="module")
-def qwen_processors() -> dict[str, Qwen2VLImageProcessorPil]:
+def qwen_processors() -> dict:
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
     return {name: Qwen2VLImageProcessorPil.from_dict(config) for name, config in QWEN_CONFIGS.items()}
 
 
@@ -103,6 +104,8 @@ def test_reading_a_header_decodes_no_pixels(images):
 
 @pytest.mark.parametrize("config", list(QWEN_CONFIGS))
 def test_qwen_grids_equal_the_image_processors(config, images, loaded, qwen_processors, qwen_tokenizer):
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
     family = load_family(QWEN_CONFIGS[config], qwen_tokenizer)
     processor = qwen_processors[config]
     for name, data in images.items():
@@ -135,6 +138,8 @@ def test_qwen_reads_its_configuration_as_the_processor_does(qwen_tokenizer, qwen
 
 
 def test_an_aspect_ratio_over_200_is_refused_as_the_processor_refuses_it(qwen_tokenizer, qwen_processors):
+    from transformers.image_utils import load_image
+
     data = encoded(Image.new("RGB", (2010, 10)), "PNG")
     with pytest.raises(ValueError, match="aspect ratio"):
         qwen_processors["qwen2-default"](images=[load_image(Image.open(io.BytesIO(data)))])
@@ -146,6 +151,7 @@ def test_an_aspect_ratio_over_200_is_refused_as_the_processor_refuses_it(qwen_to
 
 def test_gemma3_gives_its_fixed_count_as_its_processor(images, loaded, tokenizer):
     from transformers import Gemma3Processor
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
     family = load_family(GEMMA_CONFIG, tokenizer)
     assert isinstance(family, Gemma3) and family.image_marker == "<start_of_image>"
@@ -179,6 +185,8 @@ def test_an_unsupported_processor_or_tokenizer_is_named(qwen_tokenizer):
 # -- collate-time pixels -------------------------------------------------------------------------------------
 
 def test_collate_pixels_equal_the_processors(images, loaded, qwen_tokenizer, tokenizer, qwen_processors):
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
     names = ["exif6", "png-exif8-after-pixels", "rgba", "gray", "cmyk", "palette", "tiny"]
     family = load_family(QWEN_CONFIGS["qwen2.5-small"], qwen_tokenizer)
     grids = [family.grid(read_header(images[n])) for n in names]
