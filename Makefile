@@ -54,11 +54,11 @@ test: $(BIN)/python
 	$(BIN)/python -m pytest -n 3 --dist loadgroup --no-loadscope-reorder --junitxml=.cache/pytest-junit.xml
 
 # The data plane's lane, for a change in progress: no Prefect server or harness, no cluster, no CLI subprocess, no
-# trainers, nothing slow (about two minutes on 2 cores, two pytest workers). A test's lane comes from the fixtures it uses
-# (tests/support/lanes.py). `make test` still runs everything.
+# trainers, nothing slow (about 90 s on 2 cores; three pytest workers, as some of its tests wait on timeouts). A
+# test's lane comes from the fixtures it uses (tests/support/lanes.py). `make test` still runs everything.
 test-fast: $(BIN)/python
 	$(EDITABLE) '.[dev,fast]'
-	$(BIN)/python -m pytest --fast -n 2 --dist loadgroup
+	$(BIN)/python -m pytest --fast -n 3 --dist loadgroup
 
 lint: $(BIN)/python
 	$(BIN)/ruff check .
