@@ -60,11 +60,6 @@ def signal_of(interrupt: BaseException) -> signal.Signals:
 
 
 def _terminate_processes(runner: TaskRunner, grace: float = 3.0) -> None:
-    # A worker killed while it sends a log or an event to this process dies holding the message queue's lock:
-    # the queue's feeder thread here then never gets it, and the interpreter would wait for that thread at exit.
-    messages = getattr(runner, "_subprocess_message_queue", None)
-    if messages is not None:
-        messages.cancel_join_thread()
     executor = getattr(runner, "_executor", None)
     processes = list((getattr(executor, "_processes", None) or {}).values())
     for process in processes:

@@ -67,7 +67,19 @@ def started_task_runner(runner: str, workers: int, address: str | None = None) -
     else:
         pool = ray_runner(address, workers, tokenizer_threads)
     with workers_share_this_api(), pool:
-        yield pool
+        try:
+            yield pool
+        finally:
+            if runner == "processes":
+                forget_unsent_messages(pool)
+
+
+def forget_unsent_messages(pool: ProcessPoolTaskRunner) -> None:
+    """Let this process exit without flushing the workers' message queue. A worker killed (OOM killer, `kill
+    -9`) while it sends a log or an event to this process dies holding the queue's lock: the queue's feeder thread
+    here then never gets it, and the interpreter would wait for that thread at exit, forever."""
+    if (messages := getattr(pool, "_subprocess_message_queue", None)) is not None:
+        messages.cancel_join_thread()
 
 
 @contextmanager

@@ -4,6 +4,8 @@ own embedded server, which must die with it."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -18,7 +20,7 @@ from support.caches import (
     someone_waits_for,
     staged_shards,
 )
-from support.cli import assert_clean_error, cli, run_args
+from support.cli import assert_clean_error, cli, environment, run_args
 from support.data import example_rows, write_jsonl
 from support.paths import EXAMPLE_TOKENIZER
 
@@ -109,3 +111,37 @@ def test_a_killed_worker_process_fails_the_run_and_the_same_command_resumes(tmp_
     cache_path = Path(resumed.stdout.splitlines()[-1])
     assert contents(cache_path) == contents(many_rows_reference)
     assert set(kept.values()) <= set(published_inodes(cache_path).values())
+
+
+# A process-pool worker killed at the one moment it holds the lock of the queue that carries its logs and events
+# to the run (the moment is rare in the test above, where the kill lands anywhere; here it is made certain).
+KILLED_WHILE_SENDING_A_LOG = """
+import os, signal
+from prefect import flow, task
+from prefect.logging import handlers
+from sft_tokenize.flows.runners import started_task_runner
+
+@task
+def die_while_sending_a_log() -> None:
+    handlers._api_log_sink.args[0]._wlock.acquire()  # the worker's queue to the run, as its log sender takes it
+    os.kill(os.getpid(), signal.SIGKILL)
+
+@flow
+def one_worker_killed() -> None:
+    with started_task_runner("processes", 1) as runner:
+        future = runner.submit(die_while_sending_a_log, {})
+        try:
+            future.result()
+        except Exception as error:
+            print(type(error).__name__, flush=True)
+
+one_worker_killed()
+"""
+
+
+def test_a_worker_killed_holding_the_lock_of_its_messages_to_the_run_does_not_keep_the_run_from_ending(
+        tmp_path, api_url):
+    ended = subprocess.run([sys.executable, "-c", KILLED_WHILE_SENDING_A_LOG], capture_output=True, text=True,
+                           env=environment(tmp_path / "home", api_url), timeout=120)
+    assert ended.returncode == 0, ended.stderr
+    assert ended.stdout.split() == ["BrokenProcessPool"], ended.stderr
