@@ -23,6 +23,7 @@ from sft_tokenize.build.shard_check import finished_shard
 from sft_tokenize.build.workers import encoder_for
 from sft_tokenize.encoding.chat_encoder import EncodedBatch
 from sft_tokenize.errors import BadRow
+from sft_tokenize.sources.formats.table import FORMATS
 from sft_tokenize.sources.readers import Rows, read_slice, reader
 from sft_tokenize.sources.records import Slice, filesystem
 
@@ -71,9 +72,10 @@ def spread(count: int, picks: int) -> list[int]:
 
 
 def offsets(slice_: Slice, storage_options: dict | None, count: int = SAMPLE_OFFSETS) -> list[Slice]:
-    """The slice, and for a slice of JSON lines `count` slices starting at line starts spread over its bytes: a
-    file sorted by length (or skewed along it) is sampled along each slice, not only where each slice begins."""
-    parts = [p for p in slice_.parts if p.kind == "jsonl"]
+    """The slice, and for a slice of one byte range (JSON lines) `count` slices starting at line starts spread over
+    its bytes: a file sorted by length (or skewed along it) is sampled along each slice, not only where each slice
+    begins."""
+    parts = [p for p in slice_.parts if FORMATS[p.kind].byte_ranges]
     if len(parts) != len(slice_.parts) or len(parts) != 1 or count < 2:
         return [slice_]
     part = parts[0]

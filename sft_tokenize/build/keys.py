@@ -30,6 +30,7 @@ from typing import Any
 
 from sft_tokenize.files import REQUEST_TIMEOUT, atomic_write, file_digest
 from sft_tokenize.fingerprint import fingerprint
+from sft_tokenize.sources.formats.table import FORMATS
 from sft_tokenize.sources.records import Part, Slice, file_identity, filesystem, is_local
 
 KEY_DIGITS = 32
@@ -113,7 +114,7 @@ def part_identity(part: Part, storage_options: dict | None = None, digests: Dige
     fs, path = filesystem(part.url, storage_options, timeout)
     if not is_local(fs):
         return [part.kind, part.start, part.stop, *digests.remote(part.url, fs, path)]
-    if part.kind == "jsonl":
+    if FORMATS[part.kind].byte_ranges:
         return [part.kind, part.stop - part.start, digests.local(path, part.start, part.stop)]
     return [part.kind, part.start, part.stop, digests.local(path)]
 

@@ -46,7 +46,7 @@ def _change(part: Part, appended_ok: bool) -> str | None:
         return f"size {planned_size:,} bytes → deleted"
     if (st.st_size, st.st_mtime_ns) == (planned_size, planned_mtime):
         return None
-    if appended_ok and part.kind == "jsonl" and 0 <= part.stop <= st.st_size:
+    if appended_ok and FORMATS[part.kind].byte_ranges and 0 <= part.stop <= st.st_size:
         return None
     if st.st_size == planned_size:
         return f"size {planned_size:,} bytes, rewritten"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 
+from sft_tokenize.sources.formats.table import FORMATS
 from sft_tokenize.sources.readers import reader
 from sft_tokenize.sources.records import Part, Slice, SourceFile
 
@@ -57,8 +58,8 @@ def cut_slices(files: list[SourceFile], target: int, storage_options: dict | Non
             else:
                 parts.append(Part(source.url, source.kind, start, stop, source.identity))
             nbytes += weight
-            # JSONL pieces are slices already; packing them could shift every later boundary after one edit.
-            if nbytes >= target or source.kind == "jsonl":
+            # Byte-range pieces are slices already; packing them could shift every later boundary after one edit.
+            if nbytes >= target or FORMATS[source.kind].byte_ranges:
                 close()
         close()
     close()

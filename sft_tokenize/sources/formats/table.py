@@ -3,7 +3,8 @@
 A row names the format (as plans, content keys and manifests record it), the suffixes that select it, its
 reader (a `FormatReader`), whether it may be read through a compression suffix (`.gz`, …), and the unit a
 slice cuts it in, as reports name it. resolve.py finds a file's format by its suffix here, readers.py its
-reader, and the run's report the unit of each part it lists.
+reader, and the run's report the unit of each part it lists; slicing, content keys and the dry run ask whether
+its parts are byte ranges.
 """
 
 from __future__ import annotations
@@ -25,6 +26,12 @@ class Format:
     reader: type[FormatReader]
     compressible: bool  # read through a compression suffix; Parquet and Arrow compress inside the file
     unit: tuple[str, str] | None  # the unit a part counts in (one, many), as reports name it; None: whole files
+
+    @property
+    def byte_ranges(self) -> bool:
+        """Whether a part is a byte range (cut at line starts): any range reads alone, so a part is a slice's
+        worth already, its content is its bytes, and a file grown at its end keeps its earlier parts."""
+        return self.unit == ("byte", "bytes")
 
 
 FORMATS: dict[str, Format] = {row.kind: row for row in (
