@@ -143,25 +143,25 @@ def resident_key(environ: Mapping[str, str], paths: list[str]) -> str:
     return hashlib.sha256(json.dumps(described).encode()).hexdigest()[:32]
 
 
-def _address(environ: Mapping[str, str]) -> str | None:
+def resident_address(environ: Mapping[str, str]) -> str | None:
     # An abstract socket (Linux): no file to clean up after a killed resident. Anyone can bind a name there, so
     # each side checks the other's uid (SO_PEERCRED) before it sends anything.
     home = prefect_home(environ)
     return None if home is None else "\0" + socket_name(os.getuid(), home)
 
 
-def _peer(sock: socket.socket) -> tuple[int, int]:
+def peer_credentials(sock: socket.socket) -> tuple[int, int]:
     """The pid and uid of the process at the other end of `sock`, as the kernel recorded them."""
     pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
     return pid, uid
 
 
-def _send(sock: socket.socket, message: dict, fds: list[int] = ()) -> None:
+def send_message(sock: socket.socket, message: dict, fds: list[int] = ()) -> None:
     data = json.dumps(message).encode()
     socket.send_fds(sock, [struct.pack("!I", len(data)) + data], list(fds))
 
 
-def _receive(sock: socket.socket, fds: int = 0) -> tuple[dict, list[int]]:
+def receive_message(sock: socket.socket, fds: int = 0) -> tuple[dict, list[int]]:
     """One message (and up to `fds` descriptors sent with it); EOFError if the other side closed first."""
     head, received, _, _ = socket.recv_fds(sock, 4, fds)
     head += _exactly(sock, 4 - len(head)) if head else b""
@@ -201,9 +201,9 @@ def run_in_resident(argv: list[str]) -> int | None:
     sock, resident = connected
     try:
         started = process_start() if os.environ.get(TRACE_ENV) else 0.0
-        _send(sock, {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ), "umask": _umask(),
+        send_message(sock, {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ), "umask": _umask(),
                      "started": started}, [0, 1, 2])
-        _receive(sock)  # taken: from here on the command is the resident's
+        receive_message(sock)  # taken: from here on the command is the resident's
     except (OSError, EOFError, ValueError, KeyError):
         sock.close()
         return None
@@ -211,7 +211,7 @@ def run_in_resident(argv: list[str]) -> int | None:
         signal.signal(signum, lambda signum, frame: _pass_on(resident, signum))
     sock.settimeout(None)
     try:
-        return int(_receive(sock)[0]["exit"])
+        return int(receive_message(sock)[0]["exit"])
     except (OSError, EOFError, ValueError, KeyError):
         print("sft-tokenize: error: the resident process ended before the run did; run the same command again "
               f"(or without {RESIDENT_FLAG})", file=sys.stderr)
@@ -222,7 +222,7 @@ def _connect(key: str) -> tuple[socket.socket, int] | None:
     """A connection to this user's resident of this PREFECT_HOME, once it is ready, and its pid; None if there is
     none, it serves another environment (`key`), its name is another user's, or it is still importing and would
     not be ready before this process's own imports are done. Nothing is sent before the peer's uid is checked."""
-    address = _address(os.environ)
+    address = resident_address(os.environ)
     if address is None:
         return None
     deadline = None
@@ -242,11 +242,11 @@ def _connect(key: str) -> tuple[socket.socket, int] | None:
             sock.close()
             return None
     try:
-        pid, uid = _peer(sock)
+        pid, uid = peer_credentials(sock)
         if uid != os.getuid():  # a name bound by another user: it learns nothing, not even this command
             raise PermissionError(f"the resident socket is held by uid {uid}")
         sock.settimeout(READY_TIMEOUT)
-        if _receive(sock)[0].get("key") != key:  # another environment's (a new run's exit replaces it)
+        if receive_message(sock)[0].get("key") != key:  # another environment's (a new run's exit replaces it)
             raise LookupError
     except (OSError, EOFError, ValueError, LookupError):
         sock.close()
@@ -306,7 +306,7 @@ def start_resident(server: dict, encodings: list[tuple] = (), pools: list[tuple]
     this environment's is up already; an older one of another environment in this PREFECT_HOME is ended first.
     It ends with that server. It prepares the tokenizers of `encodings` (the arguments of
     workers.process_encoding) for the next run, and starts the encode pools of `pools` (workers.next_pools)."""
-    if _command_env is None or sys.platform != "linux" or (address := _address(_command_env)) is None:
+    if _command_env is None or sys.platform != "linux" or (address := resident_address(_command_env)) is None:
         return
     key = resident_key(_command_env, sys.path)
     # Bound here, so that no second resident of this home starts; it listens once its imports are done.
@@ -426,7 +426,7 @@ def serve(bound: int, server: dict, encodings: list[list], pools: list[list] = (
             taken.set()
             listener.close()  # one command: the address is free for the resident its exit starts
             try:
-                _send(conn, {"taken": True})
+                send_message(conn, {"taken": True})
             except OSError:  # the command left before it was taken: it runs in its own process
                 os._exit(0)
             _run_command(conn, *request)
@@ -465,12 +465,12 @@ def _take(conn: socket.socket, key: str) -> tuple[dict, list[int]] | None:
     """A command's request and descriptors, if the peer is this user and hands one over (a peer that closes
     first, or sends something else, hands none). The peer hears this resident's `key` first: a command of
     another environment closes."""
-    if _peer(conn)[1] != os.getuid():
+    if peer_credentials(conn)[1] != os.getuid():
         return None
     try:
         conn.settimeout(READY_TIMEOUT)
-        _send(conn, {"pid": os.getpid(), "key": key})
-        request, fds = _receive(conn, 3)
+        send_message(conn, {"pid": os.getpid(), "key": key})
+        request, fds = receive_message(conn, 3)
     except (OSError, EOFError, ValueError):
         return None
     if len(fds) != 3 or not {"argv", "cwd", "env", "umask", "started"} <= request.keys():
@@ -500,7 +500,7 @@ def _run_command(conn: socket.socket, request: dict, fds: list[int]) -> NoReturn
     def report(code: int) -> None:
         reported.set()  # the command exits on reading it: its connection closing is no longer news
         with contextlib.suppress(OSError):
-            _send(conn, {"exit": code})
+            send_message(conn, {"exit": code})
 
     def watch() -> None:  # the command was killed (SIGKILL: it passed nothing on): stop as SIGTERM stops a run
         with contextlib.suppress(OSError):
