@@ -22,7 +22,7 @@ started beside (`sft-tokenize server stop` ends both).
 
 This module is the `sft-tokenize` entry point (console_main): until it knows where the command runs it imports
 only the standard library and a few small modules of this package (where the variables it reads are declared,
-and resident_processes.py).
+resident_socket.py, where the two sides meet, and resident_processes.py).
 """
 
 from __future__ import annotations

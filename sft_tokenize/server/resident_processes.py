@@ -55,7 +55,7 @@ def _uid_of(pid: int | str) -> int:
 def resident_processes(home: str | os.PathLike, uid: int | None = None) -> list[dict]:
     """This user's (`uid`'s) resident processes beside the embedded server of PREFECT_HOME `home` (set in their
     environment, or the default ~/.prefect): each as {"pid", "ready" (listening), "bound" (holding the home's
-    socket name), "key" (what it serves: resident.resident_key)}."""
+    socket name), "key" (what it serves: resident_socket.resident_key)}."""
     uid = os.getuid() if uid is None else uid
     wanted = os.path.abspath(os.path.expanduser(os.fspath(home)))
     sockets = bound_sockets()
