@@ -105,7 +105,7 @@ def run_in_resident(argv: list[str]) -> int | None:
     try:
         started = process_start() if os.environ.get(TRACE_ENV) else 0.0
         send_message(sock, {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ), "umask": _umask(),
-                     "started": started}, [0, 1, 2])
+                            "started": started}, [0, 1, 2])
         receive_message(sock)  # taken: from here on the command is the resident's
     except (OSError, EOFError, ValueError, KeyError):
         sock.close()
