@@ -266,6 +266,10 @@ def console_main() -> None:
         if code is not None:
             sys.exit(code)
         atexit.register(_start_beside_server)  # run after the server is left (atexit runs the last-registered first)
+    from sft_tokenize.server.server_fork import fork_early, wants_early_server
+
+    if wants_early_server(sys.argv):  # before this process's own imports (server/server_fork.py)
+        fork_early()
     from sft_tokenize.cli.main import console_main
 
     console_main()

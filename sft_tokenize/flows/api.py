@@ -107,6 +107,7 @@ def run_tokenize(settings: dict[str, Any], progress: Callable[[Any], Any] | None
     from sft_tokenize.build.workers import close_early, encoding_early, ready_processes, start_early
     from sft_tokenize.flows.cluster import require_extra
     from sft_tokenize.flows.run_options import TokenizeRun
+    from sft_tokenize.server.server_fork import discard_early
 
     # The data plane's options alone, before Prefect is even imported: a bad value, bad input and a cache hit
     # are settled in well under a second.
@@ -127,6 +128,7 @@ def run_tokenize(settings: dict[str, Any], progress: Callable[[Any], Any] | None
                 raise BadInput(problem)
             server = EmbeddedServer(fork=cli_process)
             server.start()
+        discard_early()  # launched as the server, or not needed (none to launch, or one up already)
 
     # Checked before the flow starts: bad input fails at once, and a cache hit needs no flow. When there is
     # work, the shared server is joined (started if need be: it boots in its own process) while this one cuts
@@ -134,6 +136,7 @@ def run_tokenize(settings: dict[str, Any], progress: Callable[[Any], Any] | None
     require_extra(settings.get("runner", "threads"))
     plan = plan_slices(checked, min_slices=run.worker_count if run else 1, on_work=start_server, content_keys=ahead)
     if plan.cached and not settings.get("force"):
+        discard_early()
         return plan.url or plan.cache_path
     if plan.cached:  # --force of a published cache: the plan did not check the root it will write under
         check_writable(checked.cache_root)

@@ -70,7 +70,7 @@ from prefect.settings import (
 from sft_tokenize.errors import Failed, first_line
 from sft_tokenize.files import is_locked, locked
 from sft_tokenize.server.resident_processes import resident_processes, tree_pss
-from sft_tokenize.server.server_fork import ForkedServer, single_threaded
+from sft_tokenize.server.server_fork import ForkedServer, single_threaded, take_early
 from sft_tokenize.server.server_state import (
     DEFAULT_SERVER_IDLE,
     SERVER_APP,
@@ -237,9 +237,11 @@ class EmbeddedServer:
                "PREFECT__SERVER_FINAL": "1", **get_current_settings().to_environment_variables(exclude_unset=True)}
         command = [sys.executable, "-m", "sft_tokenize.server.server_process", SERVER_APP, "--port", str(port)]
         with self._open_log(port) as log:  # the child keeps its own copy of the descriptor
-            if self.fork and single_threaded():
-                self.process = ForkedServer(command, env, log.fileno())
-            else:
+            early = take_early() if self.fork else None
+            self.process = early.serve(command, env, log.name) if early is not None else None
+            if self.process is None and self.fork and single_threaded():
+                self.process = ForkedServer.fork(command, env, log.fileno())
+            elif self.process is None:
                 self.process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=log,
                                                 stderr=subprocess.STDOUT, start_new_session=True)
         return {"pid": self.process.pid, "started": start_time(self.process.pid), "port": port,

@@ -12,11 +12,22 @@ The forked process is then made what the new process would have been: its own se
 the server's environment and settings, default signal handlers, and its command line shown as the new process's
 would be (setproctitle). None of the run's files stays open in it: the run's locks above all, whose shared lease
 would otherwise count as a run using the server for as long as the server lives.
+
+The CLI's `run` forks that process earlier still, before its own imports (`fork_early`, from cli/resident.py's
+entry point), when no server is configured and none is up on the PREFECT_HOME its environment names: a first run's
+server is then ready once its own boot is done, not once the run has planned and imported Prefect and the server
+has booted after that (0.4–0.8 s of the bundled example's first run on two cores, docs/performance.md). The early
+process is in a session of its own at once (a Ctrl-C reaches only the run), holds none of the run's descriptors,
+and imports Prefect's server while the run plans; the run then hands it the server's command line, environment and
+log (`take_early`), or ends it (`discard_early`: a cache hit, a server already up, an error, the run's exit). A run
+killed before either leaves it nothing to read: it exits once its imports are done.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -24,6 +35,7 @@ import sys
 import threading
 import time
 import traceback
+from pathlib import Path
 from typing import NoReturn
 
 
@@ -37,13 +49,19 @@ class ForkedServer:
     """The server's process forked from this one (`serve_forked`), with what EmbeddedServer uses of
     subprocess.Popen."""
 
-    def __init__(self, command: list[str], env: dict[str, str], log: int):
+    def __init__(self, pid: int):
+        """`pid`: this process's child that serves."""
+        self.returncode: int | None = None
+        self.pid = pid
+
+    @classmethod
+    def fork(cls, command: list[str], env: dict[str, str], log: int) -> ForkedServer:
         """`command`: the server process's command line (what a new process would run); `env`: its environment;
         `log`: the descriptor of its output."""
-        self.returncode: int | None = None
-        self.pid = os.fork()
-        if self.pid == 0:
+        pid = os.fork()
+        if pid == 0:
             serve_forked(command, env, log)
+        return cls(pid)
 
     def poll(self) -> int | None:
         if self.returncode is None:
@@ -78,7 +96,8 @@ def serve_forked(command: list[str], env: dict[str, str], log: int) -> NoReturn:
     try:
         from setproctitle import setproctitle
 
-        os.setsid()  # Ctrl-C in the run's terminal does not reach it
+        if os.getsid(0) != os.getpid():  # an early process has its own session already
+            os.setsid()  # Ctrl-C in the run's terminal does not reach it
         setproctitle(" ".join(command))  # what `ps` shows, and what finds it among processes
         null = os.open(os.devnull, os.O_RDWR)
         os.dup2(null, 0)
@@ -113,3 +132,101 @@ def serve_forked(command: list[str], env: dict[str, str], log: int) -> NoReturn:
             sys.stdout.flush()
             sys.stderr.flush()
         os._exit(code)
+
+
+class EarlyServer:
+    """The server's process forked at the CLI's start, importing Prefect's server until the run launches its server
+    (`serve`) or has none to launch (`discard`); see the module docstring."""
+
+    def __init__(self) -> None:
+        read, self._orders = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:
+            os.close(self._orders)
+            _import_then_serve(read)
+        os.close(read)
+
+    def serve(self, command: list[str], env: dict[str, str], log_path: str) -> ForkedServer | None:
+        """Hand the early process the server's command line, environment and log (what ForkedServer gets); None if
+        it is gone (the caller starts the server another way)."""
+        order = json.dumps({"command": command, "env": env, "log": log_path}).encode()
+        try:
+            with os.fdopen(self._orders, "wb") as orders:
+                orders.write(order)
+        except OSError:
+            self.discard()
+            return None
+        return ForkedServer(self.pid)
+
+    def discard(self) -> None:
+        """End it and reap it (no server is launched by this run)."""
+        with contextlib.suppress(OSError):
+            os.close(self._orders)
+        with contextlib.suppress(OSError):
+            os.kill(self.pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(self.pid, 0)
+
+
+def _import_then_serve(orders: int) -> NoReturn:
+    """The early process: import the server's modules, then serve as the order read from `orders` says, or exit if
+    the run closed it unread."""
+    try:
+        os.setsid()
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in map(int, os.listdir("/proc/self/fd")):  # the run's stdio, pipes and locks are not its
+            if fd not in (orders, null):
+                with contextlib.suppress(OSError):
+                    os.dup2(null, fd)
+        os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # as cli/main.py's process_environment
+        with contextlib.suppress(Exception):  # one that fails fails again in serve_forked, which logs it
+            import prefect.server.api.server  # noqa: F401
+            import uvicorn  # noqa: F401
+
+            import sft_tokenize.server.server_process  # noqa: F401
+        with os.fdopen(orders, "rb") as pipe:
+            order = pipe.read()
+        if order:
+            order = json.loads(order)
+            serve_forked(order["command"], order["env"], os.open(order["log"], os.O_WRONLY | os.O_APPEND))
+    finally:
+        os._exit(0)
+
+
+_early: EarlyServer | None = None  # this process's early server process, until taken or discarded
+
+
+def wants_early_server(argv: list[str]) -> bool:
+    """Whether the command line `argv` may launch a server: a `run` that is not --help or --plan-only (which
+    argparse also takes abbreviated)."""
+    return argv[1:2] == ["run"] and not any(arg in ("-h", "--help") or arg.startswith("--plan") for arg in argv)
+
+
+def fork_early() -> None:
+    """Fork the early server process if this run may launch a server: none configured (PREFECT_API_URL) and none
+    up on the PREFECT_HOME the environment names (a guess: the run decides with Prefect's settings, and discards
+    the process if the guess was wrong)."""
+    global _early
+    from sft_tokenize.server.resident_processes import prefect_home
+    from sft_tokenize.server.server_state import is_running, recorded_server, server_paths
+
+    if _early is not None or os.environ.get("PREFECT_API_URL") or not single_threaded():
+        return
+    home = prefect_home(os.environ)
+    state = recorded_server(server_paths(Path(home))[1]) if home else None
+    if state is not None and is_running(state["pid"], state.get("started")):
+        return
+    _early = EarlyServer()
+    atexit.register(discard_early)
+
+
+def take_early() -> EarlyServer | None:
+    """The early server process, for the run to launch its server with; None if there is none (any more)."""
+    global _early
+    early, _early = _early, None
+    return early
+
+
+def discard_early() -> None:
+    if (early := take_early()) is not None:
+        early.discard()

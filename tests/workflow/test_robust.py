@@ -203,15 +203,23 @@ def test_a_warm_server_serves_the_next_run_until_server_stop_stops_it(tmp_path, 
     `server status` reports it, `server stop` refuses while a run holds a lease, and stops it once none does."""
     import fcntl
 
-    first = cli(*run_args([EXAMPLE_DATA], tmp_path / "cache", "-q", "--server-idle", "120"), home=prefect_home, **RUN)
+    trace = tmp_path / "trace.jsonl"
+    launched = time.clock_gettime(time.CLOCK_BOOTTIME)
+    first = cli(*run_args([EXAMPLE_DATA], tmp_path / "cache", "-q", "--server-idle", "120"), home=prefect_home,
+                env={"SFT_TOKENIZE_TRACE": str(trace)}, **RUN)
     assert first.returncode == 0, first.stderr
     state_path = prefect_home / "sft-tokenize-server.json"
     state = json.loads(state_path.read_text())
     pid = state["pid"]
     try:
         assert running(pid) and state["idle"] == 120
-        # The CLI forked it (server_fork.serve_forked): its environment is the one the run's process began with,
-        # not the server's own, yet its command line is the server's and it holds none of the run's files.
+        # The CLI forked it at its start (server_fork.fork_early), before the run had even planned: its process
+        # began before `launched` (before the CLI's own start) plus the time the run took to plan.
+        planned = next(event["t"] for event in map(json.loads, trace.read_text().splitlines())
+                       if event["event"] == "planned")
+        assert state["started"] / os.sysconf("SC_CLK_TCK") < launched + planned
+        # Its environment is the one the run's process began with, not the server's own, yet its command line is
+        # the server's and it holds none of the run's files.
         server = psutil.Process(pid)
         assert "PREFECT__SERVER_FINAL" not in server.environ()
         assert f"-m sft_tokenize.server.server_process prefect.server.api.server:create_app --port {state['port']}" in \
@@ -275,6 +283,30 @@ def test_server_idle_0_stops_the_server_with_its_run_and_an_idle_server_ends_by_
             os.kill(pid, signal.SIGKILL)
     with closing(sqlite3.connect(prefect_home / "prefect.db")) as db:  # the second server recorded its run
         assert [state for (state,) in db.execute("SELECT state_type FROM flow_run")] == ["COMPLETED", "COMPLETED"]
+
+    # A cache hit with no server up: the server process forked at its start (server_fork.fork_early) was ended with
+    # it, and none launched.
+    hit = cli(*run_args([EXAMPLE_DATA], tmp_path / "cache", "-q"), home=prefect_home, **RUN)
+    assert hit.returncode == 0, hit.stderr
+    assert not [process for process in psutil.process_iter(["cmdline"])
+                if str(tmp_path / "cache") in " ".join(process.info["cmdline"] or [])]
+    assert servers_of(prefect_home) == [] and not state_path.exists()
+
+
+def test_a_server_process_forked_early_exits_by_itself_when_its_run_is_killed_first(server_home):
+    """The run killed before it launched its server or ended the early process: it reads no order and exits."""
+    script = ("import os, signal; from sft_tokenize.server import server_fork; server_fork.fork_early(); "
+              "print(server_fork._early.pid, flush=True); os.kill(os.getpid(), signal.SIGKILL)")
+    env = {**os.environ, "PREFECT_HOME": str(server_home)}
+    env.pop("PREFECT_API_URL", None)
+    killed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    early = int(killed.stdout)
+    deadline = time.monotonic() + 120
+    while psutil.pid_exists(early) and psutil.Process(early).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "the early server process outlived its run"
+        time.sleep(0.1)
+    assert not (server_home / "sft-tokenize-server.json").exists()
 
 
 def test_an_unreachable_api_url_is_one_line_and_exit_1(tmp_path, cli_home):
