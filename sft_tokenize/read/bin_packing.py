@@ -54,25 +54,27 @@ class _Buckets:
     """Bins by remaining space, FIFO in each bucket, with a per-block count of non-empty buckets."""
 
     def __init__(self, capacity: int):
-        self.bins: list[list[int]] = [[] for _ in range(capacity + 1)]
-        self.heads = [0] * (capacity + 1)  # bins[space][:heads[space]] have left the bucket
+        # By space, only the non-empty buckets: a list per possible space took 2.7 s and 250 MB at 2^22 tokens.
+        self.bins: dict[int, list[int]] = {}
+        self.heads: dict[int, int] = {}  # bins[space][:heads[space]] have left the bucket
         self.nonempty = np.zeros(capacity + 1, dtype=bool)
         self.blocks = np.zeros(capacity // BLOCK + 1, dtype=np.int64)
 
     def add(self, space: int, bins) -> None:
         if space == 0:  # a full bin takes nothing more
             return
-        self.bins[space].extend(bins)
+        self.bins.setdefault(space, []).extend(bins)
         if not self.nonempty[space]:
             self.nonempty[space] = True
             self.blocks[space // BLOCK] += 1
 
     def take(self, space: int, count: int) -> list[int]:
-        bucket, head = self.bins[space], self.heads[space]
+        bucket, head = self.bins.get(space, []), self.heads.get(space, 0)
         taken = bucket[head:head + count]
         head += len(taken)
         if head == len(bucket):
-            self.bins[space], self.heads[space] = [], 0
+            self.bins.pop(space, None)
+            self.heads.pop(space, None)
             self.nonempty[space] = False
             self.blocks[space // BLOCK] -= 1
         else:
@@ -80,7 +82,7 @@ class _Buckets:
         return taken
 
     def size(self, space: int) -> int:
-        return len(self.bins[space]) - self.heads[space]
+        return len(self.bins.get(space, ())) - self.heads.get(space, 0)
 
     def spaces_from(self, low: int):
         """Non-empty bucket spaces ≥ low, ascending (computed a block at a time, so buckets below `low`
