@@ -56,9 +56,14 @@ test: $(BIN)/python
 # The data plane's lane, for a change in progress: no Prefect server or harness, no cluster, no CLI subprocess, no
 # trainers, nothing slow (about 90 s on 2 cores; three pytest workers, as some of its tests wait on timeouts). A
 # test's lane comes from the fixtures it uses (tests/support/lanes.py). `make test` still runs everything.
-test-fast: $(BIN)/python
-	$(EDITABLE) '.[dev,fast]'
+# It installs again only when pyproject.toml changed since it last did (the install is editable: the code is read
+# where it is).
+test-fast: $(VENV)/installed-fast
 	$(BIN)/python -m pytest --fast -n 3 --dist loadgroup
+
+$(VENV)/installed-fast: pyproject.toml | $(BIN)/python
+	$(EDITABLE) '.[dev,fast]'
+	touch $@
 
 lint: $(BIN)/python
 	$(BIN)/ruff check .
