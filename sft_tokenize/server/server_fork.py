@@ -171,6 +171,7 @@ class EarlyServer:
 def _import_then_serve(orders: int) -> NoReturn:
     """The early process: import the server's modules, then serve as the order read from `orders` says, or exit if
     the run closed it unread."""
+    code = 1
     try:
         os.setsid()
         null = os.open(os.devnull, os.O_RDWR)
@@ -186,11 +187,13 @@ def _import_then_serve(orders: int) -> NoReturn:
             import sft_tokenize.server.server_process  # noqa: F401
         with os.fdopen(orders, "rb") as pipe:
             order = pipe.read()
-        if order:
+        if not order:
+            code = 0
+        else:
             order = json.loads(order)
             serve_forked(order["command"], order["env"], os.open(order["log"], os.O_WRONLY | os.O_APPEND))
     finally:
-        os._exit(0)
+        os._exit(code)
 
 
 _early: EarlyServer | None = None  # this process's early server process, until taken or discarded

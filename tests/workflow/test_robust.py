@@ -303,7 +303,7 @@ def test_a_server_process_forked_early_exits_by_itself_when_its_run_is_killed_fi
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     early = int(killed.stdout)
     deadline = time.monotonic() + 120
-    while psutil.pid_exists(early) and psutil.Process(early).status() != psutil.STATUS_ZOMBIE:
+    while running(early):
         assert time.monotonic() < deadline, "the early server process outlived its run"
         time.sleep(0.1)
     assert not (server_home / "sft-tokenize-server.json").exists()
