@@ -107,7 +107,7 @@ def run_tokenize(settings: dict[str, Any], progress: Callable[[Any], Any] | None
     from sft_tokenize.build.workers import close_early, encoding_early, ready_processes, start_early
     from sft_tokenize.flows.cluster import require_extra
     from sft_tokenize.flows.run_options import TokenizeRun
-    from sft_tokenize.server.server_fork import discard_early
+    from sft_tokenize.server.server_fork import discard_early, go_early
 
     # The data plane's options alone, before Prefect is even imported: a bad value, bad input and a cache hit
     # are settled in well under a second.
@@ -121,6 +121,7 @@ def run_tokenize(settings: dict[str, Any], progress: Callable[[Any], Any] | None
 
     def start_server() -> None:  # only when there is work: a cache hit needs no Prefect at all
         nonlocal server
+        go_early()  # before this process imports Prefect: the early server process imports the server's meanwhile
         from sft_tokenize.server.embedded_server import EmbeddedServer
 
         if EmbeddedServer.needed():

@@ -18,9 +18,11 @@ entry point), when no server is configured and none is up on the PREFECT_HOME it
 server is then ready once its own boot is done, not once the run has planned and imported Prefect and the server
 has booted after that (0.4–0.8 s of the bundled example's first run on two cores, docs/performance.md). The early
 process is in a session of its own at once (a Ctrl-C reaches only the run), holds none of the run's descriptors,
-and imports Prefect's server while the run plans; the run then hands it the server's command line, environment and
-log (`take_early`), or ends it (`discard_early`: a cache hit, a server already up, an error, the run's exit). A run
-killed before either leaves it nothing to read: it exits once its imports are done.
+and imports Prefect while the run plans; once the run knows it has work (`go_early`: its cache is missing), the
+server's own modules, while the run imports Prefect in turn. The run then hands it the server's command line,
+environment and log (`take_early`), or ends it (`discard_early`: a cache hit, a server already up, an error, the
+run's exit), so a run that ends before it has work costs the early process's import of Prefect (~1 s of CPU), not
+the server's (~3 s). A run killed before either leaves it nothing to read: it exits once its imports are done.
 """
 
 from __future__ import annotations
@@ -145,10 +147,19 @@ class EarlyServer:
             os.close(self._orders)
             _import_then_serve(read)
         os.close(read)
+        self.going = False
+
+    def go(self) -> None:
+        """The run has work: import the server's own modules now (see _import_then_serve)."""
+        if not self.going:
+            self.going = True
+            with contextlib.suppress(OSError):
+                os.write(self._orders, GO)
 
     def serve(self, command: list[str], env: dict[str, str], log_path: str) -> ForkedServer | None:
         """Hand the early process the server's command line, environment and log (what ForkedServer gets); None if
         it is gone (the caller starts the server another way)."""
+        self.go()
         order = json.dumps({"command": command, "env": env, "log": log_path}).encode()
         try:
             with os.fdopen(self._orders, "wb") as orders:
@@ -168,9 +179,13 @@ class EarlyServer:
             os.waitpid(self.pid, 0)
 
 
+GO = b"\n"  # the first byte an early process reads: the run has work
+
+
 def _import_then_serve(orders: int) -> NoReturn:
-    """The early process: import the server's modules, then serve as the order read from `orders` says, or exit if
-    the run closed it unread."""
+    """The early process: import Prefect while the run plans; once the run has work (GO), the server's own modules;
+    then serve as the order read from `orders` says. Exits as soon as it finds `orders` closed unread, so that a
+    run that ends before it has work (bad input, a cache hit) costs at most Prefect's import, not the server's."""
     code = 1
     try:
         os.setsid()
@@ -181,10 +196,13 @@ def _import_then_serve(orders: int) -> NoReturn:
                     os.dup2(null, fd)
         os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # as cli/main.py's process_environment
         with contextlib.suppress(Exception):  # one that fails fails again in serve_forked, which logs it
-            import prefect.server.api.server  # noqa: F401
-            import uvicorn  # noqa: F401
+            import prefect  # noqa: F401
+        if os.read(orders, len(GO)) == GO:
+            with contextlib.suppress(Exception):
+                import prefect.server.api.server  # noqa: F401
+                import uvicorn  # noqa: F401
 
-            import sft_tokenize.server.server_process  # noqa: F401
+                import sft_tokenize.server.server_process  # noqa: F401
         with os.fdopen(orders, "rb") as pipe:
             order = pipe.read()
         if not order:
@@ -221,6 +239,12 @@ def fork_early() -> None:
         return
     _early = EarlyServer()
     atexit.register(discard_early)
+
+
+def go_early() -> None:
+    """This run has work (its cache is missing): the early server process, if any, goes on to the server's imports."""
+    if _early is not None:
+        _early.go()
 
 
 def take_early() -> EarlyServer | None:
