@@ -14,7 +14,8 @@ would be (setproctitle). None of the run's files stays open in it: the run's loc
 would otherwise count as a run using the server for as long as the server lives.
 
 The CLI's `run` forks that process earlier still, before its own imports (`fork_early`, from cli/resident.py's
-entry point), when no server is configured and none is up on the PREFECT_HOME its environment names: a first run's
+entry point), when no server is configured, none is up on the PREFECT_HOME its environment names and a core is
+spare (`spare_core`; SFT_TOKENIZE_EARLY_SERVER=1 or 0 decides instead): a first run's
 server is then ready once its own boot is done, not once the run has planned and imported Prefect and the server
 has booted after that (0.4–0.8 s of the bundled example's first run on two cores, docs/performance.md). The early
 process is in a session of its own at once (a Ctrl-C reaches only the run), holds none of the run's descriptors,
@@ -223,28 +224,51 @@ def wants_early_server(argv: list[str]) -> bool:
     return argv[1:2] == ["run"] and not any(arg in ("-h", "--help") or arg.startswith("--plan") for arg in argv)
 
 
-def fork_early() -> None:
-    """Fork the early server process if this run may launch a server: none configured (PREFECT_API_URL) and none
-    up on the PREFECT_HOME the environment names (a guess: the run decides with Prefect's settings, and discards
-    the process if the guess was wrong)."""
-    global _early
+EARLY_SERVER_ENV = "SFT_TOKENIZE_EARLY_SERVER"  # 1: always fork it early; 0: never; unset: on a spare core
+
+
+def spare_core(cpus: int, load: float) -> bool:
+    """Whether a core would sit idle while this run plans: `cpus` this process may run on, `load` the last minute's
+    average of runnable tasks. The early process imports Prefect once more (~1 s of CPU that a server forked later
+    inherits from the run), a gain only on a core nothing else wants; on one core, a busy machine or a test
+    suite's, it would take the run's."""
+    return cpus >= 2 and load <= cpus - 1
+
+
+def _server_up() -> bool:
+    """A live server is recorded on the PREFECT_HOME the environment names (a guess without Prefect's settings)."""
     from sft_tokenize.server.resident_processes import prefect_home
     from sft_tokenize.server.server_state import is_running, recorded_server, server_paths
 
-    if _early is not None or os.environ.get("PREFECT_API_URL") or not single_threaded():
-        return
     home = prefect_home(os.environ)
     state = recorded_server(server_paths(Path(home))[1]) if home else None
-    if state is not None and is_running(state["pid"], state.get("started")):
+    return state is not None and is_running(state["pid"], state.get("started"))
+
+
+def fork_early() -> None:
+    """Fork the early server process if this run may launch a server: none configured (PREFECT_API_URL) and none
+    up (_server_up; the run decides with Prefect's settings, and discards the process if the guess was wrong), on
+    a spare core unless SFT_TOKENIZE_EARLY_SERVER says otherwise."""
+    global _early
+    choice = os.environ.get(EARLY_SERVER_ENV, "")
+    if _early is not None or choice == "0" or os.environ.get("PREFECT_API_URL") or not single_threaded():
+        return
+    if choice != "1" and not spare_core(len(os.sched_getaffinity(0)), os.getloadavg()[0]):
+        return
+    if _server_up():
         return
     _early = EarlyServer()
     atexit.register(discard_early)
 
 
 def go_early() -> None:
-    """This run has work (its cache is missing): the early server process, if any, goes on to the server's imports."""
+    """This run has work (its cache is missing): the early server process, if any, goes on to the server's imports,
+    unless a server came up while this run planned (a run started beside it launched one), which it will join."""
     if _early is not None:
-        _early.go()
+        if _server_up():
+            discard_early()
+        else:
+            _early.go()
 
 
 def take_early() -> EarlyServer | None:

@@ -36,6 +36,7 @@ from support.servers import running, servers_of
 from sft_tokenize.build.options import TokenizeOptions
 from sft_tokenize.build.protocol import run_locally
 from sft_tokenize.read.cache import open_cache, read_manifest
+from sft_tokenize.server import server_fork
 
 TIMEOUT = 600
 # These runs keep Prefect's default start-up timeout of the embedded server: the CLI's own floor is what they test.
@@ -206,7 +207,7 @@ def test_a_warm_server_serves_the_next_run_until_server_stop_stops_it(tmp_path, 
     trace = tmp_path / "trace.jsonl"
     launched = time.clock_gettime(time.CLOCK_BOOTTIME)
     first = cli(*run_args([EXAMPLE_DATA], tmp_path / "cache", "-q", "--server-idle", "120"), home=prefect_home,
-                env={"SFT_TOKENIZE_TRACE": str(trace)}, **RUN)
+                env={"SFT_TOKENIZE_TRACE": str(trace), "SFT_TOKENIZE_EARLY_SERVER": "1"}, **RUN)
     assert first.returncode == 0, first.stderr
     state_path = prefect_home / "sft-tokenize-server.json"
     state = json.loads(state_path.read_text())
@@ -286,7 +287,8 @@ def test_server_idle_0_stops_the_server_with_its_run_and_an_idle_server_ends_by_
 
     # A cache hit with no server up: the server process forked at its start (server_fork.fork_early) was ended with
     # it, and none launched.
-    hit = cli(*run_args([EXAMPLE_DATA], tmp_path / "cache", "-q"), home=prefect_home, **RUN)
+    hit = cli(*run_args([EXAMPLE_DATA], tmp_path / "cache", "-q"), home=prefect_home,
+              env={"SFT_TOKENIZE_EARLY_SERVER": "1"}, **RUN)
     assert hit.returncode == 0, hit.stderr
     assert not [process for process in psutil.process_iter(["cmdline"])
                 if str(tmp_path / "cache") in " ".join(process.info["cmdline"] or [])]
@@ -297,7 +299,7 @@ def test_a_server_process_forked_early_exits_by_itself_when_its_run_is_killed_fi
     """The run killed before it launched its server or ended the early process: it reads no order and exits."""
     script = ("import os, signal; from sft_tokenize.server import server_fork; server_fork.fork_early(); "
               "print(server_fork._early.pid, flush=True); os.kill(os.getpid(), signal.SIGKILL)")
-    env = {**os.environ, "PREFECT_HOME": str(server_home)}
+    env = {**os.environ, "PREFECT_HOME": str(server_home), "SFT_TOKENIZE_EARLY_SERVER": "1"}
     env.pop("PREFECT_API_URL", None)
     killed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60)
     assert killed.returncode == -signal.SIGKILL, killed.stderr
@@ -307,6 +309,25 @@ def test_a_server_process_forked_early_exits_by_itself_when_its_run_is_killed_fi
         assert time.monotonic() < deadline, "the early server process outlived its run"
         time.sleep(0.1)
     assert not (server_home / "sft-tokenize-server.json").exists()
+
+
+@pytest.mark.parametrize(("cpus", "setting", "forked"), [({0, 1}, "", True), ({0}, "", False), ({0}, "1", True),
+                                                      ({0, 1}, "0", False)])
+def test_the_early_server_process_is_forked_only_on_a_spare_core_unless_the_setting_decides(
+        tmp_path, cpus, setting, forked):
+    """One CPU (taskset, a Slurm allocation) has no core to spare for it: the run's own would pay its imports."""
+    script = (f"import os; os.sched_setaffinity(0, {cpus!r}); from sft_tokenize.server import server_fork; "
+              "server_fork.spare_core = lambda cpus, load: cpus >= 2; server_fork.fork_early(); "
+              "print(server_fork._early is not None)")
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "home"), "SFT_TOKENIZE_EARLY_SERVER": setting}
+    env.pop("PREFECT_API_URL", None)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == str(forked), done.stderr
+
+
+def test_a_busy_machine_spares_no_core():
+    assert server_fork.spare_core(2, 0.6) and server_fork.spare_core(8, 6.5)
+    assert not server_fork.spare_core(2, 1.4) and not server_fork.spare_core(1, 0.0)
 
 
 def test_an_unreachable_api_url_is_one_line_and_exit_1(tmp_path, cli_home):
