@@ -253,6 +253,8 @@ def fork_early() -> None:
     choice = os.environ.get(EARLY_SERVER_ENV, "")
     if _early is not None or choice == "0" or os.environ.get("PREFECT_API_URL") or not single_threaded():
         return
+    if not hasattr(os, "sched_getaffinity"):  # not Linux, whose /proc the early process reads (its descriptors)
+        return
     if choice != "1" and not spare_core(len(os.sched_getaffinity(0)), os.getloadavg()[0]):
         return
     if _server_up():
