@@ -228,11 +228,12 @@ EARLY_SERVER_ENV = "SFT_TOKENIZE_EARLY_SERVER"  # 1: always fork it early; 0: ne
 
 
 def spare_core(cpus: int, load: float) -> bool:
-    """Whether a core would sit idle while this run plans: `cpus` this process may run on, `load` the last minute's
+    """Whether a core may sit idle while this run plans: `cpus` this process may run on, `load` the last minute's
     average of runnable tasks. The early process imports Prefect once more (~1 s of CPU that a server forked later
-    inherits from the run), a gain only on a core nothing else wants; on one core, a busy machine or a test
-    suite's, it would take the run's."""
-    return cpus >= 2 and load <= cpus - 1
+    inherits from the run), a gain only on a core nothing else wants; on one core, or a machine whose cores were
+    all busy (a test suite's), it would take the run's. The average also counts runs that just ended (a user's
+    first runs one after another push it to ~1.7 on two cores), so only cores all busy count as none spare."""
+    return cpus >= 2 and load < cpus
 
 
 def _server_up() -> bool:
