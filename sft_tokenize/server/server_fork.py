@@ -106,12 +106,7 @@ def serve_forked(command: list[str], env: dict[str, str], log: int) -> NoReturn:
         os.dup2(null, 0)
         os.dup2(log, 1)
         os.dup2(log, 2)
-        # The run's other descriptors are pointed at /dev/null rather than closed: a Python object of the run still
-        # holding a number would otherwise write to whatever file came to reuse it.
-        for fd in map(int, os.listdir("/proc/self/fd")):
-            if fd > 2 and fd != null:
-                with contextlib.suppress(OSError):
-                    os.dup2(null, fd)
+        _silence_descriptors(null, keep={0, 1, 2})
         for number in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1):
             signal.signal(number, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -135,6 +130,16 @@ def serve_forked(command: list[str], env: dict[str, str], log: int) -> NoReturn:
             sys.stdout.flush()
             sys.stderr.flush()
         os._exit(code)
+
+
+def _silence_descriptors(null: int, keep: set[int]) -> None:
+    """Point every descriptor of this process but `keep` at `null` (/dev/null's): the run's, which a forked server
+    must not hold. Pointed rather than closed: a Python object of the run still holding a number would otherwise
+    write to whatever file came to reuse it."""
+    for fd in map(int, os.listdir("/proc/self/fd")):
+        if fd != null and fd not in keep:
+            with contextlib.suppress(OSError):
+                os.dup2(null, fd)
 
 
 class EarlyServer:
@@ -190,11 +195,7 @@ def _import_then_serve(orders: int) -> NoReturn:
     code = 1
     try:
         os.setsid()
-        null = os.open(os.devnull, os.O_RDWR)
-        for fd in map(int, os.listdir("/proc/self/fd")):  # the run's stdio, pipes and locks are not its
-            if fd not in (orders, null):
-                with contextlib.suppress(OSError):
-                    os.dup2(null, fd)
+        _silence_descriptors(os.open(os.devnull, os.O_RDWR), keep={orders})  # the run's stdio, pipes and locks
         os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # as cli/main.py's process_environment
         with contextlib.suppress(Exception):  # one that fails fails again in serve_forked, which logs it
             import prefect  # noqa: F401
