@@ -164,8 +164,8 @@ def run_tokenize(settings: dict[str, Any], progress: Callable[[Any], Any] | None
     finally:
         close_early()  # a pool the flow did not take (its slices were in the store already)
         # Its watch thread silenced the flow's unwinding (embedded_server.py). A process that goes on after the
-        # run gets its logging back; the command's stays off, as a task thread the flow left (a slice still
-        # tokenizing) logs its end after the run's one line.
+        # run gets its logging back; the command's stays off, as a task the flow left behind (one not yet started,
+        # or a slice still tokenizing) logs its end after the run's one line.
         if server is not None and server.lost and not cli_process:
             logging.disable(logging.NOTSET)
 
