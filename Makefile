@@ -41,13 +41,19 @@ STREAMING ?= mosaicml-streaming==0.13.0
 # tests/export/test_megatron.py loads its packer (packing_utils.py) and its SFT dataset module (sft.py, which needs
 # only megatron-core, torch and datasets) to read the packed export with its own dataset and collator.
 MEGATRON_BRIDGE ?= megatron-bridge==0.3.1
+# Past torch, the test install goes through uv, installed into the virtualenv by pip: it downloads and compiles in
+# parallel, which halves the install's time (~25 s instead of ~50 s for the extras on 2 cores). torch stays pip's,
+# for pip's own settings (find-links, constraints) that uv does not read, and is named to uv again so that nothing
+# replaces it. --compile-bytecode, as pip does by default: test processes import from site-packages by the hundred.
+UV := $(BIN)/uv pip install -q --python $(BIN)/python --compile-bytecode
 test: $(BIN)/python
 	$(BIN)/pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) '$(TORCH)'
-	$(EDITABLE) '.[dev,trainers,fast,export]'
-	$(BIN)/pip install -q --no-deps '$(AXOLOTL)' '$(LITDATA)'
-	$(BIN)/pip install -q --no-deps --upgrade --target .cache/consumers/streaming '$(STREAMING)' Brotli python-snappy \
-		cramjam zstd catalogue
-	$(BIN)/pip install -q --no-deps --upgrade --target .cache/consumers/megatron-bridge '$(MEGATRON_BRIDGE)'
+	$(BIN)/pip install -q uv
+	$(UV) '$(TORCH)' -e '.[dev,trainers,fast,export]'
+	$(UV) --no-deps '$(AXOLOTL)' '$(LITDATA)'
+	$(UV) --no-deps --upgrade --target .cache/consumers/streaming '$(STREAMING)' Brotli python-snappy cramjam zstd \
+		catalogue
+	$(UV) --no-deps --upgrade --target .cache/consumers/megatron-bridge '$(MEGATRON_BRIDGE)'
 	$(BIN)/ruff check .
 	$(MAKE) docs
 	$(BIN)/python -m compileall -q sft_tokenize  # hundreds of test subprocesses import it, PYTHONDONTWRITEBYTECODE or not
