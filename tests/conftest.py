@@ -132,9 +132,10 @@ def shared_directory(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def migrated_prefect_home(tmp_path_factory) -> Path:
-    """A PREFECT_HOME whose database is migrated once, copied wherever a run or a server needs one: migrating a
-    new database takes several seconds of every first run. Once for the whole run: pytest-xdist's workers share
-    the directory their temporary directories are in, and the first to get there migrates it."""
+    """A PREFECT_HOME whose database Prefect's own `prefect server database upgrade` made: the shared server's
+    (`api_url`), and the reference the shipped schema is checked against. Made once for the whole run:
+    pytest-xdist's workers share the directory their temporary directories are in, and the first to get there
+    migrates it."""
     from sft_tokenize.files import locked
 
     shared = shared_directory(tmp_path_factory)
@@ -151,8 +152,12 @@ def migrated_prefect_home(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
-def prefect_home(tmp_path, migrated_prefect_home) -> Path:
-    return Path(shutil.copytree(migrated_prefect_home, tmp_path / "prefect-home"))
+def prefect_home(tmp_path) -> Path:
+    """A new, empty PREFECT_HOME, as a user's first run has: its embedded server makes the database from the shipped
+    schema (a database Prefect made boots in full, ~1.3 s more a run: tests/workflow/test_database_template.py)."""
+    home = tmp_path / "prefect-home"
+    home.mkdir()
+    return home
 
 
 def _built_once(tmp_path_factory, build):

@@ -18,7 +18,7 @@ FIXTURE_MARKERS: dict[str, tuple[str, ...]] = {
     "server": ("server",),  # tests/workflow/test_server.py's own server, whose scheduler loops every second
     "postgres_cluster": ("server",),  # PostgreSQL, for Prefect servers on it
     "server_home": ("server",),  # the embedded servers a test starts itself
-    "migrated_prefect_home": ("cli",),  # a Prefect home for the CLI's runs (and their embedded server)
+    "migrated_prefect_home": ("cli",),  # a Prefect home migrated by Prefect itself (the shared server's)
     "prefect_home": ("cli",),
     "cli_home": ("cli",),  # a home for a test's `sft-tokenize` subprocesses
     "cli_homes": ("cli",),  # homes for a module's `sft-tokenize` subprocesses

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -137,6 +138,17 @@ def test_a_fresh_home_is_made_from_the_schema_and_its_block_types_registered_aft
     log = (server_home / "embedded-server.log").read_text()
     assert "not registered" not in log and "migrating" not in log
     assert not (user_cache / "prefect-databases").exists()  # no template: the schema serves every fresh home
+
+
+def test_a_database_prefect_made_boots_in_full_once_and_is_recorded(tmp_path, migrated_prefect_home):
+    """A PREFECT_HOME that plain Prefect used before: its database is migrated and its block types checked at the
+    first boot, as Prefect's own boot does, and recorded, so that the next boot on it skips both."""
+    home = Path(shutil.copytree(migrated_prefect_home, tmp_path / "home"))
+    assert not (home / BOOT_RECORD).exists()
+    _boot(home, tmp_path / "user-cache")
+    assert json.loads((home / BOOT_RECORD).read_text()) == {
+        **_this_prefect(), "database": str((home / "prefect.db").resolve()), **_database_facts(home / "prefect.db")}
+    assert _database_facts(home / "prefect.db")["block_types"] > 0  # registered by that boot
 
 
 def test_the_template_is_a_migrated_registered_database_and_fresh_homes_copy_it(tmp_path, monkeypatch, server_home):

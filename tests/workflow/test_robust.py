@@ -13,7 +13,6 @@ import gzip
 import io
 import json
 import os
-import shutil
 import signal
 import sqlite3
 import subprocess
@@ -266,8 +265,6 @@ def test_server_idle_0_stops_the_server_with_its_run_and_an_idle_server_ends_by_
     at_once = cli(*args, "--server-idle", "0", home=prefect_home, env={"SFT_TOKENIZE_SERVER_IDLE": "300"}, **RUN)
     assert at_once.returncode == 0, at_once.stderr
     assert servers_of(prefect_home) == [] and not state_path.exists()
-    # The full boot was recorded: the next one skips the migrations and the block-type check.
-    assert json.loads((prefect_home / "sft-tokenize-server-boot.json").read_text())["block_types"] > 0
 
     idling = cli(*args, "--server-idle", "2", home=prefect_home, **RUN)
     left = time.monotonic()
@@ -467,7 +464,7 @@ class Interrupted:
     stopped: float = 0.0
 
 
-def test_sigint_and_sigterm_stop_the_run_and_the_same_command_resumes(tmp_path, migrated_prefect_home, start,
+def test_sigint_and_sigterm_stop_the_run_and_the_same_command_resumes(tmp_path, cli_homes, start,
                                                                      long_input, long_reference):
     """Ctrl-C on the threads runner (its encode pool), `kill PID` on the processes runner: the two runs side by
     side, each with its own PREFECT_HOME so that each run's process tree holds its own embedded server. (Either
@@ -475,7 +472,7 @@ def test_sigint_and_sigterm_stop_the_run_and_the_same_command_resumes(tmp_path, 
     cases = []
     for runner, signum in (("threads", signal.SIGINT), ("processes", signal.SIGTERM)):
         name = f"{runner}-{signum.name}"
-        home = Path(shutil.copytree(migrated_prefect_home, tmp_path / name / "home"))
+        home = cli_homes(f"{name}-home")
         cache_root = tmp_path / name / "cache"
         pool = ["--encode-processes", "2"] if runner == "threads" else []  # the input is below the default's
         args = run_args([long_input], cache_root, "--runner", runner, *pool)
