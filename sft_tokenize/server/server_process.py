@@ -300,8 +300,15 @@ def serve(port: int) -> None:
         in_full = not blocks_pending and _boot_in_full(home / BOOT_RECORD)
     except Exception:  # noqa: BLE001 - whatever the record says, a full boot is correct
         in_full = True
-    server = uvicorn.Server(uvicorn.Config(busy_retry.create_app, factory=True, host="127.0.0.1", port=port,
-                                           log_level="error", lifespan="on"))
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets: list | None = None) -> None:
+            await super().startup(sockets=sockets)
+            if in_full and self.started:  # recorded now: a run with no idle time stops the server once it answers
+                _record_boot(home / BOOT_RECORD)
+
+    server = Server(uvicorn.Config(busy_retry.create_app, factory=True, host="127.0.0.1", port=port, log_level="error",
+                                   lifespan="on"))
 
     def end() -> None:
         server.should_exit = True
@@ -310,13 +317,8 @@ def serve(port: int) -> None:
 
     def end_when_unused() -> None:
         nonlocal blocks_pending
-        booted = False
         while not server.should_exit:
             time.sleep(1)
-            if server.started and not booted:
-                booted = True
-                if in_full:
-                    _record_boot(home / BOOT_RECORD)
             try:
                 lock = open(lock_path, "a")  # noqa: SIM115 - kept locked until this process is gone, if it ends
             except OSError as error:  # PREFECT_HOME moved or deleted: no run can find this server any more
