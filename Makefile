@@ -45,7 +45,8 @@ MEGATRON_BRIDGE ?= megatron-bridge==0.3.1
 # The test install goes through uv, installed into the virtualenv by pip: it downloads and compiles in parallel
 # (torch and the extras in 27 s on a clean clone here, against 68 s with pip). --compile-bytecode, as pip does by
 # default: test processes import from site-packages by the hundred.
-UV := $(BIN)/uv pip install -q --python $(BIN)/python --compile-bytecode $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS))
+UV := $(BIN)/uv pip install -q --python $(BIN)/python --compile-bytecode \
+	$(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS))
 test: $(BIN)/python
 	$(BIN)/pip install -q uv
 	$(if $(TORCH_INDEX),$(UV) --index-url $(TORCH_INDEX) '$(TORCH)')
