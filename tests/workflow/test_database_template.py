@@ -141,8 +141,9 @@ def test_a_fresh_home_is_made_from_the_schema_and_its_block_types_registered_aft
 
 
 def test_a_database_prefect_made_boots_in_full_once_and_is_recorded(tmp_path, migrated_prefect_home):
-    """A PREFECT_HOME that plain Prefect used before: its database is migrated and its block types checked at the
-    first boot, as Prefect's own boot does, and recorded, so that the next boot on it skips both."""
+    """A PREFECT_HOME that plain Prefect used before: its first boot migrates the database and registers the block
+    types, as Prefect's own boot does, and is recorded for the next boot on it to skip both; with no idle time the
+    run stops the server as soon as it answers, so the record is written by then."""
     home = Path(shutil.copytree(migrated_prefect_home, tmp_path / "home"))
     assert not (home / BOOT_RECORD).exists()
     _boot(home, tmp_path / "user-cache")
