@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support.paths import file_module
 
 from sft_tokenize.errors import BadInput
 from sft_tokenize.export import EXPORT_RECORD, export_cache
@@ -116,10 +117,7 @@ def bridge_packing_utils():
     path = MEGATRON_BRIDGE / "megatron" / "bridge" / "data" / "datasets" / "packing_utils.py"
     if not path.is_file():
         pytest.skip(f"megatron-bridge's files are not under {MEGATRON_BRIDGE} (make test installs them there)")
-    spec = importlib.util.spec_from_file_location("megatron_bridge_packing_utils", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return file_module(path, "megatron_bridge_packing_utils")
 
 
 def test_the_packed_file_holds_what_megatron_bridges_own_packer_writes_for_the_same_bins(cache, tmp_path):

@@ -4,19 +4,13 @@ where the answer is known without it."""
 from __future__ import annotations
 
 import functools
-import importlib.util
-import sys
 
-from support.paths import ROOT
+from support.paths import ROOT, file_module
 
 
 @functools.cache
 def capacity():
-    spec = importlib.util.spec_from_file_location("capacity_model", ROOT / "benchmarks" / "capacity.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["capacity_model"] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return file_module(ROOT / "benchmarks" / "capacity.py", "capacity_model")
 
 
 def test_the_documented_table_is_the_models():

@@ -8,7 +8,6 @@ signature broke `stages.py` once without any test noticing). Inputs are built un
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -16,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from support.paths import BIN, EXAMPLE_DATA, EXAMPLE_TOKENIZER, ROOT
+from support.paths import BIN, EXAMPLE_DATA, EXAMPLE_TOKENIZER, ROOT, file_module
 from support.reference_templates import template
 
 from sft_tokenize.read.cache import open_cache
@@ -84,10 +83,7 @@ def test_run_every_pipeline_gives_the_same_tokens(bench):
 def test_from_the_big_size_on_only_the_project_and_the_strongest_peer_run():
     # The one thing a big size changes in run.py is which pipelines run (the smaller sizes' test above runs them
     # all at size 1): a big size's run would take the project's and the peer's fixed costs again for nothing more.
-    spec = importlib.util.spec_from_file_location("benchmark_run", BENCH / "run.py")
-    run = importlib.util.module_from_spec(spec)
-    sys.modules["benchmark_run"] = run  # dataclasses look their module up
-    spec.loader.exec_module(run)
+    run = file_module(BENCH / "run.py", "benchmark_run")
     every = list(run.DEFAULT_PIPELINES)
     assert run.pipelines_at(run.BIG - 1, every) == every
     assert run.pipelines_at(run.BIG, every) == run.pipelines_at(64, every) == ["hf-fastokens", "project", "project-hf"]
