@@ -1,15 +1,14 @@
-"""The suite's lanes hold by construction: the fast lane (`pytest --fast`, `make test-fast`) selects no test that
-uses a fixture starting a Prefect server, a cluster or a CLI run, and what would start one there refuses to."""
+"""The suite's lanes hold by construction: what would start a Prefect server, a cluster or a CLI run refuses to
+in the fast lane (`pytest --fast`, `make test-fast`). That the lane selects no test using a fixture that starts
+one is checked on the suite as a clone collects it: test_collection.py."""
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
-import pytest
 from support import lanes
 from support.paths import ROOT
 
@@ -30,27 +29,6 @@ def test_the_table_names_every_fixture_that_starts_something_and_the_fast_lane_e
         assert lanes.excluded_by(lanes.FAST_LANE, marker), marker
     assert not lanes.excluded_by(lanes.FAST_LANE, "unmarked")
     assert lanes.markers_for(["tmp_path", "prefect_home", "dask_cluster"]) == {"cli", "cluster"}
-
-
-@pytest.mark.slow  # collects the whole suite again
-def test_the_fast_lane_selects_no_test_that_uses_a_server_a_cluster_or_a_cli_fixture():
-    """pytest's own account of each selected test's fixtures (`--fixtures-per-test`, which collects without
-    running), for the fast lane."""
-    done = pytest_run("--fast", "--fixtures-per-test", "-v")
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    # (modules skipped at collection, the trainers' without their extra, are named between)
-    [(collected, deselected, _, selected)] = re.findall(
-        r"collected (\d+) items / (\d+) deselected / (?:(\d+) skipped / )?(\d+) selected", done.stdout)
-    blocks = re.split(r"^-+ fixtures used by (.+) -+$", done.stdout, flags=re.M)[1:]
-    # (name, its location and fixtures), for each selected test that uses a fixture
-    tests = list(zip(blocks[::2], blocks[1::2], strict=True))
-    assert 500 < len(tests) <= int(selected) and int(deselected) > 100, done.stdout[-2000:]
-    assert int(collected) == int(selected) + int(deselected)
-    starters = {name for name, markers in lanes.FIXTURE_MARKERS.items() if {"server", "cluster", "cli"} & set(markers)}
-    using = [(test, text.split("\n")[1], found) for test, text in tests
-             if (found := starters & set(re.findall(r"^(\w+) -- ", text, flags=re.M)))]
-    assert using == []
-    assert not [test for test, text in tests if "trainers_extra -- " in text]
 
 
 GUARDED = textwrap.dedent('''

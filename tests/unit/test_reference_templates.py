@@ -1,15 +1,11 @@
 """The reference chat templates' resolver (support/reference_templates.py): every source gives the pinned bytes or
 is passed over, downloads go to the hub's `resolve/<revision>/<file>` paths and are kept, an unreachable endpoint
-costs one attempt, and a template no source gives skips its tests with one summary line."""
+costs one attempt. (A clone with none of them skips their tests with one summary line: test_collection.py.)"""
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -127,49 +123,3 @@ def test_every_manifest_download_resolves_from_a_mirror_of_the_hub_and_github(tm
                                   cache=tmp_path / "c", entries=ENTRIES)
         assert {name: only_downloads.template(name) for name in texts} == texts
         assert sum(site.requests.values()) == len(texts)
-
-
-LANE_END = "\n== lane collected ==\n"
-COLLECT_BOTH_LANES = f"""
-import sys, pytest
-for lane in ([], ["--fast"]):
-    code = pytest.main(["-p", "no:cacheprovider", "--collect-only", "-q", *lane])
-    print({LANE_END!r}, flush=True)
-    if code != 0:
-        sys.exit(int(code))
-"""
-
-
-@pytest.mark.slow
-def test_a_clone_without_shared_collects_every_test_and_skips_with_one_summary_line(tmp_path):
-    """The repository's files alone, with no ../shared, no downloads and no SFT_CHAT_TEMPLATES: both lanes collect
-    with no error, and a module that needs the older templates (none of which a package ships) skips them and ends
-    with the summary line."""
-    clone = tmp_path / "clone"
-    tracked = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                             capture_output=True, check=True).stdout  # what a commit of this tree holds
-    for name in filter(None, tracked.decode().split("\0")):
-        if (ROOT / name).is_file():
-            (clone / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / name, clone / name)
-    env = {key: value for key, value in os.environ.items() if key not in ("SFT_CHAT_TEMPLATES", "PYTEST_XDIST_WORKER")}
-    env.update(HF_HUB_OFFLINE="1", PYTHONPATH="")
-    env.pop(USERS_OFFLINE, None)
-
-    def pytest_in_clone(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args],
-                              cwd=clone, env=env, capture_output=True, text=True, timeout=600)
-
-    # Both lanes in one interpreter: the second collection finds the modules the first imported.
-    both = subprocess.run([sys.executable, "-c", COLLECT_BOTH_LANES], cwd=clone, env=env, capture_output=True,
-                          text=True, timeout=600)
-    lanes = both.stdout.split(LANE_END)
-    assert both.returncode == 0 and len(lanes) == 3, both.stdout[-3000:] + both.stderr[-3000:]
-    for collected in lanes[:2]:
-        assert " collected" in collected or "tests collected" in collected
-        assert "error" not in collected.strip().splitlines()[-1], collected[-2000:]
-    run = pytest_in_clone("tests/unit/test_environment.py", "-k", "older_template", "-p", "no:xdist", "-q")
-    assert run.returncode == 0, run.stdout[-3000:]
-    summary = [line for line in run.stdout.splitlines() if "skipped for want of" in line]
-    assert summary and "9 reference chat templates (chatml, gemma-it," in summary[0], run.stdout[-3000:]
-    assert "9 skipped" in run.stdout.splitlines()[-1]
