@@ -220,22 +220,23 @@ def test_each_bad_image_names_its_file_line_and_image_or_is_a_counted_skip(tmp_p
     assert json.loads((skipped.path / "manifest.json").read_text())["dropped"] == {reason: 1}
 
 
-def test_a_bad_image_exits_2_in_one_line_and_a_processor_it_cannot_serve_is_refused(tmp_path, processor, cli_home):
+def test_a_bad_image_exits_2_in_one_line_and_a_processor_it_cannot_serve_is_refused(tmp_path, processor, cli_home,
+                                                                                     api_url):
     directory, _, _ = processor
     data = _write_jsonl(tmp_path / "rows.jsonl", [{"messages": _chat({"type": "image", "image": "nowhere.png"})}])
     result = cli("run", str(data), "--processor", str(directory), "--cache-dir", str(tmp_path / "cache"),
-                 home=cli_home)
+                 home=cli_home, api_url=api_url)
     assert_rejected(result, f"{data}:1: image 1: ", "nowhere.png")
     other = tmp_path / "llava"
     shutil.copytree(directory, other)
     (other / "preprocessor_config.json").write_text(json.dumps({"processor_class": "LlavaProcessor",
                                                                 "image_processor_type": "CLIPImageProcessor"}))
     result = cli("run", str(data), "--processor", str(other), "--cache-dir", str(tmp_path / "cache"),
-                 home=cli_home)
+                 home=cli_home, api_url=api_url)
     assert_rejected(result, "processor 'LlavaProcessor' / 'CLIPImageProcessor' is not supported")
     (other / "preprocessor_config.json").unlink()
     result = cli("run", str(data), "--processor", str(other), "--cache-dir", str(tmp_path / "cache"),
-                 home=cli_home)
+                 home=cli_home, api_url=api_url)
     assert_rejected(result, f"{other}: no processor_config.json or preprocessor_config.json")
 
 
@@ -377,7 +378,7 @@ def test_pixel_values_for_skyrls_reader_equal_the_processors_and_are_bounded(tmp
         assert held < 150_000 + largest_row
 
 
-def test_pixel_values_need_a_qwen_processor_and_decodable_images(tmp_path, processor, pictures, cli_home):
+def test_pixel_values_need_a_qwen_processor_and_decodable_images(tmp_path, processor, pictures, cli_home, api_url):
     directory, _, _ = processor
     data = _write_jsonl(tmp_path / "rows.jsonl", [{"messages": _chat({"type": "image", "image": "cut.jpg"})}])
     photo = pictures["photo"].read_bytes()
@@ -386,12 +387,12 @@ def test_pixel_values_need_a_qwen_processor_and_decodable_images(tmp_path, proce
         run_locally(_options([data], directory, tmp_path / "cache", extra_columns=["pixel_values"]))
     assert run_locally(_options([data], directory, tmp_path / "cache"))  # without pixels, the header is enough
     result = cli("run", str(data), "--tokenizer", str(directory), "--extra-column", "pixel_values",
-                 "--cache-dir", str(tmp_path / "cache"), home=cli_home)
+                 "--cache-dir", str(tmp_path / "cache"), home=cli_home, api_url=api_url)
     assert_rejected(result, "--extra-column pixel_values needs --processor")
     gemma = tmp_path / "gemma"
     gemma3(gemma)
     result = cli("run", str(data), "--processor", str(gemma), "--extra-column", "pixel_values",
-                 "--cache-dir", str(tmp_path / "cache"), home=cli_home)
+                 "--cache-dir", str(tmp_path / "cache"), home=cli_home, api_url=api_url)
     assert_rejected(result, "--extra-column pixel_values: a gemma3 processor's pixels are whole images")
 
 
@@ -439,7 +440,8 @@ def test_by_default_an_image_outside_the_image_root_is_refused_naming_its_row(tm
 
 
 def test_an_image_root_is_where_relative_paths_must_stay_and_the_cli_says_so_in_one_line(tmp_path, processor,
-                                                                                         strangers_data, cli_home):
+                                                                                         strangers_data, cli_home,
+                                                                                         api_url):
     directory, _, _ = processor
     rows = [{"messages": _chat({"type": "image", "image": "photo.img"})},
             {"messages": _chat({"type": "image", "image": "../outside.img"})}]
@@ -450,7 +452,7 @@ def test_an_image_root_is_where_relative_paths_must_stay_and_the_cli_says_so_in_
         run_locally(TokenizeOptions(sources=[str(data)], processor=str(directory), cache_dir=str(tmp_path / "c"),
                                     image_root=str(root)))
     result = cli("run", str(data), "--processor", str(directory), "--image-root", str(root),
-                 "--cache-dir", str(tmp_path / "cache"), home=cli_home)
+                 "--cache-dir", str(tmp_path / "cache"), home=cli_home, api_url=api_url)
     assert_rejected(result, f"{data}:2: image 1: ../outside.img resolves outside the image root",
                     "--image-access local allows it")
 

@@ -34,9 +34,10 @@ from sft_tokenize.server.server_state import server_paths, start_time
 
 
 def run_example(tmp_path: Path, home: Path, *extra: str, sources: list[str] | None = None,
-                env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """`sft-tokenize run` on the bundled example (two files, four slices) into tmp_path/cache."""
-    return cli(*run_args(sources or [EXAMPLE_DATA], tmp_path / "cache", *extra), home=home, env=env)
+                env: dict[str, str] | None = None, api_url: str | None = None) -> subprocess.CompletedProcess:
+    """`sft-tokenize run` on the bundled example (two files, four slices) into tmp_path/cache; on the server at
+    `api_url` if given, else on the embedded one."""
+    return cli(*run_args(sources or [EXAMPLE_DATA], tmp_path / "cache", *extra), home=home, env=env, api_url=api_url)
 
 
 def flow_run_states(home: Path) -> list[str]:
@@ -114,16 +115,17 @@ def test_bad_usage_exits_2(tmp_path, args):
     assert not (home / "prefect.db").exists()  # rejected before any Prefect server started
 
 
-def test_failed_slice_exits_1_and_the_same_command_resumes(tmp_path, prefect_home):
+def test_failed_slice_exits_1_and_the_same_command_resumes(tmp_path, prefect_home, api_url):
     fault_file = tmp_path / "faults"
     fault_file.write_text("1")
-    failed = run_example(tmp_path, prefect_home, "--retries", "0", env={FAULT_FILE_ENV: str(fault_file)})
+    failed = run_example(tmp_path, prefect_home, "--retries", "0", env={FAULT_FILE_ENV: str(fault_file)},
+                         api_url=api_url)
     assert_clean_error(failed, 1, "SlicesFailed", "1 of 4 slices failed", "tokenize-00001", "injected fault")
     staged = staged_slices(TokenizeOptions(**EXAMPLE_SLICES, cache_dir=str(tmp_path / "cache")))
     assert sorted(staged) == [0, 2, 3]
 
     fault_file.unlink()
-    resumed = run_example(tmp_path, prefect_home, env={FAULT_FILE_ENV: str(fault_file)})
+    resumed = run_example(tmp_path, prefect_home, env={FAULT_FILE_ENV: str(fault_file)}, api_url=api_url)
     assert resumed.returncode == 0, resumed.stderr
     assert "tokenizing 4 slices (3 already in the shard store)" in resumed.stderr
     published = sorted(Path(resumed.stdout.splitlines()[-1]).glob("data-*.arrow"))
