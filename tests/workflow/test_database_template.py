@@ -173,11 +173,8 @@ def test_the_template_is_a_migrated_registered_database_and_fresh_homes_copy_it(
     # Recorded as a full boot's database at once: the next boot on it skips the migrations and the block-type check.
     boot = json.loads((tmp_path / "second" / BOOT_RECORD).read_text())
     assert (boot["revision"], boot["block_types"]) == (record["revision"], record["block_types"])
-
-    (template / TEMPLATE_RECORD).write_text(json.dumps({**record, "prefect": "3.0.0"}))  # as another Prefect's
-    _boot(tmp_path / "third", user_cache)
-    assert not _marked(tmp_path / "third" / "prefect.db")  # made from the schema instead
-    assert _database_facts(tmp_path / "third" / "prefect.db")["revision"] == record["revision"]
+    # A template another Prefect made is not copied (test_a_template_made_by_another_prefect_is_not_used): the boot
+    # then makes the database from the schema (test_a_fresh_home_is_made_from_the_schema_…).
 
 
 def _contents(database: Path) -> dict[str, object]:
