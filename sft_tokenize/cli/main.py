@@ -346,7 +346,7 @@ def gc(args: argparse.Namespace) -> int:
 
 def server(args: argparse.Namespace) -> int:
     """`server status` / `server stop`: the embedded Prefect server of this PREFECT_HOME."""
-    from sft_tokenize.server.embedded_server import server_status, stop_server
+    from sft_tokenize.server.server_commands import server_status, stop_server
 
     if args.action == "status":
         for name, value in server_status():

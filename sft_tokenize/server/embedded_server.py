@@ -67,22 +67,21 @@ from prefect.settings import (
     temporary_settings,
 )
 
-from sft_tokenize.errors import Failed, first_line
+from sft_tokenize.errors import first_line
 from sft_tokenize.files import is_locked, locked
-from sft_tokenize.server.resident_processes import resident_processes, tree_pss
 from sft_tokenize.server.server_fork import ForkedServer, single_threaded, take_early
 from sft_tokenize.server.server_state import (
     DEFAULT_SERVER_IDLE,
     SERVER_APP,
     SERVER_IDLE_ENV,
-    SHUTDOWN_TIMEOUT,
-    count_leases,
+    answers,
     is_running,
+    local_client,
     recorded_server,
     server_paths,
     start_time,
     stopped_by_command,
-    stopped_path,
+    terminate,
     write_state,
 )
 
@@ -141,34 +140,6 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def _local_client() -> httpx.Client:
-    """A client for the embedded server, which answers plain HTTP on 127.0.0.1: no TLS, so no CA bundle to load
-    (~15 ms of a core for each client otherwise)."""
-    return httpx.Client(verify=False)
-
-
-def _health(url: str, client: httpx.Client, timeout: float = 2) -> bool:
-    try:
-        return client.get(f"{url}/health", timeout=timeout).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-def _terminate(pid: int, started: int | None, stop: int = signal.SIGTERM, timeout: float = 10) -> None:
-    """Signal the process (`pid`, `started`) and wait until it is gone, killing it after `timeout` seconds."""
-    if not is_running(pid, started):
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, stop)
-    deadline = time.monotonic() + timeout
-    while is_running(pid, started):
-        if time.monotonic() > deadline:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-            deadline = float("inf")
-        time.sleep(0.05)
 
 
 def check_api_reachable(url: str, timeout: float = API_CHECK_TIMEOUT) -> None:
@@ -296,8 +267,8 @@ class EmbeddedServer:
     def wait_until_ready(self) -> None:
         timeout = max(STARTUP_TIMEOUT, get_current_settings().server.ephemeral.startup_timeout_seconds)
         deadline = time.monotonic() + timeout
-        with _local_client() as client:
-            while not _health(self.url, client):
+        with local_client() as client:
+            while not answers(self.url, client):
                 if not self._alive():
                     code = f" with code {self.process.returncode}" if self.process is not None else ""
                     raise ServerUnavailable(f"the embedded Prefect server (pid {self.pid}) exited{code} while "
@@ -385,8 +356,8 @@ class EmbeddedServer:
     def _answers(self) -> bool:
         """The server has booted: this run saw it answer, or it answers now (a warm server this run joined)."""
         if not self.answered and self.url is not None:
-            with _local_client() as client:
-                self.answered = _health(self.url, client, timeout=1)
+            with local_client() as client:
+                self.answered = answers(self.url, client, timeout=1)
         return self.answered
 
     def release(self) -> None:
@@ -420,41 +391,7 @@ class EmbeddedServer:
                 self.process.kill()
                 self.process.wait()
             return
-        _terminate(self.pid, self.started, stop)
-
-
-class ServerInUse(Failed):
-    """`server stop` without --force while runs use the server."""
-
-
-def _seconds(value: float) -> str:
-    return f"{max(0, round(value))} s"
-
-
-def server_status() -> list[tuple[str, str]]:
-    """`sft-tokenize server status`: the facts about this PREFECT_HOME's embedded server, one per line."""
-    home = Path(get_current_settings().home)
-    _, state_path, lease_path = server_paths(home)
-    where = [("PREFECT_HOME", str(home)), ("log", str(home / "embedded-server.log"))]
-    state = recorded_server(state_path)
-    if state is None:
-        return [("embedded server", "not running"), *where]
-    with _local_client() as client:
-        answering = _health(state["url"], client, timeout=1)
-    runs, idle = count_leases(lease_path), float(state.get("idle", 0))
-    if runs:
-        left = "in use"
-    elif idle <= 0:
-        left = "none: stopping"
-    else:
-        left = f"{_seconds(idle - (time.time() - state.get('idle_since', time.time())))} left of {_seconds(idle)}"
-    uptime = float(Path("/proc/uptime").read_text().split()[0]) - state["started"] / os.sysconf("SC_CLK_TCK")
-    waiting = ", ".join(f"pid {found['pid']} ({'ready' if found['ready'] else 'importing'}, "
-                        f"{tree_pss(found['pid']) / 2**20:,.0f} MiB PSS)"
-                        for found in resident_processes(home))
-    return [("embedded server", "running" if answering else "running, starting (not answering yet)"),
-            ("pid", str(state["pid"])), ("url", state["url"]), ("uptime", _seconds(uptime)),
-            ("runs using it", str(runs)), ("idle time", left), ("resident process", waiting or "none"), *where]
+        terminate(self.pid, self.started, stop)
 
 
 def idle_server() -> dict | None:
@@ -465,27 +402,3 @@ def idle_server() -> dict | None:
     if state is None or settings.api.url not in (None, state["url"]):
         return None
     return {"pid": state["pid"], "started": state["started"]}
-
-
-def stop_server(force: bool = False) -> str:
-    """`sft-tokenize server stop`: stop this PREFECT_HOME's embedded server and wait until its process is gone.
-    Refused (ServerInUse) while runs use it, unless `force` (those runs then fail)."""
-    home = Path(get_current_settings().home)
-    lock_path, state_path, lease_path = server_paths(home)
-    if not state_path.exists():
-        return "no embedded server is running"
-    with locked(lock_path):  # no run joins meanwhile; a server ending itself holds it until it is gone
-        state = recorded_server(state_path)
-        if state is None:
-            return "no embedded server is running"
-        runs = max(1, count_leases(lease_path)) if is_locked(lease_path) else 0
-        if runs and not force:
-            raise ServerInUse(f"the embedded server (pid {state['pid']}) is in use by "
-                              f"{'1 run: let it' if runs == 1 else f'{runs} runs: let them'} finish, or pass "
-                              "--force (they fail)")
-        if runs:  # read by those runs' watch threads: they end at once, saying who stopped their server
-            write_state(stopped_path(home), {"pid": state["pid"], "started": state["started"], "by": os.getpid()})
-        _terminate(state["pid"], state["started"], timeout=SHUTDOWN_TIMEOUT)
-        state_path.unlink(missing_ok=True)
-    used = "" if not runs else "; 1 run was using it" if runs == 1 else f"; {runs} runs were using it"
-    return f"stopped the embedded server (pid {state['pid']}) of PREFECT_HOME {home}{used}"

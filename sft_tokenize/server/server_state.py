@@ -18,16 +18,24 @@ and one more, written by `sft-tokenize server stop` before it stops a server tha
 Every run writes its own idle time into the .json when it joins and when it leaves (the last writer wins), and
 the last to leave also writes "idle_since". The kernel drops a lease when its process dies, however it dies, so
 the leases are always the runs alive now. A server is named by its pid and start time together: the same pid
-with another start time is another process, and the server it recorded is gone.
+with another start time is another process, and the server it recorded is gone. Whether a recorded server answers
+and how it is stopped are here too: a run and `server status`/`stop` (server/server_commands.py) both ask.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
+import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sft_tokenize.files import atomic_write
+
+if TYPE_CHECKING:
+    import httpx
 
 SERVER_IDLE_ENV = "SFT_TOKENIZE_SERVER_IDLE"  # the default of --server-idle (the test suite sets 0)
 DEFAULT_SERVER_IDLE = 300  # seconds a server stays up once its last run has left
@@ -96,3 +104,36 @@ def count_leases(lease_path: Path) -> int:
     ident = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}:{info.st_ino}"
     return sum(1 for fields in map(str.split, lines) if fields[1:2] == ["FLOCK"] and fields[3:4] == ["READ"]
                and fields[5:6] == [ident])
+
+
+def local_client() -> httpx.Client:
+    """A client for the embedded server, which answers plain HTTP on 127.0.0.1: no TLS, so no CA bundle to load
+    (~15 ms of a core for each client otherwise)."""
+    import httpx  # here: every command imports this module, and most never ask a server anything
+
+    return httpx.Client(verify=False)
+
+
+def answers(url: str, client: httpx.Client, timeout: float = 2) -> bool:
+    """The server at `url` answers its health check within `timeout` seconds."""
+    import httpx
+
+    try:
+        return client.get(f"{url}/health", timeout=timeout).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def terminate(pid: int, started: int | None, stop: int = signal.SIGTERM, timeout: float = 10) -> None:
+    """Signal the process (`pid`, `started`) and wait until it is gone, killing it after `timeout` seconds."""
+    if not is_running(pid, started):
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, stop)
+    deadline = time.monotonic() + timeout
+    while is_running(pid, started):
+        if time.monotonic() > deadline:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            deadline = float("inf")
+        time.sleep(0.05)

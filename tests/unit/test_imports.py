@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import functools
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -262,3 +263,27 @@ def test_no_private_name_crosses_a_module():
                       and (node.module or "").startswith("sft_tokenize") for alias in node.names
                       if alias.name.startswith("_") and not alias.name.startswith("__"))
     assert crossing == []
+
+
+SERVER_COMMANDS = """
+import json, sys
+from sft_tokenize.cli.main import main
+codes = [main(["server", "status"]), main(["server", "stop"])]
+print(json.dumps({"codes": codes, "prefect": sorted(m for m in sys.modules if m.split(".")[0] == "prefect")}))
+"""
+
+
+@pytest.mark.parametrize("named", [True, False])
+def test_server_status_and_stop_import_prefect_only_for_a_home_the_environment_leaves_unnamed(tmp_path, named):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env["HOME"] = str(tmp_path)  # Prefect's default home: ~/.prefect
+    if named:
+        env["PREFECT_HOME"] = "~/elsewhere"  # expanded, as Prefect's setting expands it
+    done = subprocess.run([sys.executable, "-c", SERVER_COMMANDS], capture_output=True, text=True, env=env,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    result = json.loads(lines[-1])
+    assert result["codes"] == [0, 0] and bool(result["prefect"]) is not named
+    home = tmp_path / ("elsewhere" if named else ".prefect")
+    assert f"PREFECT_HOME: {home}" in lines and "no embedded server is running" in lines
