@@ -212,18 +212,22 @@ def prefect_env(env: dict[str, str], mode: str, work: Path) -> dict[str, str]:
             "SFT_TOKENIZE_HOME": str(work / "sft-home")}
 
 
-def warm_up_prefect(env: dict[str, str], work: Path, tokenizer: Path | None = None, extra: list[str] = ()) -> None:
+def warm_up_prefect(env: dict[str, str], work: Path, tokenizer: Path | None = None, extra: list[str] = (),
+                    resident: bool = False) -> None:
     """Untimed, as on any machine where Prefect and this tokenizer are already in use: create the Prefect database,
     prepare the tokenizer, and (SFT_TOKENIZE_SERVER_IDLE above 0) leave the embedded server up. `extra`: the run's
-    own flags (`--encoder hf`), so that what it prepares is what the timed runs use."""
+    own flags (`--encoder hf`), so that what it prepares is what the timed runs use. `resident`: for timed runs
+    that pass `--resident`, also leave the resident process ready; others would have it importing and idle beside
+    them, which no user who did not ask for one has."""
     home = Path(env["PREFECT_HOME"])
     home.mkdir(parents=True, exist_ok=True)  # SQLite cannot create the database under a missing directory
     print("warming up: the Prefect database, the tokenizer, the server (untimed) ...", flush=True)
     command = project_command([ROOT / "examples" / "data"], tokenizer or ROOT / "examples" / "tokenizer",
-                              work / "warm-up", 1, [*extra, "--resident"])
+                              work / "warm-up", 1, [*extra, *(["--resident"] if resident else [])])
     measure(command, env=env, cwd=ROOT, log=work / "logs" / "prefect-warm-up.log")
     shutil.rmtree(work / "warm-up", ignore_errors=True)
-    wait_for_resident(env)
+    if resident:
+        wait_for_resident(env)
 
 
 def stop_server(env: dict[str, str]) -> None:
@@ -692,7 +696,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.prefect == "warm":  # cold runs get fresh homes each (project_env): nothing is prepared for them
         warm = prefect_env(env, "warm", work)
         for name in (n for n in args.only if n.startswith("project")):
-            warm_up_prefect(warm, work, tokenizer, ["--encoder", "hf"] if name == "project-hf" else [])
+            warm_up_prefect(warm, work, tokenizer, ["--encoder", "hf"] if name == "project-hf" else [], resident=True)
 
     report = {"command": shlex.join(["python", "benchmarks/run.py", *(sys.argv[1:] if argv is None else argv)]),
               "machine": machine(), "scale": args.scale, "workers": args.workers, "sizes": args.sizes,
