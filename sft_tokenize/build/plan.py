@@ -29,7 +29,7 @@ from sft_tokenize.build.workers import process_encoding, ready_processes
 from sft_tokenize.chat.mask_settings import MaskSettings
 from sft_tokenize.chat.template_check import check_chat_template
 from sft_tokenize.encoding.chat_encoder import ChatEncoder
-from sft_tokenize.encoding.pool import POOL_MIN_BYTES
+from sft_tokenize.encoding.cores import POOL_MIN_BYTES
 from sft_tokenize.encoding.prepared import prepared_dir
 from sft_tokenize.encoding.tokenizer import read_chat_template, read_processor_config, resolve_tokenizer
 from sft_tokenize.encoding.vision import load_family

@@ -32,7 +32,7 @@ from sft_tokenize.flags import (
     shown_default,
 )
 from sft_tokenize.flows.run_options import RUN_OPTIONS, TokenizeRun
-from sft_tokenize.read.packing_index import PACK, PackOptions
+from sft_tokenize.read.packing_options import PACK, PackOptions
 from sft_tokenize.server.server_state import DEFAULT_SERVER_IDLE, SERVER_IDLE_ENV
 
 PROG = "sft-tokenize"

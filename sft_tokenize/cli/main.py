@@ -86,7 +86,7 @@ def plan_only(args: argparse.Namespace, settings: dict) -> int:
     from sft_tokenize.flows.report import plan_summary, text_table
 
     overrides = {key: settings[key] for key in ("tokenizer", "cache_dir") if settings[key]}
-    from sft_tokenize.encoding.pool import available_cores
+    from sft_tokenize.encoding.cores import available_cores
 
     workers = settings.get("workers") or available_cores()  # as the run counts them (run_options.worker_count)
     for k, (cache_path, found) in enumerate(plan_runs(settings, workers, args.recipe, overrides)):

@@ -49,23 +49,13 @@ from typing import Any
 
 from sft_tokenize.chat.mask_settings import MaskSettings
 from sft_tokenize.encoding.chat_encoder import ChatEncoder, EncodedBatch
+from sft_tokenize.encoding.cores import available_cores
 from sft_tokenize.encoding.exact import rebuilt_encoder
 from sft_tokenize.encoding.memory import limit_malloc_arenas, trim_malloc
 from sft_tokenize.encoding.prepared import PartsTokenizer, TokenizerParts
 from sft_tokenize.encoding.vision import VisionFamily
 
 DEPTH = 2  # a slice's batches in flight: one being encoded while its thread reads the next
-# Below this much input to tokenize, starting the pool (~1 s of CPU a process) costs more than it saves.
-POOL_MIN_BYTES = 64 * 10**6
-
-
-def available_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
 def tokenizer_env(tokenizer_threads: int) -> dict[str, str]:
     """HF tokenizers (rayon) and fastokens size their thread pools from these; by default every process would
     take all the cores, and each fastokens thread keeps its own buffers (~30 MiB on a 32k vocabulary)."""

@@ -25,7 +25,7 @@ from sft_tokenize.errors import BadInput
 from sft_tokenize.export.output import ExportOutput
 from sft_tokenize.read.bin_packing import best_fit_decreasing
 from sft_tokenize.read.packed_sequences import PackedSequences
-from sft_tokenize.read.packing_index import PackOptions
+from sft_tokenize.read.packing_options import PackOptions
 from sft_tokenize.read.row_batches import Rows, row_batches
 
 INDEX_HEADER = b"MMIDIDX\x00\x00"  # Megatron-Core's _INDEX_HEADER, then version 1 as <Q

@@ -9,9 +9,9 @@ from typing import Annotated, Literal
 from pydantic import Field, ValidationInfo, field_validator
 
 from sft_tokenize.build.options import SLICES, VERSIONS, TokenizeOptions
-from sft_tokenize.encoding.pool import POOL_MIN_BYTES, available_cores
+from sft_tokenize.encoding.cores import POOL_MIN_BYTES, available_cores
 from sft_tokenize.flags import MAX_ENCODE_PROCESSES, Flag, encode_pool_size, positive_int
-from sft_tokenize.read.packing_index import PackOptions
+from sft_tokenize.read.packing_options import PackOptions
 from sft_tokenize.tasks import GROUP_ABOVE, GROUP_SIZE, RETRIES
 
 

@@ -21,8 +21,9 @@ from sft_tokenize.build.workers import (
     settle_encoder,
     warm_encoder,
 )
+from sft_tokenize.encoding.cores import available_cores
 from sft_tokenize.encoding.memory import limit_malloc_arenas
-from sft_tokenize.encoding.pool import available_cores, tokenizer_env
+from sft_tokenize.encoding.pool import tokenizer_env
 from sft_tokenize.files import with_timeouts
 from sft_tokenize.fingerprint import fingerprint
 from sft_tokenize.flows.cluster import dask_runner, ray_runner

@@ -11,9 +11,10 @@ rows, end to end) in one vectorised step inside the shard writer: no second pass
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
 Layout = Literal["skyrl", "trl", "axolotl", "llama-factory"]
 IGNORE_INDEX = -100  # the label of a token that is not trained (PyTorch's cross-entropy default)
@@ -35,6 +36,8 @@ def layout_columns(layout: str, extra_columns: tuple[str, ...] = ()) -> tuple[st
 
 def column_values(name: str, input_ids: np.ndarray, loss_mask: np.ndarray) -> np.ndarray:
     """One column's flat values for a batch, from its flat token ids and 0/1 loss mask."""
+    import numpy as np  # here: the command line reads the layouts' names before it knows it will write a column
+
     if name == "input_ids":
         return input_ids
     if name == "loss_mask":

@@ -18,14 +18,12 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
 
 from sft_tokenize.errors import BadInput, CacheError
 from sft_tokenize.files import built_directory, locked, write_problem
-from sft_tokenize.flags import MAX_DATA_PARALLEL, MAX_SEQUENCE_TOKENS, Flag, data_parallel_ranks, sequence_length
 from sft_tokenize.format.layout import (
     BUILDING_SUFFIX,
     INDEX_BUILD,
@@ -39,6 +37,7 @@ from sft_tokenize.format.layout import (
 from sft_tokenize.read.bin_packing import ALGORITHMS, arrange_for_ranks
 from sft_tokenize.read.cache import TokenizedCache, open_cache
 from sft_tokenize.read.index_arrays import mapped_arrays, write_npy
+from sft_tokenize.read.packing_options import PackOptions
 from sft_tokenize.version import __version__
 
 if TYPE_CHECKING:
@@ -46,30 +45,6 @@ if TYPE_CHECKING:
 
 INDEX_VERSION = 1
 INDEX_FILES = ("bins.npy", "rows.npy")
-Algorithm = Literal["bfd", "ffd"]
-PACK = "pack"  # the flags of `sft-tokenize pack`
-
-
-class PackOptions(BaseModel):
-    """How to pack a cache: the `pack` command's options and the flow's `pack` parameter, each declared once."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    length: Annotated[int, Flag(PACK, metavar="N", parse=sequence_length)] = Field(
-        gt=0, le=MAX_SEQUENCE_TOKENS, description="tokens per packed sequence: no bin holds more")
-    data_parallel: Annotated[int, Flag(PACK, metavar="R", parse=data_parallel_ranks)] = Field(
-        1, ge=1, le=MAX_DATA_PARALLEL, description="data-parallel ranks: every rank gets the same number of bins, "
-                                                   "and the bins of one step hold nearly the same number of tokens")
-    algorithm: Annotated[Algorithm, Flag(PACK)] = Field(
-        "bfd", description="bfd: best-fit decreasing; ffd: first-fit decreasing")
-    index_dir: Annotated[str | None, Flag(PACK, metavar="DIR")] = Field(
-        None, description="write the index under DIR instead of beside the cache (for a read-only cache root)")
-
-    @property
-    def key(self) -> str:
-        return f"n{self.length}-r{self.data_parallel}-{self.algorithm}"
-
-
 def open_rows(path: str | Path) -> TokenizedCache | MixedRows:
     """The rows at `path`: a published cache, or a mixture index over several (a directory with mixture.json)."""
     if is_mixture(path):

@@ -265,6 +265,16 @@ def test_no_private_name_crosses_a_module():
     assert crossing == []
 
 
+def test_the_command_line_reads_its_options_without_the_encoder_numpy_or_pyarrow():
+    """Every command parses its arguments first (`--help`, a usage error, `server status` end there): the options'
+    declarations load neither the encoder nor the array libraries (0.18 s of CPU against 0.55 s with them)."""
+    loaded = loaded_after_importing(["sft_tokenize.cli.main"])
+    heavy = {"numpy", "pyarrow", "jinja2", "tokenizers", "prefect", "fsspec"}
+    assert {m.split(".")[0] for m in loaded} & heavy == set()
+    ours = {m for m in loaded if m.startswith(("sft_tokenize.encoding.", "sft_tokenize.chat."))}
+    assert ours <= {"sft_tokenize.encoding.cores"}
+
+
 SERVER_COMMANDS = """
 import json, sys
 from sft_tokenize.cli.main import main
