@@ -56,6 +56,8 @@ from sft_tokenize.encoding.prepared import PartsTokenizer, TokenizerParts
 from sft_tokenize.encoding.vision import VisionFamily
 
 DEPTH = 2  # a slice's batches in flight: one being encoded while its thread reads the next
+
+
 def tokenizer_env(tokenizer_threads: int) -> dict[str, str]:
     """HF tokenizers (rayon) and fastokens size their thread pools from these; by default every process would
     take all the cores, and each fastokens thread keeps its own buffers (~30 MiB on a 32k vocabulary)."""

@@ -45,6 +45,8 @@ if TYPE_CHECKING:
 
 INDEX_VERSION = 1
 INDEX_FILES = ("bins.npy", "rows.npy")
+
+
 def open_rows(path: str | Path) -> TokenizedCache | MixedRows:
     """The rows at `path`: a published cache, or a mixture index over several (a directory with mixture.json)."""
     if is_mixture(path):
