@@ -15,7 +15,7 @@ from pathlib import Path
 
 from sft_tokenize.errors import Failed
 from sft_tokenize.files import is_locked, locked
-from sft_tokenize.server.resident_processes import resident_processes, tree_pss
+from sft_tokenize.server.resident_processes import prefect_home, resident_processes, tree_pss
 from sft_tokenize.server.server_state import (
     SHUTDOWN_TIMEOUT,
     answers,
@@ -33,10 +33,11 @@ class ServerInUse(Failed):
     """`server stop` without --force while runs use the server."""
 
 
-def prefect_home() -> Path:
-    """The PREFECT_HOME Prefect would use: the environment's, as Prefect reads it, else Prefect's setting."""
-    if home := os.environ.get("PREFECT_HOME"):
-        return Path(home).expanduser()
+def _home() -> Path:
+    """The PREFECT_HOME Prefect would use: the environment's (read as the resident's finder reads it), else
+    Prefect's setting."""
+    if os.environ.get("PREFECT_HOME"):
+        return Path(prefect_home(os.environ))
     from prefect.settings import get_current_settings
 
     return Path(get_current_settings().home)
@@ -48,7 +49,7 @@ def _seconds(value: float) -> str:
 
 def server_status() -> list[tuple[str, str]]:
     """`sft-tokenize server status`: the facts about this PREFECT_HOME's embedded server, one per line."""
-    home = prefect_home()
+    home = _home()
     _, state_path, lease_path = server_paths(home)
     where = [("PREFECT_HOME", str(home)), ("log", str(home / "embedded-server.log"))]
     state = recorded_server(state_path)
@@ -75,7 +76,7 @@ def server_status() -> list[tuple[str, str]]:
 def stop_server(force: bool = False) -> str:
     """`sft-tokenize server stop`: stop this PREFECT_HOME's embedded server and wait until its process is gone.
     Refused (ServerInUse) while runs use it, unless `force` (those runs then fail)."""
-    home = prefect_home()
+    home = _home()
     lock_path, state_path, lease_path = server_paths(home)
     if not state_path.exists():
         return "no embedded server is running"
