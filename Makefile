@@ -45,11 +45,11 @@ MEGATRON_BRIDGE ?= megatron-bridge==0.3.1
 # The test install goes through uv, installed into the virtualenv by pip: it downloads and compiles in parallel
 # (torch and the extras in 27 s on a clean clone here, against 68 s with pip). --compile-bytecode, as pip does by
 # default: test processes import from site-packages by the hundred.
+UV := $(BIN)/uv pip install -q --python $(BIN)/python --compile-bytecode \
+	$(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS))
 # The tests, benchmarks and their helpers are imported by every worker and by the scripts the tests start: pytest
 # runs (here and in test-fast) with their bytecode kept, its rewritten modules included, even where the environment
 # says not to (PYTHONDONTWRITEBYTECODE): a second collection of the suite then takes 4.2 s of CPU, not 6-8 s.
-UV := $(BIN)/uv pip install -q --python $(BIN)/python --compile-bytecode \
-	$(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS))
 test: $(BIN)/python
 	$(BIN)/pip install -q uv
 	$(if $(TORCH_INDEX),$(UV) --index-url $(TORCH_INDEX) '$(TORCH)')
