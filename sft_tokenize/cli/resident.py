@@ -59,6 +59,7 @@ from sft_tokenize.server.resident_processes import (
     resident_processes,
 )
 from sft_tokenize.server.server_state import is_running
+from sft_tokenize.startup_gc import pause_collector
 
 RESIDENT_FLAG = "--resident"
 RECORD = "sft-tokenize-resident.json"  # in PREFECT_HOME: how long the last resident took to prepare and get ready
@@ -257,6 +258,8 @@ def console_main() -> None:
     fits."""
     global _command_env
     _command_env = dict(os.environ)
+    if sys.argv[1:2] == ["run"]:  # until its flow starts (flows/api.py), and in the early server until it serves
+        pause_collector()
     if requested(sys.argv):
         try:
             code = run_in_resident(sys.argv) if _hands_over(sys.argv) else None

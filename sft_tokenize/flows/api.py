@@ -26,6 +26,7 @@ from sft_tokenize.build.timeline import mark
 from sft_tokenize.errors import BadInput, Failed, first_line
 from sft_tokenize.files import write_problem
 from sft_tokenize.flows.run_options import RUN_OPTIONS  # tokenize()'s options beyond TokenizeOptions
+from sft_tokenize.startup_gc import resume_collector
 
 # What a run imports after its plan: its flow's modules, Prefect's engines and what they import on first use,
 # and the tokenizer libraries (fastokens is an optional extra). Not transformers: see chat/hf_jinja.py.
@@ -196,6 +197,9 @@ def _run_flow(options: Any, server: Any, progress: Callable[[Any], Any] | None, 
         if server:
             with _importing_run_modules():
                 server.use()
+        else:
+            import_run_modules()  # what the flow imports on first use, before the collector resumes
+        resume_collector()
         mark("server")
         if progress is None:
             return _location(tokenize_dataset(options))

@@ -49,6 +49,7 @@ from sft_tokenize.files import atomic_path, atomic_write, is_locked, temp_path
 from sft_tokenize.server import busy_retry
 from sft_tokenize.server.prefect_migrations import create_from_schema, migrate_sqlite
 from sft_tokenize.server.server_state import SHUTDOWN_TIMEOUT, recorded_server, server_paths, write_state
+from sft_tokenize.startup_gc import pause_collector, resume_collector
 
 BOOT_RECORD = "sft-tokenize-server-boot.json"
 DATABASE_TEMPLATES = "prefect-databases"  # under the user cache
@@ -289,6 +290,7 @@ def serve(port: int) -> None:
 
     import uvicorn
 
+    pause_collector()  # until it serves (a forked server is paused already)
     home = Path(get_current_settings().home)
     lock_path, state_path, lease_path = server_paths(home)
     blocks_pending = False
@@ -304,6 +306,7 @@ def serve(port: int) -> None:
     class Server(uvicorn.Server):
         async def startup(self, sockets: list | None = None) -> None:
             await super().startup(sockets=sockets)
+            resume_collector()
             if in_full and self.started:  # recorded now: a run with no idle time stops the server once it answers
                 _record_boot(home / BOOT_RECORD)
 

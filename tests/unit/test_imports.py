@@ -19,7 +19,7 @@ from sft_tokenize.read.cache import open_cache
 PACKAGE = Path(__file__).resolve().parents[2] / "sft_tokenize"
 DATA_PLANE = ("sources", "chat", "encoding", "build", "read", "export", "consumers", "format")
 # the base layer, which every layer may use
-BASE = ("errors", "files", "remote_requests", "fingerprint", "version", "format", "flags")
+BASE = ("errors", "files", "remote_requests", "fingerprint", "version", "format", "flags", "startup_gc")
 
 
 def modules(subpackage: str | None = None) -> list[str]:
