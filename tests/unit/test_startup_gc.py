@@ -11,9 +11,8 @@ CHECK = """
 import gc, json, os
 from sft_tokenize.startup_gc import pause_collector, resume_collector
 
-seen = {"untouched": []}
 resume_collector()  # never paused: nothing changes
-seen["untouched"] = [gc.isenabled(), gc.get_freeze_count()]
+seen = {"untouched": [gc.isenabled(), gc.get_freeze_count()]}
 pause_collector()
 seen["paused"] = gc.isenabled()
 read, write = os.pipe()
