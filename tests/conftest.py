@@ -8,6 +8,7 @@ the data plane's lane, which starts no Prefect server, no cluster and no CLI sub
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import shutil
 import subprocess
@@ -33,6 +34,15 @@ from support.remote_caches import RemoteCache, publish_remote
 from support.runs import Background
 from support.servers import shared_prefect_server, stop_shared_server
 
+from sft_tokenize.startup_gc import pause_collector, resume_collector
+
+# Each pytest process collects the suite (importing Prefect, datasets, transformers, torch) as a run's process
+# starts (sft_tokenize/startup_gc.py): the collector paused until the tests are collected, what they imported then
+# frozen. After each module its survivors (session fixtures, caches) are frozen too: the collector's full
+# collections, which walk every object it tracks, walked them again and again otherwise (a quarter of a worker's
+# CPU in some modules).
+pause_collector()
+
 # The project's own hub access is offline in every test and every process a test starts; whether the reference
 # templates may be downloaded is the user's HF_HUB_OFFLINE, kept first (workers inherit both).
 os.environ.setdefault(USERS_OFFLINE, os.environ.get("HF_HUB_OFFLINE", ""))
@@ -49,6 +59,11 @@ if "SFT_TOKENIZE_HOME" not in os.environ:
 # starts: CLI runs, Dask and Ray workers, served flows. They act only where a test sets their variable.
 faults.install()
 os.environ["PYTHONPATH"] = os.pathsep.join([str(faults.SITE_DIR), *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session: pytest.Session) -> None:
+    resume_collector()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -111,6 +126,9 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
         return (yield)
     finally:
         lanes.current = None
+        if nextitem is None or nextitem.module is not item.module:  # its module's fixtures are torn down
+            gc.collect()
+            gc.freeze()
 
 
 @pytest.fixture(autouse=True)

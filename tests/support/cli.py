@@ -25,10 +25,12 @@ def environment(home: Path, api_url: str | None = None, *, startup_timeout: int 
     server at `api_url`, or none (the CLI then starts its embedded one); `extra` on top, None removing a variable.
 
     A busy 2-core machine can take longer than Prefect's default 20 s to start the embedded server, hence
-    `startup_timeout`; None keeps Prefect's default."""
+    `startup_timeout`; None keeps Prefect's default. The early server (server/server_fork.py) is forked only where
+    a test asks for it (SFT_TOKENIZE_EARLY_SERVER=1): left to the machine's load, whether a run forks it would
+    differ from one run of the suite to the next, and a run refused while it plans would boot one for nothing."""
     environ: dict[str, str | None] = {k: v for k, v in os.environ.items()
                                       if not k.startswith("PREFECT_") and k != FAULT_FILE_ENV}
-    environ.update(PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    environ.update(PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false", SFT_TOKENIZE_EARLY_SERVER="0")
     if startup_timeout is not None:
         environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = str(startup_timeout)
     if api_url:

@@ -83,10 +83,10 @@ def test_run_prints_the_cache_path_last_and_inspect_summarizes_it(tmp_path, pref
     assert "tokenizing" not in again.stderr and (prefect_home / "prefect.db").stat().st_mtime_ns == flow_runs
 
 
-def test_malformed_jsonl_line_exits_2_naming_the_file_and_line(tmp_path, prefect_home):
+def test_malformed_jsonl_line_exits_2_naming_the_file_and_line(tmp_path, prefect_home, api_url):
     rows = [json.dumps(row) for row in example_rows()[:5]]
     bad = write_jsonl(tmp_path / "bad.jsonl", rows[:3] + ['{"messages": [{"role": "user", "content": "hi"'] + rows[3:])
-    result = run_example(tmp_path, prefect_home, sources=[str(bad)])
+    result = run_example(tmp_path, prefect_home, sources=[str(bad)], api_url=api_url)
     assert_clean_error(result, 2, f"{bad}:4:", "not valid JSON")
     assert "Retry" not in result.stderr  # bad data fails the same way every time: no retries
 
@@ -190,10 +190,10 @@ def test_a_run_loads_no_torch_a_later_one_no_transformers_and_a_cache_hit_no_pre
     assert hit.stdout == first.stdout and loaded == [], loaded
 
 
-def test_the_cli_takes_the_encoder_flag(tmp_path, cli_home):
+def test_the_cli_takes_the_encoder_flag(tmp_path, cli_home, api_url):
     """`sft-tokenize run --encoder fastokens` in a subprocess gives the cache HF's tokenizers give."""
     done = cli("run", str(EXAMPLE_DATA), "--tokenizer", str(EXAMPLE_TOKENIZER), "--cache-dir", str(tmp_path / "fast"),
-               "--encoder", "fastokens", "--shard-size", "100KB", home=cli_home)
+               "--encoder", "fastokens", "--shard-size", "100KB", home=cli_home, api_url=api_url)
     assert done.returncode == 0, done.stderr
     fast = Path(done.stdout.strip().splitlines()[-1])
     hf = run_locally(TokenizeOptions(sources=[str(EXAMPLE_DATA)], tokenizer=str(EXAMPLE_TOKENIZER),

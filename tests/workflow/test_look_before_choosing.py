@@ -28,7 +28,7 @@ def test_inspect_lengths_prints_the_histograms_and_the_table_and_the_same_as_jso
     assert_clean_error(bad, 2, "--at")
 
 
-def test_plan_only_writes_nothing_starts_no_prefect_and_says_what_a_run_would_do(tmp_path, cli_home):
+def test_plan_only_writes_nothing_starts_no_prefect_and_says_what_a_run_would_do(tmp_path, cli_home, api_url):
     root, home = tmp_path / "cache", cli_home
     home.mkdir()
     dry = cli(*run_args([EXAMPLE_DATA], root, "--plan-only"), home=home)
@@ -38,7 +38,7 @@ def test_plan_only_writes_nothing_starts_no_prefect_and_says_what_a_run_would_do
     assert fields["cache"].endswith(": not published") and fields["slices"].startswith("4 (340 kB")
     assert fields["stored"].startswith("0 slices")
     estimated = int(re.search(r"about [\d,]+ rows, ([\d,]+) tokens", fields["estimate"])[1].replace(",", ""))
-    built = cli(*run_args([EXAMPLE_DATA], root), home=home)
+    built = cli(*run_args([EXAMPLE_DATA], root), home=home, api_url=api_url)
     assert built.returncode == 0, built.stderr
     tokens = json.loads((root / built.stdout.split()[-1].rsplit("/", 1)[1] / "manifest.json").read_text())["tokens"]
     assert abs(estimated - tokens) <= 0.1 * tokens
