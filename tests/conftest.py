@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import json
 import os
 import shutil
 import subprocess
@@ -235,6 +236,28 @@ def image_files(tmp_path_factory) -> dict[str, Path]:
             paths[name] = folder / f"{name}.img"
             paths[name].write_bytes(data)
     return paths
+
+
+@pytest.fixture(scope="session")
+def image_chats(tmp_path_factory) -> tuple[dict, dict[str, bytes]]:
+    """Image chats, a processor and the options that tokenize them; and the data files a local run writes from
+    them: what every runner must match byte for byte (support.flows.assert_image_run_writes)."""
+    from support.images import write_image_chats
+    from support.vision import qwen_vl
+
+    from sft_tokenize.build.options import TokenizeOptions
+    from sft_tokenize.build.protocol import run_locally
+
+    base = tmp_path_factory.mktemp("image-chats")
+    processor = base / "processor"
+    processor.mkdir()
+    qwen_vl(processor)
+    inputs = [str(p) for p in write_image_chats(base / "data")]
+    options = {"sources": inputs, "processor": str(processor), "shard_size": "2KB"}
+    local = run_locally(TokenizeOptions(**options, cache_dir=str(base / "local")))
+    want = {p.name: p.read_bytes() for p in sorted(local.glob("data-*.arrow"))}
+    assert len(want) >= 3 and json.loads((local / "manifest.json").read_text())["images"]["images"] > 20
+    return options, want
 
 
 @pytest.fixture(scope="session", params=["gemma3", "qwen2.5-vl"])

@@ -1,12 +1,21 @@
 """Flow runs in this process, on the Prefect test harness (the `prefect_harness` fixture): a run's final state
-and its task runs, read back from the API."""
+and its task runs, read back from the API, its log and artifacts; and the check every runner's image run
+passes."""
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, FlowRunFilter, FlowRunFilterId
+from prefect.client.schemas.filters import (
+    ArtifactFilter,
+    ArtifactFilterFlowRunId,
+    FlowRunFilter,
+    FlowRunFilterId,
+    LogFilter,
+    LogFilterFlowRunId,
+)
 
 from sft_tokenize.flows.tokenize_dataset import TokenizeRun, tokenize_dataset
 
@@ -34,3 +43,21 @@ def artifacts_of(state) -> dict:
         artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(
             flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id])))
     return {artifact.type: artifact.data for artifact in artifacts}
+
+
+def flow_log(state) -> str:
+    """A flow run's log messages, one a line."""
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[state.state_details.flow_run_id])))
+    return "\n".join(log.message for log in logs)
+
+
+def assert_image_run_writes(want: dict[str, bytes], options: dict, cache_dir: Path, runner: str, **extra) -> None:
+    """The flow on `runner` tokenizes the image chats (the `image_chats` fixture) into one slice per shard, the
+    local run's bytes."""
+    run = TokenizeRun(**options, cache_dir=str(cache_dir), workers=2, runner=runner, **extra)
+    state, task_runs = run_flow(run.model_dump(mode="json"))
+    assert state.is_completed(), (runner, state.message)
+    assert len([name for name in task_runs if name.startswith("tokenize-")]) == len(want)
+    got = {p.name: p.read_bytes() for p in sorted(Path(state.result()).glob("data-*.arrow"))}
+    assert got == want, runner

@@ -1,8 +1,8 @@
-"""The flow on real clusters: a Dask scheduler and two worker processes started with the `dask` CLI on
-127.0.0.1, a temporary Dask cluster, and a Ray head started with `ray start`. Each writes the same bytes as
-the threads runner; a Dask worker that dies mid-shard is replaced and its slice rescheduled; workers that
-cannot reach the cache root fail the run before any slice is tokenized. Every process a test starts is
-stopped by process group, and the test checks that none is left."""
+"""The flow on real Dask clusters: a scheduler and two worker processes started with the `dask` CLI on
+127.0.0.1, and a temporary cluster. Each writes the same bytes as the threads runner; a worker that dies
+mid-shard is replaced and its slice rescheduled; workers that cannot reach the cache root fail the run before any
+slice is tokenized. Every process a test starts is stopped by process group, and the test checks that none is
+left. Ray's cluster is tests/workflow/test_ray.py's."""
 
 from __future__ import annotations
 
@@ -11,24 +11,19 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import pytest
-from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 from support.caches import EXAMPLE_SLICES, data_files
 from support.cli import free_port
-from support.clusters import RAY_AUTH, cluster_env, started, wait_for_port
+from support.clusters import cluster_env, started, wait_for_port
 from support.faults import FAULT_FILE_ENV
-from support.flows import run_flow
+from support.flows import assert_image_run_writes, flow_log, run_flow
 from support.paths import BIN, EXAMPLE_DATA, EXAMPLE_TOKENIZER
 
-from sft_tokenize.build.options import TokenizeOptions
-from sft_tokenize.build.protocol import run_locally
 from sft_tokenize.build.store import collect_garbage
 from sft_tokenize.build.workers import process_encoding
 from sft_tokenize.cli.arguments import build_parser, options_from
@@ -53,12 +48,6 @@ def dask_workers(address: str, count: int) -> dict[str, int]:
     with dask_client(address) as client:
         client.wait_for_workers(count, timeout=90)
         return client.run(os.getpid)
-
-
-def flow_log(state) -> str:
-    with get_client(sync_client=True) as client:
-        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[state.state_details.flow_run_id])))
-    return "\n".join(log.message for log in logs)
 
 
 def run_options(cache_dir: Path, **overrides) -> dict:
@@ -136,35 +125,6 @@ def test_a_dask_worker_that_dies_mid_shard_is_replaced_and_its_slice_rescheduled
     assert len(set(new_pids.values()) - set(pids.values())) == 1
 
 
-@pytest.fixture(scope="module")
-def image_chats(tmp_path_factory) -> tuple[dict, dict[str, bytes]]:
-    """Image chats, a processor and the options that tokenize them; and the data files a local run writes from
-    them: what every runner must match byte for byte."""
-    from support.images import write_image_chats
-    from support.vision import qwen_vl
-
-    base = tmp_path_factory.mktemp("images")
-    processor = base / "processor"
-    processor.mkdir()
-    qwen_vl(processor)
-    inputs = [str(p) for p in write_image_chats(base / "data")]
-    options = {"sources": inputs, "processor": str(processor), "shard_size": "2KB"}
-    local = run_locally(TokenizeOptions(**options, cache_dir=str(base / "local")))
-    want = {p.name: p.read_bytes() for p in sorted(local.glob("data-*.arrow"))}
-    assert len(want) >= 3 and json.loads((local / "manifest.json").read_text())["images"]["images"] > 20
-    return options, want
-
-
-def assert_image_run_writes(want: dict[str, bytes], options: dict, cache_dir: Path, runner: str, **extra) -> None:
-    """The flow on `runner` tokenizes the image chats into one slice per shard, the local run's bytes."""
-    run = TokenizeRun(**options, cache_dir=str(cache_dir), workers=2, runner=runner, **extra)
-    state, task_runs = run_flow(run.model_dump(mode="json"))
-    assert state.is_completed(), (runner, state.message)
-    assert len([name for name in task_runs if name.startswith("tokenize-")]) == len(want)
-    got = {p.name: p.read_bytes() for p in sorted(Path(state.result()).glob("data-*.arrow"))}
-    assert got == want, runner
-
-
 @pytest.mark.usefixtures("prefect_harness")
 def test_image_rows_on_dask_workers_and_worker_processes_write_the_local_runs_bytes(dask_cluster, image_chats,
                                                                                     tmp_path):
@@ -238,38 +198,6 @@ def test_a_temporary_dask_cluster_writes_the_same_bytes_and_leaves_no_process(th
     while left() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not left(), [p.cmdline() for p in left()]
-
-
-@pytest.mark.cluster  # a Ray head of its own: about 15 s to start on two cores
-@pytest.mark.usefixtures("prefect_harness")
-def test_ray_cluster_writes_the_same_bytes(threads_cache, image_chats, tmp_path, monkeypatch):
-    """Text rows, then image rows on the same head (one head's start-up, not two): each the bytes of a
-    local run."""
-    auth = RAY_AUTH  # the driver (this process) and the head share it, set before Ray's first import
-    for name, value in auth.items():
-        monkeypatch.setenv(name, value)
-    pytest.importorskip("prefect_ray", reason="the ray extra is not installed: pip install 'sft-tokenize[ray]'")
-    port, dashboard, client = free_port(), free_port(), free_port()
-    # Ray's sockets live under its temp dir, whose path must stay short: not under tmp_path.
-    temp_dir = tempfile.mkdtemp(prefix="ray-")
-    head = [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(port),
-            "--num-cpus", "2", "--include-dashboard", "false", "--dashboard-port", str(dashboard),
-            "--ray-client-server-port", str(client), "--disable-usage-stats", "--temp-dir", temp_dir]
-    # Ray drains for up to 30 s on SIGTERM; nothing is left to drain once the flow is done.
-    try:
-        with started(head, env=cluster_env(tmp_path / "prefect-home", **auth), logs=tmp_path / "logs", grace=3):
-            wait_for_port(port, "the Ray head")
-            state, task_runs = run_flow(run_options(tmp_path / "cache", runner="ray",
-                                                    ray_address=f"127.0.0.1:{port}"))
-            assert state.is_completed(), state.message
-            assert sorted(name for name in task_runs if name.startswith("tokenize-")) == SLICES
-            assert data_files(state.result()) == threads_cache
-            assert "checked 1 Ray node: they read the inputs and write to" in flow_log(state)
-            # Image rows: the processor rebuilt in the head's workers, the images read there.
-            options, want = image_chats
-            assert_image_run_writes(want, options, tmp_path / "images", "ray", ray_address=f"127.0.0.1:{port}")
-    finally:
-        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 # The CLI's new options, rejected before Prefect starts.

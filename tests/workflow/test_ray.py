@@ -1,7 +1,9 @@
-"""Ray as the Dask test runs it: a head and two workers started as separate `ray start` processes, each in its own
-working and temporary directory and user cache, with only a bucket (moto's S3 server) in common with the flow's
-process. A run with `--cache-dir s3://…` publishes the local run's rows, and a grown input reuses the stored
-shards: only the new slices' shards are uploaded."""
+"""The flow on a real Ray cluster, as the Dask tests run theirs: a head and two workers started as separate `ray
+start` processes, each in its own working and temporary directory and user cache, one cluster for the module (a
+Ray head takes about 15 s of CPU to start on two cores). A run into a local cache root writes a local run's bytes,
+text rows and image rows. With only a bucket (moto's S3 server) in common with the flow's process, a run with
+`--cache-dir s3://…` publishes the local run's rows, and a grown input reuses the stored shards: only the new
+slices' shards are uploaded."""
 
 from __future__ import annotations
 
@@ -19,10 +21,10 @@ from types import SimpleNamespace
 import datasets
 import pyarrow as pa
 import pytest
-from support.caches import EXAMPLE_SLICES
+from support.caches import EXAMPLE_SLICES, data_files
 from support.cli import free_port
 from support.clusters import RAY_AUTH, cluster_env, started, wait_for_port
-from support.flows import run_flow
+from support.flows import assert_image_run_writes, flow_log, run_flow
 from support.paths import BIN, EXAMPLE_DATA
 from support.s3 import bucket_in_environment
 
@@ -50,11 +52,11 @@ def s3_root() -> Iterator:
 
 
 @pytest.fixture(scope="module")
-def ray_bucket_cluster(tmp_path_factory, s3_root) -> Iterator[SimpleNamespace]:
+def ray_cluster(tmp_path_factory, s3_root) -> Iterator[SimpleNamespace]:
     """A Ray head (no CPU of its own: it runs no slice) and two one-CPU workers, `ray start` processes each in its
     own directory with its own TMPDIR, SFT_TOKENIZE_HOME and Ray temp dir; the bucket's credentials in their
     environment. Yields the address and the workers' directories."""
-    base = tmp_path_factory.mktemp("ray-bucket")
+    base = tmp_path_factory.mktemp("ray")
     auth = RAY_AUTH  # the driver (this process) and the cluster share it (support/clusters.py)
     port, client = free_port(), free_port()
     temps = [tempfile.mkdtemp(prefix="ray-") for _ in range(3)]  # Ray's socket paths must stay short
@@ -112,8 +114,23 @@ def assert_same_rows(server, url: str, local_cache: Path) -> dict:
 
 @pytest.mark.cluster  # three `ray start` processes
 @pytest.mark.usefixtures("prefect_harness")
+def test_a_ray_cluster_writes_a_local_runs_bytes_for_text_and_image_rows(ray_cluster, image_chats, tmp_path):
+    local = data_files(run_locally(TokenizeOptions(**EXAMPLE_SLICES, cache_dir=str(tmp_path / "local"))))
+    ray_run = {"runner": "ray", "ray_address": ray_cluster.address, "workers": 2}
+    state, task_runs = run_flow(TokenizeRun(**EXAMPLE_SLICES, cache_dir=str(tmp_path / "cache"), **ray_run))
+    assert state.is_completed(), state.message
+    assert sorted(name for name in task_runs if name.startswith("tokenize-")) == [f"tokenize-{i:05d}" for i in range(4)]
+    assert data_files(state.result()) == local and len(local) == 4
+    assert "checked 3 Ray nodes: they read the inputs and write to" in flow_log(state)  # the head and two workers
+    # Image rows: the processor rebuilt in the workers, the images read there.
+    options, want = image_chats
+    assert_image_run_writes(want, options, tmp_path / "images", "ray", ray_address=ray_cluster.address)
+
+
+@pytest.mark.cluster  # three `ray start` processes
+@pytest.mark.usefixtures("prefect_harness")
 def test_a_ray_cluster_sharing_only_the_bucket_publishes_the_local_runs_rows_and_reuses_them_when_grown(
-        ray_bucket_cluster, s3_root, tmp_path, monkeypatch):
+        ray_cluster, s3_root, tmp_path, monkeypatch):
     monkeypatch.setenv("SFT_TOKENIZE_HOME", str(tmp_path / "home"))
     monkeypatch.chdir(tmp_path)
     fs = s3_root.filesystem()
@@ -123,15 +140,15 @@ def test_a_ray_cluster_sharing_only_the_bucket_publishes_the_local_runs_rows_and
     shutil.copytree(EXAMPLE_DATA, data)
     options = {**EXAMPLE_SLICES, "sources": [str(data)], "tokenizer": f"s3://{BUCKET}/tokenizer"}
     local = {**options, "tokenizer": EXAMPLE_SLICES["tokenizer"]}
-    ray_run = {"runner": "ray", "ray_address": ray_bucket_cluster.address, "workers": 2}
+    ray_run = {"runner": "ray", "ray_address": ray_cluster.address, "workers": 2}
 
     state, _ = run_flow(TokenizeRun(**options, cache_dir=url, **ray_run))
     assert state.is_completed(), state.message
     assert_same_rows(s3_root, state.result(), run_locally(TokenizeOptions(**local, cache_dir=str(tmp_path / "a"))))
     assert sorted(working_dir(url).rglob("*.arrow")) == []  # the flow's machine wrote no shard
-    for place in ray_bucket_cluster.workers:  # each kept no shard; what it wrote, it wrote in its own home
+    for place in ray_cluster.workers:  # each kept no shard; what it wrote, it wrote in its own home
         assert list((place / "home").rglob("*.arrow")) == [] and not (place / "s3:").exists()
-    assert any((place / "home" / "builds").is_dir() for place in ray_bucket_cluster.workers)
+    assert any((place / "home" / "builds").is_dir() for place in ray_cluster.workers)
 
     # Grown: a new file. Only its slices' shards are uploaded; the stored ones are reused.
     (data / "chat-00002.jsonl").write_text((EXAMPLE_DATA / "chat-00001.jsonl").read_text().replace("the", "a"))
