@@ -105,14 +105,18 @@ SHARED_SERVER = "prefect-server.json"  # in the run's shared directory: the one 
 def shared_prefect_server(shared: Path, template: Path) -> Iterator[str]:
     """One Prefect server for the whole test run, whichever pytest-xdist worker asks first: its home is a copy of
     `template` in `shared` (the directory the workers' temporary directories are in); later callers find its
-    record there. It outlives the block: `stop_shared_server(shared)` ends it once the run ends."""
+    record there. It outlives the block: `stop_shared_server(shared)` ends it once the run ends. The services no
+    CLI run uses (the scheduler, late runs, triggers…) are off, as on the embedded server: idle, they took a
+    twentieth of a core for the whole run."""
+    from sft_tokenize.server.embedded_server import SERVER_CUTS
+
     record = shared / SHARED_SERVER
     with locked(shared / (SHARED_SERVER + ".lock")):
         found = json.loads(record.read_text()) if record.exists() else None
         if found is None or not running(found["pid"]):
             home = shared / f"prefect-server-{uuid.uuid4().hex[:8]}"
             shutil.copytree(template, home)
-            process, url = _started_server(home)
+            process, url = _started_server(home, **SERVER_CUTS)
             found = {"pid": process.pid, "url": url}
             record.write_text(json.dumps(found))
     yield found["url"]
