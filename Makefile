@@ -42,10 +42,12 @@ STREAMING ?= mosaicml-streaming==0.13.0
 # tests/export/test_megatron.py loads its packer (packing_utils.py) and its SFT dataset module (sft.py, which needs
 # only megatron-core, torch and datasets) to read the packed export with its own dataset and collator.
 MEGATRON_BRIDGE ?= megatron-bridge==0.3.1
-# The test install goes through uv, installed into the virtualenv by pip: it downloads and compiles in parallel
-# (torch and the extras in 27 s on a clean clone here, against 68 s with pip). --compile-bytecode, as pip does by
-# default: test processes import from site-packages by the hundred.
-UV := $(BIN)/uv pip install -q --python $(BIN)/python --compile-bytecode \
+# The test install goes through uv, installed into the virtualenv by pip: it downloads and installs in parallel
+# (68 s with pip on a clean clone here). It compiles no bytecode (uv's default, not pip's): compiling all of
+# site-packages, torch's thousands of files included, took 27 of the install's 30 s on a clean clone here, while the
+# suite's processes write the bytecode of what they import as they first import it (about 7 s of CPU for Prefect's
+# server, transformers, datasets, torch, Ray and trl; pytest runs with PYTHONDONTWRITEBYTECODE cleared, below).
+UV := $(BIN)/uv pip install -q --python $(BIN)/python \
 	$(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS))
 # The tests, benchmarks and their helpers are imported by every worker and by the scripts the tests start: pytest
 # runs (here and in test-fast) with their bytecode kept, its rewritten modules included, even where the environment
