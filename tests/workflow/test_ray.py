@@ -1,6 +1,6 @@
 """The flow on a real Ray cluster, as the Dask tests run theirs: a head and two workers started as separate `ray
 start` processes, each in its own working and temporary directory and user cache, one cluster for the module (a
-Ray head takes about 15 s of CPU to start on two cores). A run into a local cache root writes a local run's bytes,
+Ray head takes about 15 s to start on two cores). A run into a local cache root writes a local run's bytes,
 text rows and image rows. With only a bucket (moto's S3 server) in common with the flow's process, a run with
 `--cache-dir s3://…` publishes the local run's rows, and a grown input reuses the stored shards: only the new
 slices' shards are uploaded."""
