@@ -286,11 +286,11 @@ def _idling(state_path: Path) -> bool:
 def serve(port: int) -> None:
     """The server process: Prefect's app under uvicorn, and a thread that ends it once no run has held a lease for
     its idle time."""
+    pause_collector()  # until it serves, uvicorn's import included (a forked server is paused already)
     import threading
 
     import uvicorn
 
-    pause_collector()  # until it serves (a forked server is paused already)
     home = Path(get_current_settings().home)
     lock_path, state_path, lease_path = server_paths(home)
     blocks_pending = False
