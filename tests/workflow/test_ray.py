@@ -114,8 +114,9 @@ def assert_same_rows(server, url: str, local_cache: Path) -> dict:
 
 @pytest.mark.cluster  # three `ray start` processes
 @pytest.mark.usefixtures("prefect_harness")
-def test_a_ray_cluster_writes_a_local_runs_bytes_for_text_and_image_rows(ray_cluster, image_chats, tmp_path):
-    local = data_files(run_locally(TokenizeOptions(**EXAMPLE_SLICES, cache_dir=str(tmp_path / "local"))))
+def test_a_ray_cluster_writes_a_local_runs_bytes_for_text_and_image_rows(ray_cluster, example_cache, image_chats,
+                                                                          tmp_path):
+    local = data_files(example_cache)  # the local run of EXAMPLE_SLICES
     ray_run = {"runner": "ray", "ray_address": ray_cluster.address, "workers": 2}
     state, task_runs = run_flow(TokenizeRun(**EXAMPLE_SLICES, cache_dir=str(tmp_path / "cache"), **ray_run))
     assert state.is_completed(), state.message
