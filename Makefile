@@ -43,7 +43,7 @@ STREAMING ?= mosaicml-streaming==0.13.0
 # only megatron-core, torch and datasets) to read the packed export with its own dataset and collator.
 MEGATRON_BRIDGE ?= megatron-bridge==0.3.1
 # The test install goes through uv, installed into the virtualenv by pip: it downloads and installs in parallel
-# (68 s with pip on a clean clone here). It compiles no bytecode (uv's default, not pip's): compiling all of
+# (pip took 68 s on a clean clone here). It compiles no bytecode (uv's default, not pip's): compiling all of
 # site-packages, torch's thousands of files included, took 27 of the install's 30 s on a clean clone here, while the
 # suite's processes write the bytecode of what they import as they first import it (about 7 s of CPU for Prefect's
 # server, transformers, datasets, torch, Ray and trl; pytest runs with PYTHONDONTWRITEBYTECODE cleared, below).
