@@ -164,29 +164,30 @@ PROBE = ("import json, sys\nfrom sft_tokenize.cli.main import main\ncode = main(
          "'transformers.models.auto.tokenization_auto') if sys.modules.get(m))), file=sys.stderr)\nsys.exit(code)\n")
 
 
-def probed_run(tmp_path: Path, home: Path, *extra: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+def probed_run(tmp_path: Path, home: Path, api_url: str, *extra: str) -> tuple[subprocess.CompletedProcess, list[str]]:
     result = subprocess.run([sys.executable, "-c", PROBE, "run", str(EXAMPLE_DATA), "--tokenizer",
                              str(EXAMPLE_TOKENIZER), "--cache-dir", str(tmp_path / "cache"), "--workers", "2", *extra],
                             capture_output=True, text=True, timeout=300,
-                            env=environment(home, SFT_TOKENIZE_HOME=str(tmp_path / "sft-home")))
+                            env=environment(home, api_url, SFT_TOKENIZE_HOME=str(tmp_path / "sft-home")))
     assert result.returncode == 0, result.stderr
     return result, json.loads(result.stderr.strip().splitlines()[-1])
 
 
-def test_a_run_loads_no_torch_a_later_one_no_transformers_and_a_cache_hit_no_prefect(tmp_path, prefect_home):
-    first, loaded = probed_run(tmp_path, prefect_home)
+def test_a_run_loads_no_torch_a_later_one_no_transformers_and_a_cache_hit_no_prefect(tmp_path, prefect_home, api_url):
+    # What the run's own process imports: the server is the run's shared one, as a team's (no embedded boot).
+    first, loaded = probed_run(tmp_path, prefect_home, api_url)
     assert "torch" not in loaded and "transformers.models.auto.tokenization_auto" in loaded, loaded
     prepared = list((tmp_path / "sft-home" / "tokenizers").iterdir())
     assert len(prepared) == 1 and (prepared[0] / "prepared.json").is_file()
     cache = Path(first.stdout.splitlines()[-1])
     ids = load_from_disk(str(cache))["input_ids"]
 
-    rebuilt, loaded = probed_run(tmp_path, prefect_home, "--force")  # tokenized again, from the prepared entry
+    rebuilt, loaded = probed_run(tmp_path, prefect_home, api_url, "--force")  # tokenized again, from the prepared entry
     assert rebuilt.stdout == first.stdout and "tokenizing" in rebuilt.stderr
     assert loaded == ["prefect"], loaded  # no transformers: chat/hf_jinja.py
     assert load_from_disk(str(cache))["input_ids"] == ids
 
-    hit, loaded = probed_run(tmp_path, prefect_home)
+    hit, loaded = probed_run(tmp_path, prefect_home, api_url)
     assert hit.stdout == first.stdout and loaded == [], loaded
 
 

@@ -352,7 +352,7 @@ def alpaca_csv() -> bytes:
     return text.getvalue().encode()
 
 
-def test_compressed_inputs_give_the_uncompressed_files_rows(tmp_path, prefect_home, start):
+def test_compressed_inputs_give_the_uncompressed_files_rows(tmp_path, prefect_home, start, api_url):
     from backports import zstd
 
     plain = EXAMPLE_DATA / "chat-00001.jsonl"
@@ -370,9 +370,10 @@ def test_compressed_inputs_give_the_uncompressed_files_rows(tmp_path, prefect_ho
     truncated = d / "t.jsonl.gz"
     truncated.write_bytes(gzip.compress(data)[:-3000])
 
-    chats = start(run_args(chat, tmp_path / "chats", "-q"), prefect_home, "chats")
-    csvs = start(run_args([d / "a.csv", d / "a.csv.gz"], tmp_path / "csvs", "-q"), prefect_home, "csvs")
-    broken = start(run_args([truncated], tmp_path / "broken", "-q"), prefect_home, "broken")
+    # On the run's shared server: what is tested is the reading, not the server.
+    chats = start(run_args(chat, tmp_path / "chats", "-q"), prefect_home, "chats", api_url)
+    csvs = start(run_args([d / "a.csv", d / "a.csv.gz"], tmp_path / "csvs", "-q"), prefect_home, "csvs", api_url)
+    broken = start(run_args([truncated], tmp_path / "broken", "-q"), prefect_home, "broken", api_url)
     assert chats.wait() == 0, chats.stderr
     assert csvs.wait() == 0, csvs.stderr
     assert broken.wait() == 2
@@ -408,14 +409,15 @@ def anonymous_bytes(processes: list[psutil.Process]) -> int:
     return total
 
 
-def test_a_50_mb_row_is_refused_or_counted_without_exhausting_memory(tmp_path, prefect_home, start):
+def test_a_50_mb_row_is_refused_or_counted_without_exhausting_memory(tmp_path, prefect_home, start, api_url):
     rows = example_rows()[:100]
     huge = {"messages": [{"role": "user", "content": "Repeat after me."},
                          {"role": "assistant", "content": "word " * 10_000_000}]}  # 50 MB
     source = write_jsonl(tmp_path / "huge.jsonl", rows[:50] + [huge] + rows[50:])
+    # On the run's shared server, so that the tree measured is the run's own processes.
     skipping = start(run_args([source], tmp_path / "skip", "--on-bad-row", "skip", "--max-length", "512"), prefect_home,
-                     "skip")
-    raising = start(run_args([source], tmp_path / "raise"), prefect_home, "raise")
+                     "skip", api_url)
+    raising = start(run_args([source], tmp_path / "raise"), prefect_home, "raise", api_url)
     peak = 0
     while skipping.process.poll() is None:
         peak = max(peak, anonymous_bytes(skipping.tree()))

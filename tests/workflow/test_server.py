@@ -66,13 +66,16 @@ TIMEOUT = 180  # seconds for one flow run on a busy 2-core machine; a healthy on
 
 @pytest.fixture(scope="module", params=["postgresql"])
 def server(request, tmp_path_factory) -> Iterator[str]:
-    """A Prefect server on a free loopback port, with its own database: SQLite in its home, or a database of
-    its own on the session's PostgreSQL; yields its API URL."""
+    """A Prefect server on a free loopback port; yields its API URL. PostgreSQL: the module's own server, on a
+    database of its own in the session's cluster. SQLite: the run's shared server (`api_url`), a `prefect server
+    start` on SQLite too; its one test here only registers deployments, which it deletes again."""
+    if request.param == "sqlite":
+        yield request.getfixturevalue("api_url")
+        return
     # The scheduler looks for schedules to fill every second, not every minute.
     env = {"PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "1"}
-    if request.param == "postgresql":
-        env["PREFECT_API_DATABASE_CONNECTION_URL"] = request.getfixturevalue("postgres_cluster").database(
-            f"prefect_{uuid.uuid4().hex}")
+    env["PREFECT_API_DATABASE_CONNECTION_URL"] = request.getfixturevalue("postgres_cluster").database(
+        f"prefect_{uuid.uuid4().hex}")
     with prefect_server(tmp_path_factory.mktemp("server-home"), **env) as url:
         yield url
 
