@@ -370,7 +370,7 @@ def test_compressed_inputs_give_the_uncompressed_files_rows(tmp_path, prefect_ho
     truncated = d / "t.jsonl.gz"
     truncated.write_bytes(gzip.compress(data)[:-3000])
 
-    # On the run's shared server: what is tested is the reading, not the server.
+    # On the run's shared server: the reading is the subject, not the server.
     chats = start(run_args(chat, tmp_path / "chats", "-q"), prefect_home, "chats", api_url)
     csvs = start(run_args([d / "a.csv", d / "a.csv.gz"], tmp_path / "csvs", "-q"), prefect_home, "csvs", api_url)
     broken = start(run_args([truncated], tmp_path / "broken", "-q"), prefect_home, "broken", api_url)
@@ -414,7 +414,7 @@ def test_a_50_mb_row_is_refused_or_counted_without_exhausting_memory(tmp_path, p
     huge = {"messages": [{"role": "user", "content": "Repeat after me."},
                          {"role": "assistant", "content": "word " * 10_000_000}]}  # 50 MB
     source = write_jsonl(tmp_path / "huge.jsonl", rows[:50] + [huge] + rows[50:])
-    # On the run's shared server, so that the tree measured is the run's own processes.
+    # On the run's shared server: the row is the subject, not the server (whose memory the tree then leaves out).
     skipping = start(run_args([source], tmp_path / "skip", "--on-bad-row", "skip", "--max-length", "512"), prefect_home,
                      "skip", api_url)
     raising = start(run_args([source], tmp_path / "raise"), prefect_home, "raise", api_url)
