@@ -20,6 +20,7 @@ from support.paths import EXAMPLE_DATA, EXAMPLE_TOKENIZER
 
 # The bundled example as most runs of the suite cut it: two files, four slices (one spans both files).
 EXAMPLE_SLICES = {"sources": [str(EXAMPLE_DATA)], "tokenizer": str(EXAMPLE_TOKENIZER), "shard_size": "100KB"}
+EXAMPLE_SLICE_TASKS = [f"tokenize-{i:05d}" for i in range(4)]  # a flow run's task runs of them, one a slice
 
 
 def published_caches(cache_root: Path) -> list[str]:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from support.caches import EXAMPLE_SLICES, data_files
+from support.caches import EXAMPLE_SLICE_TASKS, EXAMPLE_SLICES, data_files
 from support.cli import free_port
 from support.clusters import cluster_env, started, wait_for_port
 from support.faults import FAULT_FILE_ENV
@@ -34,7 +34,6 @@ from sft_tokenize.format.layout import DIGEST_BOOK
 
 # Two input files cut into four slices, one of them spanning both files.
 SOURCES = EXAMPLE_SLICES
-SLICES = [f"tokenize-{i:05d}" for i in range(4)]
 
 
 def dask_client(address: str):
@@ -90,7 +89,7 @@ def test_dask_cluster_writes_the_same_bytes_and_loads_the_tokenizer_once_per_wor
         before = client.run(process_encoding.cache_info)
     state, task_runs = run_flow(run_options(tmp_path, runner="dask", dask_address=address))
     assert state.is_completed(), state.message
-    assert sorted(name for name in task_runs if name.startswith("tokenize-")) == SLICES
+    assert sorted(name for name in task_runs if name.startswith("tokenize-")) == EXAMPLE_SLICE_TASKS
     assert data_files(state.result()) == threads_cache
     assert "checked 2 Dask workers: they read the inputs and write to" in flow_log(state)
     with dask_client(address) as client:

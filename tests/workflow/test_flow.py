@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
-from support.caches import EXAMPLE_SLICES, data_files, staged_slices
+from support.caches import EXAMPLE_SLICE_TASKS, EXAMPLE_SLICES, data_files, staged_slices
 from support.faults import FAULT_FILE_ENV
 from support.flows import run_flow
 
@@ -61,7 +61,7 @@ def test_flow_builds_the_same_cache_as_the_plain_pipeline(threads_run, reference
     cache_path = state.result()
     assert Path(cache_path).parent == options.cache_root and Path(cache_path).name == reference.name
     assert_same_cache(cache_path, reference)
-    assert sorted(tokenize_runs(task_runs)) == [f"tokenize-{i:05d}" for i in range(4)]
+    assert sorted(tokenize_runs(task_runs)) == EXAMPLE_SLICE_TASKS
     assert {"plan-slices", "publish-cache"} <= set(task_runs)
     # Results are persisted as JSON next to the cache, not in ~/.prefect.
     records = [json.loads(p.read_text()) for p in sorted((options.cache_root / ".prefect-results").iterdir())]
@@ -156,7 +156,7 @@ def test_threads_and_processes_write_the_same_bytes(threads_run, tmp_path):
     # Parameters as a deployment run passes them, JSON: the runner comes from the parameters alone.
     state, task_runs = run_flow(run_options(tmp_path, runner="processes").model_dump(mode="json"))
     assert state.is_completed()
-    assert sorted(tokenize_runs(task_runs)) == [f"tokenize-{i:05d}" for i in range(4)]
+    assert sorted(tokenize_runs(task_runs)) == EXAMPLE_SLICE_TASKS
     assert data_files(state.result()) == data_files(threads_state.result())
     assert "RAYON_NUM_THREADS" not in os.environ  # set in the worker processes only
 

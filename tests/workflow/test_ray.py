@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import datasets
 import pyarrow as pa
 import pytest
-from support.caches import EXAMPLE_SLICES, data_files
+from support.caches import EXAMPLE_SLICE_TASKS, EXAMPLE_SLICES, data_files
 from support.cli import free_port
 from support.clusters import RAY_AUTH, cluster_env, started, wait_for_port
 from support.flows import assert_image_run_writes, flow_log, run_flow
@@ -120,7 +120,7 @@ def test_a_ray_cluster_writes_a_local_runs_bytes_for_text_and_image_rows(ray_clu
     ray_run = {"runner": "ray", "ray_address": ray_cluster.address, "workers": 2}
     state, task_runs = run_flow(TokenizeRun(**EXAMPLE_SLICES, cache_dir=str(tmp_path / "cache"), **ray_run))
     assert state.is_completed(), state.message
-    assert sorted(name for name in task_runs if name.startswith("tokenize-")) == [f"tokenize-{i:05d}" for i in range(4)]
+    assert sorted(name for name in task_runs if name.startswith("tokenize-")) == EXAMPLE_SLICE_TASKS
     assert data_files(state.result()) == local and len(local) == 4
     assert "checked 3 Ray nodes: they read the inputs and write to" in flow_log(state)  # the head and two workers
     # Image rows: the processor rebuilt in the workers, the images read there.
