@@ -45,8 +45,9 @@ MEGATRON_BRIDGE ?= megatron-bridge==0.3.1
 # The test install goes through uv, installed into the virtualenv by pip: it downloads and installs in parallel
 # (pip took 68 s on a clean clone here). It compiles no bytecode (uv's default, not pip's): compiling all of
 # site-packages, torch's thousands of files included, took 27 of the install's 30 s on a clean clone here, while the
-# suite's processes write the bytecode of what they import as they first import it (about 7 s of CPU for Prefect's
-# server, transformers, datasets, torch, Ray and trl; pytest runs with PYTHONDONTWRITEBYTECODE cleared, below).
+# suite's processes write the bytecode of what they import as they first import it (about 7 s of CPU in one process
+# for Prefect's server, transformers, datasets, torch, Ray and trl; the three workers, collecting at once, each
+# compile part of what collection imports; pytest runs with PYTHONDONTWRITEBYTECODE cleared, below).
 UV := $(BIN)/uv pip install -q --python $(BIN)/python \
 	$(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS))
 # The tests, benchmarks and their helpers are imported by every worker and by the scripts the tests start: pytest
