@@ -15,6 +15,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -55,7 +56,11 @@ def s3_root() -> Iterator:
 def ray_cluster(tmp_path_factory, s3_root) -> Iterator[SimpleNamespace]:
     """A Ray head (no CPU of its own: it runs no slice) and two one-CPU workers, `ray start` processes each in its
     own directory with its own TMPDIR, SFT_TOKENIZE_HOME and Ray temp dir; the bucket's credentials in their
-    environment. Yields the address and the workers' directories."""
+    environment. Yields the address and the workers' directories.
+
+    This process stays connected to the cluster as its driver until the module ends: the flows' RayTaskRunner
+    finds Ray initialized and runs in that one job. Ray starts its worker processes per job, each importing the
+    task's code (3-6 s of CPU), so they start once for the module, not again for each of its four flow runs."""
     base = tmp_path_factory.mktemp("ray")
     auth = RAY_AUTH  # the driver (this process) and the cluster share it (support/clusters.py)
     port, client = free_port(), free_port()
@@ -73,25 +78,33 @@ def ray_cluster(tmp_path_factory, s3_root) -> Iterator[SimpleNamespace]:
         try:
             with started(head, *workers, env=env, logs=base / "logs", grace=3, places=places):
                 wait_for_port(port, "the Ray head")
-                wait_for_nodes(f"127.0.0.1:{port}", 3)
-                yield SimpleNamespace(address=f"127.0.0.1:{port}", workers=places[1:])
+                with driver(f"127.0.0.1:{port}"):
+                    wait_for_nodes(3)
+                    yield SimpleNamespace(address=f"127.0.0.1:{port}", workers=places[1:])
         finally:
             for temp in temps:
                 shutil.rmtree(temp, ignore_errors=True)
 
 
-def wait_for_nodes(address: str, count: int, timeout: float = 120) -> None:
+@contextmanager
+def driver(address: str) -> Iterator[None]:
     import ray
 
     ray.init(address=address, logging_level=logging.WARNING)
     try:
-        deadline = time.monotonic() + timeout
-        while sum(node["Alive"] for node in ray.nodes()) < count:
-            if time.monotonic() > deadline:
-                pytest.fail(f"{count} Ray nodes did not join within {timeout} s: {ray.nodes()}")
-            time.sleep(0.5)
+        yield
     finally:
         ray.shutdown()
+
+
+def wait_for_nodes(count: int, timeout: float = 120) -> None:
+    import ray
+
+    deadline = time.monotonic() + timeout
+    while sum(node["Alive"] for node in ray.nodes()) < count:
+        if time.monotonic() > deadline:
+            pytest.fail(f"{count} Ray nodes did not join within {timeout} s: {ray.nodes()}")
+        time.sleep(0.5)
 
 
 def published_rows(server, url: str) -> tuple[dict, pa.Table]:
