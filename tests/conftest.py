@@ -81,7 +81,7 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Each test gets the markers of the fixtures it uses, before `-m` selects (the marker plugin's hook runs
-    after this one). Under pytest-xdist (`make test`: -n 2 --dist loadgroup) each module also gets its worker
+    after this one). Under pytest-xdist (`make test`: -n 3 --dist loadgroup) each module also gets its worker
     group (lanes.worker_groups), and the long groups are handed out first."""
     for item in items:
         for marker in sorted(lanes.markers_for(item.fixturenames)):
@@ -280,25 +280,36 @@ def family_tokenizer(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def prefect_harness(tmp_path_factory):
-    """One Prefect test server (SQLite in a temp dir) for the tests that run flows, with its own PREFECT_HOME.
+def prefect_harness(request, tmp_path_factory):
+    """The Prefect API of the flows that tests run in this process: the run's shared server (`api_url`), with a
+    PREFECT_HOME of this worker's own (the flows' settings and result storage).
 
-    Requested by those tests only: the rest of the suite never starts a server, and the fast lane refuses it."""
+    Requested by those tests only: the rest of the suite never starts a server, and the fast lane refuses it.
+    Prefect's `prefect_test_harness` would start a second server for the same flows, on a database it migrates
+    first: about 15 s of CPU, and a server idling beside the shared one until the run ends."""
     lanes.require("server", "the Prefect test harness")
-    from prefect.settings import PREFECT_HOME, temporary_settings
-    from prefect.testing.utilities import prefect_test_harness
+    from prefect.context import refresh_global_settings_context
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
 
-    from sft_tokenize.server.embedded_server import SERVER_CUTS
-
+    url = request.getfixturevalue("api_url")  # after the lane's check: it starts the shared server
     home = tmp_path_factory.mktemp("prefect-home")
     with pytest.MonkeyPatch.context() as env:
         env.setenv("PREFECT_HOME", str(home))
-        for name, value in SERVER_CUTS.items():  # the services an embedded server cuts: no test here needs them
-            env.setenv(name, value)
+        env.setenv("PREFECT_API_URL", url)
         env.setenv("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-        # Its 30 s default to start is too short on a busy 2-core machine (as the CLI's runs get 90 s: support.cli).
-        with temporary_settings(updates={PREFECT_HOME: home}), prefect_test_harness(server_startup_timeout=120):
+        # Every context reads these settings, a thread's that copied its context before this fixture included:
+        # one that fell back to Prefect's default would start an embedded server of its own.
+        refresh_global_settings_context()
+        try:
             yield home
+        finally:
+            # The flows' logs and events still queued go now, while the server is sure to be up (it stops when
+            # the run ends, before this process's exit would flush them).
+            APILogWorker.drain_all()
+            EventsWorker.drain_all()
+            env.undo()
+            refresh_global_settings_context()
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,6 @@
-"""Flow runs in this process, on the Prefect test harness (the `prefect_harness` fixture): a run's final state
-and its task runs, read back from the API, its log and artifacts; and the check every runner's image run
-passes."""
+"""Flow runs in this process, on the test harness (the `prefect_harness` fixture: the run's shared server): a run's
+final state and its task runs, read back from the API, its log and artifacts; and the check every runner's image
+run passes."""
 
 from __future__ import annotations
 

@@ -41,11 +41,11 @@ LANES = {
 # The data plane's lane (`make test-fast`, `pytest --fast`): nothing above.
 FAST_LANE = " and ".join(f"not {marker}" for marker in LANES)
 
-# The fixtures that start one server for the worker's session (the test harness, PostgreSQL): under pytest-xdist
-# every module that uses one runs on the same worker, so the run still starts each of them once. The CLI runs'
-# server (`api_url`) is one for the whole run whichever worker asks (support/servers.shared_prefect_server), so
-# its modules spread over the workers.
-SHARED_SERVERS = frozenset({"prefect_harness", "postgres_cluster"})
+# The fixtures that start one server for the worker's session (PostgreSQL): under pytest-xdist every module that
+# uses one runs on the same worker, so the run still starts it once. The CLI runs' server (`api_url`), which is
+# also the API of the flows tests run in their own process (`prefect_harness`), is one for the whole run whichever
+# worker asks (support/servers.shared_prefect_server), so their modules spread over the workers.
+SHARED_SERVERS = frozenset({"postgres_cluster"})
 
 # The test being run (set by tests/conftest.py around each test's setup, call and teardown).
 current: pytest.Item | None = None

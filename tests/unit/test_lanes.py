@@ -66,25 +66,24 @@ def test_outside_the_fast_lane_a_cli_run_needs_a_fixture_that_says_so(tmp_path):
 
 
 def test_modules_that_share_a_server_share_a_worker_and_go_first():
-    """Under pytest-xdist: the harness's modules are one group, any other module is a group of its own (one that
-    uses api_url too: that server is one for the whole run, whichever worker asks), and the shared group is
-    handed out first."""
+    """Under pytest-xdist: the modules on the session's PostgreSQL are one group, any other module is a group of its
+    own (one that uses api_url or the harness too: that server is one for the whole run, whichever worker asks),
+    and the shared group is handed out first."""
     from types import SimpleNamespace
 
     def item(module: str, *fixtures: str):
         return SimpleNamespace(nodeid=f"{module}::t", fixturenames=["tmp_path", *fixtures],
                                get_closest_marker=lambda name: None)
 
-    items = [item("a.py", "prefect_harness"), item("b.py", "api_url"), item("c.py", "cli_home"),
-             item("d.py"), item("e.py", "api_url", "prefect_harness"), item("a.py")]
+    items = [item("a.py", "postgres_cluster"), item("b.py", "api_url"), item("c.py", "cli_home"),
+             item("d.py"), item("e.py", "api_url", "postgres_cluster"), item("a.py"), item("h.py", "prefect_harness"),
+             item("i.py", "prefect_harness")]
     groups = lanes.worker_groups(items)
-    assert groups["a.py"] == groups["e.py"] == "prefect_harness" and groups["b.py"] == "b.py"
+    assert groups["a.py"] == groups["e.py"] == "postgres_cluster" and groups["b.py"] == "b.py"
     assert groups["c.py"] == "c.py" and groups["d.py"] == "d.py"
-    assert lanes.distribution_order(items, groups) == {groups["a.py"]: 0, "b.py": 1, "c.py": 1, "d.py": 2}
+    assert (groups["h.py"], groups["i.py"]) == ("h.py", "i.py")
+    assert lanes.distribution_order(items, groups) == {groups["a.py"]: 0, "b.py": 1, "c.py": 1, "d.py": 2,
+                                                       "h.py": 1, "i.py": 1}
     # a module's rank is its most demanding test's: sorting by it never splits the module
     mixed = [item("f.py"), item("f.py", "cli_home"), item("g.py")]
     assert lanes.distribution_order(mixed, lanes.worker_groups(mixed)) == {"f.py": 1, "g.py": 2}
-    # PostgreSQL's modules are one group too, apart from the harness's
-    both = [item("h.py", "postgres_cluster"), item("i.py", "postgres_cluster"), item("j.py", "prefect_harness")]
-    apart = lanes.worker_groups(both)
-    assert apart["h.py"] == apart["i.py"] == "postgres_cluster" != apart["j.py"]
