@@ -30,7 +30,9 @@ from pathlib import Path
 
 import psutil
 
-SAMPLE_SECONDS = 0.05
+# Seconds between two samples. The smoke test of the scripts (tests/workflow/test_benchmarks.py), which measures
+# nothing, samples every half second: reading every process's PSS 20 times a second was most of a script's own CPU.
+SAMPLE_SECONDS = float(os.environ.get("SFT_TOKENIZE_BENCH_SAMPLE_SECONDS") or 0.05)
 TRACE_VARIABLE = "SFT_TOKENIZE_TRACE"  # the CLI appends {"event": NAME, "t": SECONDS} lines to this file
 
 
