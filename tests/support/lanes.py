@@ -32,7 +32,7 @@ FIXTURE_MARKERS: dict[str, tuple[str, ...]] = {
     "trainers_extra": ("trainers",),  # CPU torch, trl (every test under tests/trainers/ uses it)
 }
 LANES = {
-    "server": "starts the Prefect test harness or a Prefect server",
+    "server": "starts a Prefect server or runs flows on one (the test harness)",
     "cluster": "starts a Dask or Ray cluster",
     "cli": "runs `sft-tokenize` (or another command of the project) in a subprocess",
     "slow": "takes more than a few seconds of CPU without any of the above",
