@@ -296,11 +296,14 @@ def prefect_harness(request, tmp_path_factory):
     home = tmp_path_factory.mktemp("prefect-home")
     with pytest.MonkeyPatch.context() as env:
         env.setenv("PREFECT_HOME", str(home))
-        env.setenv("PREFECT_API_URL", url)
         env.setenv("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
         # Every context reads these settings, a thread's that copied its context before this fixture included:
-        # one that fell back to Prefect's default would start an embedded server of its own.
-        refresh_global_settings_context()
+        # one that fell back to Prefect's default would start an embedded server of its own. The API URL goes into
+        # Prefect's settings only, not into the environment the rest of this worker's tests start processes with
+        # (a benchmark's or a CLI run's own server would otherwise be this one).
+        with pytest.MonkeyPatch.context() as api:
+            api.setenv("PREFECT_API_URL", url)
+            refresh_global_settings_context()
         try:
             yield home
         finally:
