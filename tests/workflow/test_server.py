@@ -73,9 +73,9 @@ def server(request, tmp_path_factory) -> Iterator[str]:
         yield request.getfixturevalue("api_url")
         return
     # The scheduler looks for schedules to fill every second, not every minute.
-    env = {"PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "1"}
-    env["PREFECT_API_DATABASE_CONNECTION_URL"] = request.getfixturevalue("postgres_cluster").database(
-        f"prefect_{uuid.uuid4().hex}")
+    env = {"PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "1",
+           "PREFECT_API_DATABASE_CONNECTION_URL": request.getfixturevalue("postgres_cluster").database(
+               f"prefect_{uuid.uuid4().hex}")}
     with prefect_server(tmp_path_factory.mktemp("server-home"), **env) as url:
         yield url
 
