@@ -34,7 +34,7 @@ from sft_tokenize.errors import BadInput, BadRow, OutOfSpace
 from sft_tokenize.files import atomic_path, atomic_write
 from sft_tokenize.sources.conversations import to_example
 from sft_tokenize.sources.images import image_base
-from sft_tokenize.sources.readers import Rows, change_while_read, read_slice
+from sft_tokenize.sources.readers import Rows, change_while_read, joined, read_slice
 from sft_tokenize.sources.records import Slice, filesystem
 
 logger = logging.getLogger("sft_tokenize")
@@ -114,36 +114,42 @@ def _stream_rows_as(job: Job, slice_: Slice, stream) -> ShardStats:
         while len(in_flight) > depth:
             write_oldest()
 
+    def submit_with_images(rows: list, locate, part) -> None:
+        """A read batch's examples with their images loaded, a writer batch's worth of image bytes at a time."""
+        examples, positions, stored, loaded = [], [], [], 0
+        base = job.image_root or image_base(part.url)
+        for i, row in enumerate(rows):
+            try:
+                if isinstance(row, BadRow):
+                    raise row
+                example = to_example(row, job.columns, job.system_prompt, images=True, image_base=base,
+                                     image_access=job.image_access)
+                example, images = image_rows.load(example)
+                stored.append(images)
+                loaded += held_bytes(images)
+                examples.append(example)
+                positions.append(i)
+            except BadRow as bad:
+                if job.on_bad_row == "raise":
+                    while in_flight:  # the batches before it first: the error names the first bad row
+                        write_oldest()
+                reject(bad, locate, i)
+            if loaded >= job.writer_batch_bytes:
+                submit(examples, positions, locate, stored)
+                examples, positions, stored, loaded = [], [], [], 0
+        submit(examples, positions, locate, stored)
+
+    batches = read_slice(slice_, job.columns.names, job.storage_options, job.max_row_bytes,
+                         raw=image_rows is None, timeout=job.request_timeout)
     try:
-        for rows, locate, part in read_slice(slice_, job.columns.names, job.storage_options, job.max_row_bytes,
-                                             raw=image_rows is None, timeout=job.request_timeout):
-            raise_if_stopping()
-            if image_rows is None:  # rows become conversations where they are encoded: no per-row work here
+        if image_rows is None:  # rows become conversations where they are encoded: no per-row work here
+            for rows, locate in joined(batches):
+                raise_if_stopping()
                 submit(Rows(rows, job.columns, job.system_prompt), list(range(len(rows))), locate, [])
-                continue
-            examples, positions, stored, loaded = [], [], [], 0
-            base = job.image_root or image_base(part.url)
-            for i, row in enumerate(rows):
-                try:
-                    if isinstance(row, BadRow):
-                        raise row
-                    example = to_example(row, job.columns, job.system_prompt, images=image_rows is not None,
-                                         image_base=base, image_access=job.image_access)
-                    if image_rows is not None:
-                        example, images = image_rows.load(example)
-                        stored.append(images)
-                        loaded += held_bytes(images)
-                    examples.append(example)
-                    positions.append(i)
-                except BadRow as bad:
-                    if job.on_bad_row == "raise":
-                        while in_flight:  # the batches before it first: the error names the first bad row
-                            write_oldest()
-                    reject(bad, locate, i)
-                if loaded >= job.writer_batch_bytes:  # images (and pixels) held: a writer batch's worth at a time
-                    submit(examples, positions, locate, stored)
-                    examples, positions, stored, loaded = [], [], [], 0
-            submit(examples, positions, locate, stored)
+        else:
+            for rows, locate, part in batches:
+                raise_if_stopping()
+                submit_with_images(rows, locate, part)
         while in_flight:
             write_oldest()
     finally:

@@ -24,7 +24,7 @@ from sft_tokenize.errors import BadInput, BadRow
 from sft_tokenize.format.manifest import read_manifest
 from sft_tokenize.read.cache import open_cache
 from sft_tokenize.read.layouts import column_values
-from sft_tokenize.sources.readers import Rows, read_slice
+from sft_tokenize.sources.readers import Rows, joined, read_slice
 from sft_tokenize.sources.records import Part, Slice
 
 SHOWN = 5  # differing rows named, at most
@@ -105,8 +105,8 @@ def _check_slice(job, encoder, manifest: dict, cache, k: int, first: int, stop: 
     slice_ = Slice(k, tuple(Part(url, kind, start, end) for url, kind, start, end in described), 0)
     columns = manifest["columns"]
     row = first
-    for rows, locate, _ in read_slice(slice_, job.columns.names, job.storage_options, job.max_row_bytes, raw=True,
-                                      timeout=job.request_timeout):
+    for rows, locate in joined(read_slice(slice_, job.columns.names, job.storage_options, job.max_row_bytes,
+                                          raw=True, timeout=job.request_timeout)):
         batch = encoder.encode_batch(Rows(rows, job.columns, job.system_prompt))
         for outcome, origin in zip(batch.outcomes, batch.origins, strict=True):
             if row >= stop:

@@ -14,7 +14,8 @@ A compressed file is decompressed as it is read (compressed.py): it is one piece
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from bisect import bisect_right
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +23,7 @@ from sft_tokenize.errors import BadInput, BadRow, Failed
 from sft_tokenize.files import REQUEST_TIMEOUT, network_failure
 from sft_tokenize.remote_requests import unanswered
 from sft_tokenize.sources.conversations import ColumnMap, Conversation, to_example
-from sft_tokenize.sources.formats.format_reader import FormatReader
+from sft_tokenize.sources.formats.format_reader import READ_BATCH_BYTES, READ_BATCH_ROWS, FormatReader
 from sft_tokenize.sources.formats.jsonl_reader import JsonLinesReader, parse_line
 from sft_tokenize.sources.formats.table import FORMATS
 from sft_tokenize.sources.records import Part, Slice, SourceFile, filesystem
@@ -97,6 +98,46 @@ def read_slice(slice_: Slice, columns: list[str], storage_options: dict | None =
                 raise Failed(f"{unanswered(error, fs, part.url, timeout)}; check that the endpoint is up and reachable "
                              "from here, then run the same command again") from error
             raise
+
+
+class _JoinedLocator:
+    """Where row i of batches joined end to end is: the locator of the batch that holds it, at its own index."""
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.locators: list[Callable[[int], str]] = []
+
+    def __call__(self, i: int) -> str:
+        k = bisect_right(self.starts, i) - 1
+        return self.locators[k](i - self.starts[k])
+
+
+def _weight(rows: list[Any]) -> int:
+    """A batch's input bytes as the JSONL reader bounds them: a raw line its length, a row too large the whole
+    bound (it goes alone); a parsed row nothing (the other readers bound their batches by rows only)."""
+    return sum(len(row) if type(row) is bytes else READ_BATCH_BYTES if isinstance(row, BadRow) else 0
+               for row in rows)
+
+
+def joined(batches: Iterable[tuple[list[Any], Callable[[int], str], Part]]
+           ) -> Iterator[tuple[list[Any], Callable[[int], str]]]:
+    """read_slice's batches with consecutive small ones joined, within the readers' bounds (READ_BATCH_ROWS rows,
+    READ_BATCH_BYTES of lines): a slice of many small files is encoded in full batches, not a batch a file
+    (20,000 one-row files: 20,000 encoder calls before). Rows keep their order and each its location."""
+    rows: list[Any] = []
+    locate = _JoinedLocator()
+    weight = 0
+    for batch, batch_locate, _ in batches:
+        batch_weight = _weight(batch)
+        if rows and (len(rows) + len(batch) > READ_BATCH_ROWS or weight + batch_weight > READ_BATCH_BYTES):
+            yield rows, locate
+            rows, locate, weight = [], _JoinedLocator(), 0
+        locate.starts.append(len(rows))
+        locate.locators.append(batch_locate)
+        rows.extend(batch)
+        weight += batch_weight
+    if rows:
+        yield rows, locate
 
 
 @dataclass(frozen=True)

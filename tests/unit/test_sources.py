@@ -16,10 +16,10 @@ from support.paths import EXAMPLE_DATA
 from sft_tokenize.errors import BadInput, BadRow
 from sft_tokenize.flows.report import describe_slice
 from sft_tokenize.sources.conversations import resolve_columns, to_example
-from sft_tokenize.sources.formats.format_reader import FormatReader
+from sft_tokenize.sources.formats.format_reader import READ_BATCH_BYTES, READ_BATCH_ROWS, FormatReader
 from sft_tokenize.sources.formats.jsonl_reader import JsonLinesReader
 from sft_tokenize.sources.formats.table import FORMATS, Format
-from sft_tokenize.sources.readers import read_slice
+from sft_tokenize.sources.readers import joined, read_slice
 from sft_tokenize.sources.resolve import resolve
 from sft_tokenize.sources.slicing import cut_slices
 
@@ -70,6 +70,33 @@ def test_a_jsonl_slice_reads_only_its_byte_range(tmp_path, rows):
     assert got and all(isinstance(r, dict) for r in got)
     first = [r for batch, _, _ in read_slice(slices[0], ["messages"]) for r in batch]
     assert any(isinstance(r, BadRow) for r in first)
+
+
+def test_small_files_batches_are_joined_within_the_bounds_and_each_row_keeps_its_file_and_line(tmp_path, rows):
+    # A file of a batch and a half, 300 files of 1-3 lines (the 200th's second line broken), and three files
+    # whose lines are a third of the byte bound each.
+    lines = [json.dumps(r) for r in rows]
+    for i in range(300):
+        write_jsonl(tmp_path / f"small-{i:03d}.jsonl", lines[i % 200:i % 200 + 1 + i % 3])
+    (tmp_path / "small-199.jsonl").write_text(lines[0] + "\n{broken\n")
+    write_jsonl(tmp_path / "middle.jsonl", (lines * 2)[:READ_BATCH_ROWS * 3 // 2])
+    big = json.dumps({"messages": [{"role": "user", "content": "x" * (READ_BATCH_BYTES // 3)}]})
+    for i in range(3):
+        write_jsonl(tmp_path / f"tall-{i}.jsonl", [big])
+    (slice_,) = cut_slices(resolve([str(tmp_path)]), 1 << 30)
+    read = list(read_slice(slice_, ["messages"], raw=True))
+    batches = list(joined(read_slice(slice_, ["messages"], raw=True)))
+    assert [row for batch, _ in batches for row in batch] == [row for batch, _, _ in read for row in batch]
+    assert len(batches) < len(read) / 50
+    for batch, _ in batches:
+        assert len(batch) <= READ_BATCH_ROWS
+        assert sum(len(row) for row in batch if isinstance(row, bytes)) <= READ_BATCH_BYTES
+    tall = [sum(len(row) > READ_BATCH_BYTES // 4 for row in batch) for batch, _ in batches[-2:]]
+    assert tall == [2, 1] and len(batches[-1][0]) == 1  # the third tall line would pass the byte bound
+    where = [locate(i) for batch, locate in batches for i in range(len(batch))]
+    assert where == [locate(i) for batch, locate, _ in read for i in range(len(batch))]
+    bad = [locate(i) for batch, locate in batches for i, row in enumerate(batch) if row.startswith(b"{broken")]
+    assert bad == [f"{tmp_path}/small-199.jsonl:2"]
 
 
 def test_every_format_reads_the_same_rows(tmp_path, rows):
