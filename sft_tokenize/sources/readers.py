@@ -113,10 +113,10 @@ class _JoinedLocator:
 
 
 def _weight(rows: list[Any]) -> int:
-    """A batch's input bytes as the JSONL reader bounds them: a raw line its length, a row too large the whole
-    bound (it goes alone); a parsed row nothing (the other readers bound their batches by rows only)."""
-    return sum(len(row) if type(row) is bytes else READ_BATCH_BYTES if isinstance(row, BadRow) else 0
-               for row in rows)
+    """A batch's input bytes as the JSONL reader counts them: a raw line its length, a line over --max-row-bytes
+    the whole bound (nothing is joined after it); a parsed row nothing (the other readers bound by rows only)."""
+    return sum(len(row) if type(row) is bytes else
+               READ_BATCH_BYTES if isinstance(row, BadRow) and row.reason == "row_too_large" else 0 for row in rows)
 
 
 def joined(batches: Iterable[tuple[list[Any], Callable[[int], str], Part]]
