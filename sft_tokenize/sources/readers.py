@@ -123,7 +123,8 @@ def joined(batches: Iterable[tuple[list[Any], Callable[[int], str], Part]]
            ) -> Iterator[tuple[list[Any], Callable[[int], str]]]:
     """read_slice's batches with consecutive small ones joined, within the readers' bounds (READ_BATCH_ROWS rows,
     READ_BATCH_BYTES of lines): a slice of many small files is encoded in full batches, not a batch a file
-    (20,000 one-row files: 20,000 encoder calls before). Rows keep their order and each its location."""
+    (20,000 one-row files: 20,000 encoder calls before). A batch at a bound goes at once, as the reader gave it:
+    only a part's last, short batch waits for the next part's. Rows keep their order and each its location."""
     rows: list[Any] = []
     locate = _JoinedLocator()
     weight = 0
@@ -136,6 +137,9 @@ def joined(batches: Iterable[tuple[list[Any], Callable[[int], str], Part]]
         locate.locators.append(batch_locate)
         rows.extend(batch)
         weight += batch_weight
+        if len(rows) >= READ_BATCH_ROWS or weight >= READ_BATCH_BYTES:
+            yield rows, locate
+            rows, locate, weight = [], _JoinedLocator(), 0
     if rows:
         yield rows, locate
 

@@ -97,6 +97,16 @@ def test_small_files_batches_are_joined_within_the_bounds_and_each_row_keeps_its
     assert where == [locate(i) for batch, locate, _ in read for i in range(len(batch))]
     bad = [locate(i) for batch, locate in batches for i, row in enumerate(batch) if row.startswith(b"{broken")]
     assert bad == [f"{tmp_path}/small-199.jsonl:2"]
+    # A batch at a bound goes at once: the first (middle.jsonl's first 256 lines) before the next one is read.
+    pulled = []
+
+    def counted():
+        for batch in read_slice(slice_, ["messages"], raw=True):
+            pulled.append(batch)
+            yield batch
+
+    first = next(joined(counted()))
+    assert len(first[0]) == READ_BATCH_ROWS and len(pulled) == 1
 
 
 def test_every_format_reads_the_same_rows(tmp_path, rows):
